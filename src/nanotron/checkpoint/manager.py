@@ -1,0 +1,227 @@
+"""Save and resume complete training state, atomically.
+
+Layout of ``<checkpoints_path>``::
+
+    latest.txt                      name of the newest complete checkpoint (written last, atomically)
+    <step>/checkpoint.json          step, consumed samples per data stage, layout, vocab, files and their sizes
+    <step>/config.yaml              the run's config
+    <step>/model/*.safetensors      boxes of logical weights (see logical_tensors.py)
+    <step>/optimizer/*.safetensors  boxes of Adam moments and fp32 master weights, same naming
+    <step>/rng/rank-XXXXX.pt        every rank's random generators
+
+A save goes to ``.tmp-<step>`` first; only when every rank has finished does rank 0 rename it and update
+``latest.txt``. A crash at any moment therefore leaves the previous checkpoint intact and ``latest.txt`` pointing
+at it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader, write_boxes
+from nanotron.config import Config, save_config
+from nanotron.optim.optimizer import MixedPrecisionAdamW
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.placement import get_placement, logical_parameters
+from nanotron.random import get_rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest.txt"
+METADATA = "checkpoint.json"
+
+
+@dataclass
+class TrainingProgress:
+    """Where training stands; everything needed to continue the data stream and the LR schedule."""
+
+    step: int = 0
+    consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
+
+    @property
+    def total_consumed_samples(self) -> int:
+        return sum(self.consumed_samples.values())
+
+
+def _shard_name(parallel_context: ParallelContext) -> str:
+    c = parallel_context.coords
+    return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}.safetensors"
+
+
+def _unique_boxes(params: dict[str, nn.Parameter], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor]):
+    """Boxes this rank must write: it holds the only copy among the replicas (dp rank 0, replicated axes at 0)."""
+    coords, sizes = parallel_context.coordinates, parallel_context.sizes
+    boxes = []
+    if coords["dp"] != 0:
+        return boxes
+    for name, tensor in tensors.items():
+        placement = get_placement(params[name.split("/", 1)[-1]])
+        if not placement.is_unique_copy(coords):
+            continue
+        for local, logical in placement.boxes(coords, sizes):
+            boxes.append((name, placement.logical_shape, logical, tensor[local]))
+    return boxes
+
+
+def save_checkpoint(
+    config: Config,
+    model: nn.Module,
+    optimizer: MixedPrecisionAdamW,
+    progress: TrainingProgress,
+    parallel_context: ParallelContext,
+    extra_metadata: dict,
+) -> Path:
+    root = Path(config.checkpoints.checkpoints_path)
+    final = root / str(progress.step)
+    tmp = root / f".tmp-{progress.step}"
+    is_main = parallel_context.rank == 0
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for sub in ("model", "optimizer", "rng"):
+            (tmp / sub).mkdir(parents=True)
+    dist.barrier()
+
+    params = logical_parameters(model)
+    model_boxes = _unique_boxes(params, parallel_context, dict(params))
+    optim_tensors = {
+        f"{kind}/{name}": tensor for name, states in optimizer.state_tensors().items() for kind, tensor in states.items()
+    }
+    optim_boxes = _unique_boxes(params, parallel_context, optim_tensors)
+    written = []
+    for sub, boxes in (("model", model_boxes), ("optimizer", optim_boxes)):
+        if boxes:
+            write_boxes(tmp / sub / _shard_name(parallel_context), boxes)
+            written.append(f"{sub}/{_shard_name(parallel_context)}")
+    rng_file = f"rng/rank-{parallel_context.rank:05d}.pt"
+    torch.save({"coords": parallel_context.coordinates, "state": get_rng_state(parallel_context.device)}, tmp / rng_file)
+    written.append(rng_file)
+
+    all_written: list[list[str]] = [None] * parallel_context.world_size  # type: ignore[list-item]
+    dist.all_gather_object(all_written, written)
+    dist.barrier()
+    if is_main:
+        files = sorted(f for rank_files in all_written for f in rank_files)
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "step": progress.step,
+            "consumed_samples": progress.consumed_samples,
+            "consumed_tokens": progress.total_consumed_samples * config.tokens.sequence_length,
+            "optimizer_step": optimizer.step_count,
+            "layout": {**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
+            "files": {f: (tmp / f).stat().st_size for f in files},
+            **extra_metadata,
+        }
+        save_config(config, tmp / "config.yaml")
+        (tmp / METADATA).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, final.name)
+        _prune(root, config.checkpoints.keep_last_n)
+        logger.info(f"saved checkpoint {final}")
+    dist.barrier()
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def _prune(root: Path, keep_last_n: int | None) -> None:
+    if keep_last_n is None:
+        return
+    complete = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / METADATA).exists()))
+    for step in complete[:-keep_last_n]:
+        shutil.rmtree(root / str(step))
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint folder that ``path`` designates: a run folder (via ``latest.txt``) or a checkpoint itself.
+
+    Asking to resume from a path without a checkpoint is an error: a typo must never start a run from scratch.
+    """
+    path = Path(path)
+    if (path / LATEST).exists():
+        name = (path / LATEST).read_text().strip()
+        target = path / name
+        if not (target / METADATA).exists():
+            raise CheckpointError(f"{path / LATEST} points at {target}, which is not a complete checkpoint")
+        return target
+    if (path / METADATA).exists():
+        return path
+    raise CheckpointError(
+        f"no checkpoint at {path} (expected {LATEST} or {METADATA}); fix checkpoints.resume_checkpoint_path "
+        "or set it to null to start from scratch"
+    )
+
+
+def read_metadata(checkpoint: Path) -> dict:
+    metadata = json.loads((checkpoint / METADATA).read_text())
+    if metadata.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {metadata['format_version']})")
+    for name, size in metadata["files"].items():
+        file = checkpoint / name
+        if not file.exists():
+            raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint file {file} has {file.stat().st_size} bytes, expected {size}: corrupt")
+    return metadata
+
+
+@torch.no_grad()
+def load_weights(checkpoint: Path, model: nn.Module, parallel_context: ParallelContext) -> None:
+    """Fill this rank's parameters from the logical tensors of ``checkpoint`` (reading only the needed slices)."""
+    reader = LogicalTensorReader(checkpoint / "model")
+    coords, sizes = parallel_context.coordinates, parallel_context.sizes
+    for name, param in logical_parameters(model).items():
+        placement = get_placement(param)
+        if name not in reader.names():
+            raise CheckpointError(f"parameter {name!r} is not in {checkpoint}: it was saved from another model")
+        if reader.logical_shape(name) != placement.logical_shape:
+            raise CheckpointError(
+                f"parameter {name!r} has shape {reader.logical_shape(name)} in {checkpoint} but "
+                f"{placement.logical_shape} in this model: the model config does not match the checkpoint"
+            )
+        for local, logical in placement.boxes(coords, sizes):
+            reader.read_into(name, logical, param[local])
+
+
+def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, parallel_context: ParallelContext, step: int) -> None:
+    reader = LogicalTensorReader(checkpoint / "optimizer")
+    coords, sizes = parallel_context.coordinates, parallel_context.sizes
+    restored: dict[str, dict[str, torch.Tensor]] = {}
+    for name, states in optimizer.state_tensors().items():
+        placement = get_placement(optimizer.params[name])
+        kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if optimizer.separate_masters else [])
+        restored[name] = {}
+        for kind in kinds:
+            key = f"{kind}/{name}"
+            if key not in reader.names():
+                raise CheckpointError(f"optimizer state {key!r} is missing from {checkpoint}")
+            out = torch.empty(placement.local_shape(sizes), dtype=torch.float32, device=optimizer.params[name].device)
+            for local, logical in placement.boxes(coords, sizes):
+                reader.read_into(key, logical, out[local])
+            restored[name][kind] = out
+    optimizer.load_state_tensors(restored, step)
+
+
+def load_rng(checkpoint: Path, parallel_context: ParallelContext) -> bool:
+    """Restore this rank's generators if the checkpoint has a rank with the same coordinates; else report False."""
+    path = checkpoint / "rng" / f"rank-{parallel_context.rank:05d}.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=False)
+        if saved["coords"] == parallel_context.coordinates:
+            set_rng_state(saved["state"], parallel_context.device)
+            return True
+    return False

@@ -1,0 +1,81 @@
+"""Throughput and utilisation figures, defined once so every report uses the same formulas.
+
+FLOPs per token for a dense decoder: ``6 * parameters + 6 * layers * hidden * sequence``. The first term is the
+matmuls of the forward (2 FLOPs per weight) and backward (4) passes, the second the attention scores and their
+weighted sum (causal masking not discounted, as in the PaLM/Megatron convention). MFU divides the achieved FLOP/s by
+the device's dense peak for the training dtype; on a device missing from the table no MFU is reported rather than a
+wrong one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Dense (no sparsity) peak FLOP/s by device-name fragment, for 16-bit and fp32 (TF32 tensor cores) training.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp32": 494e12},
+    "H100 PCIe": {"bf16": 756e12, "fp32": 378e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 418e12},
+    "H100": {"bf16": 989e12, "fp32": 494e12},
+    "A100": {"bf16": 312e12, "fp32": 156e12},
+    "L40S": {"bf16": 362e12, "fp32": 183e12},
+    "A10G": {"bf16": 70e12, "fp32": 35e12},
+}
+
+
+def flops_per_token(num_parameters: int, num_layers: int, hidden_size: int, sequence_length: int) -> float:
+    return 6.0 * num_parameters + 6.0 * num_layers * hidden_size * sequence_length
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = "fp32" if dtype == torch.float32 else "bf16"
+    for fragment, peaks in PEAK_FLOPS.items():
+        if fragment in name:
+            return peaks[kind]
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kilobytes on Linux
+    except ImportError:
+        return 0.0
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step.
+
+    A resumed run continues the same file; records of steps after the resumed checkpoint (logged before a crash)
+    are dropped first, so every step appears once and steps only increase.
+    """
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

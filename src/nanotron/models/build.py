@@ -1,0 +1,52 @@
+"""Build a model for this rank: construct on the meta device, place, materialise, initialise."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanotron.config import Config, LlamaConfig
+from nanotron.models.init import init_parameters
+from nanotron.models.llama import LlamaForCausalLM
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.placement import annotate_replicated
+
+MODEL_CLASSES: dict[type, type[nn.Module]] = {LlamaConfig: LlamaForCausalLM}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up so it splits evenly over TP ranks (and kernels like the multiple)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Replace meta parameters by empty ones on ``device``; a parameter shared by two modules stays shared."""
+    created: dict[int, nn.Parameter] = {}
+    for submodule in module.modules():
+        for key, param in submodule._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in created:
+                created[id(param)] = nn.Parameter(
+                    torch.empty(param.shape, device=device, dtype=dtype), requires_grad=param.requires_grad
+                )
+            submodule._parameters[key] = created[id(param)]
+
+
+def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
+    """The model of this rank, with placements on every parameter and random initial weights.
+
+    Weights loaded from a checkpoint overwrite these afterwards; initialising anyway keeps one code path.
+    """
+    model_config = config.model.model_config
+    vocab = padded_vocab_size(
+        model_config.vocab_size, config.model.make_vocab_size_divisible_by, parallel_context.size("tp")
+    )
+    with torch.device("meta"):
+        model = MODEL_CLASSES[type(model_config)](model_config, vocab)
+    materialize(model, parallel_context.device, config.model.torch_dtype())
+    annotate_replicated(model)
+    std = getattr(config.model.init_method, "std", model_config.initializer_range)
+    init_parameters(model, config.general.seed, std, parallel_context.coordinates, parallel_context.sizes)
+    return model

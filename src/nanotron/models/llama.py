@@ -1,0 +1,136 @@
+"""Llama as a pure PyTorch model: no collectives, no knowledge of the process grid.
+
+Parallelism is applied from outside (``nanotron.parallel``): tensor parallelism swaps the linear layers for
+sharded ones, and pipeline parallelism deletes the parts a stage does not own (``embed_tokens``, ``norm``,
+``lm_head`` become ``None`` and layers are removed from ``layers``, which is keyed by the global layer index so that
+parameter names never depend on the layout). To stay layout-agnostic, attention derives its number of local heads
+from the width of its (possibly sharded) fused projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotron.config import LlamaConfig
+from nanotron.nn.rmsnorm import RMSNorm
+from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Causal self-attention with grouped-query heads and a fused q|k|v projection."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q_per_kv = config.num_attention_heads // config.num_key_value_heads
+        qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_width, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        batch, seq, width = qkv.shape
+        kv_heads = width // ((self.q_per_kv + 2) * self.head_dim)
+        q_heads = kv_heads * self.q_per_kv
+        q, k, v = qkv.split([q_heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
+        q = q.view(batch, seq, q_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
+
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=qkv.device)
+        cos, sin = self.rotary(position_ids, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_per_kv > 1:
+            k = k.repeat_interleave(self.q_per_kv, dim=1)
+            v = v.repeat_interleave(self.q_per_kv, dim=1)
+
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate|up projection."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = hidden_states + self.attn(self.input_layernorm(hidden_states), position_ids)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token embedding, decoder layers, final norm and LM head; returns logits over the padded vocabulary."""
+
+    def __init__(self, config: LlamaConfig, padded_vocab_size: int):
+        super().__init__()
+        self.config = config
+        self.padded_vocab_size = padded_vocab_size
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(padded_vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, padded_vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head. Call again after ``to_empty``, which breaks sharing."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that."""
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers.values():
+            hidden_states = layer(hidden_states, position_ids)
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        if self.lm_head is not None:
+            hidden_states = self.lm_head(hidden_states)
+        return hidden_states
+
+    def init_rule(self, name: str, std: float) -> tuple[str, float]:
+        """How the logical parameter ``name`` is initialised: ("normal", std) or ("ones", 0).
+
+        Residual output projections are scaled by 1/sqrt(2 * num_layers) (GPT-2 style) so that the residual stream's
+        variance does not grow with depth.
+        """
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            return "ones", 0.0
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return "normal", std / (2 * self.config.num_hidden_layers) ** 0.5
+        return "normal", std
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole logical model (tied matrices counted once)."""
+        c = self.config
+        attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        attn += c.num_attention_heads * c.head_dim * c.hidden_size
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        layer = attn + mlp + 2 * c.hidden_size
+        embeddings = self.padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        return c.num_hidden_layers * layer + embeddings + c.hidden_size

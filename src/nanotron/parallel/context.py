@@ -1,0 +1,144 @@
+"""The process grid: which rank holds which slice of the model and of the data.
+
+World ranks are laid out as a 4-D grid ``arange(world).reshape(pp, dp, ep, tp)``. Tensor parallelism is the
+innermost axis, so a TP group is made of consecutive ranks (the fastest links on a node); expert parallelism comes
+next (its all-to-alls stay inside a node for small degrees), then data parallelism, and pipeline stages are the
+outermost axis (their point-to-point traffic is the lightest).
+
+Data is sharded over the ``dp`` and ``ep`` axes alike: every (dp, ep) pair of coordinates sees different samples.
+Expert weights are sharded over ``ep``; every other weight is replicated over it, so dense gradients are reduced
+over the ``dp_ep`` group.
+
+All groups are created eagerly, in the same order on every rank, so that no collective ever creates a communicator
+lazily (a classic source of pipeline deadlocks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+AXES = ("pp", "dp", "ep", "tp")
+
+
+class ParallelLayoutError(ValueError):
+    """The launcher's world size does not match the configured parallel degrees."""
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    pp: int
+    dp: int
+    ep: int
+    tp: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str) -> None:
+    """Join the process group described by torchrun's variables, or form a world of one under plain ``python``."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend=backend)
+
+
+def default_device() -> torch.device:
+    """CUDA when present (one GPU per local rank), else the CPU; ``NANOTRON_DEVICE`` overrides."""
+    name = os.environ.get("NANOTRON_DEVICE")
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+class ParallelContext:
+    """Owns the process groups of every parallel axis and this rank's coordinates on them."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, device: torch.device | None = None):
+        self.device = device if device is not None else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        init_distributed(self.backend)
+
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+        expected = pp * dp * ep * tp
+        if self.world_size != expected:
+            raise ParallelLayoutError(
+                f"the launcher started {self.world_size} processes but parallelism.dp*pp*tp*expert_parallel_size = "
+                f"{dp}*{pp}*{tp}*{ep} = {expected}; change those keys or launch with "
+                f"`torchrun --nproc_per_node={expected}`"
+            )
+
+        self.grid = torch.arange(self.world_size).reshape(pp, dp, ep, tp)
+        where = (self.grid == self.rank).nonzero()[0].tolist()
+        self.coords = Coordinates(*where)
+
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self.group_ranks: dict[str, list[int]] = {}
+        for name, axes in (
+            ("tp", ("tp",)),
+            ("ep", ("ep",)),
+            ("dp", ("dp",)),
+            ("pp", ("pp",)),
+            ("dp_ep", ("dp", "ep")),  # data-parallel replicas of dense weights
+            ("model", ("pp", "ep", "tp")),  # one full model replica: grad-norm and checkpoint scope
+        ):
+            self._create_groups(name, axes)
+
+    def _create_groups(self, name: str, axes: tuple[str, ...]) -> None:
+        """Create one group per slice of the grid spanning ``axes``; keep the one that holds this rank."""
+        keep = [AXES.index(a) for a in axes]
+        other = [i for i in range(4) if i not in keep]
+        slices = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.grid.shape[i] for i in keep))
+        for ranks in slices.tolist():
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                self.groups[name] = group
+                self.group_ranks[name] = ranks
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis] if axis in self.sizes else len(self.group_ranks[axis])
+
+    def coord(self, axis: str) -> int:
+        return getattr(self.coords, axis)
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        return {axis: getattr(self.coords, axis) for axis in AXES}
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.sizes["pp"] - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that prints the step line: it holds the loss (last stage) and is first on every other axis."""
+        return self.is_last_stage and self.coords.dp == 0 and self.coords.ep == 0 and self.coords.tp == 0
+
+    def describe(self) -> str:
+        c = self.coords
+        return f"DP={c.dp}|PP={c.pp}|TP={c.tp}" + (f"|EP={c.ep}" if self.sizes["ep"] > 1 else "")
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

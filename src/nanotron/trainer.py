@@ -1,0 +1,325 @@
+"""The training loop: build everything from a validated config, then step, log and checkpoint.
+
+One optimizer step:
+1. count the target tokens of the whole global batch (all micro-batches, all data-parallel ranks);
+2. forward and backward every micro-batch with loss = token-loss sum / that global count;
+3. sum gradients over data-parallel ranks, take the global grad-norm, clip;
+4. stop loudly on a non-finite loss or norm, else update the fp32 masters with the LR of this step.
+Because of (1) and (2), every split of the global batch into ranks and micro-batches gives the same gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from nanotron.checkpoint.manager import (
+    TrainingProgress,
+    load_optimizer,
+    load_rng,
+    load_weights,
+    read_metadata,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from nanotron.config import Config, ConfigError, ExistingCheckpointInit, expand_run_name, validate_config
+from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.data.loader import MicroBatchLoader
+from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from nanotron.logging import setup_logging
+from nanotron.metrics import MetricsWriter, flops_per_token, format_duration, peak_flops, peak_memory_gb
+from nanotron.models.build import build_model
+from nanotron.nn.loss import masked_loss_sum
+from nanotron.optim.clip import clip_gradients, global_grad_norm
+from nanotron.optim.lr_schedule import learning_rate_at
+from nanotron.optim.optimizer import MixedPrecisionAdamW
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.data_parallel import all_reduce_coalesced
+from nanotron.parallel.placement import logical_parameters
+from nanotron.random import seed_everything
+
+logger = logging.getLogger("nanotron.trainer")
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+def check_supported_layout(config: Config) -> None:
+    """Reject parallel settings whose mechanisms this version does not provide, naming the keys."""
+    p = config.parallelism
+    unsupported = [f"parallelism.{key}={value}" for key, value in
+                   (("tp", p.tp), ("pp", p.pp), ("expert_parallel_size", p.expert_parallel_size)) if value != 1]
+    if config.optimizer.zero_stage != 0:
+        unsupported.append(f"optimizer.zero_stage={config.optimizer.zero_stage}")
+    if unsupported:
+        raise ConfigError(f"{', '.join(unsupported)} not supported in this version; set them to 1 (zero_stage 0)")
+
+
+class Trainer:
+    def __init__(self, config: Config):
+        check_supported_layout(config)
+        self.config = expand_run_name(config)
+        p = config.parallelism
+        self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size)
+        validate_config(config, world_size=self.pc.world_size)
+        setup_logging(self.pc, config.logging.log_level, config.logging.log_level_replica)
+        seed_everything(config.general.seed + self.pc.rank)
+
+        self.tokenizer_fingerprint = self._check_tokenizer_and_data()
+        self.model = build_model(config, self.pc)
+        self.params = logical_parameters(self.model)
+        self.optimizer = MixedPrecisionAdamW(self.params, config.optimizer)
+        self.progress = TrainingProgress()
+        self._load_initial_state()
+
+        model_config = config.model.model_config
+        self.num_parameters = self.model.num_parameters()
+        self.flops_per_token = flops_per_token(
+            self.num_parameters, model_config.num_hidden_layers, model_config.hidden_size, config.tokens.sequence_length
+        )
+        self.peak_flops = peak_flops(self.pc.device, config.model.torch_dtype())
+        self.metrics = (
+            MetricsWriter(config.resolved_metrics_path(), resume_step=self.progress.step)
+            if self.pc.is_logging_rank else None
+        )
+        self._log_summary()
+
+    # --- set-up ----------------------------------------------------------------------------------------------
+
+    def _check_tokenizer_and_data(self) -> str | None:
+        """Fail before allocating the model if a data stage cannot feed it."""
+        config = self.config
+        vocab = config.model.model_config.vocab_size
+        expected = None
+        if config.tokenizer.tokenizer_name_or_path:
+            tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path, config.tokenizer.tokenizer_revision)
+            expected = tokenizer_fingerprint(tokenizer)
+            if tokenizer.get_vocab_size() > vocab:
+                raise ConfigError(
+                    f"model.model_config.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
+                    f"({tokenizer.get_vocab_size()}, {config.tokenizer.tokenizer_name_or_path}); raise vocab_size"
+                )
+        self.datasets: dict[str, PretrainDataset] = {}
+        for stage in config.data_stages:
+            dataset = self._dataset(stage)
+            if dataset.vocab_size > vocab:
+                raise DataError(
+                    f"data stage {stage.name!r} was tokenized with a vocabulary of {dataset.vocab_size} but "
+                    f"model.model_config.vocab_size is {vocab}; raise vocab_size or re-run nanotron preprocess"
+                )
+            for folder, fingerprint in zip(stage.data.dataset.dataset_folder, dataset.tokenizer_fingerprints):
+                if expected is not None and fingerprint != expected:
+                    raise DataError(
+                        f"{folder} was tokenized with another tokenizer than tokenizer.tokenizer_name_or_path "
+                        f"({config.tokenizer.tokenizer_name_or_path}); re-run nanotron preprocess with it"
+                    )
+        return expected
+
+    def _dataset(self, stage) -> PretrainDataset:
+        if stage.name not in self.datasets:
+            dataset_args = stage.data.dataset
+            self.datasets[stage.name] = PretrainDataset(
+                dataset_args.dataset_folder, dataset_args.dataset_weights, self.config.tokens.sequence_length,
+                stage.data.seed,
+            )
+        return self.datasets[stage.name]
+
+    def _load_initial_state(self) -> None:
+        checkpoints = self.config.checkpoints
+        if checkpoints.resume_checkpoint_path is not None:
+            checkpoint = resolve_checkpoint(checkpoints.resume_checkpoint_path)
+            metadata = read_metadata(checkpoint)
+            if metadata["step"] >= self.config.tokens.train_steps:
+                raise ConfigError(
+                    f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
+                    f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
+                )
+            load_weights(checkpoint, self.model, self.pc)
+            if metadata["optimizer_step"] > 0:
+                load_optimizer(checkpoint, self.optimizer, self.pc, metadata["optimizer_step"])
+            self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]))
+            if not load_rng(checkpoint, self.pc):
+                logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
+            logger.info(f"resumed from {checkpoint} at step {self.progress.step}")
+        elif isinstance(self.config.model.init_method, ExistingCheckpointInit):
+            checkpoint = resolve_checkpoint(self.config.model.init_method.path)
+            read_metadata(checkpoint)
+            load_weights(checkpoint, self.model, self.pc)
+            logger.info(f"initial weights loaded from {checkpoint} (optimizer, schedule and data start fresh)")
+
+    def _log_summary(self) -> None:
+        c = self.config
+        t = c.tokens
+        logger.info(
+            f"model: {self.num_parameters / 1e6:.2f}M parameters, dtype {c.model.dtype}, "
+            f"padded vocab {self.model.padded_vocab_size}, device {self.pc.device}"
+        )
+        logger.info(
+            f"global batch: {c.global_batch_size} sequences x {t.sequence_length} tokens = "
+            f"{c.global_batch_tokens} tokens per step (micro_batch_size {t.micro_batch_size} x "
+            f"batch_accumulation_per_replica {t.batch_accumulation_per_replica} x dp {c.parallelism.dp} x "
+            f"expert_parallel_size {c.parallelism.expert_parallel_size})"
+        )
+
+    # --- training --------------------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
+        device = self.pc.device
+        data_group = self.pc.groups["dp_ep"]
+        batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        token_count = torch.stack([mb["label_mask"].sum() for mb in batches]).sum().float()
+        dist.all_reduce(token_count, group=data_group)
+        token_count = token_count.clamp(min=1.0)
+
+        loss_sum = torch.zeros((), device=device)
+        for mb in batches:
+            logits = self.model(input_ids=mb["input_ids"])
+            loss = masked_loss_sum(logits, mb["labels"], mb["label_mask"]) / token_count
+            loss.backward()
+            loss_sum += loss.detach()
+
+        if self.pc.size("dp_ep") > 1:
+            all_reduce_coalesced(self.optimizer.gradients_to_reduce(), data_group)
+            dist.all_reduce(loss_sum, group=data_group)
+        grads = self.optimizer.main_gradients()
+        grad_norm = global_grad_norm(grads, self.params, self.pc)
+        if self.config.optimizer.clip_grad is not None:
+            clip_gradients(grads, grad_norm, self.config.optimizer.clip_grad)
+
+        loss_value, norm_value = loss_sum.item(), grad_norm.item()
+        if not (torch.isfinite(torch.tensor([loss_value, norm_value])).all()):
+            raise TrainingDivergedError(
+                f"loss {loss_value} / grad-norm {norm_value} at step {self.progress.step + 1}: training diverged; "
+                "resume from the last checkpoint with a lower optimizer.learning_rate_scheduler.learning_rate"
+            )
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        return StepResult(loss_value, norm_value, lr)
+
+    def train(self) -> None:
+        config = self.config
+        if self.progress.step == 0 and config.checkpoints.save_initial_state:
+            self.save()
+        train_steps = config.tokens.train_steps
+        show_bar = self.pc.is_logging_rank and sys.stderr.isatty()
+        bar = tqdm(total=train_steps, initial=self.progress.step, disable=not show_bar, unit="step", dynamic_ncols=True)
+        redirect = logging_redirect_tqdm([logging.getLogger("nanotron")]) if show_bar else contextlib.nullcontext()
+        loader, loader_stage = None, None
+        start_step, start_time = self.progress.step, time.perf_counter()
+        window_start, window_steps = start_time, 0
+        with redirect, self._profiler() as profiler:
+            for step in range(self.progress.step + 1, train_steps + 1):
+                stage = config.data_stage_at(step)
+                if stage.name != loader_stage:
+                    loader, loader_stage = self._loader(stage), stage.name
+                    logger.info(f"data stage {stage.name!r} from step {step}")
+                result = self.train_step(loader.next_step(), learning_rate_at(step, config.optimizer.learning_rate_scheduler, train_steps))
+                self.progress.step = step
+                self.progress.consumed_samples[stage.name] = (
+                    self.progress.consumed_samples.get(stage.name, 0) + config.global_batch_size
+                )
+                window_steps += 1
+                bar.update(1)
+                if profiler is not None:
+                    profiler.step()
+                if step % config.logging.iteration_step_info_interval == 0 or step == train_steps:
+                    if self.pc.device.type == "cuda":
+                        torch.cuda.synchronize(self.pc.device)
+                    now = time.perf_counter()
+                    self._log_step(result, (now - window_start) / window_steps, (now - start_time) / (step - start_step))
+                    window_start, window_steps = now, 0
+                if step % config.checkpoints.checkpoint_interval == 0 or (
+                    step == train_steps and config.checkpoints.save_final_state
+                ):
+                    self.save()
+        bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        logger.info(f"training finished at step {self.progress.step}")
+
+    def _loader(self, stage) -> MicroBatchLoader:
+        t = self.config.tokens
+        return MicroBatchLoader(
+            self._dataset(stage),
+            first_sample=self.progress.consumed_samples.get(stage.name, 0),
+            start_step=0,
+            micro_batch_size=t.micro_batch_size,
+            accumulation=t.batch_accumulation_per_replica,
+            dp_rank=self.pc.coord("dp") * self.pc.size("ep") + self.pc.coord("ep"),
+            dp_size=self.pc.size("dp_ep"),
+            num_workers=stage.data.num_loading_workers,
+        )
+
+    def _profiler(self):
+        path = self.config.profiler.profiler_export_path if self.config.profiler else None
+        if path is None:
+            return contextlib.nullcontext()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.pc.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(skip_first=3, wait=1, warmup=1, active=2, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(Path(path) / f"rank{self.pc.rank}")),
+        )
+
+    def _log_step(self, result: StepResult, step_seconds: float, mean_step_seconds: float) -> None:
+        if not self.pc.is_logging_rank:
+            return
+        config, step = self.config, self.progress.step
+        tokens_per_sec = config.global_batch_tokens / step_seconds
+        per_gpu = tokens_per_sec / self.pc.world_size
+        tflops = per_gpu * self.flops_per_token / 1e12
+        record = {
+            "step": step,
+            "lm_loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "consumed_tokens": self.progress.total_consumed_samples * config.tokens.sequence_length,
+            "step_time_s": step_seconds,
+            "tokens_per_sec": tokens_per_sec,
+            "tokens_per_sec_per_gpu": per_gpu,
+            "tflops_per_gpu": tflops,
+            "peak_memory_gb": peak_memory_gb(self.pc.device),
+        }
+        if self.peak_flops is not None:
+            record["mfu"] = tflops * 1e12 / self.peak_flops
+        eta = mean_step_seconds * (config.tokens.train_steps - step)
+        mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
+        logger.info(
+            f"step {step}/{config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
+            f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s ({per_gpu:,.0f}/gpu) | "
+            f"{tflops:.2f} TFLOP/s | MFU {mfu} | mem {record['peak_memory_gb']:.2f} GB | ETA {format_duration(eta)}"
+        )
+        self.metrics.write(record)
+
+    def save(self) -> Path:
+        extra = {
+            "model": {
+                "padded_vocab_size": self.model.padded_vocab_size,
+                "vocab_size": self.config.model.model_config.vocab_size,
+                "dtype": self.config.model.dtype,
+            },
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+        }
+        return save_checkpoint(self.config, self.model, self.optimizer, self.progress, self.pc, extra)
+
+    def close(self) -> None:
+        self.pc.destroy()

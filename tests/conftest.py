@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny learnable text corpus, its tokenizer and tokenized shards, and config factories."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+WORDS = (
+    "the a one every small large red green blue old new quick slow cat dog bird fish tree river stone house "
+    "runs jumps sleeps eats sees finds makes takes near under over behind with without and but then so"
+).split()
+
+
+def write_corpus(folder: Path, documents: int = 400, seed: int = 0) -> Path:
+    """JSONL of simple, repetitive sentences: enough structure for a tiny model to learn within a few steps."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "corpus.jsonl"
+    lines = []
+    for i in range(documents):
+        sentences = [
+            " ".join(rng.choice(WORDS[:16]) for _ in range(2)) + " " + rng.choice(WORDS[16:26]) + " "
+            + rng.choice(WORDS[26:34]) + " the " + rng.choice(WORDS[16:26]) + "."
+            for _ in range(rng.randint(3, 8))
+        ]
+        lines.append(json.dumps({"id": str(i), "text": " ".join(sentences)}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict[str, Path]:
+    """Tokenizer (vocab 384) and tokenized shards built once per test session."""
+    from nanotron.data.preprocess import preprocess
+    from nanotron.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    corpus = write_corpus(root / "raw")
+    tokenizer = train_tokenizer([corpus], 384, root / "tokenizer.json")
+    preprocess([corpus], tokenizer, root / "tokenized", num_workers=1)
+    return {"root": root, "corpus": corpus, "tokenizer": tokenizer, "tokenized": root / "tokenized"}
+
+
+def tiny_config_dict(tiny_data: dict[str, Path], checkpoint_dir: Path, **overrides) -> dict:
+    """A complete config for a ~0.2M-parameter Llama on the tiny corpus; ``overrides`` patch sections."""
+    config = {
+        "general": {"project": "tests", "run": "tiny", "seed": 7},
+        "checkpoints": {"checkpoints_path": str(checkpoint_dir), "checkpoint_interval": 1000},
+        "parallelism": {"dp": 1, "pp": 1, "tp": 1},
+        "model": {
+            "dtype": "float32",
+            "init_method": {"std": 0.02},
+            "model_config": {
+                "is_llama_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 64, "tie_word_embeddings": True,
+            },
+        },
+        "tokenizer": {"tokenizer_name_or_path": str(tiny_data["tokenizer"])},
+        "tokens": {"sequence_length": 32, "micro_batch_size": 4, "batch_accumulation_per_replica": 2, "train_steps": 20},
+        "optimizer": {
+            "weight_decay": 0.01, "clip_grad": 1.0,
+            "learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 4, "min_decay_lr": 3e-4},
+        },
+        "data_stages": [{"name": "main", "start_training_step": 1,
+                         "data": {"seed": 3, "num_loading_workers": 0,
+                                  "dataset": {"dataset_folder": [str(tiny_data["tokenized"])]}}}],
+        "logging": {"iteration_step_info_interval": 1},
+    }
+    for section, values in overrides.items():
+        if isinstance(values, dict) and isinstance(config.get(section), dict):
+            config[section] = {**config[section], **values}
+        else:
+            config[section] = values
+    return config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

@@ -1,0 +1,56 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, kwargs: dict, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), NANOTRON_DEVICE="cpu", OMP_NUM_THREADS="1",
+    )
+    try:
+        queue.put((rank, "ok", fn(**kwargs)))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, timeout: float = 240, **kwargs) -> list:
+    """``fn(**kwargs)`` on every rank (it builds its own ParallelContext); returns the results ordered by rank."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, kwargs, queue)) for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    return [results[rank] for rank in range(world_size)]

@@ -1,0 +1,158 @@
+"""End-to-end training through the command line: learning, metrics, exact resume, crash safety, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config_dict, write_config
+
+from distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(config_path: Path, *, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    command = (launcher or [sys.executable]) + [str(ROOT / "run_train.py"), "--config-file", str(config_path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def metrics(checkpoint_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_model_learns_logs_and_checkpoints(tiny_data, tmp_path):
+    config = tiny_config_dict(tiny_data, tmp_path / "ckpt", checkpoints={"checkpoint_interval": 10})
+    result = train(write_config(tmp_path / "config.yaml", config))
+    assert "global batch: 8 sequences x 32 tokens = 256 tokens per step" in result.stderr
+    records = metrics(tmp_path / "ckpt")
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for key in ("lm_loss", "lr", "grad_norm", "consumed_tokens", "tokens_per_sec", "tokens_per_sec_per_gpu",
+                "peak_memory_gb"):
+        assert key in records[0], key
+    assert records[-1]["consumed_tokens"] == 20 * 256
+    assert records[0]["lm_loss"] > 5.5  # about ln(384) = 5.95 at initialisation
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 1.5
+    assert all(r["grad_norm"] > 0 for r in records)
+    assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "20"
+    meta = json.loads((tmp_path / "ckpt" / "20" / "checkpoint.json").read_text())
+    assert meta["step"] == 20 and meta["consumed_samples"] == {"main": 160} and meta["model"]["padded_vocab_size"] == 384
+    assert (tmp_path / "ckpt" / "10" / "model").is_dir()
+
+
+def _schedule(train_steps: int) -> dict:
+    # An explicit decay length makes the LR of steps 1..12 independent of train_steps.
+    return {"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 3, "lr_decay_steps": 9,
+                                        "min_decay_lr": 3e-4}, "weight_decay": 0.01}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
+    model = tiny_config_dict(tiny_data, tmp_path)["model"] | {"dtype": dtype}
+    straight = tiny_config_dict(tiny_data, tmp_path / "straight", model=model, optimizer=_schedule(12),
+                                tokens={"train_steps": 12}, checkpoints={"checkpoint_interval": 100})
+    train(write_config(tmp_path / "straight.yaml", straight))
+
+    first = tiny_config_dict(tiny_data, tmp_path / "resumed", model=model, optimizer=_schedule(12),
+                             tokens={"train_steps": 7}, checkpoints={"checkpoint_interval": 100})
+    train(write_config(tmp_path / "first.yaml", first))
+    second = tiny_config_dict(tiny_data, tmp_path / "resumed", model=model, optimizer=_schedule(12),
+                              tokens={"train_steps": 12},
+                              checkpoints={"checkpoint_interval": 100, "resume_checkpoint_path": str(tmp_path / "resumed")})
+    result = train(write_config(tmp_path / "second.yaml", second))
+    assert "resumed from" in result.stderr
+
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 13))  # steps logged once each, in order
+    for x, y in zip(a, b):
+        assert (x["step"], x["lm_loss"], x["grad_norm"], x["lr"], x["consumed_tokens"]) == (
+            y["step"], y["lm_loss"], y["grad_norm"], y["lr"], y["consumed_tokens"])
+
+
+CRASHING_TRAIN = """
+import os, sys
+import nanotron.checkpoint.manager as manager
+from nanotron.cli import main
+
+real_write = manager.write_boxes
+def write_then_die(path, boxes):
+    real_write(path, boxes)
+    if ".tmp-6" in str(path):
+        os._exit(9)  # killed in the middle of writing checkpoint 6
+manager.write_boxes = write_then_die
+main(["train", "--config-file", sys.argv[1]])
+"""
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
+    config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 8}, checkpoints={"checkpoint_interval": 3})
+    path = write_config(tmp_path / "config.yaml", config)
+    script = tmp_path / "crash.py"
+    script.write_text(CRASHING_TRAIN)
+    crashed = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
+                             env={**os.environ, "NANOTRON_DEVICE": "cpu"}, timeout=300)
+    assert crashed.returncode == 9
+    assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "3"
+    assert not (tmp_path / "ckpt" / "6").exists()
+
+    config["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "ckpt")
+    result = train(write_config(path, config))
+    assert "at step 3" in result.stderr
+    assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "8"
+    assert [r["step"] for r in metrics(tmp_path / "ckpt")] == list(range(1, 9))
+
+
+def _error_line(tiny_data, tmp_path, **overrides) -> str:
+    config = tiny_config_dict(tiny_data, tmp_path / "ckpt", **overrides)
+    result = train(write_config(tmp_path / "bad.yaml", config), check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
+    missing = tmp_path / "nowhere"
+    stage = {"name": "main", "start_training_step": 1, "data": {"dataset": {"dataset_folder": [str(missing)]}}}
+    assert str(missing) in _error_line(tiny_data, tmp_path, data_stages=[stage])
+
+    small_vocab = tiny_config_dict(tiny_data, tmp_path)["model"]
+    small_vocab["model_config"] = small_vocab["model_config"] | {"vocab_size": 100}
+    assert "vocab_size" in _error_line(tiny_data, tmp_path, model=small_vocab)
+
+    assert "no checkpoint at" in _error_line(
+        tiny_data, tmp_path, checkpoints={"checkpoint_interval": 5, "resume_checkpoint_path": str(tmp_path / "empty")})
+
+    typo = tiny_config_dict(tiny_data, tmp_path)["optimizer"] | {"wieght_decay": 0.1}
+    assert "weight_decay" in _error_line(tiny_data, tmp_path, optimizer=typo)
+    assert "parallelism.tp" in _error_line(tiny_data, tmp_path, parallelism={"tp": 2})
+
+
+def _train_in_process(config: dict) -> list[dict]:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()
+    path = trainer.config.resolved_metrics_path()
+    return [json.loads(line) for line in path.read_text().splitlines()] if trainer.pc.is_logging_rank else []
+
+
+def test_data_parallel_matches_single_process(tiny_data, tmp_path):
+    single = tiny_config_dict(tiny_data, tmp_path / "dp1", tokens={"train_steps": 6})
+    double = tiny_config_dict(tiny_data, tmp_path / "dp2", tokens={"train_steps": 6, "micro_batch_size": 2},
+                              parallelism={"dp": 2})
+    (reference,) = run_distributed(_train_in_process, 1, config=single)
+    results = run_distributed(_train_in_process, 2, config=double)
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+    for a, b in zip(reference, results[0]):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
