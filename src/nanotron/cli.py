@@ -90,9 +90,11 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     """Library errors meant for users carry their fix in the message; anything else keeps its traceback."""
     from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.config import ConfigError
+    from nanotron.data.corpus import CorpusError
     from nanotron.data.dataset import DataError
     from nanotron.data.tokenizer import TokenizerError
     from nanotron.parallel.context import ParallelLayoutError
     from nanotron.trainer import TrainingDivergedError
 
-    return (ConfigError, DataError, TokenizerError, CheckpointError, ParallelLayoutError, TrainingDivergedError)
+    return (ConfigError, CorpusError, DataError, TokenizerError, CheckpointError, ParallelLayoutError,
+            TrainingDivergedError)

@@ -1,0 +1,333 @@
+"""YAML <-> `Config`: strict keys, checked types, legacy keys, atomic saves.
+
+Loading never guesses: an unknown key is an error with the closest valid name, a value of the wrong type is an
+error naming the expected type, and keys that nanotron v0.4 accepted but never used are ignored with a warning.
+All problems in a file are reported together.
+"""
+
+import difflib
+import math
+import os
+import tempfile
+import types
+import typing
+import warnings
+from collections.abc import Hashable
+from dataclasses import MISSING, Field, fields, is_dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nanotron.config.schema import (
+    DEFAULT_RUN_NAME,
+    MODEL_CONFIG_CLASSES,
+    Config,
+    ConfigError,
+    DatasetArgs,
+    ModelArgs,
+)
+from nanotron.config.validation import validate_config
+
+_NO_VALIDATION = "no validation loop reads it (nanotron v0.4 never ran one either)"
+
+# Keys of nanotron v0.4 configs that are accepted so old files still load, but do nothing.
+LEGACY_KEYS: dict[str, str] = {
+    "general.step": "the step to resume from is read from the checkpoint, not from the config",
+    "general.consumed_train_samples": "the consumed samples are read from the checkpoint, not from the config",
+    "general.benchmark_csv_path": "the benchmark CSV mode was removed",
+    "tokens.val_check_interval": _NO_VALIDATION,
+    "tokens.limit_val_batches": _NO_VALIDATION,
+    "tokens.limit_test_batches": _NO_VALIDATION,
+    "lighteval": "the trainer never ran lighteval (nanotron v0.4 parsed the section but did not use it)",
+}
+
+_DATA_SECTION_FIX = """\
+data: the nanotron v0.4 `data` section (Hugging Face datasets tokenized on the fly) is not supported; \
+tokenize the dataset once with `nanotron preprocess` and replace `data` with:
+  data_stages:
+    - name: main
+      start_training_step: 1
+      data:
+        dataset:
+          dataset_folder: <folder written by nanotron preprocess>"""
+
+_SCALAR_NAMES: dict[type, tuple[str, str]] = {
+    bool: ("a boolean (true/false)", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+    Path: ("a path", "paths"),
+    dict: ("a mapping", "mappings"),
+}
+
+
+class LegacyKeyWarning(UserWarning):
+    """A nanotron v0.4 key that is accepted for compatibility but has no effect."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise resolve silently to the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_INVALID = object()  # returned (after recording a problem) where a value could not be read
+
+
+def _join(parent: str, name: Any) -> str:
+    return f"{parent}.{name}" if parent else str(name)
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _is_required(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def _members(tp: Any) -> tuple[Any, ...] | None:
+    """The members of a union type (`X | Y` or `Optional[X]`), or None when `tp` is not a union."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else None
+
+
+def _describe(tp: Any, plural: bool = False) -> str:
+    members = _members(tp)
+    if members is not None:
+        return " or ".join("null" if m is type(None) else _describe(m, plural) for m in members)
+    if typing.get_origin(tp) is list:
+        return ("lists" if plural else "a list") + " of " + _describe(typing.get_args(tp)[0], plural=True)
+    if is_dataclass(tp):
+        return "mappings" if plural else "a mapping"
+    singular, plural_name = _SCALAR_NAMES[tp]
+    return plural_name if plural else singular
+
+
+def _shape(cls: type) -> str:
+    """`{std: <a number>}`: the required keys of a dataclass, to tell users which form of a union to write."""
+    hints = typing.get_type_hints(cls)
+    return "{" + ", ".join(f"{f.name}: <{_describe(hints[f.name])}>" for f in fields(cls) if _is_required(f)) + "}"
+
+
+def _scalar(tp: type, raw: Any) -> Any:
+    """`raw` as type `tp`, or _INVALID. Bools are not ints here, NaN is not a number, and a float may be a
+    string: YAML 1.1 reads `1e-3` (no dot) as a string, and that is how people write learning rates."""
+    if tp is bool:
+        return raw if isinstance(raw, bool) else _INVALID
+    if tp is int:
+        return raw if isinstance(raw, int) and not isinstance(raw, bool) else _INVALID
+    if tp is float:
+        try:
+            number = float(raw) if isinstance(raw, (int, float, str)) and not isinstance(raw, bool) else math.nan
+        except ValueError:
+            return _INVALID
+        return _INVALID if math.isnan(number) else number
+    if tp is str:
+        return raw if isinstance(raw, str) else _INVALID
+    if tp is Path:
+        return Path(raw) if isinstance(raw, str) and raw else _INVALID
+    if tp is dict:
+        return raw if isinstance(raw, dict) else _INVALID
+    raise TypeError(f"the config loader cannot read fields of type {tp!r}")
+
+
+class _Reader:
+    """Builds schema objects from plain YAML values, recording one message per problem instead of stopping."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def _fail(self, key: str, expected: str, raw: Any) -> object:
+        self.problems.append(f"{key}: expected {expected}, got {_show(raw)}")
+        return _INVALID
+
+    def config(self, raw: Any) -> Config | object:
+        if not isinstance(raw, dict):
+            return self._fail("the config", "a mapping of sections (general, checkpoints, model, ...)", raw)
+        raw = dict(raw)
+        if "data" in raw:
+            del raw["data"]
+            self.problems.append(_DATA_SECTION_FIX)
+        if raw.get("lighteval") is not None:
+            del raw["lighteval"]
+            self.problems.append(
+                "lighteval: running lighteval from the trainer is not supported; remove the section "
+                "(or set it to null) and evaluate saved checkpoints separately"
+            )
+        return self.dataclass(Config, raw, "")
+
+    def value(self, tp: Any, raw: Any, key: str) -> Any:
+        members = _members(tp) or (tp,)
+        if raw is None and type(None) in members:
+            return None
+        choices = [m for m in members if m is not type(None)]
+        if len(choices) > 1:
+            return self.dataclass_union(choices, raw, key)
+        (kind,) = choices
+        if is_dataclass(kind):
+            return self.dataclass(kind, raw, key) if isinstance(raw, dict) else self._fail(key, _describe(tp), raw)
+        if typing.get_origin(kind) is list:
+            if not isinstance(raw, list):
+                return self._fail(key, _describe(tp), raw)
+            start = len(self.problems)
+            items = [self.value(typing.get_args(kind)[0], item, f"{key}[{i}]") for i, item in enumerate(raw)]
+            return items if len(self.problems) == start else _INVALID
+        value = _scalar(kind, raw)
+        return self._fail(key, _describe(tp), raw) if value is _INVALID else value
+
+    def dataclass(self, cls: type, raw: dict, key: str) -> Any:
+        start = len(self.problems)
+        hints = typing.get_type_hints(cls)
+        for name in raw:
+            if name not in hints:
+                self._unknown_key(_join(key, name), str(name), list(hints))
+        values = {}
+        for f in fields(cls):
+            dotted = _join(key, f.name)
+            if f.name in raw:
+                read = _FIELD_READERS.get((cls, f.name), _Reader.value)
+                values[f.name] = read(self, hints[f.name], raw[f.name], dotted)
+            elif _is_required(f):
+                what = "section" if not key else "key"
+                self.problems.append(f"missing required {what} '{dotted}'; add it (see docs/config.md)")
+        return cls(**values) if len(self.problems) == start else _INVALID
+
+    def _unknown_key(self, dotted: str, name: str, valid: list[str]) -> None:
+        if dotted in LEGACY_KEYS:
+            warnings.warn(f"ignoring '{dotted}': {LEGACY_KEYS[dotted]}", LegacyKeyWarning)
+            return
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"valid keys are: {', '.join(valid)}"
+        self.problems.append(f"unknown key '{dotted}'; {hint}")
+
+    def dataclass_union(self, choices: list[type], raw: Any, key: str) -> Any:
+        """Pick the member whose keys `raw` has: `{std: ...}` is a RandomInit, `{path: ...}` a checkpoint."""
+        if isinstance(raw, dict):
+            fitting = [
+                cls
+                for cls in choices
+                if {f.name for f in fields(cls) if _is_required(f)} <= raw.keys() <= {f.name for f in fields(cls)}
+            ]
+            if len(fitting) == 1:
+                return self.dataclass(fitting[0], raw, key)
+        return self._fail(key, " or ".join(_shape(cls) for cls in choices), raw)
+
+    def model_config(self, tp: Any, raw: Any, key: str) -> Any:
+        """The architecture is named by a marker key, e.g. `is_llama_config: true`, as in nanotron."""
+        if not isinstance(raw, dict):
+            return self._fail(key, "a mapping", raw)
+        markers = [marker for marker in MODEL_CONFIG_CLASSES if raw.get(marker) is True]
+        if len(markers) != 1:
+            supported = ", ".join(f"'{marker}: true'" for marker in MODEL_CONFIG_CLASSES)
+            found = f"found {', '.join(markers)}" if markers else "found none"
+            self.problems.append(f"{key}: add exactly one model type marker, one of {supported} ({found})")
+            return _INVALID
+        return self.dataclass(MODEL_CONFIG_CLASSES[markers[0]], raw, key)
+
+    def path_or_paths(self, tp: Any, raw: Any, key: str) -> Any:
+        """One folder may be written as a plain string; it is stored as a one-item list."""
+        return self.value(tp, [raw] if isinstance(raw, str) else raw, key)
+
+
+# Fields whose YAML form is not just their type.
+_FIELD_READERS = {
+    (ModelArgs, "model_config"): _Reader.model_config,
+    (DatasetArgs, "dataset_folder"): _Reader.path_or_paths,
+}
+
+
+def config_from_dict(d: dict) -> Config:
+    """Build and validate a Config from plain data (e.g. parsed YAML); raises ConfigError listing every problem."""
+    reader = _Reader()
+    cfg = reader.config(d)
+    if reader.problems:
+        raise ConfigError(*reader.problems)
+    validate_config(cfg)
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read, type-check and validate a YAML config; every ConfigError message starts with the file name."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist; pass the path of a YAML config") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file '{path}': {e}; pass a readable UTF-8 YAML file") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{where}invalid YAML: {e.problem}", source=path) from None
+    try:
+        return config_from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(*e.problems, source=path) from None
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {name: _plain(item) for name, item in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain data in schema order (sections and fields), paths as strings: what `save_config` writes."""
+    return _plain(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write `cfg` as YAML that `load_config` reads back to an equal Config.
+
+    The file is written next to its destination and renamed into place, so a crash never leaves half a config
+    (checkpoints rely on theirs being complete).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def expand_run_name(cfg: Config, now: datetime | None = None) -> Config:
+    """A copy of `cfg` whose `general.run` has `%date` (YYYYMMDD_HHMMSS) and `%jobid` (SLURM_JOB_ID or "local")
+    filled in; an unset run name becomes "%date_%jobid" first.
+
+    Kept out of `load_config` so loading stays a pure function of the file (a saved config reloads equal).
+    Every rank must use the same name, so pass `now` from one rank (e.g. broadcast from rank 0).
+    """
+    now = now or datetime.now()
+    run = (cfg.general.run or DEFAULT_RUN_NAME).replace("%date", now.strftime("%Y%m%d_%H%M%S"))
+    run = run.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))
+    return replace(cfg, general=replace(cfg.general, run=run))

@@ -1,0 +1,252 @@
+"""The training config as typed dataclasses.
+
+Section and field names follow nanotron's YAML so existing configs keep working. The dataclasses only hold values
+and normalise spellings (case, dtype aliases, defaults derived from other fields); type checking lives in
+`loading.py` and the cross-field rules in `validation.py`, so that every problem can be reported at once.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used as written.
+
+    Carries every problem found (one line each, naming the key and the fix) so users fix them all in one go;
+    `source` is the file they came from, when there is one.
+    """
+
+    def __init__(self, *problems: str, source: str | Path | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f"{source}: " if source is not None else ""
+        if len(problems) == 1:
+            message = where + problems[0]
+        else:
+            message = f"{where}{len(problems)} problems:\n" + "\n".join(f"  - {problem}" for problem in problems)
+        super().__init__(message)
+
+
+DEFAULT_RUN_NAME = "%date_%jobid"
+PP_ENGINES = ("afab", "1f1b")
+TP_MODES = ("ALL_REDUCE", "REDUCE_SCATTER")
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+LR_WARMUP_STYLES = ("linear", "constant")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "1-sqrt")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class GeneralArgs:
+    project: str
+    run: str | None = None  # None means DEFAULT_RUN_NAME; placeholders are expanded by `expand_run_name`
+    seed: int = 42
+    ignore_sanity_checks: bool = True
+
+
+@dataclass
+class CheckpointsArgs:
+    checkpoints_path: Path
+    checkpoint_interval: int
+    save_initial_state: bool = False
+    save_final_state: bool = True
+    resume_checkpoint_path: Path | None = None
+    checkpoints_path_is_shared_file_system: bool = True
+    keep_last_n: int | None = None  # None keeps every checkpoint
+
+
+@dataclass
+class ParallelismArgs:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    expert_parallel_size: int = 1
+    pp_engine: str = "1f1b"
+    tp_mode: str = "ALL_REDUCE"
+    tp_linear_async_communication: bool = False
+
+    def __post_init__(self) -> None:
+        # nanotron matched enum names case-insensitively; store one spelling so equal configs compare equal.
+        self.pp_engine = self.pp_engine.lower()
+        self.tp_mode = self.tp_mode.upper()
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp * self.expert_parallel_size
+
+
+@dataclass
+class LlamaConfig:
+    is_llama_config: bool = True  # the marker that selects this class in `model.model_config`
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None means multi-head attention (one kv head per query head)
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False  # only the Hugging Face (non-interleaved) rotary layout is implemented
+    rope_scaling: dict | None = None  # kept for Hugging Face compatibility; must stay None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = 1
+    eos_token_id: int | None = 2
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+    pretraining_tp: int = 1  # Hugging Face field; must stay 1
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# `model.model_config` is chosen by the `is_<name>_config: true` marker it contains; add new architectures here.
+MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig}
+
+
+@dataclass
+class RandomInit:
+    std: float
+
+
+@dataclass
+class ExistingCheckpointInit:
+    path: Path
+
+
+@dataclass
+class ModelArgs:
+    model_config: LlamaConfig
+    init_method: RandomInit | ExistingCheckpointInit
+    dtype: str = "bfloat16"
+    make_vocab_size_divisible_by: int = 1
+    ddp_bucket_cap_mb: int = 25
+
+    def __post_init__(self) -> None:
+        dtype = self.dtype.lower()
+        self.dtype = DTYPE_ALIASES.get(dtype, dtype)
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class TokenizerArgs:
+    tokenizer_name_or_path: str | None = None
+    tokenizer_revision: str | None = None
+    tokenizer_max_length: int | None = None
+
+
+@dataclass
+class TokensArgs:
+    sequence_length: int
+    train_steps: int
+    micro_batch_size: int
+    batch_accumulation_per_replica: int
+
+
+@dataclass
+class LRSchedulerArgs:
+    learning_rate: float
+    lr_warmup_steps: int = 0
+    lr_warmup_style: str = "linear"
+    lr_decay_style: str = "cosine"
+    lr_decay_starting_step: int | None = None  # None: right after the warmup
+    lr_decay_steps: int | None = None  # None: until the last training step
+    min_decay_lr: float = 0.0
+
+
+@dataclass
+class OptimizerArgs:
+    learning_rate_scheduler: LRSchedulerArgs
+    zero_stage: int = 0
+    weight_decay: float = 0.0
+    weight_decay_exclude_named_params: list[str] | None = None  # None: norms, biases and embeddings are excluded
+    clip_grad: float | None = 1.0
+    accumulate_grad_in_fp32: bool = True
+    adam_eps: float = 1e-8
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    torch_adam_is_fused: bool = True
+
+
+@dataclass
+class DatasetArgs:
+    dataset_folder: list[Path]
+    dataset_weights: list[float] | None = None  # None: sample the folders in proportion to their sizes
+
+
+@dataclass
+class DataArgs:
+    dataset: DatasetArgs
+    seed: int = 42
+    num_loading_workers: int = 1
+
+
+@dataclass
+class DatasetStageArgs:
+    name: str
+    start_training_step: int
+    data: DataArgs
+
+
+@dataclass
+class LoggingArgs:
+    log_level: str = "info"
+    log_level_replica: str = "info"
+    iteration_step_info_interval: int = 1
+    metrics_path: Path | None = None  # None: <checkpoints_path>/metrics.jsonl
+
+
+@dataclass
+class ProfilerArgs:
+    profiler_export_path: Path | None = None
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole training run. Keyword-only because optional sections sit between required ones in YAML order."""
+
+    general: GeneralArgs
+    checkpoints: CheckpointsArgs
+    parallelism: ParallelismArgs = field(default_factory=ParallelismArgs)
+    model: ModelArgs
+    tokenizer: TokenizerArgs
+    optimizer: OptimizerArgs
+    tokens: TokensArgs
+    data_stages: list[DatasetStageArgs]
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    profiler: ProfilerArgs | None = None
+
+    def __post_init__(self) -> None:
+        self.data_stages = sorted(self.data_stages, key=lambda stage: stage.start_training_step)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: data is sharded over dp and expert-parallel ranks alike."""
+        p = self.parallelism
+        return self.tokens.micro_batch_size * self.tokens.batch_accumulation_per_replica * p.dp * p.expert_parallel_size
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.global_batch_size * self.tokens.sequence_length
+
+    def resolved_metrics_path(self) -> Path:
+        return self.logging.metrics_path or self.checkpoints.checkpoints_path / "metrics.jsonl"
+
+    def data_stage_at(self, step: int) -> DatasetStageArgs:
+        """The stage that feeds optimizer step `step` (1-based): the last one started at or before it."""
+        started = [stage for stage in self.data_stages if stage.start_training_step <= step]
+        if not started:
+            raise ValueError(f"no data stage has started at step {step}; the first stage starts at step 1")
+        return max(started, key=lambda stage: stage.start_training_step)

@@ -1,0 +1,291 @@
+"""Value and cross-field checks of a Config, run before anything is allocated.
+
+Each failed rule gives one line naming the key(s) involved and the fix, and all of them are raised together, so a
+config is fixed in one edit instead of one crash per launch. Whether the trainer implements a given parallel
+degree is not checked here: that is the trainer's business.
+"""
+
+import re
+from collections.abc import Iterator, Sequence
+
+from nanotron.config.schema import (
+    DTYPE_ALIASES,
+    DTYPES,
+    LOG_LEVELS,
+    LR_DECAY_STYLES,
+    LR_WARMUP_STYLES,
+    PP_ENGINES,
+    TP_MODES,
+    CheckpointsArgs,
+    Config,
+    ConfigError,
+    DatasetStageArgs,
+    GeneralArgs,
+    LlamaConfig,
+    LoggingArgs,
+    ModelArgs,
+    OptimizerArgs,
+    ParallelismArgs,
+    RandomInit,
+    TokenizerArgs,
+    TokensArgs,
+)
+
+
+def validate_config(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every problem in `cfg`; with `world_size`, also check it matches the launch."""
+    problems = [
+        *_general(cfg.general),
+        *_checkpoints(cfg.checkpoints),
+        *_parallelism(cfg.parallelism),
+        *_model(cfg.model),
+        *_tokenizer(cfg.tokenizer),
+        *_tokens(cfg.tokens),
+        *_optimizer(cfg.optimizer, cfg.tokens),
+        *_data_stages(cfg.data_stages, cfg.tokens),
+        *_logging(cfg.logging),
+        *_model_vs_parallelism(cfg),
+    ]
+    if world_size is not None:
+        problems += _world_size(cfg.parallelism, world_size)
+    if problems:
+        raise ConfigError(*problems)
+
+
+def _at_least(key: str, value: float, minimum: float) -> Iterator[str]:
+    if value < minimum:
+        yield f"{key} must be >= {minimum} (got {value})"
+
+
+def _positive(key: str, value: float) -> Iterator[str]:
+    if not value > 0:  # also catches NaN
+        yield f"{key} must be > 0 (got {value})"
+
+
+def _one_of(key: str, value: str, choices: Sequence[str]) -> Iterator[str]:
+    if value not in choices:
+        yield f"{key} must be one of {', '.join(choices)} (got {value!r})"
+
+
+def _general(general: GeneralArgs) -> Iterator[str]:
+    if not general.project:
+        yield "general.project must not be empty; name the project the runs belong to"
+    yield from _at_least("general.seed", general.seed, 0)
+
+
+def _checkpoints(checkpoints: CheckpointsArgs) -> Iterator[str]:
+    yield from _at_least("checkpoints.checkpoint_interval", checkpoints.checkpoint_interval, 1)
+    if checkpoints.keep_last_n is not None:
+        yield from _at_least("checkpoints.keep_last_n", checkpoints.keep_last_n, 1)
+
+
+def _parallelism(p: ParallelismArgs) -> Iterator[str]:
+    for name in ("dp", "pp", "tp", "expert_parallel_size"):
+        yield from _at_least(f"parallelism.{name}", getattr(p, name), 1)
+    yield from _one_of("parallelism.pp_engine", p.pp_engine, PP_ENGINES)
+    yield from _one_of("parallelism.tp_mode", p.tp_mode, TP_MODES)
+    if p.tp_linear_async_communication and p.tp_mode == "ALL_REDUCE":
+        yield (
+            "parallelism.tp_linear_async_communication: true needs parallelism.tp_mode: REDUCE_SCATTER "
+            "(only that mode overlaps communication with compute); change one of them"
+        )
+
+
+def _model(model: ModelArgs) -> Iterator[str]:
+    if model.dtype not in DTYPES:
+        choices = ", ".join([*DTYPES, *DTYPE_ALIASES])
+        yield f"model.dtype must be one of {choices} (got {model.dtype!r})"
+    yield from _at_least("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by, 1)
+    yield from _at_least("model.ddp_bucket_cap_mb", model.ddp_bucket_cap_mb, 1)
+    if isinstance(model.init_method, RandomInit):
+        yield from _positive("model.init_method.std", model.init_method.std)
+    yield from _llama(model.model_config, "model.model_config")
+
+
+def _llama(c: LlamaConfig, key: str) -> Iterator[str]:
+    if not c.is_llama_config:
+        yield f"{key}.is_llama_config must be true for a Llama model config"
+    sizes = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    )
+    bad_sizes = [problem for name in sizes for problem in _at_least(f"{key}.{name}", getattr(c, name), 1)]
+    yield from bad_sizes
+    if not bad_sizes:
+        if c.hidden_size % c.num_attention_heads:
+            yield (
+                f"{key}.hidden_size ({c.hidden_size}) must be divisible by {key}.num_attention_heads "
+                f"({c.num_attention_heads}) so that every head has the same size"
+            )
+        if c.num_attention_heads % c.num_key_value_heads:
+            yield (
+                f"{key}.num_attention_heads ({c.num_attention_heads}) must be divisible by "
+                f"{key}.num_key_value_heads ({c.num_key_value_heads}): each kv head serves a whole group of heads"
+            )
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            token_id = getattr(c, name)
+            if token_id is not None and not 0 <= token_id < c.vocab_size:
+                yield f"{key}.{name} ({token_id}) must be in [0, {key}.vocab_size) = [0, {c.vocab_size})"
+    yield from _positive(f"{key}.rms_norm_eps", c.rms_norm_eps)
+    yield from _positive(f"{key}.rope_theta", c.rope_theta)
+    yield from _positive(f"{key}.initializer_range", c.initializer_range)
+    if c.rope_interleaved:
+        yield (
+            f"{key}.rope_interleaved must be false: only the Hugging Face (non-interleaved) rotary layout is "
+            "implemented"
+        )
+    if c.rope_scaling is not None:
+        yield f"{key}.rope_scaling must be null: RoPE scaling is not implemented"
+    if c.hidden_act != "silu":
+        yield f"{key}.hidden_act must be 'silu' (got {c.hidden_act!r}): the Llama MLP is SwiGLU"
+    if c.pretraining_tp != 1:
+        yield f"{key}.pretraining_tp must be 1 (got {c.pretraining_tp}); use parallelism.tp for tensor parallelism"
+
+
+def _tokenizer(tokenizer: TokenizerArgs) -> Iterator[str]:
+    if tokenizer.tokenizer_max_length is not None:
+        yield from _at_least("tokenizer.tokenizer_max_length", tokenizer.tokenizer_max_length, 1)
+
+
+def _tokens(tokens: TokensArgs) -> Iterator[str]:
+    for name in ("sequence_length", "train_steps", "micro_batch_size", "batch_accumulation_per_replica"):
+        yield from _at_least(f"tokens.{name}", getattr(tokens, name), 1)
+
+
+def _optimizer(opt: OptimizerArgs, tokens: TokensArgs) -> Iterator[str]:
+    if opt.zero_stage not in (0, 1):
+        yield f"optimizer.zero_stage must be 0 (off) or 1 (optimizer states sharded over dp) (got {opt.zero_stage})"
+    yield from _at_least("optimizer.weight_decay", opt.weight_decay, 0)
+    if opt.clip_grad is not None:
+        yield from _positive("optimizer.clip_grad", opt.clip_grad)
+    yield from _positive("optimizer.adam_eps", opt.adam_eps)
+    for name in ("adam_beta1", "adam_beta2"):
+        beta = getattr(opt, name)
+        if not 0 <= beta < 1:
+            yield f"optimizer.{name} must be in [0, 1) (got {beta})"
+    for i, pattern in enumerate(opt.weight_decay_exclude_named_params or []):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            yield f"optimizer.weight_decay_exclude_named_params[{i}] ({pattern!r}) is not a valid regex: {e}"
+
+    key = "optimizer.learning_rate_scheduler"
+    lr = opt.learning_rate_scheduler
+    yield from _positive(f"{key}.learning_rate", lr.learning_rate)
+    yield from _one_of(f"{key}.lr_warmup_style", lr.lr_warmup_style, LR_WARMUP_STYLES)
+    yield from _one_of(f"{key}.lr_decay_style", lr.lr_decay_style, LR_DECAY_STYLES)
+    yield from _at_least(f"{key}.lr_warmup_steps", lr.lr_warmup_steps, 0)
+    if lr.lr_warmup_steps > tokens.train_steps:
+        yield (
+            f"{key}.lr_warmup_steps ({lr.lr_warmup_steps}) must be <= tokens.train_steps ({tokens.train_steps}); "
+            "shorten the warmup or train longer"
+        )
+    if not 0 <= lr.min_decay_lr <= lr.learning_rate:
+        yield f"{key}.min_decay_lr ({lr.min_decay_lr}) must be in [0, learning_rate] = [0, {lr.learning_rate}]"
+    if lr.lr_decay_steps is not None:
+        yield from _at_least(f"{key}.lr_decay_steps", lr.lr_decay_steps, 0)
+    if lr.lr_decay_starting_step is not None:
+        if lr.lr_decay_starting_step < lr.lr_warmup_steps:
+            yield (
+                f"{key}.lr_decay_starting_step ({lr.lr_decay_starting_step}) must be >= {key}.lr_warmup_steps "
+                f"({lr.lr_warmup_steps}): decay starts after the warmup"
+            )
+        if lr.lr_decay_steps is None and lr.lr_decay_starting_step > tokens.train_steps:
+            yield (
+                f"{key}.lr_decay_starting_step ({lr.lr_decay_starting_step}) is after tokens.train_steps "
+                f"({tokens.train_steps}), so the default decay length would be negative; set {key}.lr_decay_steps"
+            )
+
+
+def _data_stages(stages: list[DatasetStageArgs], tokens: TokensArgs) -> Iterator[str]:
+    if not stages:
+        yield "data_stages must list at least one stage (one of them with start_training_step: 1)"
+        return
+    names = [stage.name for stage in stages]
+    starts = [stage.start_training_step for stage in stages]
+    for name in sorted({name for name in names if names.count(name) > 1}):
+        yield f"data_stages: the name {name!r} is used by more than one stage; give each stage its own name"
+    for start in sorted({start for start in starts if starts.count(start) > 1}):
+        yield f"data_stages: more than one stage has start_training_step {start}; give each stage its own start"
+    if 1 not in starts:
+        yield "data_stages: one stage must have start_training_step: 1 (the first training step)"
+    for stage in stages:
+        key = f"data_stages[{stage.name!r}]"
+        if not stage.name:
+            yield f"{key}.name must not be empty"
+        if not 1 <= stage.start_training_step <= tokens.train_steps:
+            yield (
+                f"{key}.start_training_step ({stage.start_training_step}) must be in [1, tokens.train_steps] = "
+                f"[1, {tokens.train_steps}]"
+            )
+        yield from _at_least(f"{key}.data.seed", stage.data.seed, 0)
+        yield from _at_least(f"{key}.data.num_loading_workers", stage.data.num_loading_workers, 0)
+        dataset = stage.data.dataset
+        if not dataset.dataset_folder:
+            yield f"{key}.data.dataset.dataset_folder must name at least one folder"
+        if dataset.dataset_weights is not None:
+            if len(dataset.dataset_weights) != len(dataset.dataset_folder):
+                yield (
+                    f"{key}.data.dataset.dataset_weights has {len(dataset.dataset_weights)} entries but "
+                    f"dataset_folder has {len(dataset.dataset_folder)}; give one weight per folder"
+                )
+            for i, weight in enumerate(dataset.dataset_weights):
+                yield from _positive(f"{key}.data.dataset.dataset_weights[{i}]", weight)
+
+
+def _logging(logging: LoggingArgs) -> Iterator[str]:
+    yield from _one_of("logging.log_level", logging.log_level, LOG_LEVELS)
+    yield from _one_of("logging.log_level_replica", logging.log_level_replica, LOG_LEVELS)
+    yield from _at_least("logging.iteration_step_info_interval", logging.iteration_step_info_interval, 1)
+
+
+def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
+    """Shapes that must split evenly over the parallel ranks, and sequence limits."""
+    c, p, tokens = cfg.model.model_config, cfg.parallelism, cfg.tokens
+    key = "model.model_config"
+    if p.tp >= 1 and c.num_attention_heads >= 1 and c.num_key_value_heads >= 1:
+        if c.num_attention_heads % p.tp:
+            yield (
+                f"{key}.num_attention_heads ({c.num_attention_heads}) must be divisible by parallelism.tp ({p.tp}): "
+                "each TP rank holds whole heads"
+            )
+        if c.num_key_value_heads % p.tp and p.tp % c.num_key_value_heads:
+            yield (
+                f"{key}.num_key_value_heads ({c.num_key_value_heads}) and parallelism.tp ({p.tp}) must divide one "
+                "another: kv heads are either split over TP ranks or replicated on them"
+            )
+        if c.intermediate_size % p.tp:
+            yield (
+                f"{key}.intermediate_size ({c.intermediate_size}) must be divisible by parallelism.tp ({p.tp}): "
+                "the MLP is split column-wise over TP ranks"
+            )
+        if p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
+            yield (
+                f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
+                "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
+            )
+    if c.num_hidden_layers < p.pp:
+        yield (
+            f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
+            "every pipeline stage needs at least one layer"
+        )
+    if tokens.sequence_length > c.max_position_embeddings:
+        yield (
+            f"tokens.sequence_length ({tokens.sequence_length}) exceeds {key}.max_position_embeddings "
+            f"({c.max_position_embeddings}); raise max_position_embeddings or shorten the sequences"
+        )
+
+
+def _world_size(p: ParallelismArgs, world_size: int) -> Iterator[str]:
+    if p.world_size != world_size:
+        yield (
+            f"parallelism.dp ({p.dp}) * parallelism.pp ({p.pp}) * parallelism.tp ({p.tp}) * "
+            f"parallelism.expert_parallel_size ({p.expert_parallel_size}) = {p.world_size}, but {world_size} "
+            "processes were launched; make the product equal the number of processes "
+            "(`torchrun --nproc_per_node` times the number of nodes)"
+        )

@@ -1,0 +1,232 @@
+"""The training sample stream: preprocessed folders, cut into windows, shuffled and blended.
+
+Sample ``g`` of a data stage is a pure function of ``(g, seed, weights, folders, sequence_length)`` computed in
+O(1): no index files, no state to checkpoint beyond the step counter, and resuming at any step (or changing the
+data-parallel layout) replays exactly the same samples.
+
+* A folder (a "domain") is one token stream. Its samples are windows of ``sequence_length + 1`` tokens with
+  stride ``sequence_length``, so consecutive windows share one token and every token is a training target
+  once. Windows ignore document boundaries; the end-of-document ids written by preprocessing separate them.
+* Each domain visits its windows in a fresh pseudo-random order every epoch (``permutation.permute``).
+* Domains are blended by a fixed pattern of ``BLEND_PERIOD`` slots in which domain ``i`` owns ``count_i``
+  slots, ``count_i / BLEND_PERIOD`` being its weight rounded to the period. The slots are spread evenly, so
+  even a short run, or a single global batch, sees the requested proportions.
+"""
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanotron.data.permutation import permute
+from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, DataError
+
+__all__ = ["BLEND_PERIOD", "DataError", "PretrainDataset", "TokenShards"]
+
+BLEND_PERIOD = 4096
+# Permutation streams of different domains must not collide for any realistic number of epochs.
+_STREAMS_PER_DOMAIN = 2**20
+_REBUILD = "re-run `nanotron preprocess` to rebuild the folder"
+
+
+class TokenShards:
+    """One preprocessed folder, memory-mapped read-only, seen as a single token stream."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.name = Path(os.path.abspath(self.folder)).name
+        metadata_file = self.folder / METADATA_FILE_NAME
+        metadata = _read_metadata(metadata_file)
+        try:
+            tokenizer = metadata["tokenizer"]
+            self.vocab_size = int(tokenizer["vocab_size"])
+            self.eos_token_id = int(tokenizer["eos_token_id"])
+            self.tokenizer_fingerprint = str(tokenizer["fingerprint"])
+            self.num_tokens = int(metadata["num_tokens"])
+            dtype = np.dtype(metadata["dtype"])
+            shards = [(shard["tokens"], int(shard["num_tokens"]), shard["documents"], int(shard["num_documents"]))
+                      for shard in metadata["shards"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise DataError(f"{metadata_file} is malformed ({type(error).__name__}: {error}); {_REBUILD}") from None
+
+        self._tokens = []
+        for tokens_file, num_tokens, documents_file, num_documents in shards:
+            self._tokens.append(self._open_array(tokens_file, dtype, num_tokens))
+            self._open_array(documents_file, np.dtype(np.int64), num_documents)
+        if sum(len(tokens) for tokens in self._tokens) != self.num_tokens:
+            raise DataError(f"{metadata_file} records {self.num_tokens} tokens but its shards hold "
+                            f"{sum(len(tokens) for tokens in self._tokens)}; {_REBUILD}")
+        self._shard_starts = np.cumsum([0] + [len(tokens) for tokens in self._tokens[:-1]])
+
+    def _open_array(self, file_name: str, dtype: np.dtype, length: int) -> np.ndarray:
+        path = self.folder / file_name
+        if not path.is_file():
+            raise DataError(f"shard {path} is missing; {_REBUILD}")
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as error:
+            raise DataError(f"shard {path} is corrupt ({error}); {_REBUILD}") from None
+        if array.dtype != dtype or array.shape != (length,):
+            raise DataError(f"shard {path} holds {array.dtype}{list(array.shape)} but {METADATA_FILE_NAME} records "
+                            f"{dtype}[{length}]; {_REBUILD}")
+        return array
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the folder's stream (crossing shard boundaries), as int64."""
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) are outside {self.folder}, which holds "
+                             f"{self.num_tokens} tokens")
+        out = np.empty(length, dtype=np.int64)
+        shard = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            local_start = start + filled - int(self._shard_starts[shard])
+            piece = self._tokens[shard][local_start:local_start + length - filled]
+            out[filled:filled + len(piece)] = piece
+            filled += len(piece)
+            shard += 1
+        return out
+
+    def __reduce__(self):
+        # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens.
+        return TokenShards, (self.folder,)
+
+
+def _read_metadata(metadata_file: Path) -> dict:
+    if not metadata_file.is_file():
+        raise DataError(f"{metadata_file.parent} is not a preprocessed folder ({METADATA_FILE_NAME} is missing); "
+                        f"create it with `nanotron preprocess`")
+    try:
+        metadata = json.loads(metadata_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{metadata_file} is not valid JSON ({error}); {_REBUILD}") from None
+    version = metadata.get("format_version") if isinstance(metadata, dict) else None
+    if version != FORMAT_VERSION:
+        raise DataError(f"{metadata_file} has format_version {version} but this nanotron reads version "
+                        f"{FORMAT_VERSION}; {_REBUILD}")
+    return metadata
+
+
+class PretrainDataset:
+    """The deterministic, infinite sample stream of one data stage, blended over preprocessed folders.
+
+    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``.
+    """
+
+    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int):
+        if isinstance(folders, (str, Path)):  # one folder; iterating a str would yield its characters
+            folders = [folders]
+        if not folders:
+            raise DataError("dataset_folder is empty; list at least one preprocessed folder")
+        if sequence_length < 1:
+            raise DataError(f"sequence_length must be at least 1, got {sequence_length}")
+        self.sequence_length = sequence_length
+        self.seed = seed
+        self._shards = [TokenShards(folder) for folder in folders]
+        self.domain_names = [shards.name for shards in self._shards]
+        self.vocab_size = max(shards.vocab_size for shards in self._shards)
+        self.tokenizer_fingerprints = [shards.tokenizer_fingerprint for shards in self._shards]
+        if len(set(self.tokenizer_fingerprints)) > 1:
+            raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
+                            + ", ".join(f"{shards.folder}: {shards.tokenizer_fingerprint[:12]}"
+                                        for shards in self._shards)
+                            + "); preprocess them all with the same tokenizer")
+        self.num_windows = [(shards.num_tokens - 1) // sequence_length for shards in self._shards]
+        for shards, num_windows in zip(self._shards, self.num_windows):
+            if num_windows == 0:
+                raise DataError(f"{shards.folder} holds {shards.num_tokens} tokens, fewer than one sample of "
+                                f"sequence_length + 1 = {sequence_length + 1} tokens; add data to it or lower "
+                                f"sequence_length")
+
+        self._samples_per_period = _quantise(_validated_weights(weights, self._shards), BLEND_PERIOD)
+        self.weights = (self._samples_per_period / BLEND_PERIOD).tolist()
+        self._domain_of_slot, self._rank_of_slot = _interleave(self._samples_per_period)
+
+    def sample(self, g: int) -> tuple[np.ndarray, int]:
+        """Global sample ``g``: its ``sequence_length + 1`` tokens (int64) and its domain id."""
+        domains, windows = self._locate([g])
+        return self._read_window(int(domains[0]), int(windows[0])), int(domains[0])
+
+    def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The samples ``indices`` stacked: ``tokens`` [n, sequence_length + 1] and ``domain_ids`` [n], int64."""
+        domains, windows = self._locate(indices)
+        tokens = np.empty((len(domains), self.sequence_length + 1), dtype=np.int64)
+        for row, (domain, window) in enumerate(zip(domains.tolist(), windows.tolist())):
+            tokens[row] = self._read_window(domain, window)
+        return {"tokens": torch.from_numpy(tokens), "domain_ids": torch.from_numpy(domains)}
+
+    def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Domain id and window index of each global sample index, vectorised over the indices."""
+        g = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if g.size and g.min() < 0:
+            raise IndexError(f"sample indices start at 0, got {g.min()}")
+        period, slot = np.divmod(g, BLEND_PERIOD)
+        domains = self._domain_of_slot[slot]
+        index_in_domain = period * self._samples_per_period[domains] + self._rank_of_slot[slot]
+        epochs, positions = np.divmod(index_in_domain, np.asarray(self.num_windows, dtype=np.int64)[domains])
+        windows = np.empty_like(positions)
+        for domain, epoch in np.unique(np.stack([domains, epochs], axis=1), axis=0).tolist():
+            selected = (domains == domain) & (epochs == epoch)
+            windows[selected] = permute(positions[selected], self.num_windows[domain], self.seed,
+                                        stream=domain * _STREAMS_PER_DOMAIN + epoch)
+        return domains, windows
+
+    def _read_window(self, domain: int, window: int) -> np.ndarray:
+        return self._shards[domain].read(window * self.sequence_length, self.sequence_length + 1)
+
+
+def _validated_weights(weights: Sequence[float] | None, shards: Sequence[TokenShards]) -> np.ndarray:
+    if weights is None:
+        return np.array([folder.num_tokens for folder in shards], dtype=np.float64)
+    if len(weights) != len(shards):
+        raise DataError(f"dataset_weights has {len(weights)} values but dataset_folder has {len(shards)} folders; "
+                        f"give one weight per folder")
+    values = np.array(weights, dtype=np.float64)
+    if not np.all(np.isfinite(values) & (values > 0)):
+        raise DataError(f"dataset_weights must all be positive numbers, got {list(weights)}")
+    return values
+
+
+def _quantise(weights: np.ndarray, period: int) -> np.ndarray:
+    """Integer slot counts summing to ``period``, proportional to ``weights`` (largest-remainder method).
+
+    Every domain keeps at least one slot, so a small but positive weight is never rounded away.
+    """
+    if len(weights) > period:
+        raise DataError(f"dataset_folder lists {len(weights)} folders; at most {period} can be blended")
+    exact = weights / weights.sum() * period
+    counts = np.maximum(np.floor(exact).astype(np.int64), 1)
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - np.floor(exact[i])), i))
+    surplus = period - int(counts.sum())
+    for domain in by_remainder[:max(surplus, 0)]:
+        counts[domain] += 1
+    while surplus < 0:  # the one-slot minimum overshot: take back from the smallest remainders
+        for domain in reversed(by_remainder):
+            if surplus < 0 and counts[domain] > 1:
+                counts[domain] -= 1
+                surplus += 1
+    return counts
+
+
+def _interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Spread ``counts[i]`` slots of each domain ``i`` evenly over one period (smooth weighted round robin).
+
+    Each slot goes to the domain furthest behind its share, ``counts[i] * (slot + 1) / period - taken[i]``
+    (ties to the lowest id); each domain ends the period with exactly ``counts[i]`` slots. Returns, per slot,
+    the domain and the number of earlier slots of the same domain.
+    """
+    period = int(counts.sum())
+    credit = [0] * len(counts)  # period * (share so far - slots taken), in integers to keep ties exact
+    taken = [0] * len(counts)
+    domain_of_slot = np.empty(period, dtype=np.int64)
+    rank_of_slot = np.empty(period, dtype=np.int64)
+    for slot in range(period):
+        credit = [value + int(count) for value, count in zip(credit, counts)]
+        domain = credit.index(max(credit))
+        credit[domain] -= period
+        domain_of_slot[slot], rank_of_slot[slot] = domain, taken[domain]
+        taken[domain] += 1
+    return domain_of_slot, rank_of_slot

@@ -1,0 +1,107 @@
+"""Which samples every data-parallel rank trains on at every step, and the iterator that loads them.
+
+The global batch of step ``s`` (counted from the start of a data stage) is the contiguous range of global
+sample indices ``first_sample + s * global_batch_size + [0, global_batch_size)``. Data-parallel rank ``d``
+takes the ``d``-th contiguous block of it, cut into micro-batches. The union over ranks is the global batch for
+any data-parallel size, so a run trains on the same samples whatever its layout, and resuming at step ``s``
+needs nothing but ``s``.
+"""
+
+import itertools
+import sys
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from nanotron.data.dataset import DataError, PretrainDataset
+
+
+def global_batch_indices(step: int, first_sample: int, global_batch_size: int) -> range:
+    """Global sample indices of the ``step``-th (0-based) global batch of a stage starting at ``first_sample``."""
+    start = first_sample + step * global_batch_size
+    return range(start, start + global_batch_size)
+
+
+def rank_micro_batches(indices: range, dp_rank: int, dp_size: int, micro_batch_size: int,
+                       accumulation: int) -> list[range]:
+    """The ``accumulation`` micro-batches of ``micro_batch_size`` samples that ``dp_rank`` takes from ``indices``."""
+    per_rank = micro_batch_size * accumulation
+    if len(indices) != dp_size * per_rank:
+        raise DataError(f"the global batch of {len(indices)} samples cannot be split into dp_size {dp_size} x "
+                        f"micro_batch_size {micro_batch_size} x accumulation {accumulation} = "
+                        f"{dp_size * per_rank} samples; make the global batch size equal to that product")
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+    block = indices[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return [block[micro * micro_batch_size:(micro + 1) * micro_batch_size] for micro in range(accumulation)]
+
+
+def _to_micro_batch(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens."""
+    tokens = samples["tokens"]
+    labels = tokens[:, 1:].contiguous()
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels,
+            "label_mask": torch.ones_like(labels, dtype=torch.bool), "domain_ids": samples["domain_ids"]}
+
+
+class _RankMicroBatches(Dataset):
+    """Micro-batch ``k`` of one rank, counted from the start step, as a map-style dataset.
+
+    Indexing by ``k`` (rather than iterating) lets a multi-worker DataLoader, which returns items in sampler
+    order, produce exactly the sequence a single process would.
+    """
+
+    def __init__(self, dataset: PretrainDataset, first_sample: int, start_step: int, micro_batch_size: int,
+                 accumulation: int, dp_rank: int, dp_size: int):
+        self.dataset = dataset
+        self.first_sample = first_sample
+        self.start_step = start_step
+        self.micro_batch_size = micro_batch_size
+        self.accumulation = accumulation
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        step, micro = divmod(k, self.accumulation)
+        global_batch_size = self.dp_size * self.micro_batch_size * self.accumulation
+        indices = global_batch_indices(self.start_step + step, self.first_sample, global_batch_size)
+        micro_batches = rank_micro_batches(indices, self.dp_rank, self.dp_size, self.micro_batch_size,
+                                           self.accumulation)
+        return _to_micro_batch(self.dataset.samples(micro_batches[micro]))
+
+
+class MicroBatchLoader:
+    """This data-parallel rank's micro-batches, step after step, from ``start_step`` of a data stage on.
+
+    Each micro-batch is ``{"input_ids", "labels", "label_mask", "domain_ids"}``: int64 ``[mbs, S]``, int64
+    ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``. With ``num_workers > 0`` worker processes load ahead of
+    the training loop; the batches are identical to those of ``num_workers = 0``.
+    """
+
+    def __init__(self, dataset: PretrainDataset, *, first_sample: int, start_step: int, micro_batch_size: int,
+                 accumulation: int, dp_rank: int, dp_size: int, num_workers: int = 0):
+        for name, value, minimum in (("first_sample", first_sample, 0), ("start_step", start_step, 0),
+                                     ("micro_batch_size", micro_batch_size, 1), ("accumulation", accumulation, 1),
+                                     ("dp_size", dp_size, 1), ("num_workers", num_workers, 0)):
+            if value < minimum:
+                raise DataError(f"{name} must be at least {minimum}, got {value}")
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+        self.accumulation = accumulation
+        self.step = start_step  # the stage step that next_step() returns
+        micro_batches = _RankMicroBatches(dataset, first_sample, start_step, micro_batch_size, accumulation,
+                                          dp_rank, dp_size)
+        self._iterator: Iterator[dict[str, torch.Tensor]]
+        if num_workers == 0:
+            self._iterator = map(micro_batches.__getitem__, itertools.count())
+        else:
+            # batch_size=None: every item already is a micro-batch; the sampler just counts k = 0, 1, 2, ...
+            self._iterator = iter(DataLoader(micro_batches, batch_size=None, sampler=range(sys.maxsize),
+                                             num_workers=num_workers, prefetch_factor=2))
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        """The ``accumulation`` micro-batches of the next step."""
+        micro_batches = [next(self._iterator) for _ in range(self.accumulation)]
+        self.step += 1
+        return micro_batches

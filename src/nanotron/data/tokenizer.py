@@ -1,0 +1,116 @@
+"""Loading, training and identifying Hugging Face ``tokenizers`` tokenizers.
+
+A preprocessed folder stores token ids, which only mean something together with the tokenizer that produced
+them. ``tokenizer_fingerprint`` gives that tokenizer a stable identity, recorded in every folder, so a blend of
+folders or a model can be checked against it instead of silently training on mismatched ids.
+"""
+
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+
+TOKENIZER_FILE_NAME = "tokenizer.json"
+EOS_TOKEN = "<|endoftext|>"
+# End-of-document tokens of common tokenizer families (GPT-2/NeoX, Llama 2/Mistral, Llama 3 base, Gemma,
+# Llama 3 chat), in order of preference.
+EOS_TOKEN_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
+# A byte-level BPE vocabulary always holds the 256 byte symbols and the end-of-document token.
+MIN_VOCAB_SIZE = 256 + 1
+
+
+class TokenizerError(ValueError):
+    """A tokenizer could not be loaded, trained or used as asked."""
+
+
+def load_tokenizer(name_or_path: str | Path, revision: str | None = None) -> Tokenizer:
+    """Load a tokenizer from a ``tokenizer.json`` file, a directory holding one, or a Hugging Face Hub name.
+
+    Local paths win over hub names, so an existing folder called like a hub repository is used as is.
+    """
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE_NAME
+        if not path.is_file():
+            raise TokenizerError(f"tokenizer directory {name_or_path} has no {TOKENIZER_FILE_NAME}; "
+                                 f"pass the tokenizer file itself or a directory that contains one")
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as error:
+            raise TokenizerError(f"{path} is not a valid Hugging Face tokenizer file ({error}); "
+                                 f"create one with `nanotron train-tokenizer`") from error
+    if path.suffix == ".json":
+        raise TokenizerError(f"tokenizer file {name_or_path} does not exist; check the path")
+    try:
+        return Tokenizer.from_pretrained(str(name_or_path), revision=revision or "main")
+    except Exception as error:
+        raise TokenizerError(f"tokenizer {name_or_path!r} does not exist locally and could not be loaded from the "
+                             f"Hugging Face Hub ({type(error).__name__}); pass a local tokenizer.json or check "
+                             f"the name and your connection") from error
+
+
+def train_tokenizer(inputs: Sequence[Path], vocab_size: int, output: Path, text_key: str = "text",
+                    min_frequency: int = 2) -> Path:
+    """Train a byte-level BPE tokenizer on the documents of ``inputs`` and write it as ``tokenizer.json``.
+
+    ``inputs`` are files or directories in the formats ``nanotron preprocess`` reads. ``output`` is a ``.json``
+    file path or a directory (the file is then ``<output>/tokenizer.json``). Training is deterministic: the same
+    inputs give a byte-identical file. Byte-level BPE can encode any text without unknown tokens, and
+    ``<|endoftext|>`` (id 0) is the end-of-document token that preprocessing appends.
+    """
+    # Imported here because preprocess builds on this module (it tokenizes with load_tokenizer).
+    from nanotron.data.preprocess import iter_documents, list_input_files
+
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise TokenizerError(f"--vocab-size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
+                             f"{EOS_TOKEN}), got {vocab_size}")
+    if min_frequency < 1:
+        raise TokenizerError(f"min_frequency must be at least 1, got {min_frequency}")
+    files = list_input_files(inputs)
+    output = Path(output)
+    output_file = output if output.suffix == ".json" else output / TOKENIZER_FILE_NAME
+    if output_file.is_dir():
+        raise TokenizerError(f"tokenizer output {output_file} is a directory; pass a .json file path or a "
+                             f"directory to write {TOKENIZER_FILE_NAME} into")
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+
+    def documents() -> Iterator[str]:
+        for file in tqdm(files, desc="training tokenizer", unit="file"):
+            yield from iter_documents(file, text_key)
+
+    tokenizer.train_from_iterator(documents(), trainer=trainer)
+
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    # A hidden sibling, renamed into place, so that no reader ever sees a half-written tokenizer.json.
+    temporary = output_file.with_name(f".{output_file.name}.{os.getpid()}.tmp")
+    try:
+        tokenizer.save(str(temporary))
+        os.replace(temporary, output_file)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return output_file
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """The sha256 (hex) of the tokenizer's canonical JSON: equal fingerprints mean identical token ids."""
+    return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
+
+
+def eos_token_id(tokenizer: Tokenizer) -> int:
+    """The id of the end-of-document token, the first of ``EOS_TOKEN_CANDIDATES`` in the vocabulary."""
+    for token in EOS_TOKEN_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise TokenizerError(f"the tokenizer has none of the end-of-document tokens {', '.join(EOS_TOKEN_CANDIDATES)}; "
+                         f"use a tokenizer that defines one (e.g. train one with `nanotron train-tokenizer`)")

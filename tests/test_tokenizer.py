@@ -1,0 +1,109 @@
+"""Tokenizer loading, training and identity (nanotron.data.tokenizer)."""
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from nanotron.data.dataset import DataError
+from nanotron.data.tokenizer import (EOS_TOKEN, TokenizerError, eos_token_id, load_tokenizer, tokenizer_fingerprint,
+                                     train_tokenizer)
+
+WORDS = ("the model reads a long stream of tokens and learns to predict the next one from every shard of data "
+         "while each rank trains on its own window of the global batch with a small learning rate").split()
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A folder with a .jsonl file and a nested .txt file of English-like text."""
+    folder = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    with (folder / "documents.jsonl").open("w") as file:
+        for _ in range(200):
+            file.write(json.dumps({"text": " ".join(_sentence(rng) for _ in range(5))}) + "\n")
+    (folder / "notes").mkdir()
+    (folder / "notes" / "story.txt").write_text("\n\n".join(_sentence(rng) for _ in range(50)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(corpus, tmp_path_factory) -> Path:
+    return train_tokenizer([corpus], vocab_size=400, output=tmp_path_factory.mktemp("tokenizer"))
+
+
+def test_train_writes_tokenizer_json_into_an_output_directory(tokenizer_file):
+    assert tokenizer_file.name == "tokenizer.json"
+    assert [path.name for path in tokenizer_file.parent.iterdir()] == ["tokenizer.json"]  # no temporary left
+    tokenizer = load_tokenizer(tokenizer_file)
+    assert tokenizer.get_vocab_size() == 400
+    assert "Ġmodel" in tokenizer.get_vocab()  # a frequent word became one byte-level token
+
+
+def test_training_is_deterministic(corpus, tokenizer_file, tmp_path):
+    again = train_tokenizer([corpus], vocab_size=400, output=tmp_path / "again.json")
+    assert again == tmp_path / "again.json"
+    assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
+
+
+def test_encode_decode_round_trip(tokenizer_file):
+    tokenizer = load_tokenizer(tokenizer_file)
+    text = "The model reads  tokens.\n\nÜnïcode — 日本語 🙂\tand unseen wörds like zyzzyva!"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == text
+    common = "the model reads a long stream of tokens"
+    assert len(tokenizer.encode(common).ids) < len(common.encode()) / 2
+
+
+def test_eos_token_is_the_first_special_token(tokenizer_file):
+    tokenizer = load_tokenizer(tokenizer_file)
+    assert eos_token_id(tokenizer) == 0
+    assert tokenizer.id_to_token(0) == EOS_TOKEN
+
+
+def test_eos_token_id_follows_the_candidate_order():
+    llama_like = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "<eos>": 3}, unk_token="<unk>"))
+    assert eos_token_id(llama_like) == 2
+    without_eos = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>"))
+    with pytest.raises(TokenizerError, match="end-of-document"):
+        eos_token_id(without_eos)
+
+
+def test_fingerprint_identifies_the_tokenizer(corpus, tokenizer_file, tmp_path):
+    tokenizer = load_tokenizer(tokenizer_file)
+    assert tokenizer_fingerprint(tokenizer) == hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+    assert tokenizer_fingerprint(load_tokenizer(tokenizer_file.parent)) == tokenizer_fingerprint(tokenizer)
+    smaller = load_tokenizer(train_tokenizer([corpus], vocab_size=300, output=tmp_path))
+    assert tokenizer_fingerprint(smaller) != tokenizer_fingerprint(tokenizer)
+
+
+def test_load_errors_name_the_value(tmp_path, monkeypatch):
+    with pytest.raises(TokenizerError, match=f"{tmp_path} has no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(TokenizerError, match="missing.json does not exist"):
+        load_tokenizer(tmp_path / "missing.json")
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="broken.json is not a valid"):
+        load_tokenizer(tmp_path / "broken.json")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail at once instead of retrying the network
+    with pytest.raises(TokenizerError, match="'no-such-org/no-such-tokenizer' does not exist locally"):
+        load_tokenizer("no-such-org/no-such-tokenizer")
+
+
+def test_train_rejects_a_vocabulary_smaller_than_the_byte_alphabet(corpus, tmp_path):
+    with pytest.raises(TokenizerError, match="--vocab-size must be at least 257"):
+        train_tokenizer([corpus], vocab_size=100, output=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_stops_at_a_bad_input_line_and_writes_nothing(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "wrong key"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: no 'text' key"):
+        train_tokenizer([tmp_path / "bad.jsonl"], vocab_size=300, output=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
