@@ -44,14 +44,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str) -> None:
-    """Join the process group described by torchrun's variables, or form a world of one under plain ``python``."""
+def init_distributed(device: torch.device) -> None:
+    """Join the process group described by torchrun's variables, or form a world of one under plain ``python``.
+
+    NCCL is bound to this rank's GPU up front, so communicators are created eagerly on the right device.
+    """
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=backend)
+    if device.type == "cuda":
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo")
 
 
 def default_device() -> torch.device:
@@ -71,8 +77,7 @@ class ParallelContext:
         self.device = device if device is not None else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        init_distributed(self.backend)
+        init_distributed(self.device)
 
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
