@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -21,7 +22,8 @@ def _worker(rank: int, world_size: int, port: int, fn, kwargs: dict, queue) -> N
         MASTER_PORT=str(port), NANOTRON_DEVICE="cpu", OMP_NUM_THREADS="1",
     )
     try:
-        queue.put((rank, "ok", fn(**kwargs)))
+        # Plain pickle copies tensors by value: shared-memory handles would die with this process.
+        queue.put((rank, "ok", pickle.dumps(fn(**kwargs))))
     except BaseException:  # report any failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -47,7 +49,7 @@ def run_distributed(fn, world_size: int, timeout: float = 240, **kwargs) -> list
             rank, status, value = queue.get(timeout=timeout)
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for process in processes:
             process.join(timeout=10)

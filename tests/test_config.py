@@ -489,18 +489,9 @@ RULES = {
         _set(f"{MC}.num_key_value_heads", 3),
         [f"{MC}.num_attention_heads (4)", f"{MC}.num_key_value_heads (3)"],
     ),
-    "heads split over tp": (
-        _all(_set(f"{MC}.num_attention_heads", 6), _set(f"{MC}.hidden_size", 132), _set("parallelism.tp", 4)),
-        [f"{MC}.num_attention_heads (6)", "parallelism.tp (4)"],
-    ),
-    "kv heads and tp divide one another": (
-        _all(
-            _set(f"{MC}.hidden_size", 192),
-            _set(f"{MC}.num_attention_heads", 12),
-            _set(f"{MC}.num_key_value_heads", 3),
-            _set("parallelism.tp", 4),
-        ),
-        [f"{MC}.num_key_value_heads (3)", "parallelism.tp (4)"],
+    "kv heads split over tp": (
+        _set("parallelism.tp", 4),
+        [f"{MC}.num_key_value_heads (2)", "parallelism.tp (4)"],
     ),
     "intermediate size splits over tp": (
         _all(_set(f"{MC}.intermediate_size", 385), _set("parallelism.tp", 2)),

@@ -8,8 +8,8 @@ from nanotron.config import LlamaConfig
 from nanotron.models.build import materialize, padded_vocab_size
 from nanotron.models.init import init_parameters
 from nanotron.models.llama import LlamaForCausalLM
-from nanotron.nn.loss import masked_loss_sum
-from nanotron.parallel.placement import annotate_replicated, logical_parameters
+from nanotron.nn.loss import masked_sum, token_losses
+from nanotron.parallel.placement import annotate_placements, logical_parameters
 
 COORDS = {"pp": 0, "dp": 0, "ep": 0, "tp": 0}
 SIZES = {"pp": 1, "dp": 1, "ep": 1, "tp": 1}
@@ -21,7 +21,7 @@ def make_model(seed=0, tie=True, kv_heads=2, dtype=torch.float32) -> LlamaForCau
     with torch.device("meta"):
         model = LlamaForCausalLM(config, padded_vocab_size(100, 8, 1))
     materialize(model, torch.device("cpu"), dtype)
-    annotate_replicated(model)
+    annotate_placements(model)
     init_parameters(model, seed, 0.02, COORDS, SIZES)
     return model
 
@@ -100,8 +100,8 @@ def test_loss_ignores_masked_tokens_and_all_masked_is_zero():
     mask = torch.zeros(2, 5, dtype=torch.bool)
     mask[0, :3] = True
     expected = F.cross_entropy(logits[0, :3], labels[0, :3], reduction="sum")
-    torch.testing.assert_close(masked_loss_sum(logits, labels, mask), expected)
-    nothing = masked_loss_sum(logits, labels, torch.zeros_like(mask))
+    torch.testing.assert_close(masked_sum(token_losses(logits, labels), mask), expected)
+    nothing = masked_sum(token_losses(logits, labels), torch.zeros_like(mask))
     nothing.backward()
     assert nothing.item() == 0.0 and torch.isfinite(logits.grad).all() and logits.grad.abs().sum() == 0
 

@@ -14,7 +14,7 @@ def _train(args: argparse.Namespace) -> None:
     from nanotron.config import load_config
     from nanotron.trainer import Trainer
 
-    trainer = Trainer(load_config(args.config_file))
+    trainer = Trainer(load_config(args.config_file, args.override))
     try:
         trainer.train()
     finally:
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a model from a YAML config (under torchrun for several ranks)")
     train.add_argument("--config-file", type=Path, required=True)
+    train.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="change config values, e.g. parallelism.tp=2 parallelism.tp_mode=REDUCE_SCATTER")
     train.set_defaults(run=_train)
 
     pre = commands.add_parser("preprocess", help="tokenize .txt/.jsonl/.parquet files into training shards")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.logging import setup_logging
 from nanotron.metrics import MetricsWriter, flops_per_token, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import build_model
-from nanotron.nn.loss import masked_loss_sum
+from nanotron.nn.loss import masked_sum
+from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.optim.clip import clip_gradients, global_grad_norm
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import MixedPrecisionAdamW
@@ -65,7 +67,7 @@ def check_supported_layout(config: Config) -> None:
     """Reject parallel settings whose mechanisms this version does not provide, naming the keys."""
     p = config.parallelism
     unsupported = [f"parallelism.{key}={value}" for key, value in
-                   (("tp", p.tp), ("pp", p.pp), ("expert_parallel_size", p.expert_parallel_size)) if value != 1]
+                   (("pp", p.pp), ("expert_parallel_size", p.expert_parallel_size)) if value != 1]
     if config.optimizer.zero_stage != 0:
         unsupported.append(f"optimizer.zero_stage={config.optimizer.zero_stage}")
     if unsupported:
@@ -167,6 +169,9 @@ class Trainer:
     def _log_summary(self) -> None:
         c = self.config
         t = c.tokens
+        overlapping = c.parallelism.tp > 1 and c.parallelism.tp_linear_async_communication
+        if overlapping and self.pc.device.type == "cuda" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+            logger.warning("tp_linear_async_communication overlaps best with CUDA_DEVICE_MAX_CONNECTIONS=1")
         logger.info(
             f"model: {self.num_parameters / 1e6:.2f}M parameters, dtype {c.model.dtype}, "
             f"padded vocab {self.model.padded_vocab_size}, device {self.pc.device}"
@@ -191,7 +196,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=device)
         for mb in batches:
             logits = self.model(input_ids=mb["input_ids"])
-            loss = masked_loss_sum(logits, mb["labels"], mb["label_mask"]) / token_count
+            losses = vocab_parallel_token_losses(logits, mb["labels"], self.pc.groups["tp"])
+            loss = masked_sum(losses, mb["label_mask"]) / token_count
             loss.backward()
             loss_sum += loss.detach()
 

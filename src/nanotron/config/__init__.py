@@ -6,6 +6,7 @@ Users write YAML in nanotron's format (see docs/config.md); code reads it with `
 from nanotron.config.loading import (
     LEGACY_KEYS,
     LegacyKeyWarning,
+    apply_overrides,
     config_from_dict,
     config_to_dict,
     expand_run_name,
@@ -59,6 +60,7 @@ __all__ = [
     "RandomInit",
     "TokenizerArgs",
     "TokensArgs",
+    "apply_overrides",
     "config_from_dict",
     "config_to_dict",
     "expand_run_name",

@@ -12,7 +12,7 @@ import tempfile
 import types
 import typing
 import warnings
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import MISSING, Field, fields, is_dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -261,8 +261,40 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
-def load_config(path: str | Path) -> Config:
-    """Read, type-check and validate a YAML config; every ConfigError message starts with the file name."""
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    """Set ``section.key=value`` entries (values parsed as YAML) on plain config data, e.g. ``parallelism.tp=2``.
+
+    Lets one example file serve several layouts from the command line; the result is validated like any config.
+    """
+    for override in overrides:
+        dotted, sep, value = override.partition("=")
+        if not sep or not dotted:
+            raise ConfigError(f"override {override!r} is not of the form section.key=value (e.g. parallelism.tp=2)")
+        *parents, leaf = dotted.split(".")
+        node: Any = raw
+        for part in parents:
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {override!r}: '{part}' is not inside a section")
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+        if isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
+            node[int(leaf)] = yaml.safe_load(value)
+        elif isinstance(node, dict):
+            node[leaf] = yaml.safe_load(value)
+        else:
+            raise ConfigError(f"override {override!r}: '{leaf}' is not inside a section")
+    return raw
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read, type-check and validate a YAML config; every ConfigError message starts with the file name.
+
+    ``overrides`` (``section.key=value``) are applied to the YAML before it is checked.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -277,7 +309,7 @@ def load_config(path: str | Path) -> Config:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(f"{where}invalid YAML: {e.problem}", source=path) from None
     try:
-        return config_from_dict(raw)
+        return config_from_dict(apply_overrides(raw, overrides) if overrides else raw)
     except ConfigError as e:
         raise ConfigError(*e.problems, source=path) from None
 

@@ -254,10 +254,11 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
                 f"{key}.num_attention_heads ({c.num_attention_heads}) must be divisible by parallelism.tp ({p.tp}): "
                 "each TP rank holds whole heads"
             )
-        if c.num_key_value_heads % p.tp and p.tp % c.num_key_value_heads:
+        if c.num_key_value_heads % p.tp:
             yield (
-                f"{key}.num_key_value_heads ({c.num_key_value_heads}) and parallelism.tp ({p.tp}) must divide one "
-                "another: kv heads are either split over TP ranks or replicated on them"
+                f"{key}.num_key_value_heads ({c.num_key_value_heads}) must be divisible by parallelism.tp ({p.tp}): "
+                "each TP rank holds whole kv heads (replicating kv heads over TP ranks is not supported); "
+                "lower parallelism.tp"
             )
         if c.intermediate_size % p.tp:
             yield (

@@ -9,7 +9,9 @@ from nanotron.config import Config, LlamaConfig
 from nanotron.models.init import init_parameters
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.placement import annotate_replicated
+from nanotron.parallel.placement import annotate_placements
+from nanotron.parallel.plans import TENSOR_PARALLEL_PLANS
+from nanotron.parallel.tensor_parallel import apply_tensor_parallel
 
 MODEL_CLASSES: dict[type, type[nn.Module]] = {LlamaConfig: LlamaForCausalLM}
 
@@ -45,8 +47,13 @@ def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
     )
     with torch.device("meta"):
         model = MODEL_CLASSES[type(model_config)](model_config, vocab)
+        if parallel_context.size("tp") > 1:
+            plan = TENSOR_PARALLEL_PLANS[type(model_config)](model_config)
+            apply_tensor_parallel(model, plan, parallel_context.groups["tp"], config.parallelism.tp_mode,
+                                  config.parallelism.tp_linear_async_communication)
+            model.tie_weights()
     materialize(model, parallel_context.device, config.model.torch_dtype())
-    annotate_replicated(model)
+    annotate_placements(model)
     std = getattr(config.model.init_method, "std", model_config.initializer_range)
     init_parameters(model, config.general.seed, std, parallel_context.coordinates, parallel_context.sizes)
     return model

@@ -17,6 +17,6 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return flat.view_as(labels)
 
 
-def masked_loss_sum(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+def masked_sum(losses: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
     """Sum of the token losses that count (``label_mask`` True); a fully masked batch contributes exactly 0."""
-    return torch.where(label_mask, token_losses(logits, labels), 0.0).sum()
+    return torch.where(label_mask, losses, 0.0).sum()

@@ -89,19 +89,25 @@ def get_placement(param: torch.Tensor) -> Placement:
         raise RuntimeError("parameter has no placement: call nanotron.parallel.placement.set_placement") from None
 
 
-def annotate_replicated(model: torch.nn.Module) -> None:
-    """Give every parameter a fully replicated placement named by its module path (the single-process layout).
+def annotate_placements(model: torch.nn.Module) -> None:
+    """Give every parameter its placement, named by its module path in the whole model.
 
-    Tied parameters appear once in ``named_parameters``; their other names are recorded as ``tied_names``.
+    A module that holds a shard declares it in ``parameter_shards`` ({attribute: (logical shape, shards)});
+    every other parameter is replicated. Tied parameters appear once in ``named_parameters``; their other names are
+    recorded as ``tied_names``.
     """
     names: dict[int, list[str]] = {}
-    params: dict[int, torch.nn.Parameter] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    for key, param in params.items():
+    specs: dict[int, tuple[torch.nn.Parameter, tuple[int, ...], tuple[Shard, ...]]] = {}
+    for module_name, module in model.named_modules():
+        declared = getattr(module, "parameter_shards", {})
+        for attribute, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attribute}" if module_name else attribute
+            names.setdefault(id(param), []).append(name)
+            logical_shape, shards = declared.get(attribute, (tuple(param.shape), ()))
+            specs.setdefault(id(param), (param, tuple(logical_shape), tuple(shards)))
+    for key, (param, logical_shape, shards) in specs.items():
         first, *others = names[key]
-        set_placement(param, Placement(first, tuple(param.shape), tied_names=tuple(others)))
+        set_placement(param, Placement(first, logical_shape, shards, tied_names=tuple(others)))
 
 
 def logical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

@@ -1,0 +1,57 @@
+"""Cross-entropy on logits sharded over the vocabulary, without ever gathering them.
+
+Each tensor-parallel rank holds the logits of a contiguous slice of the vocabulary. The softmax needs three
+all-reduces of per-token scalars (the max, the sum of exponentials and the target logit), all in fp32:
+
+    m = max_v z_v               z <- z - m
+    loss = log(sum_v exp z_v) - z_target
+
+The backward is local: softmax minus the one-hot target on this rank's slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from nanotron.nn.loss import token_losses
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        start = dist.get_rank(group) * local_vocab
+
+        maximum = logits.max(dim=-1).values
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - maximum.unsqueeze(-1)
+
+        in_slice = (labels >= start) & (labels < start + local_vocab)
+        local_labels = torch.where(in_slice, labels - start, 0)
+        target = torch.where(in_slice, shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1), 0.0)
+        dist.all_reduce(target, group=group)
+
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_labels, in_slice)
+        return sum_exp.log() - target
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local_labels, in_slice = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -in_slice.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None
+
+
+def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Per-token cross-entropy [batch, seq] (fp32) from logits [batch, seq, vocab / tp] sharded over ``group``."""
+    if dist.get_world_size(group) == 1:
+        return token_losses(logits, labels)
+    return _VocabParallelCrossEntropy.apply(logits, labels, group)

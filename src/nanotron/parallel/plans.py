@@ -1,0 +1,29 @@
+"""Tensor-parallel plans: which module of each model is split how.
+
+A plan maps module names (matched exactly or as a dotted suffix) to a style. Keeping plans here, as data, leaves the
+model files free of any parallel code.
+"""
+
+from __future__ import annotations
+
+from nanotron.config import LlamaConfig
+from nanotron.parallel.tensor_parallel import Column, Row, SequenceParallelNorm, Style, VocabEmbedding
+
+
+def llama_plan(config: LlamaConfig) -> dict[str, Style]:
+    q_width = config.num_attention_heads * config.head_dim
+    kv_width = config.num_key_value_heads * config.head_dim
+    return {
+        "embed_tokens": VocabEmbedding(),
+        "input_layernorm": SequenceParallelNorm(),
+        "attn.qkv_proj": Column(chunks=(q_width, kv_width, kv_width)),
+        "attn.o_proj": Row(),
+        "post_attention_layernorm": SequenceParallelNorm(),
+        "mlp.gate_up_proj": Column(chunks=(config.intermediate_size, config.intermediate_size)),
+        "mlp.down_proj": Row(),
+        "norm": SequenceParallelNorm(),
+        "lm_head": Column(),  # vocabulary-sharded logits, consumed by the vocab-parallel cross-entropy
+    }
+
+
+TENSOR_PARALLEL_PLANS = {LlamaConfig: llama_plan}

@@ -1,0 +1,191 @@
+"""Tensor parallelism (Megatron-style), applied to a pure model by swapping modules according to a plan.
+
+Two modes (``parallelism.tp_mode``):
+
+- ``ALL_REDUCE``: activations between blocks are replicated on every TP rank. A column-parallel linear takes the
+  full input and produces a feature shard; a row-parallel linear takes a feature shard and all-reduces its partial
+  output.
+- ``REDUCE_SCATTER`` (sequence parallelism): activations between blocks are sharded along the sequence, so norms and
+  residual adds touch 1/tp of the tokens. A column-parallel linear all-gathers the sequence first; a row-parallel
+  linear reduce-scatters its output back to a sequence shard. Norm weights then see different tokens on every rank,
+  so their gradients are summed over TP (``SequenceParallelRMSNorm``).
+
+Every parallel layer records, per parameter, the logical shape and how it is sharded (``parameter_shards``);
+``annotate_placements`` turns that into each parameter's ``Placement`` after materialisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
+from nanotron.parallel.placement import Shard
+from nanotron.parallel.tp_collectives import (
+    copy_to_tp,
+    finish_gather_sequence,
+    gather_sequence,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    start_gather_sequence,
+    start_reduce_scatter_sequence,
+)
+
+ALL_REDUCE, REDUCE_SCATTER = "ALL_REDUCE", "REDUCE_SCATTER"
+
+
+class _OverlappedSequenceColumnLinear(torch.autograd.Function):
+    """Column-parallel linear on a sequence shard whose backward hides communication behind matmuls.
+
+    The forward keeps only the input shard (1/tp of the memory of the gathered input). The backward re-gathers it
+    while computing the input gradient, then reduce-scatters the input gradient while computing the weight gradient.
+    On GPUs, set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` so that each collective starts before the matmul queued after it.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(gather_sequence(x_shard, group), weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x_shard, weight = ctx.saved_tensors
+        buffer, gathering = start_gather_sequence(x_shard, ctx.group)
+        grad_input = grad @ weight
+        gathering.wait()
+        x = finish_gather_sequence(buffer, ctx.group)
+        grad_x_shard, scattering = start_reduce_scatter_sequence(grad_input, ctx.group)
+        grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
+        scattering.wait()
+        return grad_x_shard, grad_weight, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with W split along its output features; the output stays sharded on features.
+
+    ``chunks`` are the logical sizes of fused outputs (e.g. q|k|v): each chunk is split evenly so that every rank holds
+    matching slices of all of them. ``overlap`` (sequence-parallel mode only) selects the backward that overlaps
+    communication with computation.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str,
+                 chunks: tuple[int, ...] | None = None, overlap: bool = False):
+        super().__init__()
+        tp = dist.get_world_size(group)
+        self.group, self.mode = group, mode
+        self.overlap = overlap and mode == REDUCE_SCATTER
+        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
+        self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 0, chunks),))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.overlap:
+            return _OverlappedSequenceColumnLinear.apply(x, self.weight, self.group)
+        x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W split along its input features; partial outputs are summed over TP."""
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str):
+        super().__init__()
+        tp = dist.get_world_size(group)
+        self.group, self.mode = group, mode
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 1),))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds the embeddings of a contiguous vocabulary slice; other ids contribute zeros to the sum."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup, mode: str):
+        super().__init__()
+        tp = dist.get_world_size(group)
+        self.group, self.mode = group, mode
+        self.local_vocab = num_embeddings // tp
+        self.start = dist.get_rank(group) * self.local_vocab
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, embedding_dim))
+        self.parameter_shards = {"weight": ((num_embeddings, embedding_dim), (Shard("tp", 0),))}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.start + self.local_vocab)
+        local = F.embedding(torch.where(outside, 0, ids - self.start), self.weight)
+        local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.mode == REDUCE_SCATTER:
+            return reduce_scatter_sequence(local, self.group)
+        return reduce_from_tp(local, self.group)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm on a sequence shard: the weight's gradient is summed over TP (each rank saw other tokens)."""
+
+    def __init__(self, hidden_size: int, eps: float, group: dist.ProcessGroup):
+        super().__init__(hidden_size, eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.group) * rms_normalize(x, self.eps)
+
+
+@dataclass(frozen=True)
+class Column:
+    chunks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    pass
+
+
+@dataclass(frozen=True)
+class VocabEmbedding:
+    pass
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm:
+    pass
+
+
+Style = Column | Row | VocabEmbedding | SequenceParallelNorm
+
+
+def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, mode: str,
+                     overlap: bool) -> nn.Module | None:
+    if isinstance(style, Column):
+        return ColumnParallelLinear(module.in_features, module.out_features, group, mode, style.chunks, overlap)
+    if isinstance(style, Row):
+        return RowParallelLinear(module.in_features, module.out_features, group, mode)
+    if isinstance(style, VocabEmbedding):
+        return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, mode)
+    if mode == REDUCE_SCATTER:  # a norm only needs its gradient summed when it sees a sequence shard
+        return SequenceParallelRMSNorm(module.weight.shape[0], module.eps, group)
+    return None
+
+
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.ProcessGroup, mode: str,
+                          overlap: bool = False) -> None:
+    """Swap every module whose name matches a plan entry (exactly, or as a dotted suffix) for its parallel version.
+
+    Call on the meta device, before materialisation. Biases are not supported (Llama has none). ``overlap`` is
+    ``parallelism.tp_linear_async_communication``.
+    """
+    for name, module in list(model.named_modules()):
+        style = next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
+        if style is None or module is None:
+            continue
+        if getattr(module, "bias", None) is not None:
+            raise ValueError(f"tensor parallelism of {name} with a bias is not supported")
+        replacement = _parallel_module(module, style, group, mode, overlap)
+        if replacement is not None:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)

@@ -1,0 +1,132 @@
+"""Tensor parallelism (both modes, tp 2 and 4) against the single-process reference, on gloo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config_dict
+
+from distributed import run_distributed
+
+STEPS = 20
+
+
+def tp_config(tiny_data, tmp_path, name: str, tp: int, mode: str, overlap: bool = False) -> dict:
+    """8 heads / 4 kv heads so that tp=4 holds whole kv heads; everything splits evenly at tp 4."""
+    base = tiny_config_dict(tiny_data, tmp_path / name)
+    model = base["model"]
+    model["model_config"] = model["model_config"] | {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                                     "intermediate_size": 128}
+    return tiny_config_dict(tiny_data, tmp_path / name, model=model, parallelism={"tp": tp, "tp_mode": mode, "tp_linear_async_communication": overlap},
+                            tokens={"train_steps": STEPS})
+
+
+def _pieces(tensors: dict[str, torch.Tensor], params: dict, coords: dict, sizes: dict) -> dict:
+    """Every local tensor as (logical slices, values) pieces, so the parent can rebuild the logical tensor."""
+    from nanotron.parallel.placement import get_placement
+
+    out = {}
+    for name, tensor in tensors.items():
+        placement = get_placement(params[name])
+        out[name] = (placement.logical_shape,
+                     [(logical, tensor[local].detach().clone()) for local, logical in placement.boxes(coords, sizes)])
+    return out
+
+
+def _run(config: dict) -> dict:
+    """One forward/backward on the first micro-batch (no update), then STEPS training steps."""
+    from nanotron.config import config_from_dict
+    from nanotron.nn.loss import masked_sum
+    from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    pc, params = trainer.pc, trainer.params
+    coords, sizes = pc.coordinates, pc.sizes
+    weights = _pieces(dict(params), params, coords, sizes)
+
+    batch = trainer._loader(trainer.config.data_stages[0]).next_step()[0]
+    logits = trainer.model(input_ids=batch["input_ids"])
+    losses = vocab_parallel_token_losses(logits, batch["labels"], pc.groups["tp"])
+    loss = masked_sum(losses, batch["label_mask"]) / batch["label_mask"].sum()
+    loss.backward()
+    grads = _pieces({n: p.grad for n, p in params.items()}, params, coords, sizes)
+    norm_grads = {n: p.grad.clone() for n, p in params.items() if "norm" in n}
+    trainer.optimizer.zero_grad()
+
+    trainer.train()
+    metrics = []
+    if pc.is_logging_rank:
+        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    local_shapes = {n: tuple(p.shape) for n, p in params.items()}
+    return {"weights": weights, "grads": grads, "logits": logits.detach(), "loss": loss.item(),
+            "norm_grads": norm_grads, "metrics": metrics, "local_shapes": local_shapes}
+
+
+def assemble(results: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """Logical tensors rebuilt from every rank's pieces; each element must be written consistently."""
+    full: dict[str, torch.Tensor] = {}
+    for result in results:
+        for name, (shape, pieces) in result[key].items():
+            target = full.setdefault(name, torch.full(shape, float("nan")))
+            for logical, values in pieces:
+                region = target[logical]
+                assert torch.isnan(region).all() or torch.equal(region, values), f"{name}: ranks disagree"
+                region.copy_(values)
+    for name, tensor in full.items():
+        assert not torch.isnan(tensor).any(), f"{name} is not fully covered"
+    return full
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    (result,) = run_distributed(_run, 1, config=tp_config(tiny_data, tmp_path_factory.mktemp("ref"), "ref", 1,
+                                                          "ALL_REDUCE"))
+    first, last = result["metrics"][0], result["metrics"][-1]
+    assert last["lm_loss"] < first["lm_loss"] - 1.0 and all(m["grad_norm"] > 0 for m in result["metrics"])
+    return result
+
+
+@pytest.mark.parametrize(
+    "tp, mode, overlap",
+    [(2, "ALL_REDUCE", False), (4, "ALL_REDUCE", False), (2, "REDUCE_SCATTER", False), (4, "REDUCE_SCATTER", False),
+     (2, "REDUCE_SCATTER", True)],
+)
+def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, mode, overlap):
+    results = run_distributed(_run, tp, config=tp_config(tiny_data, tmp_path, "tp", tp, mode, overlap))
+
+    # Each rank holds 1/tp of every matrix.
+    assert results[1]["local_shapes"]["layers.0.attn.qkv_proj.weight"][0] == 128 // tp
+    assert results[1]["local_shapes"]["embed_tokens.weight"][0] == 384 // tp
+
+    reference_weights = assemble([reference], "weights")
+    for name, tensor in assemble(results, "weights").items():
+        assert torch.equal(tensor, reference_weights[name]), f"initial {name} differs"
+
+    logits = torch.cat([r["logits"] for r in results], dim=-1)
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-6)
+    assert results[0]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+
+    reference_grads = assemble([reference], "grads")
+    for name, grad in assemble(results, "grads").items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    for name in results[0]["norm_grads"]:  # replicated norm weights: same gradient on every TP rank
+        for other in results[1:]:
+            assert torch.equal(other["norm_grads"][name], results[0]["norm_grads"][name]), name
+
+    for expected, got in zip(reference["metrics"], results[0]["metrics"], strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-4), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), got["step"]
+
+
+def test_heads_not_divisible_by_tp_is_rejected(tiny_data, tmp_path):
+    from nanotron.config import ConfigError, config_from_dict
+
+    config = tp_config(tiny_data, tmp_path, "bad", 2, "ALL_REDUCE")
+    config["model"]["model_config"] |= {"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 60}
+    config["parallelism"]["tp"] = 4
+    with pytest.raises(ConfigError) as error:
+        config_from_dict(config)
+    assert "num_attention_heads (6)" in str(error.value) and "parallelism.tp (4)" in str(error.value)
