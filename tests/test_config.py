@@ -49,6 +49,8 @@ FULL: dict[str, Any] = {
         "pp_engine": "afab",
         "tp_mode": "REDUCE_SCATTER",
         "tp_linear_async_communication": True,
+        "pp_stage_layers": [1, 3],
+        "pp_timeout_s": 30.0,
     },
     "model": {
         "model_config": {

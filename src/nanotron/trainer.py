@@ -45,7 +45,8 @@ from nanotron.optim.clip import clip_gradients, global_grad_norm
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.data_parallel import all_reduce_coalesced
+from nanotron.parallel.data_parallel import all_reduce_coalesced, sync_tied_copies
+from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule
 from nanotron.parallel.placement import logical_parameters
 from nanotron.random import seed_everything
 
@@ -66,8 +67,7 @@ class StepResult:
 def check_supported_layout(config: Config) -> None:
     """Reject parallel settings whose mechanisms this version does not provide, naming the keys."""
     p = config.parallelism
-    unsupported = [f"parallelism.{key}={value}" for key, value in
-                   (("pp", p.pp), ("expert_parallel_size", p.expert_parallel_size)) if value != 1]
+    unsupported = [f"parallelism.expert_parallel_size={p.expert_parallel_size}"] if p.expert_parallel_size != 1 else []
     if config.optimizer.zero_stage != 0:
         unsupported.append(f"optimizer.zero_stage={config.optimizer.zero_stage}")
     if unsupported:
@@ -88,6 +88,7 @@ class Trainer:
         self.model = build_model(config, self.pc)
         self.params = logical_parameters(self.model)
         self.optimizer = MixedPrecisionAdamW(self.params, config.optimizer)
+        self.schedule = self._pipeline_schedule()
         self.progress = TrainingProgress()
         self._load_initial_state()
 
@@ -166,6 +167,14 @@ class Trainer:
             load_weights(checkpoint, self.model, self.pc)
             logger.info(f"initial weights loaded from {checkpoint} (optimizer, schedule and data start fresh)")
 
+    def _pipeline_schedule(self) -> PipelineSchedule:
+        """The micro-batch schedule; with pp=1 it is plain gradient accumulation."""
+        c, p = self.config, self.config.parallelism
+        sequence = c.tokens.sequence_length // (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
+        shape = (c.tokens.micro_batch_size, sequence, c.model.model_config.hidden_size)
+        p2p = P2P(self.pc, shape, c.model.torch_dtype(), p.pp_timeout_s)
+        return PipelineSchedule(self.pc, p.pp_engine, p2p, self._stage_forward)
+
     def _log_summary(self) -> None:
         c = self.config
         t = c.tokens
@@ -185,26 +194,39 @@ class Trainer:
 
     # --- training --------------------------------------------------------------------------------------------
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
-        device = self.pc.device
+    def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
+        if self.pc.is_first_stage:
+            output = self.model(input_ids=micro_batch["input_ids"])
+        else:
+            output = self.model(hidden_states=hidden_states)
+        if not self.pc.is_last_stage:
+            return output
+        losses = vocab_parallel_token_losses(output, micro_batch["labels"], self.pc.groups["tp"])
+        return masked_sum(losses, micro_batch["label_mask"]) / self._token_count
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
+        """The step's mean loss (on every rank) and its fp32 gradients, summed over data-parallel ranks and tied copies."""
         data_group = self.pc.groups["dp_ep"]
-        batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        batches = [{k: v.to(self.pc.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         token_count = torch.stack([mb["label_mask"].sum() for mb in batches]).sum().float()
         dist.all_reduce(token_count, group=data_group)
-        token_count = token_count.clamp(min=1.0)
+        self._token_count = token_count.clamp(min=1.0)
 
-        loss_sum = torch.zeros((), device=device)
-        for mb in batches:
-            logits = self.model(input_ids=mb["input_ids"])
-            losses = vocab_parallel_token_losses(logits, mb["labels"], self.pc.groups["tp"])
-            loss = masked_sum(losses, mb["label_mask"]) / token_count
-            loss.backward()
-            loss_sum += loss.detach()
+        loss_sum = self.schedule.run(batches, self.progress.step + 1)
 
         if self.pc.size("dp_ep") > 1:
             all_reduce_coalesced(self.optimizer.gradients_to_reduce(), data_group)
             dist.all_reduce(loss_sum, group=data_group)
+        if self.pc.size("pp") > 1:  # only the last stage computed the loss
+            dist.broadcast(loss_sum, src=self.pc.group_ranks["pp"][-1], group=self.pc.groups["pp"])
         grads = self.optimizer.main_gradients()
+        if "pipeline_ends" in self.pc.groups:
+            sync_tied_copies(grads, self.params, self.pc.groups["pipeline_ends"])
+        return loss_sum, grads
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
+        loss_sum, grads = self.forward_backward(micro_batches)
         grad_norm = global_grad_norm(grads, self.params, self.pc)
         if self.config.optimizer.clip_grad is not None:
             clip_gradients(grads, grad_norm, self.config.optimizer.clip_grad)

@@ -67,6 +67,8 @@ class ParallelismArgs:
     pp_engine: str = "1f1b"
     tp_mode: str = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
+    pp_stage_layers: list[int] | None = None  # decoder layers per stage; None: balanced by estimated cost
+    pp_timeout_s: float = 600.0  # a pipeline exchange waiting longer than this fails, naming the stage and step
 
     def __post_init__(self) -> None:
         # nanotron matched enum names case-insensitively; store one spelling so equal configs compare equal.

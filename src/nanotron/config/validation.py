@@ -89,6 +89,14 @@ def _parallelism(p: ParallelismArgs) -> Iterator[str]:
             "parallelism.tp_linear_async_communication: true needs parallelism.tp_mode: REDUCE_SCATTER "
             "(only that mode overlaps communication with compute); change one of them"
         )
+    yield from _positive("parallelism.pp_timeout_s", p.pp_timeout_s)
+    if p.pp_stage_layers is not None and len(p.pp_stage_layers) != p.pp:
+        yield (
+            f"parallelism.pp_stage_layers has {len(p.pp_stage_layers)} entries but parallelism.pp is {p.pp}: "
+            "give one layer count per pipeline stage"
+        )
+    if p.pp_stage_layers is not None and any(count < 1 for count in p.pp_stage_layers):
+        yield f"parallelism.pp_stage_layers {p.pp_stage_layers}: every stage needs at least one decoder layer"
 
 
 def _model(model: ModelArgs) -> Iterator[str]:
@@ -248,6 +256,11 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
     """Shapes that must split evenly over the parallel ranks, and sequence limits."""
     c, p, tokens = cfg.model.model_config, cfg.parallelism, cfg.tokens
     key = "model.model_config"
+    if p.pp_stage_layers is not None and sum(p.pp_stage_layers) != c.num_hidden_layers:
+        yield (
+            f"parallelism.pp_stage_layers {p.pp_stage_layers} adds up to {sum(p.pp_stage_layers)} but "
+            f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
+        )
     if p.tp >= 1 and c.num_attention_heads >= 1 and c.num_key_value_heads >= 1:
         if c.num_attention_heads % p.tp:
             yield (

@@ -9,6 +9,7 @@ from nanotron.config import Config, LlamaConfig
 from nanotron.models.init import init_parameters
 from nanotron.models.llama import LlamaForCausalLM
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
 from nanotron.parallel.placement import annotate_placements
 from nanotron.parallel.plans import TENSOR_PARALLEL_PLANS
 from nanotron.parallel.tensor_parallel import apply_tensor_parallel
@@ -45,15 +46,32 @@ def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
     vocab = padded_vocab_size(
         model_config.vocab_size, config.model.make_vocab_size_divisible_by, parallel_context.size("tp")
     )
+    pc, stages = parallel_context, parallel_context.size("pp")
     with torch.device("meta"):
         model = MODEL_CLASSES[type(model_config)](model_config, vocab)
-        if parallel_context.size("tp") > 1:
+        if pc.size("tp") > 1:
             plan = TENSOR_PARALLEL_PLANS[type(model_config)](model_config)
-            apply_tensor_parallel(model, plan, parallel_context.groups["tp"], config.parallelism.tp_mode,
+            apply_tensor_parallel(model, plan, pc.groups["tp"], config.parallelism.tp_mode,
                                   config.parallelism.tp_linear_async_communication)
             model.tie_weights()
-    materialize(model, parallel_context.device, config.model.torch_dtype())
+        if stages > 1:
+            layers = pipeline_stage_layers(config)[pc.coord("pp")]
+            keep_stage(model, layers, pc.is_first_stage, pc.is_last_stage)
+    materialize(model, pc.device, config.model.torch_dtype())
     annotate_placements(model)
+    if stages > 1:
+        if model_config.tie_word_embeddings:
+            mark_tied_embedding_copies(model, stages)
+        log_stages(model, pc.coord("pp"), layers)
     std = getattr(config.model.init_method, "std", model_config.initializer_range)
-    init_parameters(model, config.general.seed, std, parallel_context.coordinates, parallel_context.sizes)
+    init_parameters(model, config.general.seed, std, pc.coordinates, pc.sizes)
     return model
+
+
+def pipeline_stage_layers(config: Config) -> list[range]:
+    """Decoder layers of every pipeline stage, from ``parallelism.pp_stage_layers`` or balanced by cost."""
+    c, tokens = config.model.model_config, config.tokens
+    layer = LlamaForCausalLM.layer_parameters(c) + tokens.sequence_length * c.hidden_size
+    vocab_matrix = c.vocab_size * c.hidden_size
+    return stage_layers(c.num_hidden_layers, config.parallelism.pp, config.parallelism.pp_stage_layers, layer,
+                        embedding_cost=vocab_matrix, head_cost=vocab_matrix)

@@ -125,12 +125,14 @@ class LlamaForCausalLM(nn.Module):
             return "normal", std / (2 * self.config.num_hidden_layers) ** 0.5
         return "normal", std
 
-    def num_parameters(self) -> int:
-        """Parameters of the whole logical model (tied matrices counted once)."""
-        c = self.config
+    @staticmethod
+    def layer_parameters(c: LlamaConfig) -> int:
         attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         attn += c.num_attention_heads * c.head_dim * c.hidden_size
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        layer = attn + mlp + 2 * c.hidden_size
+        return attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole logical model (tied matrices counted once), whatever this rank holds."""
+        c = self.config
         embeddings = self.padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-        return c.num_hidden_layers * layer + embeddings + c.hidden_size
+        return c.num_hidden_layers * self.layer_parameters(c) + embeddings + c.hidden_size

@@ -7,7 +7,8 @@ outermost axis (their point-to-point traffic is the lightest).
 
 Data is sharded over the ``dp`` and ``ep`` axes alike: every (dp, ep) pair of coordinates sees different samples.
 Expert weights are sharded over ``ep``; every other weight is replicated over it, so dense gradients are reduced
-over the ``dp_ep`` group.
+over the ``dp_ep`` group. With pipeline parallelism, ``pipeline_ends`` pairs the first and last stage of each
+position, which both hold a copy of tied input/output embeddings.
 
 All groups are created eagerly, in the same order on every rank, so that no collective ever creates a communicator
 lazily (a classic source of pipeline deadlocks).
@@ -105,6 +106,12 @@ class ParallelContext:
             ("model", ("pp", "ep", "tp")),  # one full model replica: grad-norm and checkpoint scope
         ):
             self._create_groups(name, axes)
+        # First and last pipeline stage of each (dp, ep, tp) position: they hold the two copies of tied embeddings.
+        if pp > 1:
+            for ranks in self.grid[[0, -1]].permute(1, 2, 3, 0).reshape(-1, 2).tolist():
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.groups["pipeline_ends"], self.group_ranks["pipeline_ends"] = group, ranks
 
     def _create_groups(self, name: str, axes: tuple[str, ...]) -> None:
         """Create one group per slice of the grid spanning ``axes``; keep the one that holds this rank."""

@@ -48,6 +48,7 @@ class Placement:
     logical_shape: tuple[int, ...]
     shards: tuple[Shard, ...] = ()
     tied_names: tuple[str, ...] = field(default=())
+    pipeline_copies: tuple[int, ...] = ()  # stages holding a tied copy (embeddings tied across stages)
 
     def shard_on(self, axis: str) -> Shard | None:
         return next((s for s in self.shards if s.axis == axis), None)
@@ -73,8 +74,11 @@ class Placement:
     def is_unique_copy(self, coords: dict[str, int], axes: tuple[str, ...] = SHARDABLE_AXES) -> bool:
         """True on exactly one rank among those holding identical copies along ``axes``.
 
-        Grad-norm counts a replicated parameter once, and a checkpoint writes it once: both ask this question.
+        Grad-norm counts a replicated parameter once, and a checkpoint writes it once: both ask this question. A copy
+        tied across pipeline stages counts on the first stage holding it.
         """
+        if self.pipeline_copies and coords["pp"] != self.pipeline_copies[0]:
+            return False
         return all(coords[axis] == 0 for axis in axes if self.shard_on(axis) is None)
 
 

@@ -1,0 +1,181 @@
+"""Pipeline schedules: all-forward-all-backward (AFAB) and one-forward-one-backward (1F1B).
+
+Each stage runs its part of the model on every micro-batch of the step. Activations go to the next stage and their
+gradients come back through point-to-point messages. Shapes are fixed by the config (micro-batch, sequence or
+sequence shard, hidden), so no shape metadata is ever exchanged. Every exchange is a ``batch_isend_irecv`` on the
+pipeline group created at start-up, and every wait has a deadline: a stage that waits longer than
+``parallelism.pp_timeout_s`` (or whose neighbour died) fails with an error naming the stage, the step and the exchange
+instead of hanging.
+
+The loss of each micro-batch is computed on the last stage only, as ``sum of token losses / global token count``,
+so accumulating over the schedule's micro-batches gives the mean over the global batch with no further scaling.
+
+1F1B (Narayanan et al., 2021): stage ``s`` of ``P`` first runs ``min(P - s - 1, M)`` forwards (warm-up), then
+alternates one forward and one backward, then finishes the remaining backwards (cool-down). At most ``P - s``
+micro-batches are in flight, against ``M`` for AFAB. With one stage both schedules reduce to plain gradient
+accumulation, and 1F1B is used since it holds one micro-batch at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nanotron.parallel.context import ParallelContext
+
+
+class PipelineTimeoutError(RuntimeError):
+    """A point-to-point exchange between pipeline stages did not complete in time."""
+
+
+@dataclass
+class P2P:
+    """Exchanges with the neighbouring stages (same dp/ep/tp coordinates)."""
+
+    parallel_context: ParallelContext
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    timeout_s: float
+    step: int = 0
+
+    def __post_init__(self):
+        pc = self.parallel_context
+        ranks, stage = pc.group_ranks["pp"], pc.coord("pp")
+        self.stage = stage
+        self.group = pc.groups["pp"]
+        self.prev = ranks[stage - 1] if stage > 0 else None
+        self.next = ranks[stage + 1] if stage < len(ranks) - 1 else None
+
+    def _exchange(self, what: str, send: list[tuple[torch.Tensor, int]], recv_from: list[int]) -> list[torch.Tensor]:
+        received = [torch.empty(self.shape, dtype=self.dtype, device=self.parallel_context.device) for _ in recv_from]
+        ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group) for tensor, peer in send]
+        ops += [dist.P2POp(dist.irecv, buffer, peer, self.group) for buffer, peer in zip(received, recv_from)]
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as error:  # the backends raise RuntimeError subclasses on timeouts and lost peers
+            raise PipelineTimeoutError(
+                f"pipeline stage {self.stage} could not {what} at step {self.step} within "
+                f"parallelism.pp_timeout_s={self.timeout_s:g}s: a neighbouring stage is stuck or crashed "
+                f"(raise the timeout if it is only slow). Backend said: {str(error).splitlines()[0][:200]}"
+            ) from error
+        return received
+
+    def recv_forward(self) -> torch.Tensor:
+        (x,) = self._exchange("receive activations from the previous stage", [], [self.prev])
+        return x
+
+    def send_forward(self, y: torch.Tensor) -> None:
+        self._exchange("send activations to the next stage", [(y, self.next)], [])
+
+    def recv_backward(self) -> torch.Tensor:
+        (g,) = self._exchange("receive gradients from the next stage", [], [self.next])
+        return g
+
+    def send_backward(self, g: torch.Tensor) -> None:
+        self._exchange("send gradients to the previous stage", [(g, self.prev)], [])
+
+    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor:
+        (g,) = self._exchange("exchange activations/gradients with the next stage", [(y, self.next)], [self.next])
+        return g
+
+    def send_backward_recv_forward(self, g: torch.Tensor) -> torch.Tensor:
+        (x,) = self._exchange("exchange gradients/activations with the previous stage", [(g, self.prev)], [self.prev])
+        return x
+
+
+class PipelineSchedule:
+    """Runs forward and backward of all micro-batches of one step on this stage.
+
+    ``forward(micro_batch, inputs)`` returns the stage output: hidden states, or on the last stage the scalar loss
+    contribution of the micro-batch.
+    """
+
+    def __init__(self, parallel_context: ParallelContext, engine: str, p2p: P2P,
+                 forward: Callable[[dict, torch.Tensor | None], torch.Tensor]):
+        self.pc = parallel_context
+        self.p2p = p2p
+        self.forward_fn = forward
+        self.first, self.last = parallel_context.is_first_stage, parallel_context.is_last_stage
+        self.stages = parallel_context.size("pp")
+        self.engine = engine if self.stages > 1 else "1f1b"
+
+    def run(self, micro_batches: list[dict], step: int) -> torch.Tensor:
+        """Forward and backward every micro-batch; returns the summed loss on the last stage (zero elsewhere)."""
+        self.p2p.step = step
+        self.loss = torch.zeros((), device=self.pc.device)
+        self._pending_input: list[torch.Tensor] = []
+        if self.engine == "afab":
+            self._afab(micro_batches)
+        else:
+            self._one_forward_one_backward(micro_batches)
+        return self.loss
+
+    # --- one micro-batch on this stage ----------------------------------------------------------------------
+
+    def _forward(self, micro_batch: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+        x = None if self.first else self._next_input()
+        if x is not None:
+            x.requires_grad_()
+        y = self.forward_fn(micro_batch, x)
+        if self.last:
+            self.loss += y.detach()
+        return x, y
+
+    def _next_input(self) -> torch.Tensor:
+        """This micro-batch's input: already received with the previous backward exchange, or received now."""
+        return self._pending_input.pop(0) if self._pending_input else self.p2p.recv_forward()
+
+    def _backward(self, x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+        torch.autograd.backward(y, grad)
+        return None if x is None else x.grad
+
+    # --- schedules --------------------------------------------------------------------------------------------
+
+    def _afab(self, micro_batches: list[dict]) -> None:
+        in_flight = []
+        for micro_batch in micro_batches:
+            x, y = self._forward(micro_batch)
+            if not self.last:
+                self.p2p.send_forward(y)
+            in_flight.append((x, y))
+        for x, y in in_flight:
+            grad = None if self.last else self.p2p.recv_backward()
+            dx = self._backward(x, y, grad)
+            if not self.first:
+                self.p2p.send_backward(dx)
+
+    def _one_forward_one_backward(self, micro_batches: list[dict]) -> None:
+        count = len(micro_batches)
+        warmup = min(self.stages - self.pc.coord("pp") - 1, count)
+        in_flight = []
+        for micro_batch in micro_batches[:warmup]:
+            x, y = self._forward(micro_batch)
+            if not self.last:
+                self.p2p.send_forward(y)
+            in_flight.append((x, y))
+
+        steady = micro_batches[warmup:]
+        for i, micro_batch in enumerate(steady):
+            x, y = self._forward(micro_batch)
+            in_flight.append((x, y))
+            grad = None if self.last else self.p2p.send_forward_recv_backward(y)
+            x_old, y_old = in_flight.pop(0)
+            dx = self._backward(x_old, y_old, grad)
+            if not self.first:
+                if i == len(steady) - 1:
+                    self.p2p.send_backward(dx)
+                else:  # receive the next micro-batch's input in the same exchange
+                    self._pending_input.append(self.p2p.send_backward_recv_forward(dx))
+
+        for x, y in in_flight:
+            grad = None if self.last else self.p2p.recv_backward()
+            dx = self._backward(x, y, grad)
+            if not self.first:
+                self.p2p.send_backward(dx)

@@ -1,0 +1,138 @@
+"""Pipeline parallelism: the partitioner, both engines against one process, tied embeddings, accumulation, timeouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config_dict
+from test_tensor_parallel import assemble
+
+from distributed import run_distributed
+from nanotron.parallel.pipeline_partition import PartitionError, balanced_partition, stage_layers
+
+STEPS = 20
+
+
+@pytest.mark.parametrize("layers", range(1, 65))
+def test_every_layer_is_assigned_exactly_once(layers):
+    for stages in range(1, min(16, layers) + 1):
+        split = stage_layers(layers, stages, None, layer_cost=10.0, embedding_cost=25.0, head_cost=25.0)
+        assigned = [i for stage in split for i in stage]
+        assert assigned == list(range(layers)), (layers, stages)
+        assert len(split) == stages and all(len(stage) >= 1 for stage in split)
+
+
+def test_balanced_partition_accounts_for_embedding_and_head():
+    # 8 equal layers over 2 stages: embedding and head cost two layers each; a light head moves layers to the end.
+    assert balanced_partition([1.0] * 8, 2, first_extra=2.0, last_extra=2.0) == [4, 4]
+    assert balanced_partition([1.0] * 8, 2, first_extra=4.0, last_extra=0.0) == [2, 6]
+    assert stage_layers(6, 3, [1, 2, 3], 1.0, 0.0, 0.0) == [range(0, 1), range(1, 3), range(3, 6)]
+    with pytest.raises(PartitionError, match="pp_stage_layers"):
+        stage_layers(6, 2, [2, 2], 1.0, 0.0, 0.0)
+    with pytest.raises(PartitionError, match="need 1 <= pp <= layers"):
+        balanced_partition([1.0] * 3, 4, 0.0, 0.0)
+
+
+def pp_config(tiny_data, tmp_path, name: str, **parallelism) -> dict:
+    base = tiny_config_dict(tiny_data, tmp_path / name)
+    model = base["model"]
+    model["model_config"] = model["model_config"] | {"num_hidden_layers": 4}
+    tokens = {"train_steps": STEPS} | parallelism.pop("tokens", {})
+    return tiny_config_dict(tiny_data, tmp_path / name, model=model, parallelism=parallelism, tokens=tokens)
+
+
+def _run(config: dict) -> dict:
+    """Gradients of the first step (no update), then STEPS training steps; tied copies compared at the end."""
+    from nanotron.config import config_from_dict
+    from nanotron.parallel.placement import get_placement
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    pc, params = trainer.pc, trainer.params
+    _, grads = trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())
+    pieces = {}
+    for name, grad in grads.items():
+        placement = get_placement(params[name])
+        pieces[name] = (placement.logical_shape, [(logical, grad[local].clone())
+                                                  for local, logical in placement.boxes(pc.coordinates, pc.sizes)])
+    trainer.optimizer.zero_grad()
+    trainer.train()
+    model = trainer.model
+    return {
+        "grads": pieces,
+        "metrics": [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+        if pc.is_logging_rank else [],
+        "embedding": None if model.embed_tokens is None else model.embed_tokens.weight.detach().clone(),
+        "head": None if model.lm_head is None else model.lm_head.weight.detach().clone(),
+        "layers": sorted(int(i) for i in model.layers.keys()),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    (result,) = run_distributed(_run, 1, config=pp_config(tiny_data, tmp_path_factory.mktemp("ref"), "ref"))
+    assert result["metrics"][-1]["lm_loss"] < result["metrics"][0]["lm_loss"] - 1.0
+    return result
+
+
+def logging_rank(results: list[dict]) -> dict:
+    (result,) = [r for r in results if r["metrics"]]
+    return result
+
+
+@pytest.mark.parametrize(
+    "pp, tp, engine",
+    [(2, 1, "afab"), (2, 1, "1f1b"), (4, 1, "afab"), (4, 1, "1f1b"), (2, 2, "1f1b")],
+)
+def test_pipeline_matches_single_process(reference, tiny_data, tmp_path, pp, tp, engine):
+    # batch_accumulation_per_replica is 2: with pp=4, 1F1B runs fewer micro-batches than stages.
+    config = pp_config(tiny_data, tmp_path, "pp", pp=pp, tp=tp, pp_engine=engine, tp_mode="REDUCE_SCATTER")
+    results = run_distributed(_run, pp * tp, config=config)
+
+    assert sorted(i for r in results[::tp] for i in r["layers"]) == [0, 1, 2, 3]
+    reference_grads = assemble([reference], "grads")
+    for name, grad in assemble(results, "grads").items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    for expected, got in zip(reference["metrics"], logging_rank(results)["metrics"], strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-4), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), got["step"]
+
+    # Tied embeddings live on the first and the last stage: both copies stay bit-identical.
+    for first, last in zip(results[:tp], results[-tp:]):  # same TP shard on the first and the last stage
+        assert first["head"] is None and last["embedding"] is None
+        assert torch.equal(first["embedding"], last["head"])
+
+
+def test_accumulation_split_gives_the_same_gradients(tiny_data, tmp_path):
+    many = pp_config(tiny_data, tmp_path, "many", pp=2, tokens={"micro_batch_size": 2,
+                                                                "batch_accumulation_per_replica": 4, "train_steps": 4})
+    one = pp_config(tiny_data, tmp_path, "one", pp=2, tokens={"micro_batch_size": 8,
+                                                              "batch_accumulation_per_replica": 1, "train_steps": 4})
+    many_grads = assemble(run_distributed(_run, 2, config=many), "grads")
+    one_grads = assemble(run_distributed(_run, 2, config=one), "grads")
+    for name in one_grads:
+        torch.testing.assert_close(many_grads[name], one_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _stuck_neighbour(timeout_s: float) -> str:
+    import time
+
+    from nanotron.parallel.context import ParallelContext
+    from nanotron.parallel.pipeline_parallel import P2P, PipelineTimeoutError
+
+    pc = ParallelContext(pp=2)
+    p2p = P2P(pc, (2, 3), torch.float32, timeout_s, step=7)
+    if pc.coord("pp") == 0:
+        time.sleep(3 * timeout_s)  # never sends
+        return ""
+    with pytest.raises(PipelineTimeoutError) as error:
+        p2p.recv_forward()
+    return str(error.value)
+
+
+def test_stuck_exchange_fails_naming_stage_and_step():
+    _, message = run_distributed(_stuck_neighbour, 2, timeout_s=1.0)
+    assert "pipeline stage 1" in message and "step 7" in message and "pp_timeout_s" in message
