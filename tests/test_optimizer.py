@@ -1,12 +1,31 @@
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nanotron.config import LRSchedulerArgs, OptimizerArgs
-from nanotron.optim.optimizer import MixedPrecisionAdamW, no_weight_decay
+from nanotron.optim.optimizer import build_optimizer, no_weight_decay
+from nanotron.parallel.placement import annotate_placements
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group in this process (the optimizer reduces over a data-parallel group)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
 
 
 def args(**kw):
     return OptimizerArgs(learning_rate_scheduler=LRSchedulerArgs(learning_rate=1e-2), **kw)
+
+
+def build(params: dict[str, nn.Parameter], group, **kw):
+    holder = nn.Module()
+    for name, param in params.items():
+        holder.register_parameter(name, param)
+    annotate_placements(holder)
+    return build_optimizer(params, args(**kw), bucket_mb=1.0, group=group)
 
 
 def test_weight_decay_groups():
@@ -17,52 +36,66 @@ def test_weight_decay_groups():
     assert not no_weight_decay("norm.weight", torch.ones(4), ["qkv"])
 
 
-def test_bf16_model_updates_fp32_masters_and_copies_back():
+def test_decayed_and_exempt_parameters_live_in_separate_buckets(group):
+    params = {"w": nn.Parameter(torch.ones(4, 4)), "norm": nn.Parameter(torch.ones(4))}
+    buckets, optimizer = build(params, group, weight_decay=0.5)
+    decays = {name: bucket.weight_decay for bucket in buckets.buckets for name in bucket.names}
+    assert decays == {"w": True, "norm": False}
+    for name, param in params.items():  # zero gradients: only weight decay moves the weights
+        (param * 0).sum().backward()
+    buckets.final_micro_batch = True
+    buckets.finish_reduction()
+    optimizer.step(1e-1)
+    assert torch.all(params["w"] < 1) and torch.equal(params["norm"], torch.ones(4))
+
+
+def test_bf16_model_updates_fp32_masters_and_copies_back(group):
     param = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
-    opt = MixedPrecisionAdamW({"w": param}, args(weight_decay=0.0))
-    assert opt.masters["w"].dtype == torch.float32
+    buckets, optimizer = build({"w": param}, group, weight_decay=0.0)
+    assert optimizer.masters[0].dtype == torch.float32
     for _ in range(3):
         (param.float() * 1e-3).sum().backward()
-        opt.main_gradients()
-        opt.step(1e-5)
-        opt.zero_grad()
+        buckets.finish_reduction()
+        optimizer.step(1e-5)
+        buckets.zero()
     # 3 Adam steps of 1e-5 are invisible in bf16 around 1.0 but kept by the fp32 master.
     assert torch.equal(param, torch.ones(8, dtype=torch.bfloat16))
-    torch.testing.assert_close(opt.masters["w"], torch.full((8,), 1 - 3e-5), rtol=0, atol=1e-7)
+    torch.testing.assert_close(optimizer.masters[0], torch.full((8,), 1 - 3e-5), rtol=0, atol=1e-7)
 
 
 SCALES = torch.rand(64, generator=torch.Generator().manual_seed(0)) + 1.0
 
 
-def _accumulated_gradient(accumulate_in_fp32: bool) -> torch.Tensor:
+def _accumulated_gradient(group, accumulate_in_fp32: bool) -> torch.Tensor:
     param = nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
-    opt = MixedPrecisionAdamW({"w": param}, args(accumulate_grad_in_fp32=accumulate_in_fp32))
+    buckets, _ = build({"w": param}, group, accumulate_grad_in_fp32=accumulate_in_fp32)
     for scale in SCALES:
         (param * scale.item() / 64).sum().backward()
-    return opt.main_gradients()["w"]
+    return buckets.gradient("w")
 
 
-def test_fp32_accumulation_is_closer_to_the_exact_sum():
+def test_fp32_accumulation_is_closer_to_the_exact_sum(group):
     # Each micro-batch gradient is itself bf16; the exact sum is over those rounded values.
     exact = sum(torch.tensor(s.item() / 64, dtype=torch.bfloat16).double() for s in SCALES)
-    fp32 = (_accumulated_gradient(True).double() - exact).abs().max()
-    bf16 = (_accumulated_gradient(False).double() - exact).abs().max()
+    fp32 = (_accumulated_gradient(group, True).double() - exact).abs().max()
+    bf16 = (_accumulated_gradient(group, False).double() - exact).abs().max()
     assert fp32 < 1e-6 and bf16 > 100 * fp32 and bf16 > 1e-3
 
 
-def test_state_round_trip_keeps_fp32_moments():
+def test_state_round_trip_keeps_fp32_moments(group):
     param = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
-    opt = MixedPrecisionAdamW({"w": param}, args())
+    buckets, optimizer = build({"w": param}, group)
     param.float().pow(2).sum().backward()
-    opt.main_gradients()
-    opt.step(1e-2)
-    saved = {k: {s: t.clone() for s, t in v.items()} for k, v in opt.state_tensors().items()}
+    optimizer.step(1e-2)
+    (saved,) = [{name: {k: t.clone() for k, t in kinds.items()} for name, kinds in states.items()}
+                for states in optimizer.bucket_states()]
     assert saved["w"]["exp_avg"].dtype == torch.float32 and set(saved["w"]) == {"exp_avg", "exp_avg_sq", "master"}
 
     fresh_param = nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
-    fresh = MixedPrecisionAdamW({"w": fresh_param}, args())
-    fresh.load_state_tensors(saved, step=opt.step_count)
+    _, fresh = build({"w": fresh_param}, group)
+    fresh.load_bucket_states(lambda name, kind, out: out.copy_(saved[name][kind]), step=optimizer.step_count)
     assert fresh.step_count == 1
-    for key, value in fresh.state_tensors()["w"].items():
+    (restored,) = list(fresh.bucket_states())
+    for key, value in restored["w"].items():
         assert torch.equal(value, saved["w"][key]), key
     assert torch.equal(fresh_param, param)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import tiny_config_dict
-from test_tensor_parallel import assemble
+from test_tensor_parallel import assemble, first_step_gradients
 
 from distributed import run_distributed
 from nanotron.parallel.pipeline_partition import PartitionError, balanced_partition, stage_layers
@@ -46,18 +46,12 @@ def pp_config(tiny_data, tmp_path, name: str, **parallelism) -> dict:
 def _run(config: dict) -> dict:
     """Gradients of the first step (no update), then STEPS training steps; tied copies compared at the end."""
     from nanotron.config import config_from_dict
-    from nanotron.parallel.placement import get_placement
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
-    pc, params = trainer.pc, trainer.params
-    _, grads = trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())
-    pieces = {}
-    for name, grad in grads.items():
-        placement = get_placement(params[name])
-        pieces[name] = (placement.logical_shape, [(logical, grad[local].clone())
-                                                  for local, logical in placement.boxes(pc.coordinates, pc.sizes)])
-    trainer.optimizer.zero_grad()
+    pc = trainer.pc
+    _, pieces = first_step_gradients(trainer)
+    trainer.buckets.zero()
     trainer.train()
     model = trainer.model
     return {

@@ -35,33 +35,37 @@ def _pieces(tensors: dict[str, torch.Tensor], params: dict, coords: dict, sizes:
     return out
 
 
+def first_step_gradients(trainer) -> tuple[torch.Tensor, dict]:
+    """Loss and gradient pieces of the first step's micro-batches, without updating the weights.
+
+    The gradients stay in the buckets: call ``trainer.buckets.zero()`` before training on.
+    """
+    loss = trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())
+    grads = {name: trainer.buckets.gradient(name) for name in trainer.params}
+    return loss, _pieces(grads, trainer.params, trainer.pc.coordinates, trainer.pc.sizes)
+
+
 def _run(config: dict) -> dict:
-    """One forward/backward on the first micro-batch (no update), then STEPS training steps."""
+    """Logits, loss and gradients of the first step (no update), then STEPS training steps."""
     from nanotron.config import config_from_dict
-    from nanotron.nn.loss import masked_sum
-    from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
     pc, params = trainer.pc, trainer.params
-    coords, sizes = pc.coordinates, pc.sizes
-    weights = _pieces(dict(params), params, coords, sizes)
-
+    weights = _pieces(dict(params), params, pc.coordinates, pc.sizes)
     batch = trainer._loader(trainer.config.data_stages[0]).next_step()[0]
-    logits = trainer.model(input_ids=batch["input_ids"])
-    losses = vocab_parallel_token_losses(logits, batch["labels"], pc.groups["tp"])
-    loss = masked_sum(losses, batch["label_mask"]) / batch["label_mask"].sum()
-    loss.backward()
-    grads = _pieces({n: p.grad for n, p in params.items()}, params, coords, sizes)
-    norm_grads = {n: p.grad.clone() for n, p in params.items() if "norm" in n}
-    trainer.optimizer.zero_grad()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"])
+    loss, grads = first_step_gradients(trainer)
+    norm_grads = {n: trainer.buckets.gradient(n).clone() for n in params if "norm" in n}
+    trainer.buckets.zero()
 
     trainer.train()
     metrics = []
     if pc.is_logging_rank:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
     local_shapes = {n: tuple(p.shape) for n, p in params.items()}
-    return {"weights": weights, "grads": grads, "logits": logits.detach(), "loss": loss.item(),
+    return {"weights": weights, "grads": grads, "logits": logits, "loss": loss.item(),
             "norm_grads": norm_grads, "metrics": metrics, "local_shapes": local_shapes}
 
 

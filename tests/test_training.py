@@ -133,7 +133,7 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
 
     typo = tiny_config_dict(tiny_data, tmp_path)["optimizer"] | {"wieght_decay": 0.1}
     assert "weight_decay" in _error_line(tiny_data, tmp_path, optimizer=typo)
-    assert "parallelism.pp" in _error_line(tiny_data, tmp_path, parallelism={"pp": 2})
+    assert "parallelism.expert_parallel_size" in _error_line(tiny_data, tmp_path, parallelism={"expert_parallel_size": 2})
 
 
 def _train_in_process(config: dict) -> list[dict]:

@@ -3,7 +3,8 @@
 One optimizer step:
 1. count the target tokens of the whole global batch (all micro-batches, all data-parallel ranks);
 2. forward and backward every micro-batch with loss = token-loss sum / that global count;
-3. sum gradients over data-parallel ranks, take the global grad-norm, clip;
+3. sum gradients over data-parallel ranks (bucket by bucket, during the last backward), take the global
+   grad-norm, clip;
 4. stop loudly on a non-finite loss or norm, else update the fp32 masters with the LR of this step.
 Because of (1) and (2), every split of the global batch into ranks and micro-batches gives the same gradients.
 """
@@ -43,9 +44,9 @@ from nanotron.nn.loss import masked_sum
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.optim.clip import clip_gradients, global_grad_norm
 from nanotron.optim.lr_schedule import learning_rate_at
-from nanotron.optim.optimizer import MixedPrecisionAdamW
+from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.data_parallel import all_reduce_coalesced, sync_tied_copies
+from nanotron.parallel.data_parallel import sync_tied_copies
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule
 from nanotron.parallel.placement import logical_parameters
 from nanotron.random import seed_everything
@@ -67,11 +68,9 @@ class StepResult:
 def check_supported_layout(config: Config) -> None:
     """Reject parallel settings whose mechanisms this version does not provide, naming the keys."""
     p = config.parallelism
-    unsupported = [f"parallelism.expert_parallel_size={p.expert_parallel_size}"] if p.expert_parallel_size != 1 else []
-    if config.optimizer.zero_stage != 0:
-        unsupported.append(f"optimizer.zero_stage={config.optimizer.zero_stage}")
-    if unsupported:
-        raise ConfigError(f"{', '.join(unsupported)} not supported in this version; set them to 1 (zero_stage 0)")
+    if p.expert_parallel_size != 1:
+        raise ConfigError(f"parallelism.expert_parallel_size={p.expert_parallel_size} needs a mixture-of-experts model, "
+                          "which this version does not have; set it to 1")
 
 
 class Trainer:
@@ -87,7 +86,9 @@ class Trainer:
         self.tokenizer_fingerprint = self._check_tokenizer_and_data()
         self.model = build_model(config, self.pc)
         self.params = logical_parameters(self.model)
-        self.optimizer = MixedPrecisionAdamW(self.params, config.optimizer)
+        self.buckets, self.optimizer = build_optimizer(
+            self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.groups["dp_ep"]
+        )
         self.schedule = self._pipeline_schedule()
         self.progress = TrainingProgress()
         self._load_initial_state()
@@ -157,6 +158,8 @@ class Trainer:
             load_weights(checkpoint, self.model, self.pc)
             if metadata["optimizer_step"] > 0:
                 load_optimizer(checkpoint, self.optimizer, self.pc, metadata["optimizer_step"])
+            else:
+                self.optimizer.sync_masters_from_model()
             self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]))
             if not load_rng(checkpoint, self.pc):
                 logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
@@ -165,6 +168,7 @@ class Trainer:
             checkpoint = resolve_checkpoint(self.config.model.init_method.path)
             read_metadata(checkpoint)
             load_weights(checkpoint, self.model, self.pc)
+            self.optimizer.sync_masters_from_model()
             logger.info(f"initial weights loaded from {checkpoint} (optimizer, schedule and data start fresh)")
 
     def _pipeline_schedule(self) -> PipelineSchedule:
@@ -173,7 +177,11 @@ class Trainer:
         sequence = c.tokens.sequence_length // (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
         shape = (c.tokens.micro_batch_size, sequence, c.model.model_config.hidden_size)
         p2p = P2P(self.pc, shape, c.model.torch_dtype(), p.pp_timeout_s)
-        return PipelineSchedule(self.pc, p.pp_engine, p2p, self._stage_forward)
+        return PipelineSchedule(self.pc, p.pp_engine, p2p, self._stage_forward, self._before_last_backward)
+
+    def _before_last_backward(self) -> None:
+        """Gradients of the last micro-batch complete the step: buckets may now be reduced as they fill up."""
+        self.buckets.final_micro_batch = True
 
     def _log_summary(self) -> None:
         c = self.config
@@ -205,8 +213,8 @@ class Trainer:
         losses = vocab_parallel_token_losses(output, micro_batch["labels"], self.pc.groups["tp"])
         return masked_sum(losses, micro_batch["label_mask"]) / self._token_count
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dict]:
-        """The step's mean loss (on every rank) and its fp32 gradients, summed over data-parallel ranks and tied copies."""
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The step's mean loss (on every rank); gradients end in the buckets, summed over replicas and tied copies."""
         data_group = self.pc.groups["dp_ep"]
         batches = [{k: v.to(self.pc.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         token_count = torch.stack([mb["label_mask"].sum() for mb in batches]).sum().float()
@@ -214,23 +222,21 @@ class Trainer:
         self._token_count = token_count.clamp(min=1.0)
 
         loss_sum = self.schedule.run(batches, self.progress.step + 1)
+        self.buckets.finish_reduction()
 
         if self.pc.size("dp_ep") > 1:
-            all_reduce_coalesced(self.optimizer.gradients_to_reduce(), data_group)
             dist.all_reduce(loss_sum, group=data_group)
         if self.pc.size("pp") > 1:  # only the last stage computed the loss
             dist.broadcast(loss_sum, src=self.pc.group_ranks["pp"][-1], group=self.pc.groups["pp"])
-        grads = self.optimizer.main_gradients()
         if "pipeline_ends" in self.pc.groups:
-            sync_tied_copies(grads, self.params, self.pc.groups["pipeline_ends"])
-        return loss_sum, grads
+            sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
+        return loss_sum
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
-        loss_sum, grads = self.forward_backward(micro_batches)
-        grad_norm = global_grad_norm(grads, self.params, self.pc)
+        loss_sum = self.forward_backward(micro_batches)
+        grad_norm = global_grad_norm(self.buckets, self.pc)
         if self.config.optimizer.clip_grad is not None:
-            clip_gradients(grads, grad_norm, self.config.optimizer.clip_grad)
-
+            clip_gradients(self.buckets, grad_norm, self.config.optimizer.clip_grad)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()
         if not (torch.isfinite(torch.tensor([loss_value, norm_value])).all()):
             raise TrainingDivergedError(
@@ -238,7 +244,7 @@ class Trainer:
                 "resume from the last checkpoint with a lower optimizer.learning_rate_scheduler.learning_rate"
             )
         self.optimizer.step(lr)
-        self.optimizer.zero_grad()
+        self.buckets.zero()
         return StepResult(loss_value, norm_value, lr)
 
     def train(self) -> None:

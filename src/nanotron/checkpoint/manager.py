@@ -54,7 +54,7 @@ class TrainingProgress:
 
 def _shard_name(parallel_context: ParallelContext) -> str:
     c = parallel_context.coords
-    return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}.safetensors"
+    return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}"
 
 
 def _unique_boxes(params: dict[str, nn.Parameter], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor]):
@@ -91,16 +91,19 @@ def save_checkpoint(
     dist.barrier()
 
     params = logical_parameters(model)
-    model_boxes = _unique_boxes(params, parallel_context, dict(params))
-    optim_tensors = {
-        f"{kind}/{name}": tensor for name, states in optimizer.state_tensors().items() for kind, tensor in states.items()
-    }
-    optim_boxes = _unique_boxes(params, parallel_context, optim_tensors)
     written = []
-    for sub, boxes in (("model", model_boxes), ("optimizer", optim_boxes)):
+    model_boxes = _unique_boxes(params, parallel_context, dict(params))
+    if model_boxes:
+        write_boxes(tmp / "model" / f"{_shard_name(parallel_context)}.safetensors", model_boxes)
+        written.append(f"model/{_shard_name(parallel_context)}.safetensors")
+    # One bucket at a time: under ZeRO-1 the states are gathered over data-parallel ranks, a bucket's worth at once.
+    for index, states in enumerate(optimizer.bucket_states()):
+        tensors = {f"{kind}/{name}": tensor for name, kinds in states.items() for kind, tensor in kinds.items()}
+        boxes = _unique_boxes(params, parallel_context, tensors)
         if boxes:
-            write_boxes(tmp / sub / _shard_name(parallel_context), boxes)
-            written.append(f"{sub}/{_shard_name(parallel_context)}")
+            name = f"optimizer/{_shard_name(parallel_context)}-bucket{index:04d}.safetensors"
+            write_boxes(tmp / name, boxes)
+            written.append(name)
     rng_file = f"rng/rank-{parallel_context.rank:05d}.pt"
     torch.save({"coords": parallel_context.coordinates, "state": get_rng_state(parallel_context.device)}, tmp / rng_file)
     written.append(rng_file)
@@ -198,22 +201,19 @@ def load_weights(checkpoint: Path, model: nn.Module, parallel_context: ParallelC
 
 
 def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, parallel_context: ParallelContext, step: int) -> None:
+    """Restore fp32 masters and Adam moments from logical tensors, for any layout and ZeRO stage."""
     reader = LogicalTensorReader(checkpoint / "optimizer")
     coords, sizes = parallel_context.coordinates, parallel_context.sizes
-    restored: dict[str, dict[str, torch.Tensor]] = {}
-    for name, states in optimizer.state_tensors().items():
-        placement = get_placement(optimizer.params[name])
-        kinds = ["exp_avg", "exp_avg_sq"] + (["master"] if optimizer.separate_masters else [])
-        restored[name] = {}
-        for kind in kinds:
-            key = f"{kind}/{name}"
-            if key not in reader.names():
-                raise CheckpointError(f"optimizer state {key!r} is missing from {checkpoint}")
-            out = torch.empty(placement.local_shape(sizes), dtype=torch.float32, device=optimizer.params[name].device)
-            for local, logical in placement.boxes(coords, sizes):
-                reader.read_into(key, logical, out[local])
-            restored[name][kind] = out
-    optimizer.load_state_tensors(restored, step)
+    params = optimizer.buckets.params
+
+    def read(name: str, kind: str, out: torch.Tensor) -> None:
+        key = f"{kind}/{name}"
+        if key not in reader.names():
+            raise CheckpointError(f"optimizer state {key!r} is missing from {checkpoint}")
+        for local, logical in get_placement(params[name]).boxes(coords, sizes):
+            reader.read_into(key, logical, out[local])
+
+    optimizer.load_bucket_states(read, step)
 
 
 def load_rng(checkpoint: Path, parallel_context: ParallelContext) -> bool:

@@ -1,9 +1,10 @@
 """Global gradient norm and clipping over the whole model, whatever its layout.
 
-The norm must equal the single-process norm. Each rank sums the squares of the gradients it holds, but counts a
-replicated parameter only on one rank of each axis it is replicated over (``Placement.is_unique_copy``); the partial
-sums are then added over the ranks of one model replica. Without that rule a TP-replicated norm weight would be
-counted tp times.
+The norm must equal the single-process norm. Each rank sums the squares of the gradient values it holds, but counts
+a replicated parameter only on one rank of each axis it is replicated over (``Placement.is_unique_copy``), and a
+weight tied across pipeline stages on one stage. The partial sums are then added over the ranks of one model
+replica, or over all ranks under ZeRO-1, where each data-parallel rank holds a different shard of the gradients.
+Without that rule a TP-replicated norm weight would be counted tp times.
 """
 
 from __future__ import annotations
@@ -12,23 +13,23 @@ import torch
 import torch.distributed as dist
 
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.placement import get_placement
 
 
-def global_grad_norm(
-    grads: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], parallel_context: ParallelContext
-) -> torch.Tensor:
+def global_grad_norm(buckets: GradientBuckets, parallel_context: ParallelContext) -> torch.Tensor:
     coords = parallel_context.coordinates
-    squares = [g.float().pow(2).sum() for name, g in grads.items() if get_placement(params[name]).is_unique_copy(coords)]
-    device = next(iter(grads.values())).device
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
-    if parallel_context.size("model") > 1:
-        dist.all_reduce(total, group=parallel_context.groups["model"])
+    squares = [values.float().pow(2).sum() for name, values in buckets.grad_pieces()
+               if get_placement(buckets.params[name]).is_unique_copy(coords)]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), device=parallel_context.device)
+    group = None if buckets.shard_optimizer else parallel_context.groups["model"]
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_gradients(grads: dict[str, torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale all gradients by min(1, max_norm / norm); a no-op when the norm is already small enough."""
+def clip_gradients(buckets: GradientBuckets, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale this rank's gradients by min(1, max_norm / norm); a no-op when the norm is already small enough."""
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(list(grads.values()), scale)
+    torch._foreach_mul_([bucket.grads[bucket.shard] for bucket in buckets.buckets], scale)

@@ -1,22 +1,26 @@
-"""AdamW on fp32 master weights, with optional fp32 gradient accumulation.
+"""AdamW on fp32 master weights, over the flat shards of the gradient buckets (ZeRO-1 when they are sharded).
 
-When the model runs in bf16/fp16, the optimizer keeps an fp32 copy of every parameter ("master weights") and
-updates that copy: small updates that would vanish when added to a bf16 weight are kept. After each step the
-masters are copied back into the model. With ``accumulate_grad_in_fp32`` each micro-batch's low-precision gradient
-is added into an fp32 buffer as soon as it is produced (a post-accumulate-grad hook), so the sum over micro-batches
-is not rounded to bf16 at every addition.
+The optimizer keeps an fp32 copy ("master") of this rank's shard of every bucket and updates that copy: small
+updates that would vanish when added to a bf16 weight are kept. After each step the masters are copied back into
+the model's parameters (and, with ZeRO-1, all-gathered over data-parallel ranks). Without ZeRO a rank's shard is the
+whole bucket; with ZeRO-1 it is 1/dp of it, so masters and Adam moments take 1/dp of the memory.
 
-State is keyed by logical parameter names, never by position, so checkpoints load into any layout.
+Checkpoints need state per logical parameter, not per shard: ``bucket_states`` gathers one bucket at a time over
+data-parallel ranks and cuts it into parameters; ``load_bucket_states`` does the reverse.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
 from nanotron.config import OptimizerArgs
+from nanotron.parallel.data_parallel import GradientBuckets
+
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
 def no_weight_decay(name: str, param: torch.Tensor, exclude_patterns: list[str] | None) -> bool:
@@ -27,28 +31,15 @@ def no_weight_decay(name: str, param: torch.Tensor, exclude_patterns: list[str] 
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, params: dict[str, nn.Parameter], args: OptimizerArgs):
-        self.params = params
+    def __init__(self, buckets: GradientBuckets, args: OptimizerArgs):
+        self.buckets = buckets
         self.args = args
-        self.separate_masters = any(p.dtype != torch.float32 for p in params.values())
-        self.accumulate_in_fp32 = self.separate_masters and args.accumulate_grad_in_fp32
-        self.masters: dict[str, torch.Tensor] = {
-            name: (p.detach().float().clone().requires_grad_(True) if self.separate_masters else p)
-            for name, p in params.items()
-        }
-        if self.accumulate_in_fp32:
-            for name, p in params.items():
-                p.register_post_accumulate_grad_hook(self._accumulate_hook(self.masters[name]))
-
-        decay, no_decay = [], []
-        for name, p in params.items():
-            (no_decay if no_weight_decay(name, p, args.weight_decay_exclude_named_params) else decay).append(name)
-        self.no_decay_names = set(no_decay)
+        self.masters = [b.params[b.shard].detach().float().clone() for b in buckets.buckets]
         groups = [
-            {"params": [self.masters[n] for n in decay], "weight_decay": args.weight_decay},
-            {"params": [self.masters[n] for n in no_decay], "weight_decay": 0.0},
+            {"params": [m for m, b in zip(self.masters, buckets.buckets) if b.weight_decay], "weight_decay": args.weight_decay},
+            {"params": [m for m, b in zip(self.masters, buckets.buckets) if not b.weight_decay], "weight_decay": 0.0},
         ]
-        on_cuda = any(p.is_cuda for p in params.values())
+        on_cuda = any(m.is_cuda for m in self.masters)
         self.inner = torch.optim.AdamW(
             [g for g in groups if g["params"]],
             lr=args.learning_rate_scheduler.learning_rate,
@@ -57,78 +48,84 @@ class MixedPrecisionAdamW:
             fused=bool(args.torch_adam_is_fused and on_cuda) or None,
         )
 
-    @staticmethod
-    def _accumulate_hook(master: torch.Tensor):
-        def hook(param: torch.Tensor) -> None:
-            if master.grad is None:
-                master.grad = param.grad.float()
-            else:
-                master.grad.add_(param.grad)
-            param.grad = None
-
-        return hook
-
-    def gradients_to_reduce(self) -> list[torch.Tensor]:
-        """The tensors holding this step's gradients, for data-parallel reduction."""
-        if self.accumulate_in_fp32:
-            return [m.grad for m in self.masters.values() if m.grad is not None]
-        return [p.grad for p in self.params.values() if p.grad is not None]
-
-    def main_gradients(self) -> dict[str, torch.Tensor]:
-        """fp32 gradients of the master weights (created as zeros for parameters that got none)."""
-        for name, master in self.masters.items():
-            param = self.params[name]
-            if self.separate_masters and not self.accumulate_in_fp32 and param.grad is not None:
-                master.grad = param.grad.float()
-                param.grad = None
-            if master.grad is None:
-                master.grad = torch.zeros_like(master)
-        return {name: m.grad for name, m in self.masters.items()}
-
     @torch.no_grad()
     def step(self, lr: float) -> None:
         for group in self.inner.param_groups:
             group["lr"] = lr
+        for master, bucket in zip(self.masters, self.buckets.buckets):
+            master.grad = bucket.grads[bucket.shard].float()  # a view when gradients are fp32
         self.inner.step()
-        if self.separate_masters:
-            for name, master in self.masters.items():
-                self.params[name].copy_(master)
-
-    def zero_grad(self) -> None:
-        for name, master in self.masters.items():
+        for master, bucket in zip(self.masters, self.buckets.buckets):
             master.grad = None
-            self.params[name].grad = None
+            bucket.params[bucket.shard].copy_(master)
+        self.buckets.all_gather_params()
 
-    # --- checkpointing -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Take the masters from the model's weights (after weights were loaded without optimizer state)."""
+        for master, bucket in zip(self.masters, self.buckets.buckets):
+            master.copy_(bucket.params[bucket.shard])
 
     @property
     def step_count(self) -> int:
-        states = [self.inner.state[m] for m in self.masters.values() if m in self.inner.state]
+        states = [self.inner.state[m] for m in self.masters if m in self.inner.state]
         return int(states[0]["step"]) if states else 0
 
-    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per logical parameter: Adam moments and (when separate) the fp32 master weight."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, master in self.masters.items():
-            state = self.inner.state.get(master, {})
-            tensors = {key: state[key] for key in ("exp_avg", "exp_avg_sq") if key in state}
-            if self.separate_masters:
-                tensors["master"] = master.detach()
-            out[name] = tensors
-        return out
+    def local_state_numel(self) -> int:
+        """Elements of fp32 optimizer state held by this rank (masters and both moments)."""
+        return sum(m.numel() for m in self.masters) * (3 if self.step_count else 1)
+
+    # --- checkpointing -------------------------------------------------------------------------------------------
+
+    def _shard_state(self, index: int, kind: str) -> torch.Tensor:
+        master = self.masters[index]
+        return master if kind == "master" else self.inner.state[master][kind]
+
+    def bucket_states(self) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
+        """Per bucket: {parameter name: {state kind: tensor of the parameter's local shape}}.
+
+        Collective over data-parallel ranks under ZeRO-1 (the shards are all-gathered), local otherwise.
+        """
+        buckets = self.buckets
+        kinds = STATE_KINDS if self.step_count else ("master",)
+        for index, bucket in enumerate(buckets.buckets):
+            full = {}
+            for kind in kinds:
+                shard = self._shard_state(index, kind)
+                if buckets.shard_optimizer:
+                    whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
+                    dist.all_gather_into_tensor(whole, shard.contiguous(), group=buckets.group)
+                else:
+                    whole = shard
+                full[kind] = whole
+            yield {name: {kind: full[kind][slice(*bucket.ranges[name])].view(bucket.shapes[name]) for kind in full}
+                   for name in bucket.names}
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        """Restore moments and masters in fp32 (never through the model dtype), then resync the model weights."""
-        for name, master in self.masters.items():
-            saved = tensors[name]
-            if self.separate_masters:
-                master.copy_(saved["master"])
-                self.params[name].copy_(master)
-            if "exp_avg" in saved:
-                step_device = master.device if self.inner.defaults.get("fused") else torch.device("cpu")
-                self.inner.state[master] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
-                    "exp_avg": saved["exp_avg"].to(master.device, torch.float32).clone(),
-                    "exp_avg_sq": saved["exp_avg_sq"].to(master.device, torch.float32).clone(),
-                }
+    def load_bucket_states(self, read: Callable[[str, str, torch.Tensor], None], step: int) -> None:
+        """Fill masters and moments; ``read(name, kind, out)`` fills ``out`` (the parameter's local shape) in fp32."""
+        for index, bucket in enumerate(self.buckets.buckets):
+            master = self.masters[index]
+            state = {"step": torch.tensor(float(step), dtype=torch.float32,
+                                          device=master.device if self.inner.defaults.get("fused") else "cpu")}
+            for kind in STATE_KINDS:
+                whole = torch.zeros(bucket.numel, dtype=torch.float32, device=master.device)
+                for name in bucket.names:
+                    read(name, kind, whole[slice(*bucket.ranges[name])].view(bucket.shapes[name]))
+                if kind == "master":
+                    master.copy_(whole[bucket.shard])
+                    bucket.params[bucket.shard].copy_(master)
+                else:
+                    state[kind] = whole[bucket.shard].clone()
+            self.inner.state[master] = state
+        self.buckets.all_gather_params()
+
+
+def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, bucket_mb: float,
+                    group: dist.ProcessGroup) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
+    """Gradient buckets (fp32 when accumulating in fp32) and the optimizer over their shards."""
+    model_dtype = next(iter(params.values())).dtype
+    grad_dtype = torch.float32 if args.accumulate_grad_in_fp32 else model_dtype
+    no_decay = {n for n, p in params.items() if no_weight_decay(n, p, args.weight_decay_exclude_named_params)}
+    buckets = GradientBuckets(params, no_decay, grad_dtype, int(bucket_mb * 2**20), group, shard=args.zero_stage == 1)
+    return buckets, MixedPrecisionAdamW(buckets, args)

@@ -1,6 +1,22 @@
-"""Gradient reduction over replicas: data-parallel ranks, and the copies of weights tied across pipeline stages."""
+"""Data parallelism: gradients in flat buckets, reduced over replicas while the backward pass is still running.
+
+Every local parameter gets a slice of a flat gradient buffer (fp32 with ``accumulate_grad_in_fp32``, else the model
+dtype) and of a flat parameter buffer (the parameter's storage). Buffers are cut into buckets of about
+``model.ddp_bucket_cap_mb``, filled in reverse registration order, which is roughly the order in which the backward
+pass produces gradients. A post-accumulate-grad hook adds each micro-batch's gradient into the buffer. During the
+last micro-batch of a step, a bucket is reduced as soon as all its gradients have arrived, so communication overlaps
+the rest of the backward pass; earlier micro-batches only accumulate.
+
+Reduction is a SUM (each rank's loss is already divided by the global token count). Without ZeRO each bucket is
+all-reduced. With ZeRO-1 (``shard=True``) each bucket is split into equal shards, one per data-parallel rank, and
+reduce-scattered: a rank only receives the gradient sum of its shard, which is all its optimizer needs; after the
+update the shards of the parameters are all-gathered. A parameter tied across pipeline stages gets a bucket of its
+own, so that both copies have the same shard layout and their gradients can be summed shard to shard.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -9,12 +25,145 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from nanotron.parallel.placement import get_placement
 
 
+@dataclass
+class Bucket:
+    names: list[str]
+    ranges: dict[str, tuple[int, int]]  # name -> [start, end) in the flat buffers
+    numel: int  # padded to a multiple of the data-parallel size
+    weight_decay: bool
+    grads: torch.Tensor
+    params: torch.Tensor
+    shard: slice  # the part this rank reduces and optimizes (all of it without ZeRO)
+    pending: int = 0
+    work: dist.Work | None = None
+    scattered: torch.Tensor | None = None
+    shapes: dict[str, torch.Size] = field(default_factory=dict)
+
+    def shard_pieces(self) -> list[tuple[str, slice, slice]]:
+        """(name, range in the parameter's flattened data, range in the shard) for every parameter in the shard."""
+        pieces = []
+        for name in self.names:
+            start, end = self.ranges[name]
+            lo, hi = max(start, self.shard.start), min(end, self.shard.stop)
+            if lo < hi:
+                pieces.append((name, slice(lo - start, hi - start), slice(lo - self.shard.start, hi - self.shard.start)))
+        return pieces
+
+
+class GradientBuckets:
+    def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], grad_dtype: torch.dtype,
+                 bucket_bytes: int, group: dist.ProcessGroup, shard: bool):
+        self.params = params
+        self.group = group
+        self.dp = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
+        self.shard_optimizer = shard and self.dp > 1
+        self.final_micro_batch = False
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[str, Bucket] = {}
+
+        element_bytes = torch.finfo(grad_dtype).bits // 8
+        for decay in (True, False):
+            names = [n for n in reversed(params) if (n not in no_decay) == decay]
+            current: list[str] = []
+            for name in names:
+                alone = bool(get_placement(params[name]).pipeline_copies)
+                if alone and current:
+                    self._add_bucket(current, decay, grad_dtype)
+                    current = []
+                current.append(name)
+                if alone or sum(params[n].numel() for n in current) * element_bytes >= bucket_bytes:
+                    self._add_bucket(current, decay, grad_dtype)
+                    current = []
+            if current:
+                self._add_bucket(current, decay, grad_dtype)
+        for name, param in params.items():
+            param.register_post_accumulate_grad_hook(self._hook(name))
+
+    def _add_bucket(self, names: list[str], decay: bool, grad_dtype: torch.dtype) -> None:
+        first = self.params[names[0]]
+        ranges, offset = {}, 0
+        for name in names:
+            ranges[name] = (offset, offset + self.params[name].numel())
+            offset += self.params[name].numel()
+        numel = -(-offset // self.dp) * self.dp
+        per_rank = numel // self.dp
+        shard = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank) if self.shard_optimizer else slice(0, numel)
+        bucket = Bucket(
+            names=list(names), ranges=ranges, numel=numel, weight_decay=decay,
+            grads=torch.zeros(numel, dtype=grad_dtype, device=first.device),
+            params=torch.zeros(numel, dtype=first.dtype, device=first.device), shard=shard,
+        )
+        for name in names:  # the parameter now lives in the flat buffer
+            param, (start, end) = self.params[name], ranges[name]
+            bucket.shapes[name] = param.shape
+            bucket.params[start:end].copy_(param.detach().flatten())
+            param.data = bucket.params[start:end].view(param.shape)
+            self.bucket_of[name] = bucket
+        bucket.pending = len(names)
+        self.buckets.append(bucket)
+
+    def _hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            bucket = self.bucket_of[name]
+            start, end = bucket.ranges[name]
+            bucket.grads[start:end].add_(param.grad.flatten())
+            param.grad = None
+            if self.final_micro_batch:
+                bucket.pending -= 1
+                if bucket.pending == 0:
+                    self._launch(bucket)
+
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.dp == 1:
+            return
+        if self.shard_optimizer:
+            bucket.scattered = torch.empty(bucket.numel // self.dp, dtype=bucket.grads.dtype, device=bucket.grads.device)
+            bucket.work = dist.reduce_scatter_tensor(bucket.scattered, bucket.grads, group=self.group, async_op=True)
+        else:
+            bucket.work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
+
+    def finish_reduction(self) -> None:
+        """Wait for every bucket's reduction (launching those whose parameters got no gradient this step)."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                if bucket.scattered is not None:
+                    bucket.grads[bucket.shard].copy_(bucket.scattered)
+            bucket.work, bucket.scattered = None, None
+
+    def all_gather_params(self) -> None:
+        """After a ZeRO-1 update, give every rank the parameters updated by the others."""
+        if not self.shard_optimizer:
+            return
+        for bucket in self.buckets:
+            dist.all_gather_into_tensor(bucket.params, bucket.params[bucket.shard].clone(), group=self.group)
+
+    def zero(self) -> None:
+        self.final_micro_batch = False
+        for bucket in self.buckets:
+            bucket.grads.zero_()
+            bucket.pending = len(bucket.names)
+
+    def gradient(self, name: str) -> torch.Tensor:
+        """The full accumulated gradient of a parameter, in its shape (complete only where this rank reduced it)."""
+        bucket = self.bucket_of[name]
+        return bucket.grads[slice(*bucket.ranges[name])].view(bucket.shapes[name])
+
+    def grad_pieces(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, gradient values) of every parameter piece in this rank's shards, for norms and clipping."""
+        return [(name, bucket.grads[bucket.shard][in_shard]) for bucket in self.buckets
+                for name, _, in_shard in bucket.shard_pieces()]
+
+
 @torch.no_grad()
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """SUM-reduce ``tensors`` in place with one collective per dtype.
-
-    SUM, not mean: each rank's loss is already divided by the global token count (see ``nanotron.nn.loss``).
-    """
+    """SUM-reduce ``tensors`` in place with one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -26,9 +175,12 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
 
 
 @torch.no_grad()
-def sync_tied_copies(grads: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
-                     group: dist.ProcessGroup) -> None:
-    """Sum the gradients of weights held by several pipeline stages, so every copy takes the same update."""
-    tied = [grads[name] for name, param in params.items() if get_placement(param).pipeline_copies]
+def sync_tied_copies(buckets: GradientBuckets, group: dist.ProcessGroup) -> None:
+    """Sum the gradients of weights held by several pipeline stages, so every copy takes the same update.
+
+    Each such weight has a bucket of its own with the same layout on every stage: shards line up.
+    """
+    tied = [b.grads[b.shard] for b in buckets.buckets
+            if any(get_placement(buckets.params[n]).pipeline_copies for n in b.names)]
     if tied:
         all_reduce_coalesced(tied, group)

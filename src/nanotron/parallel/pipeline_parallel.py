@@ -94,14 +94,16 @@ class PipelineSchedule:
     """Runs forward and backward of all micro-batches of one step on this stage.
 
     ``forward(micro_batch, inputs)`` returns the stage output: hidden states, or on the last stage the scalar loss
-    contribution of the micro-batch.
+    contribution of the micro-batch. ``before_last_backward()`` is called before the step's last backward on this
+    stage, when data-parallel gradient reduction may start.
     """
 
     def __init__(self, parallel_context: ParallelContext, engine: str, p2p: P2P,
-                 forward: Callable[[dict, torch.Tensor | None], torch.Tensor]):
+                 forward: Callable[[dict, torch.Tensor | None], torch.Tensor], before_last_backward: Callable[[], None]):
         self.pc = parallel_context
         self.p2p = p2p
         self.forward_fn = forward
+        self.before_last_backward = before_last_backward
         self.first, self.last = parallel_context.is_first_stage, parallel_context.is_last_stage
         self.stages = parallel_context.size("pp")
         self.engine = engine if self.stages > 1 else "1f1b"
@@ -111,6 +113,7 @@ class PipelineSchedule:
         self.p2p.step = step
         self.loss = torch.zeros((), device=self.pc.device)
         self._pending_input: list[torch.Tensor] = []
+        self._backwards_left = len(micro_batches)
         if self.engine == "afab":
             self._afab(micro_batches)
         else:
@@ -133,6 +136,9 @@ class PipelineSchedule:
         return self._pending_input.pop(0) if self._pending_input else self.p2p.recv_forward()
 
     def _backward(self, x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+        self._backwards_left -= 1
+        if self._backwards_left == 0:
+            self.before_last_backward()
         torch.autograd.backward(y, grad)
         return None if x is None else x.grad
 
