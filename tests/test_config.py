@@ -51,6 +51,7 @@ FULL: dict[str, Any] = {
         "tp_linear_async_communication": True,
         "pp_stage_layers": [1, 3],
         "pp_timeout_s": 30.0,
+        "replica_check_interval": 7,
     },
     "model": {
         "model_config": {
@@ -657,3 +658,10 @@ def test_expand_run_name_fills_the_placeholders_in_a_copy(monkeypatch):
     d = example_dict()
     del d["general"]["run"]
     assert expand_run_name(config_from_dict(d), now).general.run == "20240102_030405_local"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_loads_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    save_config(cfg, tmp_path / "again.yaml")
+    assert load_config(tmp_path / "again.yaml") == cfg

@@ -96,7 +96,9 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     from nanotron.data.dataset import DataError
     from nanotron.data.tokenizer import TokenizerError
     from nanotron.parallel.context import ParallelLayoutError
+    from nanotron.parallel.data_parallel import ReplicaDivergenceError
+    from nanotron.parallel.pipeline_parallel import PipelineTimeoutError
     from nanotron.trainer import TrainingDivergedError
 
     return (ConfigError, CorpusError, DataError, TokenizerError, CheckpointError, ParallelLayoutError,
-            TrainingDivergedError)
+            TrainingDivergedError, PipelineTimeoutError, ReplicaDivergenceError)

@@ -46,7 +46,7 @@ from nanotron.optim.clip import clip_gradients, global_grad_norm
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.data_parallel import sync_tied_copies
+from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule
 from nanotron.parallel.placement import logical_parameters
 from nanotron.random import seed_everything
@@ -266,6 +266,9 @@ class Trainer:
                     logger.info(f"data stage {stage.name!r} from step {step}")
                 result = self.train_step(loader.next_step(), learning_rate_at(step, config.optimizer.learning_rate_scheduler, train_steps))
                 self.progress.step = step
+                interval = config.parallelism.replica_check_interval
+                if interval is not None and step % interval == 0:
+                    check_replicas_agree(self.buckets, step)
                 self.progress.consumed_samples[stage.name] = (
                     self.progress.consumed_samples.get(stage.name, 0) + config.global_batch_size
                 )

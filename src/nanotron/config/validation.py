@@ -90,6 +90,8 @@ def _parallelism(p: ParallelismArgs) -> Iterator[str]:
             "(only that mode overlaps communication with compute); change one of them"
         )
     yield from _positive("parallelism.pp_timeout_s", p.pp_timeout_s)
+    if p.replica_check_interval is not None:
+        yield from _at_least("parallelism.replica_check_interval", p.replica_check_interval, 1)
     if p.pp_stage_layers is not None and len(p.pp_stage_layers) != p.pp:
         yield (
             f"parallelism.pp_stage_layers has {len(p.pp_stage_layers)} entries but parallelism.pp is {p.pp}: "

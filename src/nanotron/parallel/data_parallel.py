@@ -184,3 +184,27 @@ def sync_tied_copies(buckets: GradientBuckets, group: dist.ProcessGroup) -> None
             if any(get_placement(buckets.params[n]).pipeline_copies for n in b.names)]
     if tied:
         all_reduce_coalesced(tied, group)
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Data-parallel replicas no longer hold the same weights."""
+
+
+@torch.no_grad()
+def check_replicas_agree(buckets: GradientBuckets, step: int) -> None:
+    """Compare a checksum of this rank's weights with the other data-parallel replicas; fail loudly if they differ.
+
+    Replicas apply identical updates, so their weights must be bit-identical; a difference means a bug or a faulty
+    device, and continuing would silently train several different models.
+    """
+    if buckets.dp == 1:
+        return
+    checksum = torch.stack([torch.stack([b.params.double().sum(), b.params.double().pow(2).sum()])
+                            for b in buckets.buckets]).sum(0)
+    gathered = [torch.empty_like(checksum) for _ in range(buckets.dp)]
+    dist.all_gather(gathered, checksum, group=buckets.group)
+    if any(not torch.equal(other, gathered[0]) for other in gathered):
+        raise ReplicaDivergenceError(
+            f"data-parallel replicas hold different weights at step {step} (checksums "
+            f"{[tuple(round(v, 6) for v in g.tolist()) for g in gathered]}); resume from the last checkpoint"
+        )

@@ -1,0 +1,122 @@
+"""The full 3D composition: dp × tp × pp with ZeRO-0 and ZeRO-1 against one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config_dict
+from test_tensor_parallel import _pieces, assemble, first_step_gradients
+
+from distributed import run_distributed
+
+STEPS = 20
+
+
+def layout_config(tiny_data, tmp_path, name: str, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
+                  **overrides) -> dict:
+    """The same 8-sequence global batch for every layout: micro_batch_size shrinks as dp grows."""
+    base = tiny_config_dict(tiny_data, tmp_path / name)
+    model = base["model"] | overrides.pop("model", {})
+    model["model_config"] = model["model_config"] | {"num_hidden_layers": 4}
+    optimizer = base["optimizer"] | {"zero_stage": zero}
+    tokens = {"train_steps": STEPS, "micro_batch_size": 4 // dp, "batch_accumulation_per_replica": 2}
+    tokens |= overrides.pop("tokens", {})
+    parallelism = {"dp": dp, "tp": tp, "pp": pp, "tp_mode": "REDUCE_SCATTER", "replica_check_interval": 5}
+    return tiny_config_dict(tiny_data, tmp_path / name, model=model, optimizer=optimizer, tokens=tokens,
+                            parallelism=parallelism)
+
+
+def _run(config: dict) -> dict:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    pc = trainer.pc
+    trainer.train()
+    metrics = []
+    if pc.is_logging_rank:
+        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    weights = _pieces(dict(trainer.params), trainer.params, pc.coordinates, pc.sizes) if pc.coord("dp") == 0 else {}
+    return {"metrics": metrics, "weights": weights, "state_numel": trainer.optimizer.local_state_numel()}
+
+
+def logging_metrics(results: list[dict]) -> list[dict]:
+    (metrics,) = [r["metrics"] for r in results if r["metrics"]]
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    (result,) = run_distributed(_run, 1, config=layout_config(tiny_data, tmp_path_factory.mktemp("ref"), "ref"))
+    metrics = result["metrics"]
+    assert metrics[-1]["lm_loss"] < metrics[0]["lm_loss"] - 1.0 and all(m["grad_norm"] > 0 for m in metrics)
+    return result
+
+
+@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+def test_layout_matches_single_process_with_zero_0_and_1(reference, tiny_data, tmp_path, dp, tp, pp):
+    runs = {}
+    for zero in (0, 1):
+        config = layout_config(tiny_data, tmp_path, f"zero{zero}", dp, tp, pp, zero)
+        runs[zero] = run_distributed(_run, dp * tp * pp, config=config)
+        for expected, got in zip(reference["metrics"], logging_metrics(runs[zero]), strict=True):
+            assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-4), (zero, got["step"])
+            assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), (zero, got["step"])
+
+    zero0, zero1 = assemble(runs[0], "weights"), assemble(runs[1], "weights")
+    for name in zero0:
+        # Same update rule on shards; only the summation order of the grad-norm (hence the clip factor) differs.
+        assert (zero1[name] - zero0[name]).abs().max().item() <= 1e-6, name
+    if dp > 1:  # ZeRO-1 holds 1/dp of the optimizer state (up to bucket padding)
+        ratio = runs[1][0]["state_numel"] / runs[0][0]["state_numel"]
+        assert ratio == pytest.approx(1 / dp, rel=0.02)
+
+
+def _first_gradients(config: dict) -> dict:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    _, pieces = first_step_gradients(Trainer(config_from_dict(config)))
+    return {"grads": pieces}
+
+
+def test_fp32_accumulation_of_bf16_gradients_is_closer_to_fp32(tiny_data, tmp_path):
+    accumulate = {"tokens": {"micro_batch_size": 1, "batch_accumulation_per_replica": 8}}
+    fp32 = assemble(run_distributed(_first_gradients, 1, config=layout_config(
+        tiny_data, tmp_path, "fp32", model={"dtype": "float32"}, **accumulate)), "grads")
+    errors = {}
+    for fp32_accumulation in (True, False):
+        config = layout_config(tiny_data, tmp_path, f"bf16-{fp32_accumulation}", model={"dtype": "bfloat16"},
+                               **accumulate)
+        config["optimizer"]["accumulate_grad_in_fp32"] = fp32_accumulation
+        grads = assemble(run_distributed(_first_gradients, 1, config=config), "grads")
+        errors[fp32_accumulation] = sum((grads[n].double() - fp32[n].double()).norm() ** 2 for n in fp32) ** 0.5
+    assert errors[True] < errors[False]
+
+
+def _diverged_replica() -> str:
+    import torch.distributed as dist
+    from torch import nn
+
+    from nanotron.parallel.context import ParallelContext
+    from nanotron.parallel.data_parallel import GradientBuckets, ReplicaDivergenceError, check_replicas_agree
+    from nanotron.parallel.placement import annotate_placements
+
+    pc = ParallelContext(dp=2)
+    holder = nn.Linear(4, 4, bias=False)
+    annotate_placements(holder)
+    buckets = GradientBuckets({"weight": holder.weight}, set(), torch.float32, 1 << 20, pc.groups["dp"], shard=False)
+    with torch.no_grad():
+        holder.weight.fill_(1.0)
+        check_replicas_agree(buckets, step=3)
+        holder.weight[0, 0] += dist.get_rank() * 1e-7
+    with pytest.raises(ReplicaDivergenceError) as error:
+        check_replicas_agree(buckets, step=4)
+    return str(error.value)
+
+
+def test_replica_check_fails_loudly_on_divergence():
+    messages = run_distributed(_diverged_replica, 2)
+    assert all("step 4" in message for message in messages)
