@@ -40,6 +40,8 @@ FULL: dict[str, Any] = {
         "resume_checkpoint_path": "ckpt/full",
         "checkpoints_path_is_shared_file_system": False,
         "keep_last_n": 2,
+        "load_optimizer": False,
+        "load_lr_scheduler": False,
     },
     "parallelism": {
         "dp": 2,

@@ -155,19 +155,26 @@ class Trainer:
                     f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
                     f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
                 )
-            load_weights(checkpoint, self.model, self.pc)
-            if metadata["optimizer_step"] > 0:
-                load_optimizer(checkpoint, self.optimizer, self.pc, metadata["optimizer_step"])
+            load_weights(checkpoint, self.model, self.pc, metadata)
+            if metadata["optimizer_step"] > 0 and checkpoints.load_optimizer:
+                load_optimizer(checkpoint, self.optimizer, self.model, self.pc, metadata)
             else:
                 self.optimizer.sync_masters_from_model()
-            self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]))
+            schedule_start = metadata["lr_schedule_start_step"] if checkpoints.load_lr_scheduler else metadata["step"]
+            self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start)
             if not load_rng(checkpoint, self.pc):
                 logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
-            logger.info(f"resumed from {checkpoint} at step {self.progress.step}")
+            saved_layout = {k: v for k, v in metadata["layout"].items() if k != "zero_stage"}
+            if saved_layout != self.pc.sizes or metadata["layout"]["zero_stage"] != self.config.optimizer.zero_stage:
+                logger.info(f"checkpoint layout {metadata['layout']} resharded to {self.pc.sizes}, "
+                            f"zero_stage {self.config.optimizer.zero_stage}")
+            fresh = [what for what, kept in (("optimizer state", checkpoints.load_optimizer),
+                                             ("LR schedule", checkpoints.load_lr_scheduler)) if not kept]
+            logger.info(f"resumed from {checkpoint} at step {self.progress.step}"
+                        + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
         elif isinstance(self.config.model.init_method, ExistingCheckpointInit):
             checkpoint = resolve_checkpoint(self.config.model.init_method.path)
-            read_metadata(checkpoint)
-            load_weights(checkpoint, self.model, self.pc)
+            load_weights(checkpoint, self.model, self.pc, read_metadata(checkpoint))
             self.optimizer.sync_masters_from_model()
             logger.info(f"initial weights loaded from {checkpoint} (optimizer, schedule and data start fresh)")
 
@@ -210,7 +217,8 @@ class Trainer:
             output = self.model(hidden_states=hidden_states)
         if not self.pc.is_last_stage:
             return output
-        losses = vocab_parallel_token_losses(output, micro_batch["labels"], self.pc.groups["tp"])
+        vocab = self.config.model.model_config.vocab_size
+        losses = vocab_parallel_token_losses(output, micro_batch["labels"], self.pc.groups["tp"], vocab)
         return masked_sum(losses, micro_batch["label_mask"]) / self._token_count
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -264,7 +272,9 @@ class Trainer:
                 if stage.name != loader_stage:
                     loader, loader_stage = self._loader(stage), stage.name
                     logger.info(f"data stage {stage.name!r} from step {step}")
-                result = self.train_step(loader.next_step(), learning_rate_at(step, config.optimizer.learning_rate_scheduler, train_steps))
+                start = self.progress.lr_schedule_start
+                lr = learning_rate_at(step - start, config.optimizer.learning_rate_scheduler, train_steps - start)
+                result = self.train_step(loader.next_step(), lr)
                 self.progress.step = step
                 interval = config.parallelism.replica_check_interval
                 if interval is not None and step % interval == 0:

@@ -31,7 +31,7 @@ from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError,
 from nanotron.config import Config, save_config
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.placement import get_placement, logical_parameters
+from nanotron.parallel.placement import Placement, get_placement, logical_parameters
 from nanotron.random import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class TrainingProgress:
 
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
+    lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
 
     @property
     def total_consumed_samples(self) -> int:
@@ -119,6 +120,7 @@ def save_checkpoint(
             "consumed_samples": progress.consumed_samples,
             "consumed_tokens": progress.total_consumed_samples * config.tokens.sequence_length,
             "optimizer_step": optimizer.step_count,
+            "lr_schedule_start_step": progress.lr_schedule_start,
             "layout": {**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
             "files": {f: (tmp / f).stat().st_size for f in files},
             **extra_metadata,
@@ -182,38 +184,59 @@ def read_metadata(checkpoint: Path) -> dict:
     return metadata
 
 
+def _read_logical(reader: LogicalTensorReader, key: str, placement: Placement, out: torch.Tensor,
+                  parallel_context: ParallelContext, vocab_rows: tuple[int, int] | None) -> None:
+    """Fill ``out`` (this rank's part of ``placement``) from the stored logical tensor ``key``.
+
+    ``vocab_rows`` = (padded vocabulary now, padded vocabulary in the checkpoint). Vocabulary padding depends on the
+    tensor-parallel size; rows past the real vocabulary never take part in the loss, so a vocabulary-sized tensor
+    stored with another padding loads its common rows and keeps its own values for the others.
+    """
+    stored, expected = reader.logical_shape(key), placement.logical_shape
+    resizable = vocab_rows is not None and expected[0] == vocab_rows[0] and stored[0] == vocab_rows[1]
+    if stored != expected and not (resizable and stored[1:] == expected[1:]):
+        raise CheckpointError(
+            f"{key!r} has shape {stored} in {reader.folder} but {expected} in this model: the model config does not "
+            "match the checkpoint"
+        )
+    for local, logical in placement.boxes(parallel_context.coordinates, parallel_context.sizes):
+        rows = min(logical[0].stop, stored[0]) - logical[0].start
+        if rows <= 0:
+            continue
+        logical = (slice(logical[0].start, logical[0].start + rows), *logical[1:])
+        local = (slice(local[0].start, local[0].start + rows), *local[1:])
+        reader.read_into(key, logical, out[local])
+
+
+def _vocab_rows(model: nn.Module, metadata: dict) -> tuple[int, int]:
+    return model.padded_vocab_size, metadata["model"]["padded_vocab_size"]
+
+
 @torch.no_grad()
-def load_weights(checkpoint: Path, model: nn.Module, parallel_context: ParallelContext) -> None:
+def load_weights(checkpoint: Path, model: nn.Module, parallel_context: ParallelContext, metadata: dict) -> None:
     """Fill this rank's parameters from the logical tensors of ``checkpoint`` (reading only the needed slices)."""
     reader = LogicalTensorReader(checkpoint / "model")
-    coords, sizes = parallel_context.coordinates, parallel_context.sizes
     for name, param in logical_parameters(model).items():
-        placement = get_placement(param)
         if name not in reader.names():
             raise CheckpointError(f"parameter {name!r} is not in {checkpoint}: it was saved from another model")
-        if reader.logical_shape(name) != placement.logical_shape:
-            raise CheckpointError(
-                f"parameter {name!r} has shape {reader.logical_shape(name)} in {checkpoint} but "
-                f"{placement.logical_shape} in this model: the model config does not match the checkpoint"
-            )
-        for local, logical in placement.boxes(coords, sizes):
-            reader.read_into(name, logical, param[local])
+        _read_logical(reader, name, get_placement(param), param, parallel_context, _vocab_rows(model, metadata))
 
 
-def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, parallel_context: ParallelContext, step: int) -> None:
+def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, model: nn.Module,
+                   parallel_context: ParallelContext, metadata: dict) -> None:
     """Restore fp32 masters and Adam moments from logical tensors, for any layout and ZeRO stage."""
     reader = LogicalTensorReader(checkpoint / "optimizer")
-    coords, sizes = parallel_context.coordinates, parallel_context.sizes
     params = optimizer.buckets.params
 
     def read(name: str, kind: str, out: torch.Tensor) -> None:
         key = f"{kind}/{name}"
         if key not in reader.names():
             raise CheckpointError(f"optimizer state {key!r} is missing from {checkpoint}")
-        for local, logical in get_placement(params[name]).boxes(coords, sizes):
-            reader.read_into(key, logical, out[local])
+        if kind == "master":  # rows the checkpoint lacks (other vocabulary padding) keep the loaded weights
+            out.copy_(params[name])
+        _read_logical(reader, key, get_placement(params[name]), out, parallel_context, _vocab_rows(model, metadata))
 
-    optimizer.load_bucket_states(read, step)
+    optimizer.load_bucket_states(read, metadata["optimizer_step"])
 
 
 def load_rng(checkpoint: Path, parallel_context: ParallelContext) -> bool:

@@ -56,6 +56,8 @@ class CheckpointsArgs:
     resume_checkpoint_path: Path | None = None
     checkpoints_path_is_shared_file_system: bool = True
     keep_last_n: int | None = None  # None keeps every checkpoint
+    load_optimizer: bool = True  # on resume; False: fresh Adam moments, masters taken from the loaded weights
+    load_lr_scheduler: bool = True  # on resume; False: the LR schedule starts again (warmup included) at the resume step
 
 
 @dataclass

@@ -7,6 +7,10 @@ all-reduces of per-token scalars (the max, the sum of exponentials and the targe
     loss = log(sum_v exp z_v) - z_target
 
 The backward is local: softmax minus the one-hot target on this rank's slice.
+
+Columns past the real vocabulary (padding that makes the vocabulary split evenly) are excluded from the softmax, so
+the amount of padding, which depends on the tensor-parallel size, never changes the loss: checkpoints resume exactly
+at another TP size.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from nanotron.nn.loss import token_losses
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup,
+                vocab_size: int) -> torch.Tensor:
         ctx.dtype = logits.dtype
-        logits = logits.float()
         local_vocab = logits.shape[-1]
         start = dist.get_rank(group) * local_vocab
+        padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
+        logits = logits.float().masked_fill(padding, float("-inf")) if padding.any() else logits.float()
 
         maximum = logits.max(dim=-1).values
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
@@ -47,11 +53,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = softmax
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -in_slice.unsqueeze(-1).to(grad.dtype))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.dtype), None, None
+        return grad.to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Per-token cross-entropy [batch, seq] (fp32) from logits [batch, seq, vocab / tp] sharded over ``group``."""
+def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup,
+                                vocab_size: int) -> torch.Tensor:
+    """Per-token cross-entropy [batch, seq] (fp32) from logits [batch, seq, padded vocab / tp] sharded over ``group``.
+
+    Only the first ``vocab_size`` columns of the (logical) vocabulary take part in the softmax.
+    """
     if dist.get_world_size(group) == 1:
-        return token_losses(logits, labels)
-    return _VocabParallelCrossEntropy.apply(logits, labels, group)
+        return token_losses(logits[..., :vocab_size], labels)
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_size)
