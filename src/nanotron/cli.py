@@ -1,4 +1,5 @@
-"""The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``build-corpus``.
+"""The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``build-corpus``, ``generate``, ``eval``,
+``convert``.
 
 Every subcommand turns the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
 ``error:`` line and exit status 2, instead of a traceback.
@@ -42,6 +43,60 @@ def _build_corpus(args: argparse.Namespace) -> None:
     print(f"wrote {len(manifest['domains'])} domains to {args.output_dir}")
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from nanotron.data.tokenizer import eos_token_id
+    from nanotron.generation.generate import SamplingArgs, generate, load_checkpoint_tokenizer, load_model
+    from nanotron.parallel.context import ParallelContext
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --prompts-file")
+    pc = ParallelContext(tp=args.tp, pp=args.pp)
+    try:
+        model, _, checkpoint = load_model(args.ckpt_path, pc)
+        tokenizer = load_checkpoint_tokenizer(checkpoint)
+        sampling = SamplingArgs(args.sampler, args.temperature, args.top_k, args.top_p, args.seed)
+        ids = [tokenizer.encode(prompt).ids for prompt in prompts]
+        completions = generate(model, pc, ids, args.max_new_tokens, sampling, eos_token_id(tokenizer),
+                               model.config.vocab_size, use_cache=not args.no_cache)
+        if pc.rank == 0:
+            for prompt, completion in zip(prompts, completions):
+                print(f"=== {prompt}\n{tokenizer.decode(completion)}\n", flush=True)
+    finally:
+        pc.destroy()
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    import json
+
+    from nanotron.generation.evaluate import evaluate
+    from nanotron.parallel.context import ParallelContext
+
+    pc = ParallelContext(tp=args.tp, pp=args.pp)
+    try:
+        results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size)
+        if pc.rank == 0:
+            for name, result in results.items():
+                print(f"{name}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
+                      f"{result['tokens']:,} tokens")
+            if args.output:
+                args.output.write_text(json.dumps(results, indent=2))
+    finally:
+        pc.destroy()
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from nanotron.checkpoint.hf_llama import hf_to_nanotron, nanotron_to_hf
+
+    if args.direction == "hf-to-nanotron":
+        path = hf_to_nanotron(args.hf_path, args.save_path)
+    else:
+        path = nanotron_to_hf(args.ckpt_path, args.save_path)
+    print(f"wrote {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,7 +129,47 @@ def build_parser() -> argparse.ArgumentParser:
     corpus.add_argument("--cache-dir", type=Path, default=None, help="where downloaded packages are kept")
     corpus.add_argument("--max-mb-per-domain", type=float, default=None)
     corpus.set_defaults(run=_build_corpus)
+
+    gen = commands.add_parser("generate", help="generate text from a checkpoint (any --tp/--pp, under torchrun)")
+    add_generate_arguments(gen)
+    gen.set_defaults(run=_generate)
+
+    evaluation = commands.add_parser("eval", help="held-out loss and perplexity per dataset folder")
+    evaluation.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
+    evaluation.add_argument("--data", type=Path, nargs="+", required=True, help="preprocessed folders, one per domain")
+    evaluation.add_argument("--tp", type=int, default=1)
+    evaluation.add_argument("--pp", type=int, default=1)
+    evaluation.add_argument("--sequence-length", type=int, default=256)
+    evaluation.add_argument("--max-windows", type=int, default=64, help="windows read from the start of each folder")
+    evaluation.add_argument("--batch-size", type=int, default=8)
+    evaluation.add_argument("--output", type=Path, help="also write the results as JSON")
+    evaluation.set_defaults(run=_evaluate)
+
+    convert = commands.add_parser("convert", help="convert Llama checkpoints to or from Hugging Face transformers")
+    directions = convert.add_subparsers(dest="direction", required=True)
+    to_nanotron = directions.add_parser("hf-to-nanotron", help="a Hugging Face Llama folder -> a nanotron checkpoint")
+    to_nanotron.add_argument("--hf-path", type=Path, required=True)
+    to_nanotron.add_argument("--save-path", type=Path, required=True)
+    to_hf = directions.add_parser("nanotron-to-hf", help="a nanotron checkpoint -> a Hugging Face Llama folder")
+    to_hf.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
+    to_hf.add_argument("--save-path", type=Path, required=True)
+    convert.set_defaults(run=_convert)
     return parser
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the launcher starts tp*pp ranks)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    parser.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--sampler", choices=["greedy", "top-k", "top-p"], default="greedy")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ Because of (1) and (2), every split of the global batch into ranks and micro-bat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -363,6 +364,7 @@ class Trainer:
                 "padded_vocab_size": self.model.padded_vocab_size,
                 "vocab_size": self.config.model.model_config.vocab_size,
                 "dtype": self.config.model.dtype,
+                "config": dataclasses.asdict(self.config.model.model_config),
             },
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
         }

@@ -114,6 +114,11 @@ def save_checkpoint(
     dist.barrier()
     if is_main:
         files = sorted(f for rank_files in all_written for f in rank_files)
+        tokenizer = _local_tokenizer_file(config.tokenizer.tokenizer_name_or_path)
+        if tokenizer is not None:  # a checkpoint carries its tokenizer, so generation needs no other path
+            (tmp / "tokenizer").mkdir()
+            shutil.copy(tokenizer, tmp / "tokenizer" / "tokenizer.json")
+            files.append("tokenizer/tokenizer.json")
         metadata = {
             "format_version": FORMAT_VERSION,
             "step": progress.step,
@@ -135,6 +140,14 @@ def save_checkpoint(
         logger.info(f"saved checkpoint {final}")
     dist.barrier()
     return final
+
+
+def _local_tokenizer_file(name_or_path: str | None) -> Path | None:
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return path if path.is_file() else None
 
 
 def _write_latest(root: Path, name: str) -> None:

@@ -18,6 +18,19 @@ from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, for one attention layer: [batch, kv_heads, positions, head_dim]."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
 class LlamaAttention(nn.Module):
     """Causal self-attention with grouped-query heads and a fused q|k|v projection."""
 
@@ -30,7 +43,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Causal attention; ``attention_mask`` [batch, 1, queries, keys] (True = attend) replaces the causal mask
+        when given (padded prompts), and ``kv_cache`` holds the keys and values of earlier positions (generation)."""
         qkv = self.qkv_proj(hidden_states)
         batch, seq, width = qkv.shape
         kv_heads = width // ((self.q_per_kv + 2) * self.head_dim)
@@ -44,11 +60,16 @@ class LlamaAttention(nn.Module):
             position_ids = torch.arange(seq, device=qkv.device)
         cos, sin = self.rotary(position_ids, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
         if self.q_per_kv > 1:
             k = k.repeat_interleave(self.q_per_kv, dim=1)
             v = v.repeat_interleave(self.q_per_kv, dim=1)
 
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
 
 
@@ -73,8 +94,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.input_layernorm(hidden_states), position_ids)
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        attended = self.attn(self.input_layernorm(hidden_states), position_ids, attention_mask, kv_cache)
+        hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
@@ -101,12 +124,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_caches: dict[str, KVCache] | None = None,
     ) -> torch.Tensor:
-        """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that."""
+        """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that.
+
+        ``kv_caches`` maps layer indices to their caches during generation.
+        """
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers.values():
-            hidden_states = layer(hidden_states, position_ids)
+        for index, layer in self.layers.items():
+            cache = kv_caches[index] if kv_caches is not None else None
+            hidden_states = layer(hidden_states, position_ids, attention_mask, cache)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         if self.lm_head is not None:

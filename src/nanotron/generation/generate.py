@@ -1,0 +1,187 @@
+"""Autoregressive generation from a checkpoint, at any tensor- and pipeline-parallel layout.
+
+Prompts of different lengths are left-padded; a boolean mask keeps padding out of attention and positions count
+only real tokens. With the KV cache each new token costs one forward of length 1; without it the whole sequence is
+recomputed (kept to check the cache). Tensor parallelism runs in ALL_REDUCE mode (a single new token cannot be
+split along the sequence); logits are gathered over TP ranks to sample. With pipeline parallelism, hidden states go
+from stage to stage and the last stage broadcasts each sampled token to every stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanotron.checkpoint.hf_llama import checkpoint_llama_config
+from nanotron.checkpoint.logical_tensors import CheckpointError
+from nanotron.checkpoint.manager import load_weights, read_metadata, resolve_checkpoint
+from nanotron.config import (
+    CheckpointsArgs,
+    Config,
+    GeneralArgs,
+    LRSchedulerArgs,
+    ModelArgs,
+    OptimizerArgs,
+    ParallelismArgs,
+    RandomInit,
+    TokenizerArgs,
+    TokensArgs,
+)
+from nanotron.models.llama import KVCache
+from nanotron.models.build import build_model
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.pipeline_parallel import P2P
+
+SAMPLERS = ("greedy", "top-k", "top-p")
+
+
+@dataclass
+class SamplingArgs:
+    sampler: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    seed: int = 0
+
+
+def sample(logits: torch.Tensor, args: SamplingArgs, generator: torch.Generator) -> torch.Tensor:
+    """Next token per row of ``logits`` [batch, vocab] (fp32)."""
+    if args.sampler == "greedy":
+        return logits.argmax(dim=-1)
+    logits = logits / max(args.temperature, 1e-5)
+    if args.sampler == "top-k":
+        values, indices = logits.topk(min(args.top_k, logits.shape[-1]), dim=-1)
+        choice = torch.multinomial(values.softmax(-1), 1, generator=generator)
+        return indices.gather(-1, choice).squeeze(-1)
+    if args.sampler == "top-p":
+        probs, indices = logits.softmax(-1).sort(dim=-1, descending=True)
+        keep = probs.cumsum(-1) - probs < args.top_p  # the smallest prefix whose mass reaches top_p
+        probs = torch.where(keep, probs, 0.0)
+        choice = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=generator)
+        return indices.gather(-1, choice).squeeze(-1)
+    raise ValueError(f"unknown sampler {args.sampler!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+def inference_config(checkpoint: Path, metadata: dict, tp: int, pp: int) -> Config:
+    """A config that builds the checkpoint's model at (tp, pp) in ALL_REDUCE mode; nothing else is used."""
+    model_config = checkpoint_llama_config(checkpoint, metadata)
+    return Config(
+        general=GeneralArgs(project="generate"),
+        checkpoints=CheckpointsArgs(checkpoints_path=checkpoint, checkpoint_interval=1),
+        parallelism=ParallelismArgs(tp=tp, pp=pp, tp_mode="ALL_REDUCE"),
+        model=ModelArgs(model_config=model_config, init_method=RandomInit(std=0.02), dtype=metadata["model"]["dtype"]),
+        tokenizer=TokenizerArgs(),
+        optimizer=OptimizerArgs(learning_rate_scheduler=LRSchedulerArgs(learning_rate=1.0)),
+        tokens=TokensArgs(sequence_length=model_config.max_position_embeddings, train_steps=1, micro_batch_size=1,
+                          batch_accumulation_per_replica=1),
+        data_stages=[],
+    )
+
+
+def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[nn.Module, Config, Path]:
+    """The checkpoint's model for this rank at the context's tp/pp, in eval mode."""
+    checkpoint = resolve_checkpoint(Path(ckpt_path))
+    metadata = read_metadata(checkpoint)
+    config = inference_config(checkpoint, metadata, parallel_context.size("tp"), parallel_context.size("pp"))
+    model = build_model(config, parallel_context)
+    load_weights(checkpoint, model, parallel_context, metadata)
+    return model.eval(), config, checkpoint
+
+
+def _attention_mask(valid: torch.Tensor, queries: int) -> torch.Tensor:
+    """[batch, 1, queries, keys]: causal over the last ``queries`` positions, padding keys hidden.
+
+    A padding query may see itself, so that no row is fully masked (which would produce NaNs).
+    """
+    keys = valid.shape[1]
+    query_index = torch.arange(keys - queries, keys, device=valid.device)[:, None]
+    key_index = torch.arange(keys, device=valid.device)[None, :]
+    causal = key_index <= query_index
+    return (causal & (valid[:, None, :] | (key_index == query_index)))[:, None]
+
+
+@torch.no_grad()
+def generate(model: nn.Module, parallel_context: ParallelContext, prompts: list[list[int]], max_new_tokens: int,
+             sampling: SamplingArgs, eos_token_id: int | None, vocab_size: int, use_cache: bool = True,
+             pad_token_id: int = 0) -> list[list[int]]:
+    """New tokens for every prompt (stopping at EOS, which is kept, or after ``max_new_tokens``)."""
+    pc, device = parallel_context, parallel_context.device
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long, device=device)
+    valid = torch.zeros_like(tokens, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt):] = torch.tensor(prompt, device=device)
+        valid[row, longest - len(prompt):] = True
+
+    caches = {index: KVCache() for index in model.layers} if use_cache else None
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    new_tokens: list[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        fed = 1 if use_cache and step > 0 else tokens.shape[1]
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, -fed:]
+        logits = forward_logits(model, pc, tokens[:, -fed:], positions, _attention_mask(valid, fed), caches)
+        if pc.is_last_stage:
+            next_token = sample(logits[:, :vocab_size].float(), sampling, generator)
+        else:
+            next_token = torch.empty(len(prompts), dtype=torch.long, device=device)
+        if pc.size("pp") > 1:
+            dist.broadcast(next_token, src=pc.group_ranks["pp"][-1], group=pc.groups["pp"])
+        next_token = torch.where(done, pad_token_id, next_token)
+        new_tokens.append(next_token)
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        valid = torch.cat([valid, ~done[:, None]], dim=1)
+        if eos_token_id is not None:
+            done |= next_token == eos_token_id
+        if bool(done.all()):
+            break
+    stacked = torch.stack(new_tokens, dim=1).tolist()
+    return [_until_eos(row, eos_token_id) for row in stacked]
+
+
+def _until_eos(row: list[int], eos_token_id: int | None) -> list[int]:
+    return row[: row.index(eos_token_id) + 1] if eos_token_id is not None and eos_token_id in row else row
+
+
+def forward_logits(model: nn.Module, pc: ParallelContext, ids: torch.Tensor, positions: torch.Tensor | None,
+                   mask: torch.Tensor | None, caches: dict[str, KVCache] | None, last_only: bool = True,
+                   gather: bool = True) -> torch.Tensor | None:
+    """Logits over the padded vocabulary on the last stage (None elsewhere), gathered over TP unless ``gather``
+    is False (then each TP rank keeps its vocabulary shard).
+
+    Only the last position's ([batch, vocab]) unless ``last_only`` is False ([batch, seq, vocab]).
+    """
+    hidden_size = model.config.hidden_size
+    p2p = P2P(pc, (ids.shape[0], ids.shape[1], hidden_size), next(model.parameters()).dtype, timeout_s=600.0)
+    hidden = None if pc.is_first_stage else p2p.recv_forward()
+    out = model(input_ids=ids if pc.is_first_stage else None, hidden_states=hidden, position_ids=positions,
+                attention_mask=mask, kv_caches=caches)
+    if not pc.is_last_stage:
+        p2p.send_forward(out)
+        return None
+    logits = out[:, -1].contiguous() if last_only else out.contiguous()
+    if gather and pc.size("tp") > 1:
+        shards = [torch.empty_like(logits) for _ in range(pc.size("tp"))]
+        dist.all_gather(shards, logits, group=pc.groups["tp"])
+        logits = torch.cat(shards, dim=-1)
+    return logits
+
+
+def load_checkpoint_tokenizer(checkpoint: Path):
+    """The tokenizer stored in the checkpoint, else the one its training config names."""
+    from nanotron.config import load_config
+    from nanotron.data.tokenizer import load_tokenizer
+
+    if (checkpoint / "tokenizer" / "tokenizer.json").exists():
+        return load_tokenizer(checkpoint / "tokenizer" / "tokenizer.json")
+    if (checkpoint / "config.yaml").exists():
+        name = load_config(checkpoint / "config.yaml").tokenizer.tokenizer_name_or_path
+        if name:
+            return load_tokenizer(name)
+    raise CheckpointError(f"{checkpoint} has no tokenizer (tokenizer/tokenizer.json) and its config names none")

@@ -1,0 +1,174 @@
+"""Hugging Face interop and generation: conversion both ways, logits parity at any layout, greedy decoding."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def random_hf_llama(folder: Path, tied: bool) -> Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=112, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rope_theta=5000.0, tie_word_embeddings=tied,
+        bos_token_id=1, eos_token_id=2,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1 so that a missing weight would show
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def converted(request, tmp_path_factory):
+    from nanotron.checkpoint.hf_llama import hf_to_nanotron
+
+    root = tmp_path_factory.mktemp("hf")
+    hf = random_hf_llama(root / "hf", tied=request.param)
+    return hf, hf_to_nanotron(hf, root / "nanotron")
+
+
+def hf_logits_and_greedy(hf_path: Path) -> tuple[torch.Tensor, list[list[int]]]:
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_path).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return logits, out[0, ids.shape[1]:].tolist()
+
+
+def _nanotron(ckpt: str, tp: int, pp: int) -> dict:
+    from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
+    from nanotron.parallel.context import ParallelContext
+
+    pc = ParallelContext(tp=tp, pp=pp)
+    model, config, _ = load_model(Path(ckpt), pc)
+    ids = torch.tensor([PROMPTS[0]])
+    logits = forward_logits(model, pc, ids, None, None, None, last_only=False)
+    vocab = config.model.model_config.vocab_size
+    greedy = SamplingArgs("greedy")
+    cached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=True)
+    uncached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=False)
+    return {"logits": None if logits is None else logits[0, :, :vocab], "cached": cached, "uncached": uncached}
+
+
+def test_logits_and_generation_match_transformers_at_every_layout(converted):
+    hf_path, ckpt = converted
+    reference_logits, reference_greedy = hf_logits_and_greedy(hf_path)
+    (single,) = run_distributed(_nanotron, 1, ckpt=str(ckpt), tp=1, pp=1)
+    assert (single["logits"] - reference_logits).abs().max() < 1e-4
+    assert single["cached"] == single["uncached"]  # the KV cache changes nothing (64 tokens, batched prompts)
+    assert single["cached"][0][:24] == reference_greedy
+
+    sharded = run_distributed(_nanotron, 4, ckpt=str(ckpt), tp=2, pp=2)
+    last_stage = [r for r in sharded if r["logits"] is not None]
+    assert len(last_stage) == 2
+    assert (last_stage[0]["logits"] - reference_logits).abs().max() < 1e-4
+    assert all(r["cached"] == single["cached"] for r in sharded)
+
+
+def test_round_trip_is_bit_identical(converted, tmp_path):
+    from nanotron.checkpoint.hf_llama import nanotron_to_hf
+
+    hf_path, ckpt = converted
+    exported = nanotron_to_hf(ckpt, tmp_path / "back")
+    original, back = load_file(hf_path / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert set(back) == set(original) - {"lm_head.weight"} or set(back) == set(original)
+    for name, tensor in back.items():
+        assert torch.equal(tensor, original[name]), name
+    transformers.LlamaForCausalLM.from_pretrained(exported)  # loads without missing or unexpected keys
+
+
+MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank today"
+
+
+def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
+    import json
+
+    from conftest import write_config
+
+    from nanotron.data.preprocess import preprocess
+    from nanotron.data.tokenizer import train_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": MEMORIZE}) + "\n" for _ in range(300)))
+    tokenizer = train_tokenizer([corpus], 300, tmp_path / "tokenizer.json")
+    preprocess([corpus], tokenizer, tmp_path / "data", num_workers=1)
+    from conftest import tiny_config_dict
+
+    config = tiny_config_dict({"tokenizer": tokenizer, "tokenized": tmp_path / "data"}, tmp_path / "ckpt",
+                              tokens={"train_steps": 80})
+    config["model"]["model_config"] |= {"vocab_size": 300}
+    env = {**os.environ, "NANOTRON_DEVICE": "cpu"}
+    trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
+                              str(write_config(tmp_path / "config.yaml", config))], capture_output=True, text=True, env=env)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    generated = subprocess.run([sys.executable, str(ROOT / "run_generate.py"), "--ckpt-path", str(tmp_path / "ckpt"),
+                                "--prompt", "the quick brown fox", "--max-new-tokens", "12"],
+                               capture_output=True, text=True, env=env)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert "jumps over the lazy dog near the river" in generated.stdout
+
+
+def test_samplers_respect_top_k_top_p_and_seed():
+    from nanotron.generation.generate import SamplingArgs, sample
+
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]]).repeat(200, 1)
+    draw = lambda args, seed: sample(logits, args, torch.Generator().manual_seed(seed))  # noqa: E731
+    assert set(draw(SamplingArgs("top-k", top_k=2), 0).tolist()) == {0, 1}
+    assert set(draw(SamplingArgs("top-p", top_p=0.5), 0).tolist()) == {0}  # token 0 alone holds > 50%
+    assert set(draw(SamplingArgs("top-k", top_k=5, temperature=100.0), 0).tolist()) == {0, 1, 2, 3, 4}
+    assert torch.equal(draw(SamplingArgs("top-p"), 3), draw(SamplingArgs("top-p"), 3))
+    assert torch.equal(draw(SamplingArgs("greedy"), 0), torch.zeros(200, dtype=torch.long))
+
+
+def _evaluate(ckpt: str, data: str, tp: int) -> dict:
+    import torch.nn.functional as F
+
+    from nanotron.data.dataset import TokenShards
+    from nanotron.generation.evaluate import evaluate
+    from nanotron.generation.generate import load_model
+    from nanotron.parallel.context import ParallelContext
+
+    pc = ParallelContext(tp=tp)
+    result = evaluate(Path(ckpt), [Path(data)], pc, sequence_length=16, max_windows=10, batch_size=4)
+    if tp > 1:
+        return result
+    model, _, _ = load_model(Path(ckpt), pc)
+    shards = TokenShards(Path(data))
+    tokens = torch.stack([torch.as_tensor(shards.read(i * 16, 17)) for i in range(10)])
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:, :-1])
+    manual = F.cross_entropy(logits[..., :384].flatten(0, 1), tokens[:, 1:].flatten()).item()
+    return result | {"manual": manual}
+
+
+def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
+    from conftest import tiny_config_dict, write_config
+
+    config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 6})
+    trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
+                              str(write_config(tmp_path / "config.yaml", config))], capture_output=True, text=True,
+                             env={**os.environ, "NANOTRON_DEVICE": "cpu"})
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (single,) = run_distributed(_evaluate, 1, ckpt=str(tmp_path / "ckpt"), data=str(tiny_data["tokenized"]), tp=1)
+    sharded = run_distributed(_evaluate, 2, ckpt=str(tmp_path / "ckpt"), data=str(tiny_data["tokenized"]), tp=2)
+    result = single["tokenized"]
+    assert result["tokens"] == 160 and result["loss"] == pytest.approx(single["manual"], rel=1e-5)
+    assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"]).exp().item(), rel=1e-6)
+    assert sharded[0]["tokenized"]["loss"] == pytest.approx(result["loss"], rel=1e-5)
