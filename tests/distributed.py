@@ -56,3 +56,14 @@ def run_distributed(fn, world_size: int, timeout: float = 240, **kwargs) -> list
             if process.is_alive():
                 process.kill()
     return [results[rank] for rank in range(world_size)]
+
+
+def _each(function, calls: list[dict]) -> list:
+    return [function(**kwargs) for kwargs in calls]
+
+
+def run_distributed_each(fn, world_size: int, calls: list[dict], timeout: float = 480) -> list[list]:
+    """``fn(**kwargs)`` for every entry of ``calls``, one after the other in the same N processes (spawning them is
+    the slow part); returns, per call, the results ordered by rank."""
+    per_rank = run_distributed(_each, world_size, timeout=timeout, function=fn, calls=calls)
+    return [[rank_results[i] for rank_results in per_rank] for i in range(len(calls))]

@@ -82,6 +82,7 @@ FULL: dict[str, Any] = {
         "dtype": "float16",
         "make_vocab_size_divisible_by": 64,
         "ddp_bucket_cap_mb": 50,
+        "compile": True,
     },
     "tokenizer": {"tokenizer_name_or_path": "gpt2", "tokenizer_revision": "main", "tokenizer_max_length": 1024},
     "optimizer": {

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_config_dict
 from test_tensor_parallel import _pieces, assemble, first_step_gradients
 
-from distributed import run_distributed
+from distributed import run_distributed, run_distributed_each
 
 STEPS = 20
 
@@ -42,6 +42,7 @@ def _run(config: dict) -> dict:
     return {"metrics": metrics, "weights": weights, "state_numel": trainer.optimizer.local_state_numel()}
 
 
+
 def logging_metrics(results: list[dict]) -> list[dict]:
     (metrics,) = [r["metrics"] for r in results if r["metrics"]]
     return metrics
@@ -57,10 +58,9 @@ def reference(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
 def test_layout_matches_single_process_with_zero_0_and_1(reference, tiny_data, tmp_path, dp, tp, pp):
-    runs = {}
+    calls = [{"config": layout_config(tiny_data, tmp_path, f"zero{zero}", dp, tp, pp, zero)} for zero in (0, 1)]
+    runs = dict(enumerate(run_distributed_each(_run, dp * tp * pp, calls)))
     for zero in (0, 1):
-        config = layout_config(tiny_data, tmp_path, f"zero{zero}", dp, tp, pp, zero)
-        runs[zero] = run_distributed(_run, dp * tp * pp, config=config)
         for expected, got in zip(reference["metrics"], logging_metrics(runs[zero]), strict=True):
             assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-4), (zero, got["step"])
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4), (zero, got["step"])

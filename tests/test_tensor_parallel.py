@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_config_dict
 
-from distributed import run_distributed
+from distributed import run_distributed, run_distributed_each
 
 STEPS = 20
 
@@ -93,16 +93,19 @@ def reference(tiny_data, tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize(
-    "tp, mode, overlap",
-    [(2, "ALL_REDUCE", False), (4, "ALL_REDUCE", False), (2, "REDUCE_SCATTER", False), (4, "REDUCE_SCATTER", False),
-     (2, "REDUCE_SCATTER", True)],
-)
-def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, mode, overlap):
-    results = run_distributed(_run, tp, config=tp_config(tiny_data, tmp_path, "tp", tp, mode, overlap))
+@pytest.mark.parametrize("tp, variants", [
+    (2, [("ALL_REDUCE", False), ("REDUCE_SCATTER", False), ("REDUCE_SCATTER", True)]),
+    (4, [("ALL_REDUCE", False), ("REDUCE_SCATTER", False)]),
+])
+def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, variants):
+    calls = [{"config": tp_config(tiny_data, tmp_path, f"{mode}-{overlap}", tp, mode, overlap)} for mode, overlap in variants]
+    for variant, results in zip(variants, run_distributed_each(_run, tp, calls)):
+        check_against_reference(reference, results, tp, variant)
 
+
+def check_against_reference(reference: dict, results: list[dict], tp: int, variant: tuple) -> None:
     # Each rank holds 1/tp of every matrix.
-    assert results[1]["local_shapes"]["layers.0.attn.qkv_proj.weight"][0] == 128 // tp
+    assert results[1]["local_shapes"]["layers.0.attn.qkv_proj.weight"][0] == 128 // tp, variant
     assert results[1]["local_shapes"]["embed_tokens.weight"][0] == 384 // tp
 
     reference_weights = assemble([reference], "weights")

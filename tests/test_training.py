@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config_dict, write_config
 
-from distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,25 +133,3 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
     typo = tiny_config_dict(tiny_data, tmp_path)["optimizer"] | {"wieght_decay": 0.1}
     assert "weight_decay" in _error_line(tiny_data, tmp_path, optimizer=typo)
     assert "parallelism.expert_parallel_size" in _error_line(tiny_data, tmp_path, parallelism={"expert_parallel_size": 2})
-
-
-def _train_in_process(config: dict) -> list[dict]:
-    from nanotron.config import config_from_dict
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    trainer.train()
-    path = trainer.config.resolved_metrics_path()
-    return [json.loads(line) for line in path.read_text().splitlines()] if trainer.pc.is_logging_rank else []
-
-
-def test_data_parallel_matches_single_process(tiny_data, tmp_path):
-    single = tiny_config_dict(tiny_data, tmp_path / "dp1", tokens={"train_steps": 6})
-    double = tiny_config_dict(tiny_data, tmp_path / "dp2", tokens={"train_steps": 6, "micro_batch_size": 2},
-                              parallelism={"dp": 2})
-    (reference,) = run_distributed(_train_in_process, 1, config=single)
-    results = run_distributed(_train_in_process, 2, config=double)
-    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
-    for a, b in zip(reference, results[0]):
-        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

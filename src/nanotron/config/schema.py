@@ -136,6 +136,7 @@ class ModelArgs:
     dtype: str = "bfloat16"
     make_vocab_size_divisible_by: int = 1
     ddp_bucket_cap_mb: int = 25
+    compile: bool = False  # torch.compile every decoder layer (fuses norms, rotary and SwiGLU on GPUs)
 
     def __post_init__(self) -> None:
         dtype = self.dtype.lower()

@@ -65,6 +65,9 @@ def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
         log_stages(model, pc.coord("pp"), layers)
     std = getattr(config.model.init_method, "std", model_config.initializer_range)
     init_parameters(model, config.general.seed, std, pc.coordinates, pc.sizes)
+    if config.model.compile:
+        for layer in model.layers.values():
+            layer.compile()
     return model
 
 

@@ -17,6 +17,9 @@ from nanotron.config import LlamaConfig
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 
+# Since torch 2.5, SDPA groups query heads over kv heads itself, without materialising repeated keys and values.
+SDPA_GROUPS_HEADS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 class KVCache:
     """Keys and values of the positions seen so far, for one attention layer: [batch, kv_heads, positions, head_dim]."""
@@ -62,14 +65,17 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        if self.q_per_kv > 1:
+        grouped = {}
+        if self.q_per_kv > 1 and SDPA_GROUPS_HEADS:
+            grouped = {"enable_gqa": True}
+        elif self.q_per_kv > 1:
             k = k.repeat_interleave(self.q_per_kv, dim=1)
             v = v.repeat_interleave(self.q_per_kv, dim=1)
 
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, **grouped)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
 
 

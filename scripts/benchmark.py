@@ -1,0 +1,145 @@
+"""Training throughput of nanotron, side by side with a plain Hugging Face ``transformers`` loop, on CUDA.
+
+    python scripts/benchmark.py --data work/data/tokenized --output bench.json [--preset llama1b] [--steps 20]
+    torchrun --nproc_per_node=2 scripts/benchmark.py --data ... --output ... --override parallelism.dp=2
+
+Both systems train the same model shape on the same batches (bf16 weights; nanotron with fp32 master weights and
+fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). Step times are measured with CUDA
+events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
+(FLOPs/token = 6·parameters + 6·layers·hidden·sequence) and peak memory. The Hugging Face loop runs only on a single
+process. Results go to ``--output`` (JSON) and a markdown row is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {
+    "llama1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "rope_theta": 500000.0},
+    "llama8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0},
+}
+
+
+def timed(step_fn, steps: int, warmup: int) -> list[float]:
+    """Seconds per step, measured with CUDA events, warm-up excluded."""
+    times = []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step_fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def summary(times: list[float], tokens_per_step: int, world: int, flops_per_token: float, peak: float | None) -> dict:
+    step = statistics.median(times)
+    per_gpu = tokens_per_step / step / world
+    tflops = per_gpu * flops_per_token / 1e12
+    return {"step_time_s": step, "tokens_per_sec": tokens_per_step / step, "tokens_per_sec_per_gpu": per_gpu,
+            "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / peak if peak else None,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+
+
+def run_nanotron(args) -> tuple[dict, list[dict]]:
+    from nanotron.config import load_config
+    from nanotron.optim.lr_schedule import learning_rate_at
+    from nanotron.trainer import Trainer
+
+    overrides = [f"model.model_config.{key}={value}" for key, value in PRESETS[args.preset].items()] + [
+        f"tokens.sequence_length={args.sequence_length}", f"model.model_config.max_position_embeddings={args.sequence_length}",
+        f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.batch_accumulation_per_replica={args.accumulation}",
+        f"tokens.train_steps={args.steps + args.warmup}", "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
+        f"data_stages.0.data.dataset.dataset_folder={args.data}", "checkpoints.save_final_state=false",
+        "checkpoints.checkpoint_interval=100000", "parallelism.replica_check_interval=null",
+    ] + args.override
+    trainer = Trainer(load_config(ROOT / "examples" / "config_llama1b_bench.yaml", overrides))
+    config = trainer.config
+    loader = trainer._loader(config.data_stages[0])
+    batches = [loader.next_step() for _ in range(2)]  # reused: data loading is not what is measured
+    schedule = config.optimizer.learning_rate_scheduler
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(i):
+        trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
+
+    times = timed(step, args.steps, args.warmup)
+    result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
+    return result | {"parameters": trainer.num_parameters, "layout": trainer.pc.sizes}, batches[0]
+
+
+def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:
+    import transformers
+
+    preset = PRESETS[args.preset]
+    config = transformers.LlamaConfig(**preset, max_position_embeddings=args.sequence_length,
+                                      attn_implementation="sdpa", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    batches = [{k: v.cuda() for k, v in mb.items()} for mb in micro_batches]
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(_):
+        for mb in batches:
+            logits = model(input_ids=mb["input_ids"]).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mb["labels"].flatten())
+            (loss / len(batches)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    tokens = sum(mb["input_ids"].numel() for mb in batches)
+    return summary(timed(step, args.steps, args.warmup), tokens, 1, flops_per_token, peak)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, required=True, help="a preprocessed folder (token ids < 128256)")
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
+    parser.add_argument("--sequence-length", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face loop")
+    parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: the benchmark needs a CUDA device")
+
+    nanotron, micro_batches = run_nanotron(args)
+    results = {"preset": args.preset, "sequence_length": args.sequence_length, "micro_batch_size": args.micro_batch_size,
+               "accumulation": args.accumulation, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "nanotron": nanotron}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1 and not args.no_hf:
+        from nanotron.metrics import flops_per_token, peak_flops
+
+        p = PRESETS[args.preset]
+        fpt = flops_per_token(nanotron["parameters"], p["num_hidden_layers"], p["hidden_size"], args.sequence_length)
+        results["hf"] = run_hf(args, micro_batches, fpt, peak_flops(torch.device("cuda"), torch.bfloat16))
+        results["speedup"] = nanotron["tokens_per_sec"] / results["hf"]["tokens_per_sec"]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        args.output.write_text(json.dumps(results, indent=2))
+        hf = results.get("hf", {})
+        print(f"| {args.preset} | {nanotron['layout']} | {nanotron['tokens_per_sec']:,.0f} | "
+              f"{nanotron['tokens_per_sec_per_gpu']:,.0f} | {nanotron['mfu'] or 0:.1%} | {nanotron['peak_memory_gb']:.1f} | "
+              f"{hf.get('tokens_per_sec', 0):,.0f} | {hf.get('mfu') or 0:.1%} | {results.get('speedup', 0):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
