@@ -133,3 +133,37 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
     typo = tiny_config_dict(tiny_data, tmp_path)["optimizer"] | {"wieght_decay": 0.1}
     assert "weight_decay" in _error_line(tiny_data, tmp_path, optimizer=typo)
     assert "parallelism.expert_parallel_size" in _error_line(tiny_data, tmp_path, parallelism={"expert_parallel_size": 2})
+
+
+def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
+    from nanotron.checkpoint.logical_tensors import CheckpointError
+    from nanotron.checkpoint.manager import read_metadata, resolve_checkpoint
+    from nanotron.config import LRSchedulerArgs
+    from nanotron.optim.lr_schedule import learning_rate_at
+
+    schedule = {"learning_rate": 3e-3, "lr_warmup_steps": 3, "min_decay_lr": 3e-4}
+    first = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 6},
+                             checkpoints={"checkpoint_interval": 2, "keep_last_n": 2},
+                             optimizer={"learning_rate_scheduler": schedule})
+    train(write_config(tmp_path / "first.yaml", first))
+    kept = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit())
+    assert kept == ["4", "6"]  # keep_last_n: 2
+    assert (tmp_path / "run" / "6" / "tokenizer" / "tokenizer.json").exists()
+
+    fresh = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 12},
+                             optimizer={"learning_rate_scheduler": schedule},
+                             checkpoints={"checkpoint_interval": 100, "resume_checkpoint_path": str(tmp_path / "run"),
+                                          "load_optimizer": False, "load_lr_scheduler": False})
+    result = train(write_config(tmp_path / "fresh.yaml", fresh))
+    assert "fresh optimizer state and LR schedule" in result.stderr
+    records = {r["step"]: r for r in metrics(tmp_path / "run")}
+    # The schedule starts again at the resume step: warmup over 3 steps, then cosine down over the 6 remaining.
+    restarted = LRSchedulerArgs(**schedule)
+    assert records[7]["lr"] == pytest.approx(learning_rate_at(1, restarted, 6))
+    assert records[12]["lr"] == pytest.approx(3e-4)
+
+    checkpoint = resolve_checkpoint(tmp_path / "run")
+    shard = next((checkpoint / "model").glob("*.safetensors"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        read_metadata(checkpoint)

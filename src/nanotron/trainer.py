@@ -12,12 +12,11 @@ Because of (1) and (2), every split of the global batch into ranks and micro-bat
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -364,7 +363,7 @@ class Trainer:
                 "padded_vocab_size": self.model.padded_vocab_size,
                 "vocab_size": self.config.model.model_config.vocab_size,
                 "dtype": self.config.model.dtype,
-                "config": dataclasses.asdict(self.config.model.model_config),
+                "config": asdict(self.config.model.model_config),
             },
             "tokenizer_fingerprint": self.tokenizer_fingerprint,
         }

@@ -13,7 +13,8 @@ so accumulating over the schedule's micro-batches gives the mean over the global
 1F1B (Narayanan et al., 2021): stage ``s`` of ``P`` first runs ``min(P - s - 1, M)`` forwards (warm-up), then
 alternates one forward and one backward, then finishes the remaining backwards (cool-down). At most ``P - s``
 micro-batches are in flight, against ``M`` for AFAB. With one stage both schedules reduce to plain gradient
-accumulation, and 1F1B is used since it holds one micro-batch at a time.
+accumulation, and 1F1B is used since it holds one micro-batch at a time. A stage frees each activation it has
+sent; the autograd graph behind it stays until its backward.
 """
 
 from __future__ import annotations
@@ -135,6 +136,14 @@ class PipelineSchedule:
         """This micro-batch's input: already received with the previous backward exchange, or received now."""
         return self._pending_input.pop(0) if self._pending_input else self.p2p.recv_forward()
 
+    @staticmethod
+    def _free(y: torch.Tensor) -> None:
+        """Release a sent activation's memory; its autograd node needs only its shape for the backward.
+
+        The stage output comes from a residual addition, whose backward does not read the output's values.
+        """
+        y.untyped_storage().resize_(0)
+
     def _backward(self, x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._backwards_left -= 1
         if self._backwards_left == 0:
@@ -150,6 +159,7 @@ class PipelineSchedule:
             x, y = self._forward(micro_batch)
             if not self.last:
                 self.p2p.send_forward(y)
+                self._free(y)
             in_flight.append((x, y))
         for x, y in in_flight:
             grad = None if self.last else self.p2p.recv_backward()
@@ -165,13 +175,17 @@ class PipelineSchedule:
             x, y = self._forward(micro_batch)
             if not self.last:
                 self.p2p.send_forward(y)
+                self._free(y)
             in_flight.append((x, y))
 
         steady = micro_batches[warmup:]
         for i, micro_batch in enumerate(steady):
             x, y = self._forward(micro_batch)
             in_flight.append((x, y))
-            grad = None if self.last else self.p2p.send_forward_recv_backward(y)
+            grad = None
+            if not self.last:
+                grad = self.p2p.send_forward_recv_backward(y)
+                self._free(y)
             x_old, y_old = in_flight.pop(0)
             dx = self._backward(x_old, y_old, grad)
             if not self.first:
