@@ -76,8 +76,20 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
         trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
 
     times = timed(step, args.steps, args.warmup)
+    if args.profile:
+        write_profile(step, args.profile)
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
     return result | {"parameters": trainer.num_parameters, "layout": trainer.pc.sizes}, batches[0]
+
+
+def write_profile(step_fn, path: Path, steps: int = 3) -> None:
+    """The CUDA-time table of a few steps (torch profiler), to see where a step's time goes."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for i in range(steps):
+            step_fn(i)
+        torch.cuda.synchronize()
+    path.write_text(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
 
 
 def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:
@@ -116,6 +128,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face loop")
+    parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -65,6 +65,13 @@ class StepResult:
     lr: float
 
 
+def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, tp_group: dist.ProcessGroup,
+                     vocab_size: int, token_count: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of the step loss: its token-loss sum over the global token count."""
+    losses = vocab_parallel_token_losses(logits, labels, tp_group, vocab_size)
+    return masked_sum(losses, label_mask) / token_count
+
+
 def check_supported_layout(config: Config) -> None:
     """Reject parallel settings whose mechanisms this version does not provide, naming the keys."""
     p = config.parallelism
@@ -90,6 +97,8 @@ class Trainer:
             self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.groups["dp_ep"]
         )
         self.schedule = self._pipeline_schedule()
+        # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
+        self._loss = torch.compile(micro_batch_loss) if config.model.compile else micro_batch_loss
         self.progress = TrainingProgress()
         self._load_initial_state()
 
@@ -218,8 +227,8 @@ class Trainer:
         if not self.pc.is_last_stage:
             return output
         vocab = self.config.model.model_config.vocab_size
-        losses = vocab_parallel_token_losses(output, micro_batch["labels"], self.pc.groups["tp"], vocab)
-        return masked_sum(losses, micro_batch["label_mask"]) / self._token_count
+        return self._loss(output, micro_batch["labels"], micro_batch["label_mask"], self.pc.groups["tp"], vocab,
+                          self._token_count)
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """The step's mean loss (on every rank); gradients end in the buckets, summed over replicas and tied copies."""
