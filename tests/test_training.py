@@ -167,3 +167,18 @@ def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match=shard.name):
         read_metadata(checkpoint)
+
+
+def test_compiled_model_and_loss_match_eager(tiny_data, tmp_path):
+    """`model.compile` fuses the same computation: per-step loss and grad-norm equal the eager run."""
+    runs = {}
+    for compiled in (False, True):
+        folder = tmp_path / f"compiled-{compiled}"
+        config = tiny_config_dict(tiny_data, folder, tokens={"train_steps": 4},
+                                  model=tiny_config_dict(tiny_data, folder)["model"] | {"compile": compiled},
+                                  optimizer={"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2}})
+        train(write_config(tmp_path / f"{compiled}.yaml", config))
+        runs[compiled] = metrics(folder)
+    for eager, fused in zip(runs[False], runs[True], strict=True):
+        assert fused["lm_loss"] == pytest.approx(eager["lm_loss"], rel=1e-5)
+        assert fused["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-5)
