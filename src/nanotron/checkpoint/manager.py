@@ -7,7 +7,7 @@ Layout of ``<checkpoints_path>``::
     <step>/config.yaml              the run's config
     <step>/model/*.safetensors      boxes of logical weights (see logical_tensors.py)
     <step>/optimizer/*.safetensors  boxes of Adam moments and fp32 master weights, same naming
-    <step>/rng/rank-XXXXX.pt        every rank's random generators
+    <step>/rng/rank-<rank>.pt       every rank's random generators (world rank, 5 digits)
 
 A save goes to ``.tmp-<step>`` first; only when every rank has finished does rank 0 rename it and update
 ``latest.txt``. A crash at any moment therefore leaves the previous checkpoint intact and ``latest.txt`` pointing
