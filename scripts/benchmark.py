@@ -83,13 +83,24 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
 
 
 def write_profile(step_fn, path: Path, steps: int = 3) -> None:
-    """The CUDA-time table of a few steps (torch profiler), to see where a step's time goes."""
+    """Where a few steps' GPU time goes (torch profiler): operators, then kernels grouped by name, per step."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         for i in range(steps):
             step_fn(i)
         torch.cuda.synchronize()
-    path.write_text(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+    operators = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+    kernels: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us() / 1e3
+    total = sum(ms for _, ms in kernels.values())
+    lines = [f"GPU kernel time per step: {total / steps:.1f} ms", "ms/step  calls/step  kernel"]
+    for name, (calls, ms) in sorted(kernels.items(), key=lambda item: -item[1][1])[:80]:
+        lines.append(f"{ms / steps:8.2f}  {calls / steps:10.1f}  {name[:150]}")
+    path.write_text(operators + "\n\n" + "\n".join(lines) + "\n")
 
 
 def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:

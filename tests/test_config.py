@@ -54,6 +54,7 @@ FULL: dict[str, Any] = {
         "pp_stage_layers": [1, 3],
         "pp_timeout_s": 30.0,
         "replica_check_interval": 7,
+        "recompute_layer": True,
     },
     "model": {
         "model_config": {

@@ -69,7 +69,8 @@ def test_attention_matches_explicit_reference():
     model = make_model()
     layer = model.layers["0"]
     x = torch.randn(2, 7, 32)
-    torch.testing.assert_close(layer.attn(x), reference_attention(layer, x), rtol=1e-5, atol=1e-6)
+    rotary = model.rotary(torch.arange(7))
+    torch.testing.assert_close(layer.attn(x, rotary), reference_attention(layer, x), rtol=1e-5, atol=1e-6)
 
 
 def test_tied_embeddings_share_storage_and_untied_do_not():
@@ -110,3 +111,16 @@ def test_bf16_model_runs_and_counts_parameters():
     model = make_model(dtype=torch.bfloat16, tie=False)
     assert model(input_ids=torch.randint(0, 100, (1, 4))).dtype == torch.bfloat16
     assert model.num_parameters() == sum(p.numel() for p in logical_parameters(model).values())
+
+
+def test_swiglu_backward_reference_matches_autograd():
+    from nanotron.nn.swiglu import swiglu, swiglu_backward_reference
+
+    gate_up, grad = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 5, 8, dtype=torch.float64)
+    leaf = gate_up.clone().requires_grad_()
+    gate, up = leaf.chunk(2, dim=-1)
+    (F.silu(gate) * up).backward(grad)
+    torch.testing.assert_close(swiglu_backward_reference(gate_up, grad), leaf.grad)
+    through_function = gate_up.clone().requires_grad_()
+    swiglu(through_function).backward(grad)  # on CPU the autograd function uses the reference
+    torch.testing.assert_close(through_function.grad, leaf.grad)

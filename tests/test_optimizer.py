@@ -63,6 +63,40 @@ def test_bf16_model_updates_fp32_masters_and_copies_back(group):
     torch.testing.assert_close(optimizer.masters[0], torch.full((8,), 1 - 3e-5), rtol=0, atol=1e-7)
 
 
+def test_parameter_without_gradient_in_a_step_has_zero_gradient(group):
+    used, unused = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    buckets, _ = build({"used": used, "unused": unused}, group)
+    (used * unused).sum().backward()
+    buckets.finish_reduction()
+    assert torch.equal(buckets.gradient("unused"), torch.ones(4))
+    buckets.zero()
+    (used * 3).sum().backward()  # "unused" gets no gradient this step: its buffer must not keep the last one
+    buckets.final_micro_batch = True
+    buckets.finish_reduction()
+    assert torch.equal(buckets.gradient("used"), torch.full((4,), 3.0))
+    assert torch.equal(buckets.gradient("unused"), torch.zeros(4))
+
+
+def test_adamw_update_matches_torch_adamw():
+    from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_
+
+    generator = torch.Generator().manual_seed(0)
+    reference = nn.Parameter(torch.randn(1000, generator=generator))
+    torch_adamw = torch.optim.AdamW([reference], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    master, weights = reference.detach().clone(), torch.empty(1000, dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq, initial = torch.zeros(1000), torch.zeros(1000), master.clone()
+    for step in range(1, 6):
+        grad, clip = torch.randn(1000, generator=generator), torch.tensor(0.5 if step % 2 else 1.0)
+        reference.grad = grad * clip
+        torch_adamw.step()
+        hyper = AdamWHyperparameters.at_step(step, 3e-3, 0.9, 0.95, 1e-8, 0.1, clip, torch.device("cpu"))
+        adamw_update_(master, grad, exp_avg, exp_avg_sq, weights, hyper)
+    torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(exp_avg_sq, torch_adamw.state[reference]["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+    assert torch.equal(weights, master.to(torch.bfloat16))
+    assert (master - initial).abs().mean() > 1e-3  # the weights moved
+
+
 SCALES = torch.rand(64, generator=torch.Generator().manual_seed(0)) + 1.0
 
 

@@ -135,6 +135,16 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
     assert "parallelism.expert_parallel_size" in _error_line(tiny_data, tmp_path, parallelism={"expert_parallel_size": 2})
 
 
+def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
+    # An absurd learning rate makes the weights overflow after the first update: step 2's loss is not finite.
+    optimizer = tiny_config_dict(tiny_data, tmp_path)["optimizer"]
+    optimizer["learning_rate_scheduler"] = optimizer["learning_rate_scheduler"] | {"learning_rate": 1e30,
+                                                                                   "lr_warmup_steps": 0}
+    line = _error_line(tiny_data, tmp_path, optimizer=optimizer, checkpoints={"checkpoint_interval": 1})
+    assert "training diverged" in line and "at step 2" in line
+    assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "1"
+
+
 def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
     from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.checkpoint.manager import read_metadata, resolve_checkpoint

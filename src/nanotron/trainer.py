@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -38,11 +39,18 @@ from nanotron.data.dataset import DataError, PretrainDataset
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.logging import setup_logging
-from nanotron.metrics import MetricsWriter, flops_per_token, format_duration, peak_flops, peak_memory_gb
+from nanotron.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    format_duration,
+    hardware_flops_per_token,
+    peak_flops,
+    peak_memory_gb,
+)
 from nanotron.models.build import build_model
 from nanotron.nn.loss import masked_sum
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
-from nanotron.optim.clip import clip_gradients, global_grad_norm
+from nanotron.optim.clip import clip_coefficient, global_grad_norm
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
@@ -104,8 +112,10 @@ class Trainer:
 
         model_config = config.model.model_config
         self.num_parameters = self.model.num_parameters()
-        self.flops_per_token = flops_per_token(
-            self.num_parameters, model_config.num_hidden_layers, model_config.hidden_size, config.tokens.sequence_length
+        layers, hidden, seq = model_config.num_hidden_layers, model_config.hidden_size, config.tokens.sequence_length
+        self.flops_per_token = flops_per_token(self.num_parameters, layers, hidden, seq)
+        self.hardware_flops_per_token = hardware_flops_per_token(
+            self.flops_per_token, self.model.layer_parameters(model_config), layers, hidden, seq, p.recompute_layer
         )
         self.peak_flops = peak_flops(self.pc.device, config.model.torch_dtype())
         self.metrics = (
@@ -250,18 +260,20 @@ class Trainer:
         return loss_sum
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
+        """Forward, backward, clip and update; the loss and norm are read back (a host sync) only after the update
+        is queued, so the GPU never waits for the host in the middle of a step. A non-finite loss or norm still stops
+        the run before anything is saved: the in-memory state of that step is discarded with the process."""
         loss_sum = self.forward_backward(micro_batches)
         grad_norm = global_grad_norm(self.buckets, self.pc)
-        if self.config.optimizer.clip_grad is not None:
-            clip_gradients(self.buckets, grad_norm, self.config.optimizer.clip_grad)
+        clip = self.config.optimizer.clip_grad
+        self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
+        self.buckets.zero()
         loss_value, norm_value = loss_sum.item(), grad_norm.item()
-        if not (torch.isfinite(torch.tensor([loss_value, norm_value])).all()):
+        if not math.isfinite(loss_value) or not math.isfinite(norm_value):
             raise TrainingDivergedError(
                 f"loss {loss_value} / grad-norm {norm_value} at step {self.progress.step + 1}: training diverged; "
                 "resume from the last checkpoint with a lower optimizer.learning_rate_scheduler.learning_rate"
             )
-        self.optimizer.step(lr)
-        self.buckets.zero()
         return StepResult(loss_value, norm_value, lr)
 
     def train(self) -> None:
@@ -343,6 +355,7 @@ class Trainer:
         tokens_per_sec = config.global_batch_tokens / step_seconds
         per_gpu = tokens_per_sec / self.pc.world_size
         tflops = per_gpu * self.flops_per_token / 1e12
+        hardware_tflops = per_gpu * self.hardware_flops_per_token / 1e12
         record = {
             "step": step,
             "lm_loss": result.loss,
@@ -353,16 +366,19 @@ class Trainer:
             "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_gpu": per_gpu,
             "tflops_per_gpu": tflops,
+            "hardware_tflops_per_gpu": hardware_tflops,
             "peak_memory_gb": peak_memory_gb(self.pc.device),
         }
         if self.peak_flops is not None:
             record["mfu"] = tflops * 1e12 / self.peak_flops
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
+        hardware = f" (hw {hardware_tflops:.2f})" if self.hardware_flops_per_token != self.flops_per_token else ""
         logger.info(
             f"step {step}/{config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
             f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s ({per_gpu:,.0f}/gpu) | "
-            f"{tflops:.2f} TFLOP/s | MFU {mfu} | mem {record['peak_memory_gb']:.2f} GB | ETA {format_duration(eta)}"
+            f"{tflops:.2f} TFLOP/s{hardware} | MFU {mfu} | mem {record['peak_memory_gb']:.2f} GB | "
+            f"ETA {format_duration(eta)}"
         )
         self.metrics.write(record)
 

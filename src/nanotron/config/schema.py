@@ -72,6 +72,8 @@ class ParallelismArgs:
     pp_stage_layers: list[int] | None = None  # decoder layers per stage; None: balanced by estimated cost
     pp_timeout_s: float = 600.0  # a pipeline exchange waiting longer than this fails, naming the stage and step
     replica_check_interval: int | None = 100  # steps between weight checksums across data-parallel replicas
+    # Recompute each decoder layer's activations in backward (saves memory, ~1/3 more layer FLOPs).
+    recompute_layer: bool = False
 
     def __post_init__(self) -> None:
         # nanotron matched enum names case-insensitively; store one spelling so equal configs compare equal.

@@ -8,6 +8,7 @@ from torch import nn
 from nanotron.config import Config, LlamaConfig
 from nanotron.models.init import init_parameters
 from nanotron.models.llama import LlamaForCausalLM
+from nanotron.nn.recompute import recompute_in_backward
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
 from nanotron.parallel.placement import annotate_placements
@@ -65,6 +66,9 @@ def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
         log_stages(model, pc.coord("pp"), layers)
     std = getattr(config.model.init_method, "std", model_config.initializer_range)
     init_parameters(model, config.general.seed, std, pc.coordinates, pc.sizes)
+    if config.parallelism.recompute_layer:  # before compiling, so that the compiled forward recomputes too
+        for layer in model.layers.values():
+            recompute_in_backward(layer)
     if config.model.compile:
         for layer in model.layers.values():
             layer.compile()

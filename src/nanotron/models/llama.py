@@ -5,6 +5,10 @@ sharded ones, and pipeline parallelism deletes the parts a stage does not own (`
 ``lm_head`` become ``None`` and layers are removed from ``layers``, which is keyed by the global layer index so that
 parameter names never depend on the layout). To stay layout-agnostic, attention derives its number of local heads
 from the width of its (possibly sharded) fused projection.
+
+The rotary cos/sin tables are computed once per forward, outside the decoder layers, and handed to each of them:
+inside a compiled layer the compiler would otherwise fuse the trigonometry into the rotation and recompute it for
+every batch row and head (measured: ~20 ms of a 1B model's 280 ms step on an H200).
 """
 
 from __future__ import annotations
@@ -44,12 +48,13 @@ class LlamaAttention(nn.Module):
         qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_width, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
-        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Causal attention; ``attention_mask`` [batch, 1, queries, keys] (True = attend) replaces the causal mask
-        when given (padded prompts), and ``kv_cache`` holds the keys and values of earlier positions (generation)."""
+        """Causal attention. ``rotary`` holds the fp32 cos and sin tables ([..., positions, head_dim], at least as
+        many positions as the sequence; the first ones are used). ``attention_mask`` [batch, 1, queries, keys]
+        (True = attend) replaces the causal mask when given (padded prompts), and ``kv_cache`` holds the keys and
+        values of earlier positions (generation)."""
         qkv = self.qkv_proj(hidden_states)
         batch, seq, width = qkv.shape
         kv_heads = width // ((self.q_per_kv + 2) * self.head_dim)
@@ -59,9 +64,7 @@ class LlamaAttention(nn.Module):
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
 
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=qkv.device)
-        cos, sin = self.rotary(position_ids, q.dtype)
+        cos, sin = (table[..., :seq, :].to(q.dtype) for table in rotary)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
@@ -100,9 +103,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,
+    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        attended = self.attn(self.input_layernorm(hidden_states), position_ids, attention_mask, kv_cache)
+        attended = self.attn(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache)
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -118,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, padded_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -135,13 +139,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that.
 
-        ``kv_caches`` maps layer indices to their caches during generation.
+        ``kv_caches`` maps layer indices to their caches during generation. Without ``position_ids`` the sequence
+        starts at position 0; a later pipeline stage may see it split over tensor-parallel ranks, so its tables
+        cover ``max_position_embeddings`` positions and each layer takes the first ones it needs.
         """
+        if position_ids is None:
+            length = input_ids.shape[1] if input_ids is not None else max(
+                self.config.max_position_embeddings, hidden_states.shape[1])
+            device = input_ids.device if input_ids is not None else hidden_states.device
+            position_ids = torch.arange(length, device=device)
+        rotary = self.rotary(position_ids)
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         for index, layer in self.layers.items():
             cache = kv_caches[index] if kv_caches is not None else None
-            hidden_states = layer(hidden_states, position_ids, attention_mask, cache)
+            hidden_states = layer(hidden_states, rotary, attention_mask, cache)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         if self.lm_head is not None:

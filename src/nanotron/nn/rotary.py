@@ -20,13 +20,13 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [batch, seq, head_dim] (or [seq, head_dim] for 1-D positions)."""
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin of shape [batch, seq, head_dim] (or [seq, head_dim] for 1-D positions)."""
         exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=torch.float32) / self.head_dim
         inv_freq = 1.0 / (self.theta**exponent)
         angles = position_ids.float()[..., None] * inv_freq
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -19,17 +19,18 @@ from nanotron.parallel.placement import get_placement
 
 def global_grad_norm(buckets: GradientBuckets, parallel_context: ParallelContext) -> torch.Tensor:
     coords = parallel_context.coordinates
-    squares = [values.float().pow(2).sum() for name, values in buckets.grad_pieces()
-               if get_placement(buckets.params[name]).is_unique_copy(coords)]
-    total = torch.stack(squares).sum() if squares else torch.zeros((), device=parallel_context.device)
+    pieces = [values for name, values in buckets.grad_pieces()
+              if get_placement(buckets.params[name]).is_unique_copy(coords)]
+    # One multi-tensor kernel reads every gradient once (a pow and a sum per piece would write a squared copy).
+    norms = torch._foreach_norm(pieces, 2, dtype=torch.float32) if pieces else []
+    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=parallel_context.device)
     group = None if buckets.shard_optimizer else parallel_context.groups["model"]
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
-@torch.no_grad()
-def clip_gradients(buckets: GradientBuckets, norm: torch.Tensor, max_norm: float) -> None:
-    """Scale this rank's gradients by min(1, max_norm / norm); a no-op when the norm is already small enough."""
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_([bucket.grads[bucket.shard] for bucket in buckets.buckets], scale)
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / norm): the factor that brings the gradients' norm down to ``max_norm`` (applied by the
+    optimizer as it reads them, which saves a pass over all gradients)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import OptimizerArgs
+from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function
 from nanotron.parallel.data_parallel import GradientBuckets
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
@@ -35,29 +36,24 @@ class MixedPrecisionAdamW:
         self.buckets = buckets
         self.args = args
         self.masters = [b.params[b.shard].detach().float().clone() for b in buckets.buckets]
-        groups = [
-            {"params": [m for m, b in zip(self.masters, buckets.buckets) if b.weight_decay], "weight_decay": args.weight_decay},
-            {"params": [m for m, b in zip(self.masters, buckets.buckets) if not b.weight_decay], "weight_decay": 0.0},
-        ]
-        on_cuda = any(m.is_cuda for m in self.masters)
-        self.inner = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=args.learning_rate_scheduler.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            fused=bool(args.torch_adam_is_fused and on_cuda) or None,
-        )
+        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+        self.step_count = 0
+        self.device = buckets.buckets[0].params.device
+        self._update = adamw_update_function(self.device, args.torch_adam_is_fused)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
-        for group in self.inner.param_groups:
-            group["lr"] = lr
-        for master, bucket in zip(self.masters, self.buckets.buckets):
-            master.grad = bucket.grads[bucket.shard].float()  # a view when gradients are fp32
-        self.inner.step()
-        for master, bucket in zip(self.masters, self.buckets.buckets):
-            master.grad = None
-            bucket.params[bucket.shard].copy_(master)
+    def step(self, lr: float, grad_multiplier: torch.Tensor | None = None) -> None:
+        """One AdamW update of this rank's shards, with the gradients multiplied by ``grad_multiplier`` (clipping);
+        the model's weights get the new masters (all-gathered over data-parallel ranks under ZeRO-1)."""
+        self.step_count += 1
+        a = self.args
+        hyper = {decay: AdamWHyperparameters.at_step(self.step_count, lr, a.adam_beta1, a.adam_beta2, a.adam_eps,
+                                                     a.weight_decay if decay else 0.0, grad_multiplier, self.device)
+                 for decay in (True, False)}
+        for index, bucket in enumerate(self.buckets.buckets):
+            self._update(self.masters[index], bucket.grads[bucket.shard], self.exp_avgs[index],
+                         self.exp_avg_sqs[index], bucket.params[bucket.shard], hyper[bucket.weight_decay])
         self.buckets.all_gather_params()
 
     @torch.no_grad()
@@ -66,20 +62,14 @@ class MixedPrecisionAdamW:
         for master, bucket in zip(self.masters, self.buckets.buckets):
             master.copy_(bucket.params[bucket.shard])
 
-    @property
-    def step_count(self) -> int:
-        states = [self.inner.state[m] for m in self.masters if m in self.inner.state]
-        return int(states[0]["step"]) if states else 0
-
     def local_state_numel(self) -> int:
         """Elements of fp32 optimizer state held by this rank (masters and both moments)."""
-        return sum(m.numel() for m in self.masters) * (3 if self.step_count else 1)
+        return sum(m.numel() for m in self.masters) * 3
 
     # --- checkpointing -------------------------------------------------------------------------------------------
 
     def _shard_state(self, index: int, kind: str) -> torch.Tensor:
-        master = self.masters[index]
-        return master if kind == "master" else self.inner.state[master][kind]
+        return {"master": self.masters, "exp_avg": self.exp_avgs, "exp_avg_sq": self.exp_avg_sqs}[kind][index]
 
     def bucket_states(self) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
         """Per bucket: {parameter name: {state kind: tensor of the parameter's local shape}}.
@@ -105,19 +95,13 @@ class MixedPrecisionAdamW:
     def load_bucket_states(self, read: Callable[[str, str, torch.Tensor], None], step: int) -> None:
         """Fill masters and moments; ``read(name, kind, out)`` fills ``out`` (the parameter's local shape) in fp32."""
         for index, bucket in enumerate(self.buckets.buckets):
-            master = self.masters[index]
-            state = {"step": torch.tensor(float(step), dtype=torch.float32,
-                                          device=master.device if self.inner.defaults.get("fused") else "cpu")}
             for kind in STATE_KINDS:
-                whole = torch.zeros(bucket.numel, dtype=torch.float32, device=master.device)
+                whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.masters[index].device)
                 for name in bucket.names:
                     read(name, kind, whole[slice(*bucket.ranges[name])].view(bucket.shapes[name]))
-                if kind == "master":
-                    master.copy_(whole[bucket.shard])
-                    bucket.params[bucket.shard].copy_(master)
-                else:
-                    state[kind] = whole[bucket.shard].clone()
-            self.inner.state[master] = state
+                self._shard_state(index, kind).copy_(whole[bucket.shard])
+            bucket.params[bucket.shard].copy_(self.masters[index])
+        self.step_count = step
         self.buckets.all_gather_params()
 
 

@@ -1,0 +1,64 @@
+"""The AdamW update of one flat shard: fp32 master, moments and gradient in, the model's weights out.
+
+Written once in plain torch, the same arithmetic as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
+moments). On CUDA it is compiled into a single kernel per shard that also applies the clipping factor to the
+gradient as it reads it and writes the model-dtype copy of the new master, so an update reads every fp32 tensor once
+and writes the bf16 weights without another pass (``torch.optim.AdamW(fused=True)`` plus a separate copy and a
+separate clipping pass cost ~4.5 ms more per step for a 1.2B model on an H200). Elsewhere it runs as is.
+
+Hyperparameters arrive as 0-dim tensors on the shard's device: the learning rate changes every step, and a Python
+float would either recompile the kernel or need a host-to-device copy that waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AdamWHyperparameters:
+    """Per-step scalars, as 0-dim fp32 tensors on the device of the shards."""
+
+    lr: torch.Tensor
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    eps: torch.Tensor
+    weight_decay: torch.Tensor
+    bias_correction1: torch.Tensor  # 1 - beta1^step
+    bias_correction2_sqrt: torch.Tensor  # sqrt(1 - beta2^step)
+    grad_multiplier: torch.Tensor  # the clipping factor (1 when not clipping)
+
+    @classmethod
+    def at_step(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                grad_multiplier: torch.Tensor | None, device: torch.device) -> AdamWHyperparameters:
+        def scalar(value: float) -> torch.Tensor:
+            return torch.full((), value, dtype=torch.float32, device=device)  # a fill kernel, no host sync
+
+        multiplier = grad_multiplier.float() if grad_multiplier is not None else scalar(1.0)
+        return cls(scalar(lr), scalar(beta1), scalar(beta2), scalar(eps), scalar(weight_decay),
+                   scalar(1 - beta1**step), scalar((1 - beta2**step) ** 0.5), multiplier)
+
+
+def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  weights: torch.Tensor, h: AdamWHyperparameters) -> None:
+    """Update ``master``, ``exp_avg`` and ``exp_avg_sq`` in place and copy the new master into ``weights``."""
+    grad = grad.float() * h.grad_multiplier
+    master.mul_(1 - h.lr * h.weight_decay)
+    exp_avg.lerp_(grad, 1 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).add_((1 - h.beta2) * grad * grad)
+    denominator = exp_avg_sq.sqrt() / h.bias_correction2_sqrt + h.eps
+    master.sub_(h.lr / h.bias_correction1 * exp_avg / denominator)
+    weights.copy_(master)
+
+
+@functools.cache
+def _compiled_update():
+    return torch.compile(adamw_update_, dynamic=True, fullgraph=True)
+
+
+def adamw_update_function(device: torch.device, fused: bool):
+    """The compiled single-kernel update on CUDA when ``fused``, else the plain torch one."""
+    return _compiled_update() if fused and device.type == "cuda" else adamw_update_

@@ -1,0 +1,53 @@
+"""Parity of the GPU fast paths with their plain-torch references (skipped without CUDA; run on a GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_, adamw_update_function
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_compiled_adamw_matches_the_reference():
+    device = torch.device("cuda")
+    compiled = adamw_update_function(device, fused=True)
+    assert compiled is not adamw_update_
+    generator = torch.Generator(device).manual_seed(0)
+    for numel in (1000, 3 * 2**20 + 7):  # two sizes: one compiled kernel serves every shard size
+        state = {"master": torch.randn(numel, device=device, generator=generator)}
+        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(state["master"]), torch.zeros_like(state["master"])
+        fast = {k: v.clone() for k, v in state.items()}
+        weights, fast_weights = (torch.empty(numel, dtype=torch.bfloat16, device=device) for _ in range(2))
+        for step in range(1, 4):
+            grad = torch.randn(numel, device=device, generator=generator)
+            hyper = AdamWHyperparameters.at_step(step, 1e-3, 0.9, 0.95, 1e-8, 0.1,
+                                                 torch.tensor(0.7, device=device), device)
+            adamw_update_(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], weights, hyper)
+            compiled(fast["master"], grad, fast["exp_avg"], fast["exp_avg_sq"], fast_weights, hyper)
+        for key in state:
+            torch.testing.assert_close(fast[key], state[key], rtol=1e-6, atol=1e-7)
+        assert torch.equal(fast_weights, fast["master"].to(torch.bfloat16))
+
+
+def test_fused_swiglu_backward_matches_the_reference_and_autograd():
+    from nanotron.nn.swiglu import swiglu, swiglu_backward_fused, swiglu_backward_reference
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    gate_up = torch.randn(3, 37, 2 * 1000, device="cuda", generator=generator)  # 1000: not a multiple of the block
+    grad = torch.randn(3, 37, 1000, device="cuda", generator=generator)
+    torch.testing.assert_close(swiglu_backward_fused(gate_up, grad), swiglu_backward_reference(gate_up, grad),
+                               rtol=1e-5, atol=1e-6)
+    bf16 = gate_up.bfloat16(), grad.bfloat16()
+    torch.testing.assert_close(swiglu_backward_fused(*bf16), swiglu_backward_reference(*bf16))
+
+    leaf = gate_up.double().requires_grad_()
+    gate, up = leaf.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).backward(grad.double())
+    eager_leaf = gate_up.clone().requires_grad_()
+    swiglu(eager_leaf).backward(grad)
+    compiled_leaf = gate_up.clone().requires_grad_()
+    torch.compile(swiglu, fullgraph=True)(compiled_leaf).backward(grad)
+    for leaf_grad in (eager_leaf.grad, compiled_leaf.grad):
+        torch.testing.assert_close(leaf_grad.double(), leaf.grad, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,164 @@
+"""Full activation recomputation (`parallelism.recompute_layer`): the same training with fewer saved activations,
+unchanged parameter names, FLOP figures that count the extra forward, and a config key like any other."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import tiny_config_dict, write_config
+from torch import nn
+
+from distributed import run_distributed_each
+
+STEPS = 6
+
+
+def recompute_config(tiny_data, folder, recompute: bool, **parallelism) -> dict:
+    parallelism = tiny_config_dict(tiny_data, folder)["parallelism"] | parallelism | {"recompute_layer": recompute}
+    return tiny_config_dict(tiny_data, folder, parallelism=parallelism, tokens={"train_steps": STEPS},
+                            checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
+
+
+def _train(config: dict) -> dict:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()
+    metrics = []
+    if trainer.pc.is_logging_rank:
+        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.hardware_flops_per_token}
+    return {"metrics": metrics, **flops}
+
+
+def _saved_for_backward(config: dict) -> dict:
+    """What one forward of the built model saves for backward, its parameter names and the gradients it gives."""
+    from nanotron.config import config_from_dict
+    from nanotron.models.build import build_model
+    from nanotron.parallel.context import ParallelContext
+
+    cfg = config_from_dict(config)
+    model = build_model(cfg, ParallelContext())
+    ids = torch.randint(0, cfg.model.model_config.vocab_size, (2, cfg.tokens.sequence_length),
+                        generator=torch.Generator().manual_seed(0))
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(input_ids=ids)
+    logits.float().logsumexp(-1).mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return {"count": len(saved), "bytes": sum(saved), "names": [n for n, _ in model.named_parameters()], "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def single_process_runs(tiny_data, tmp_path_factory) -> tuple[dict, dict]:
+    """Training without, then with recomputation, on one process."""
+    root = tmp_path_factory.mktemp("recompute")
+    calls = [{"config": recompute_config(tiny_data, root / f"recompute-{on}", on)} for on in (False, True)]
+    (plain,), (recomputed,) = run_distributed_each(_train, 1, calls)
+    return plain, recomputed
+
+
+def test_recomputed_training_matches_and_reports_hardware_flops(single_process_runs):
+    plain, recomputed = single_process_runs
+    reference = plain["metrics"]
+    assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"] - 0.3 and all(r["grad_norm"] > 0 for r in reference)
+    for expected, got in zip(reference, recomputed["metrics"], strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=0, abs=1e-6), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0, abs=1e-6), got["step"]
+
+    assert plain["hardware_flops"] == plain["model_flops"] == recomputed["model_flops"]
+    assert recomputed["hardware_flops"] > recomputed["model_flops"]
+    assert all(r["hardware_tflops_per_gpu"] == r["tflops_per_gpu"] for r in reference)
+    assert all(r["hardware_tflops_per_gpu"] > r["tflops_per_gpu"] for r in recomputed["metrics"])
+
+
+def test_recompute_with_tensor_and_pipeline_parallelism(single_process_runs, tiny_data, tmp_path):
+    """Collectives of the tensor-parallel layers run again in backward, and 1F1B backwards come late."""
+    reference = single_process_runs[0]["metrics"]
+    config = recompute_config(tiny_data, tmp_path, True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
+                              tp_linear_async_communication=True)
+    (runs,) = run_distributed_each(_train, 4, [{"config": config}])
+    (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
+    for expected, got in zip(reference, metrics, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
+
+
+def test_recompute_saves_activations_keeps_names_and_gradients(tiny_data, tmp_path):
+    calls = [{"config": recompute_config(tiny_data, tmp_path, on)} for on in (False, True)]
+    (plain,), (recomputed,) = run_distributed_each(_saved_for_backward, 1, calls)
+    # Only the embedding, final norm and LM head save their activations; each layer keeps just its input.
+    assert recomputed["count"] < plain["count"] / 3 and recomputed["bytes"] < plain["bytes"] / 3
+    assert recomputed["names"] == plain["names"]
+    assert "layers.1.attn.qkv_proj.weight" in plain["names"]
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(recomputed["grads"][name], grad, rtol=0, atol=1e-7, msg=name)
+
+
+def test_hardware_flops_add_one_forward_of_the_layers():
+    from nanotron.metrics import flops_per_token, hardware_flops_per_token
+
+    layers, layer_params, embeddings, hidden, seq = 4, 1000, 300, 16, 32
+    model = flops_per_token(layers * layer_params + embeddings, layers, hidden, seq)
+    assert hardware_flops_per_token(model, layer_params, layers, hidden, seq, recompute_layers=False) == model
+    layer_share = flops_per_token(layers * layer_params, layers, hidden, seq)
+    recomputed = hardware_flops_per_token(model, layer_params, layers, hidden, seq, recompute_layers=True)
+    assert recomputed == pytest.approx(model + layer_share / 3)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.linear(x).tanh() * scale
+
+
+def test_recompute_in_backward_checkpoints_only_with_grad(monkeypatch):
+    import nanotron.nn.recompute as recompute
+
+    calls = []
+    real_checkpoint = recompute.checkpoint
+
+    def counting_checkpoint(*args, **kwargs):
+        calls.append(kwargs["use_reentrant"])
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(recompute, "checkpoint", counting_checkpoint)
+    module, x = _Scaled(), torch.randn(3, 4)
+    expected = module(x, scale=2.0)
+    recompute.recompute_in_backward(recompute.recompute_in_backward(module))  # idempotent
+    with torch.no_grad():
+        assert torch.equal(module(x, scale=2.0), expected)
+    assert calls == []
+    assert torch.equal(module(x, scale=2.0), expected) and calls == [False]
+
+    # A deep copy (e.g. an EMA or a reference model) recomputes its own forward, not the original's.
+    clone = copy.deepcopy(module)
+    with torch.no_grad():
+        clone.linear.weight.zero_()
+    assert clone.forward.__self__ is clone
+    assert not torch.equal(clone(x), module(x))
+
+
+def test_recompute_layer_key_loads_and_is_type_checked(tiny_data, tmp_path):
+    from nanotron.config import ConfigError, load_config
+
+    path = write_config(tmp_path / "config.yaml", recompute_config(tiny_data, tmp_path, True))
+    assert load_config(path).parallelism.recompute_layer is True
+    plain = write_config(tmp_path / "plain.yaml", tiny_config_dict(tiny_data, tmp_path))
+    assert load_config(plain).parallelism.recompute_layer is False
+    assert load_config(plain, ["parallelism.recompute_layer=true"]).parallelism.recompute_layer is True
+    with pytest.raises(ConfigError, match=r"parallelism.recompute_layer: expected a boolean \(true/false\), got 1"):
+        load_config(plain, ["parallelism.recompute_layer=1"])
