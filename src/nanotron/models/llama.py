@@ -20,6 +20,7 @@ from torch import nn
 from nanotron.config import LlamaConfig
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
+from nanotron.nn.swiglu import swiglu
 
 # Since torch 2.5, SDPA groups query heads over kv heads itself, without materialising repeated keys and values.
 SDPA_GROUPS_HEADS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -91,8 +92,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
