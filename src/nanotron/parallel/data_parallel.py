@@ -11,7 +11,8 @@ the rest of the backward pass; earlier micro-batches only accumulate.
 Reduction is a SUM (each rank's loss is already divided by the global token count). Without ZeRO each bucket is
 all-reduced. With ZeRO-1 (``shard=True``) each bucket is split into equal shards, one per data-parallel rank, and
 reduce-scattered: a rank only receives the gradient sum of its shard, which is all its optimizer needs; after the
-update the shards of the parameters are all-gathered. A parameter tied across pipeline stages gets a bucket of its
+update the shards of the parameters are all-gathered. Both collectives work in place (a rank's shard is its slice of
+the full buffer, the layout NCCL and gloo reduce-scatter into and all-gather from), so neither needs a staging copy. A parameter tied across pipeline stages gets a bucket of its
 own, so that both copies have the same shard layout and their gradients can be summed shard to shard.
 """
 
@@ -37,7 +38,6 @@ class Bucket:
     shard: slice  # the part this rank reduces and optimizes (all of it without ZeRO)
     pending: int = 0
     work: dist.Work | None = None
-    scattered: torch.Tensor | None = None
     shapes: dict[str, torch.Size] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)  # parameters with a gradient in the buffer this step
 
@@ -126,8 +126,8 @@ class GradientBuckets:
         if self.dp == 1:
             return
         if self.shard_optimizer:
-            bucket.scattered = torch.empty(bucket.numel // self.dp, dtype=bucket.grads.dtype, device=bucket.grads.device)
-            bucket.work = dist.reduce_scatter_tensor(bucket.scattered, bucket.grads, group=self.group, async_op=True)
+            bucket.work = dist.reduce_scatter_tensor(bucket.grads[bucket.shard], bucket.grads, group=self.group,
+                                                     async_op=True)
         else:
             bucket.work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
 
@@ -142,16 +142,14 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-                if bucket.scattered is not None:
-                    bucket.grads[bucket.shard].copy_(bucket.scattered)
-            bucket.work, bucket.scattered = None, None
+            bucket.work = None
 
     def all_gather_params(self) -> None:
         """After a ZeRO-1 update, give every rank the parameters updated by the others."""
         if not self.shard_optimizer:
             return
         for bucket in self.buckets:
-            dist.all_gather_into_tensor(bucket.params, bucket.params[bucket.shard].clone(), group=self.group)
+            dist.all_gather_into_tensor(bucket.params, bucket.params[bucket.shard], group=self.group)
 
     def zero(self) -> None:
         """Start a new step: the next gradient of every parameter overwrites its slice of the buffer."""
