@@ -51,3 +51,12 @@ def test_fused_swiglu_backward_matches_the_reference_and_autograd():
     torch.compile(swiglu, fullgraph=True)(compiled_leaf).backward(grad)
     for leaf_grad in (eager_leaf.grad, compiled_leaf.grad):
         torch.testing.assert_close(leaf_grad.double(), leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_multi_tensor_norm_is_accurate_on_cuda():
+    # The global grad-norm relies on this on CUDA (on CPU it accumulates in fp64, see optim/clip.py).
+    pieces = [torch.randn(n, device="cuda") * 1e-3 for n in (4_000_000, 10, 263_000_000)]
+    norms = torch._foreach_norm(pieces, 2, dtype=torch.float32)
+    for piece, norm in zip(pieces, norms):
+        exact = piece.double().norm()
+        assert abs(norm.double() - exact) / exact < 1e-6

@@ -21,9 +21,12 @@ def global_grad_norm(buckets: GradientBuckets, parallel_context: ParallelContext
     coords = parallel_context.coordinates
     pieces = [values for name, values in buckets.grad_pieces()
               if get_placement(buckets.params[name]).is_unique_copy(coords)]
-    # One multi-tensor kernel reads every gradient once (a pow and a sum per piece would write a squared copy).
-    norms = torch._foreach_norm(pieces, 2, dtype=torch.float32) if pieces else []
-    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=parallel_context.device)
+    # One multi-tensor pass reads every gradient once (a pow and a sum per piece would write a squared copy). CUDA
+    # reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4 for a million
+    # elements, so the CPU accumulates in fp64.
+    accumulate = torch.float64 if parallel_context.device.type == "cpu" else torch.float32
+    norms = torch._foreach_norm(pieces, 2, dtype=accumulate) if pieces else []
+    total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros((), device=parallel_context.device)
     group = None if buckets.shard_optimizer else parallel_context.groups["model"]
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
