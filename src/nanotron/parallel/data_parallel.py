@@ -12,8 +12,9 @@ Reduction is a SUM (each rank's loss is already divided by the global token coun
 all-reduced. With ZeRO-1 (``shard=True``) each bucket is split into equal shards, one per data-parallel rank, and
 reduce-scattered: a rank only receives the gradient sum of its shard, which is all its optimizer needs; after the
 update the shards of the parameters are all-gathered. Both collectives work in place (a rank's shard is its slice of
-the full buffer, the layout NCCL and gloo reduce-scatter into and all-gather from), so neither needs a staging copy. A parameter tied across pipeline stages gets a bucket of its
-own, so that both copies have the same shard layout and their gradients can be summed shard to shard.
+the full buffer, the layout NCCL and gloo reduce-scatter into and all-gather from), so neither needs a staging copy.
+A parameter tied across pipeline stages gets a bucket of its own, so that both copies have the same shard layout and
+their gradients can be summed shard to shard.
 """
 
 from __future__ import annotations
