@@ -6,8 +6,8 @@
 Both systems train the same model shape on the same batches (bf16 weights; nanotron with fp32 master weights and
 fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). Step times are measured with CUDA
 events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
-(FLOPs/token = 6·parameters + 6·layers·hidden·sequence) and peak memory. The Hugging Face loop runs only on a single
-process. Results go to ``--output`` (JSON) and a markdown row is printed.
+(FLOPs/token = 6·parameters + 6·layers·hidden·sequence) and peak memory (the largest over ranks, and each rank's).
+The Hugging Face loop runs only on a single process. Results go to ``--output`` (JSON) and a markdown row is printed.
 """
 
 from __future__ import annotations
@@ -79,7 +79,19 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
     if args.profile:
         write_profile(step, args.profile)
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
-    return result | {"parameters": trainer.num_parameters, "layout": trainer.pc.sizes}, batches[0]
+    per_rank = peak_memory_per_rank()
+    return result | {"peak_memory_gb": max(per_rank), "peak_memory_gb_per_rank": per_rank,
+                     "parameters": trainer.num_parameters, "layout": trainer.pc.sizes}, batches[0]
+
+
+def peak_memory_per_rank() -> list[float]:
+    """Every rank's peak allocated memory in GB, in rank order (pipeline stages and shards differ)."""
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device="cuda")
+    if not dist.is_initialized():
+        return [peak.item()]
+    peaks = [torch.empty_like(peak) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, peak)
+    return [p.item() for p in peaks]
 
 
 def write_profile(step_fn, path: Path, steps: int = 3) -> None:
