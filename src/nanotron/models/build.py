@@ -76,9 +76,8 @@ def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
 
 
 def pipeline_stage_layers(config: Config) -> list[range]:
-    """Decoder layers of every pipeline stage, from ``parallelism.pp_stage_layers`` or balanced by cost."""
+    """Decoder layers of every pipeline stage, from ``parallelism.pp_stage_layers`` or balanced by compute."""
     c, tokens = config.model.model_config, config.tokens
     layer = LlamaForCausalLM.layer_parameters(c) + tokens.sequence_length * c.hidden_size
-    vocab_matrix = c.vocab_size * c.hidden_size
     return stage_layers(c.num_hidden_layers, config.parallelism.pp, config.parallelism.pp_stage_layers, layer,
-                        embedding_cost=vocab_matrix, head_cost=vocab_matrix)
+                        head_cost=c.vocab_size * c.hidden_size)
