@@ -81,7 +81,8 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
     per_rank = peak_memory_per_rank()
     return result | {"peak_memory_gb": max(per_rank), "peak_memory_gb_per_rank": per_rank,
-                     "parameters": trainer.num_parameters, "layout": trainer.pc.sizes}, batches[0]
+                     "parameters": trainer.num_parameters, "flops_per_token": trainer.flops_per_token,
+                     "layout": trainer.pc.sizes}, batches[0]
 
 
 def peak_memory_per_rank() -> list[float]:
@@ -163,11 +164,10 @@ def main() -> None:
                "nanotron": nanotron}
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1 and not args.no_hf:
-        from nanotron.metrics import flops_per_token, peak_flops
+        from nanotron.metrics import peak_flops
 
-        p = PRESETS[args.preset]
-        fpt = flops_per_token(nanotron["parameters"], p["num_hidden_layers"], p["hidden_size"], args.sequence_length)
-        results["hf"] = run_hf(args, micro_batches, fpt, peak_flops(torch.device("cuda"), torch.bfloat16))
+        peak = peak_flops(torch.device("cuda"), torch.bfloat16)
+        results["hf"] = run_hf(args, micro_batches, nanotron["flops_per_token"], peak)
         results["speedup"] = nanotron["tokens_per_sec"] / results["hf"]["tokens_per_sec"]
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.output.write_text(json.dumps(results, indent=2))

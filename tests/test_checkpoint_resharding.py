@@ -35,7 +35,7 @@ def _train(config: dict) -> list[dict]:
 
     trainer = Trainer(config_from_dict(config))
     trainer.train()
-    if not trainer.pc.is_logging_rank:
+    if not trainer.pc.rank == 0:
         return []
     return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
 

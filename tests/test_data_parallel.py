@@ -36,7 +36,7 @@ def _run(config: dict) -> dict:
     pc = trainer.pc
     trainer.train()
     metrics = []
-    if pc.is_logging_rank:
+    if pc.rank == 0:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
     weights = _pieces(dict(trainer.params), trainer.params, pc.coordinates, pc.sizes) if pc.coord("dp") == 0 else {}
     return {"metrics": metrics, "weights": weights, "state_numel": trainer.optimizer.local_state_numel()}
@@ -107,7 +107,7 @@ def _diverged_replica() -> str:
     pc = ParallelContext(dp=2)
     holder = nn.Linear(4, 4, bias=False)
     annotate_placements(holder)
-    buckets = GradientBuckets({"weight": holder.weight}, set(), torch.float32, 1 << 20, pc.groups["dp"], shard=False)
+    buckets = GradientBuckets({"weight": holder.weight}, set(), True, 1 << 20, pc.reduction_groups, shard=False)
     with torch.no_grad():
         holder.weight.fill_(1.0)
         check_replicas_agree(buckets, step=3)
@@ -119,4 +119,4 @@ def _diverged_replica() -> str:
 
 def test_replica_check_fails_loudly_on_divergence():
     messages = run_distributed(_diverged_replica, 2)
-    assert all("step 4" in message for message in messages)
+    assert all("step 4" in message and "dp x ep" in message for message in messages)

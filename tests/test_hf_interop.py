@@ -36,7 +36,7 @@ def random_hf_llama(folder: Path, tied: bool) -> Path:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def converted(request, tmp_path_factory):
-    from nanotron.checkpoint.hf_llama import hf_to_nanotron
+    from nanotron.checkpoint.hf import hf_to_nanotron
 
     root = tmp_path_factory.mktemp("hf")
     hf = random_hf_llama(root / "hf", tied=request.param)
@@ -57,10 +57,10 @@ def _nanotron(ckpt: str, tp: int, pp: int) -> dict:
     from nanotron.parallel.context import ParallelContext
 
     pc = ParallelContext(tp=tp, pp=pp)
-    model, config, _ = load_model(Path(ckpt), pc)
+    model, _ = load_model(Path(ckpt), pc)
     ids = torch.tensor([PROMPTS[0]])
     logits = forward_logits(model, pc, ids, None, None, None, last_only=False)
-    vocab = config.model.model_config.vocab_size
+    vocab = model.config.vocab_size
     greedy = SamplingArgs("greedy")
     cached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=True)
     uncached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=False)
@@ -83,7 +83,7 @@ def test_logits_and_generation_match_transformers_at_every_layout(converted):
 
 
 def test_round_trip_is_bit_identical(converted, tmp_path):
-    from nanotron.checkpoint.hf_llama import nanotron_to_hf
+    from nanotron.checkpoint.hf import nanotron_to_hf
 
     hf_path, ckpt = converted
     exported = nanotron_to_hf(ckpt, tmp_path / "back")
@@ -149,7 +149,7 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
     result = evaluate(Path(ckpt), [Path(data)], pc, sequence_length=16, max_windows=10, batch_size=4)
     if tp > 1:
         return result
-    model, _, _ = load_model(Path(ckpt), pc)
+    model, _ = load_model(Path(ckpt), pc)
     shards = TokenShards(Path(data))
     tokens = torch.stack([torch.as_tensor(shards.read(i * 16, 17)) for i in range(10)])
     with torch.no_grad():

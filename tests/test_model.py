@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from nanotron.config import LlamaConfig
 from nanotron.models.build import materialize, padded_vocab_size
 from nanotron.models.init import init_parameters
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.llama import LlamaForCausalLM, llama_costs, llama_init_rule
 from nanotron.nn.loss import masked_sum, token_losses
 from nanotron.parallel.placement import annotate_placements, logical_parameters
 
@@ -22,7 +22,7 @@ def make_model(seed=0, tie=True, kv_heads=2, dtype=torch.float32) -> LlamaForCau
         model = LlamaForCausalLM(config, padded_vocab_size(100, 8, 1))
     materialize(model, torch.device("cpu"), dtype)
     annotate_placements(model)
-    init_parameters(model, seed, 0.02, COORDS, SIZES)
+    init_parameters(model, seed, lambda name: llama_init_rule(name, config, 0.02), COORDS, SIZES)
     return model
 
 
@@ -110,7 +110,8 @@ def test_loss_ignores_masked_tokens_and_all_masked_is_zero():
 def test_bf16_model_runs_and_counts_parameters():
     model = make_model(dtype=torch.bfloat16, tie=False)
     assert model(input_ids=torch.randint(0, 100, (1, 4))).dtype == torch.bfloat16
-    assert model.num_parameters() == sum(p.numel() for p in logical_parameters(model).values())
+    costs = llama_costs(model.config, model.padded_vocab_size, sequence_length=16)
+    assert costs.parameters == sum(p.numel() for p in logical_parameters(model).values())
 
 
 def test_swiglu_backward_reference_matches_autograd():

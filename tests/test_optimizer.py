@@ -25,7 +25,7 @@ def build(params: dict[str, nn.Parameter], group, **kw):
     for name, param in params.items():
         holder.register_parameter(name, param)
     annotate_placements(holder)
-    return build_optimizer(params, args(**kw), bucket_mb=1.0, group=group)
+    return build_optimizer(params, args(**kw), bucket_mb=1.0, groups={("dp", "ep"): group})
 
 
 def test_weight_decay_groups():
@@ -109,8 +109,7 @@ def test_global_grad_norm_is_accurate_for_large_gradients(group):
     grads = {name: torch.randn(p.shape, generator=generator) * 1e-3 for name, p in params.items()}
     sum((p * grads[name]).sum() for name, p in params.items()).backward()
     buckets.finish_reduction()
-    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, groups={"model": group},
-                              device=torch.device("cpu"))
+    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, device=torch.device("cpu"))
     exact = torch.cat([g.double() for g in grads.values()]).norm().item()
     assert abs(global_grad_norm(buckets, context).item() - exact) / exact < 1e-7
 

@@ -18,7 +18,7 @@ def test_grid_layout_and_groups():
     assert by_rank[3][0] == {"pp": 1, "dp": 0, "ep": 0, "tp": 1}
     assert by_rank[0][1]["tp"] == [0, 1] and by_rank[2][1]["tp"] == [2, 3]
     assert by_rank[0][1]["pp"] == [0, 2] and by_rank[3][1]["pp"] == [1, 3]
-    assert by_rank[1][1]["model"] == [0, 1, 2, 3]
+    assert by_rank[1][1]["pp_dp_ep"] == [1, 3]
     assert by_rank[1][1]["dp_ep"] == [1]
 
 

@@ -19,7 +19,7 @@ STEPS = 20
 @pytest.mark.parametrize("layers", range(1, 65))
 def test_every_layer_is_assigned_exactly_once(layers):
     for stages in range(1, min(16, layers) + 1):
-        split = stage_layers(layers, stages, None, layer_cost=10.0, head_cost=25.0)
+        split = stage_layers([10.0] * layers, stages, None, head_cost=25.0)
         assigned = [i for stage in split for i in stage]
         assert assigned == list(range(layers)), (layers, stages)
         assert len(split) == stages and all(len(stage) >= 1 for stage in split)
@@ -29,9 +29,9 @@ def test_balanced_partition_accounts_for_the_extras_of_the_first_and_last_stage(
     # 8 equal layers over 2 stages: equal extras keep the halves; an extra on one end moves layers to the other.
     assert balanced_partition([1.0] * 8, 2, first_extra=2.0, last_extra=2.0) == [4, 4]
     assert balanced_partition([1.0] * 8, 2, first_extra=4.0, last_extra=0.0) == [2, 6]
-    assert stage_layers(6, 3, [1, 2, 3], 1.0, 0.0) == [range(0, 1), range(1, 3), range(3, 6)]
+    assert stage_layers([1.0] * 6, 3, [1, 2, 3], 0.0) == [range(0, 1), range(1, 3), range(3, 6)]
     with pytest.raises(PartitionError, match="pp_stage_layers"):
-        stage_layers(6, 2, [2, 2], 1.0, 0.0)
+        stage_layers([1.0] * 6, 2, [2, 2], 0.0)
     with pytest.raises(PartitionError, match="need 1 <= pp <= layers"):
         balanced_partition([1.0] * 3, 4, 0.0, 0.0)
 
@@ -44,11 +44,12 @@ def test_default_split_gives_the_lm_head_stage_fewer_layers(shape, pp, expected)
     """The head's 128k-vocabulary matmul weighs as much as several decoder layers; [10, 6] measured 10% faster than
     [8, 8] for Llama 1B (the bench config's shape) at pp=2 on two H200s (docs/benchmarks.md)."""
     from nanotron.config import load_config
-    from nanotron.models.build import pipeline_stage_layers
+    from nanotron.models.build import BuildOptions, pipeline_stage_layers
 
     overrides = [f"model.model_config.{key}={value}" for key, value in shape.items()] + [f"parallelism.pp={pp}"]
     config = load_config(Path(__file__).parents[1] / "examples" / "config_llama1b_bench.yaml", overrides)
-    assert [len(stage) for stage in pipeline_stage_layers(config)] == expected
+    split = pipeline_stage_layers(config.model.model_config, BuildOptions.from_config(config), pp)
+    assert [len(stage) for stage in split] == expected
 
 
 def pp_config(tiny_data, tmp_path, name: str, **parallelism) -> dict:
@@ -73,7 +74,7 @@ def _run(config: dict) -> dict:
     return {
         "grads": pieces,
         "metrics": [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-        if pc.is_logging_rank else [],
+        if pc.rank == 0 else [],
         "embedding": None if model.embed_tokens is None else model.embed_tokens.weight.detach().clone(),
         "head": None if model.lm_head is None else model.lm_head.weight.detach().clone(),
         "layers": sorted(int(i) for i in model.layers.keys()),

@@ -29,7 +29,7 @@ def _train(config: dict) -> dict:
     trainer = Trainer(config_from_dict(config))
     trainer.train()
     metrics = []
-    if trainer.pc.is_logging_rank:
+    if trainer.pc.rank == 0:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
     flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.hardware_flops_per_token}
     return {"metrics": metrics, **flops}
@@ -38,11 +38,11 @@ def _train(config: dict) -> dict:
 def _saved_for_backward(config: dict) -> dict:
     """What one forward of the built model saves for backward, its parameter names and the gradients it gives."""
     from nanotron.config import config_from_dict
-    from nanotron.models.build import build_model
+    from nanotron.models.build import BuildOptions, build_model
     from nanotron.parallel.context import ParallelContext
 
     cfg = config_from_dict(config)
-    model = build_model(cfg, ParallelContext())
+    model = build_model(cfg.model.model_config, ParallelContext(), BuildOptions.from_config(cfg))
     ids = torch.randint(0, cfg.model.model_config.vocab_size, (2, cfg.tokens.sequence_length),
                         generator=torch.Generator().manual_seed(0))
     saved = []
@@ -106,14 +106,19 @@ def test_recompute_saves_activations_keeps_names_and_gradients(tiny_data, tmp_pa
 
 
 def test_hardware_flops_add_one_forward_of_the_layers():
-    from nanotron.metrics import flops_per_token, hardware_flops_per_token
+    from nanotron.config import LlamaConfig
+    from nanotron.models.llama import llama_costs
 
-    layers, layer_params, embeddings, hidden, seq = 4, 1000, 300, 16, 32
-    model = flops_per_token(layers * layer_params + embeddings, layers, hidden, seq)
-    assert hardware_flops_per_token(model, layer_params, layers, hidden, seq, recompute_layers=False) == model
-    layer_share = flops_per_token(layers * layer_params, layers, hidden, seq)
-    recomputed = hardware_flops_per_token(model, layer_params, layers, hidden, seq, recompute_layers=True)
-    assert recomputed == pytest.approx(model + layer_share / 3)
+    config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    costs = llama_costs(config, padded_vocab_size=104, sequence_length=32)
+    layer_params = 16 * (2 + 2 * 1) * 8 + 2 * 8 * 16 + 3 * 16 * 32 + 2 * 16  # q|k|v, o, gate|up|down, two norms
+    assert costs.parameters == 4 * layer_params + 104 * 16 + 16
+    assert costs.flops_per_token == 6 * costs.parameters + 6 * 4 * 16 * 32  # 6 per weight, causal attention
+    assert costs.head_flops == 6 * 104 * 16
+    assert costs.hardware_flops_per_token(recompute_layers=False) == costs.flops_per_token
+    recomputed = costs.hardware_flops_per_token(recompute_layers=True)
+    assert recomputed == pytest.approx(costs.flops_per_token + 4 * (2 * layer_params + 2 * 16 * 32))
 
 
 class _Scaled(nn.Module):

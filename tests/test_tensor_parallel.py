@@ -40,7 +40,7 @@ def first_step_gradients(trainer) -> tuple[torch.Tensor, dict]:
 
     The gradients stay in the buckets: call ``trainer.buckets.zero()`` before training on.
     """
-    loss = trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())
+    loss = trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())["lm_loss"]
     grads = {name: trainer.buckets.gradient(name) for name in trainer.params}
     return loss, _pieces(grads, trainer.params, trainer.pc.coordinates, trainer.pc.sizes)
 
@@ -62,7 +62,7 @@ def _run(config: dict) -> dict:
 
     trainer.train()
     metrics = []
-    if pc.is_logging_rank:
+    if pc.rank == 0:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
     local_shapes = {n: tuple(p.shape) for n, p in params.items()}
     return {"weights": weights, "grads": grads, "logits": logits, "loss": loss.item(),

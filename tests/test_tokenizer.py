@@ -91,7 +91,10 @@ def test_load_errors_name_the_value(tmp_path, monkeypatch):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(TokenizerError, match="broken.json is not a valid"):
         load_tokenizer(tmp_path / "broken.json")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail at once instead of retrying the network
+    # Fail at once instead of retrying the network. huggingface_hub (which Tokenizer.from_pretrained calls) reads
+    # HF_HUB_OFFLINE once, at import, and another test may have imported it already: patch the value it reads.
+    huggingface_hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(huggingface_hub_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(TokenizerError, match="'no-such-org/no-such-tokenizer' does not exist locally"):
         load_tokenizer("no-such-org/no-such-tokenizer")
 

@@ -55,7 +55,7 @@ def _generate(args: argparse.Namespace) -> None:
         raise ValueError("give at least one --prompt or a --prompts-file")
     pc = ParallelContext(tp=args.tp, pp=args.pp)
     try:
-        model, _, checkpoint = load_model(args.ckpt_path, pc)
+        model, checkpoint = load_model(args.ckpt_path, pc)
         tokenizer = load_checkpoint_tokenizer(checkpoint)
         sampling = SamplingArgs(args.sampler, args.temperature, args.top_k, args.top_p, args.seed)
         ids = [tokenizer.encode(prompt).ids for prompt in prompts]
@@ -88,7 +88,7 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from nanotron.checkpoint.hf_llama import hf_to_nanotron, nanotron_to_hf
+    from nanotron.checkpoint.hf import hf_to_nanotron, nanotron_to_hf
 
     if args.direction == "hf-to-nanotron":
         path = hf_to_nanotron(args.hf_path, args.save_path)

@@ -1,11 +1,10 @@
 """Throughput and utilisation figures, defined once so every report uses the same formulas.
 
-FLOPs per token for a dense decoder: ``6 * parameters + 6 * layers * hidden * sequence``. The first term is the
-matmuls of the forward (2 FLOPs per weight) and backward (4) passes, the second the attention scores and their
-weighted sum (causal masking not discounted, as in the PaLM/Megatron convention). MFU divides the achieved FLOP/s by
-the device's dense peak for the training dtype; on a device missing from the table no MFU is reported rather than a
-wrong one. MFU counts only the model's FLOPs, however the run computes them; the hardware figure adds the work done
-on top of them (recomputed layers): it tells how busy the devices were rather than how fast the model trains.
+FLOPs per token come from the model family (``ModelSpec.costs``; for Llama ``6 * parameters + 6 * layers * hidden *
+sequence``, the causal count of attention). MFU divides the achieved FLOP/s by the device's dense peak for the
+training dtype; on a device missing from the table no MFU is reported rather than a wrong one. MFU counts only the
+model's FLOPs, however the run computes them; the hardware figure adds the work done on top of them (recomputed
+layers): it tells how busy the devices were rather than how fast the model trains.
 """
 
 from __future__ import annotations
@@ -25,21 +24,6 @@ PEAK_FLOPS = {
     "L40S": {"bf16": 362e12, "fp32": 183e12},
     "A10G": {"bf16": 70e12, "fp32": 35e12},
 }
-
-
-def flops_per_token(num_parameters: int, num_layers: int, hidden_size: int, sequence_length: int) -> float:
-    return 6.0 * num_parameters + 6.0 * num_layers * hidden_size * sequence_length
-
-
-def hardware_flops_per_token(model_flops_per_token: float, layer_parameters: int, num_layers: int, hidden_size: int,
-                             sequence_length: int, recompute_layers: bool) -> float:
-    """FLOPs per token that the devices actually execute: ``model_flops_per_token`` (``flops_per_token``), plus,
-    when decoder layers are recomputed in backward, one more forward of them: ``2 * layer_parameters`` and
-    ``2 * hidden * sequence`` per layer, a third of their share of ``flops_per_token``. The embedding and the LM head
-    are never recomputed."""
-    if not recompute_layers:
-        return model_flops_per_token
-    return model_flops_per_token + 2.0 * num_layers * (layer_parameters + hidden_size * sequence_length)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -7,6 +7,8 @@ One optimizer step:
    grad-norm, clip;
 4. stop loudly on a non-finite loss or norm, else update the fp32 masters with the LR of this step.
 Because of (1) and (2), every split of the global batch into ranks and micro-batches gives the same gradients.
+The loss and the per-domain statistics travel as step statistics (``parallel/statistics.py``): summed over
+micro-batches by the schedule and over stages and data-parallel ranks in one collective, so every rank knows them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,24 +41,18 @@ from nanotron.data.dataset import DataError, PretrainDataset
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.logging import setup_logging
-from nanotron.metrics import (
-    MetricsWriter,
-    flops_per_token,
-    format_duration,
-    hardware_flops_per_token,
-    peak_flops,
-    peak_memory_gb,
-)
-from nanotron.models.build import build_model
-from nanotron.nn.loss import masked_sum
-from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
+from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
+from nanotron.models.build import BuildOptions, ModuleConverter, build_model
+from nanotron.models.registry import spec_for_config
 from nanotron.optim.clip import clip_coefficient, global_grad_norm
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
-from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule
-from nanotron.parallel.placement import logical_parameters
+from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
+from nanotron.parallel.placement import declared_names, logical_parameters
+from nanotron.parallel.statistics import Statistics, sum_over_replicas
 from nanotron.random import seed_everything
 
 logger = logging.getLogger("nanotron.trainer")
@@ -71,13 +67,21 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
+    domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
 
 
-def micro_batch_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, tp_group: dist.ProcessGroup,
-                     vocab_size: int, token_count: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's share of the step loss: its token-loss sum over the global token count."""
-    losses = vocab_parallel_token_losses(logits, labels, tp_group, vocab_size)
-    return masked_sum(losses, label_mask) / token_count
+def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
+                     vocab_size: int, num_domains: int) -> tuple[torch.Tensor, Statistics]:
+    """This micro-batch's share of the step loss (its token-loss sum over the global token count, which travels
+    with the batch as ``token_count``) and its statistics: that share, and per-domain loss sums and token counts."""
+    losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
+    mask = micro_batch["label_mask"]
+    per_sample = torch.where(mask, losses, 0.0).sum(-1)
+    loss = per_sample.sum() / micro_batch["token_count"]
+    domains = micro_batch["domain_ids"]
+    domain_loss_sum = torch.zeros(num_domains, device=losses.device).index_add_(0, domains, per_sample)
+    domain_tokens = torch.zeros(num_domains, device=losses.device).index_add_(0, domains, mask.sum(-1).float())
+    return loss, {"lm_loss": loss, "domain_loss_sum": domain_loss_sum, "domain_tokens": domain_tokens}
 
 
 def check_supported_layout(config: Config) -> None:
@@ -89,7 +93,10 @@ def check_supported_layout(config: Config) -> None:
 
 
 class Trainer:
-    def __init__(self, config: Config):
+    """Trains the model that ``config`` describes; ``converters`` change its modules before weights exist (e.g.
+    swap linears for other implementations)."""
+
+    def __init__(self, config: Config, converters: tuple[ModuleConverter, ...] = ()):
         check_supported_layout(config)
         self.config = expand_run_name(config)
         p = config.parallelism
@@ -99,10 +106,12 @@ class Trainer:
         seed_everything(config.general.seed + self.pc.rank)
 
         self.tokenizer_fingerprint = self._check_tokenizer_and_data()
-        self.model = build_model(config, self.pc)
+        model_config = config.model.model_config
+        self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
         self.params = logical_parameters(self.model)
         self.buckets, self.optimizer = build_optimizer(
-            self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.groups["dp_ep"]
+            self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.reduction_groups,
+            declared_names(self.model, "no_weight_decay_parameters"),
         )
         self.schedule = self._pipeline_schedule()
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
@@ -110,17 +119,14 @@ class Trainer:
         self.progress = TrainingProgress()
         self._load_initial_state()
 
-        model_config = config.model.model_config
-        self.num_parameters = self.model.num_parameters()
-        layers, hidden, seq = model_config.num_hidden_layers, model_config.hidden_size, config.tokens.sequence_length
-        self.flops_per_token = flops_per_token(self.num_parameters, layers, hidden, seq)
-        self.hardware_flops_per_token = hardware_flops_per_token(
-            self.flops_per_token, self.model.layer_parameters(model_config), layers, hidden, seq, p.recompute_layer
-        )
+        costs = spec_for_config(model_config).costs(model_config, self.model.padded_vocab_size,
+                                                    config.tokens.sequence_length)
+        self.num_parameters = costs.parameters
+        self.flops_per_token = costs.flops_per_token
+        self.hardware_flops_per_token = costs.hardware_flops_per_token(p.recompute_layer)
         self.peak_flops = peak_flops(self.pc.device, config.model.torch_dtype())
         self.metrics = (
-            MetricsWriter(config.resolved_metrics_path(), resume_step=self.progress.step)
-            if self.pc.is_logging_rank else None
+            MetricsWriter(config.resolved_metrics_path(), resume_step=self.progress.step) if self.pc.rank == 0 else None
         )
         self._log_summary()
 
@@ -228,60 +234,62 @@ class Trainer:
 
     # --- training --------------------------------------------------------------------------------------------
 
-    def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> torch.Tensor:
+    def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> StageOutput:
         """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
         if self.pc.is_first_stage:
             output = self.model(input_ids=micro_batch["input_ids"])
         else:
             output = self.model(hidden_states=hidden_states)
         if not self.pc.is_last_stage:
-            return output
-        vocab = self.config.model.model_config.vocab_size
-        return self._loss(output, micro_batch["labels"], micro_batch["label_mask"], self.pc.groups["tp"], vocab,
-                          self._token_count)
+            return StageOutput(output)
+        loss, statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
+                                      self.config.model.model_config.vocab_size, self._num_domains)
+        return StageOutput(loss, statistics)
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The step's mean loss (on every rank); gradients end in the buckets, summed over replicas and tied copies."""
-        data_group = self.pc.groups["dp_ep"]
+    def _statistics_template(self) -> dict[str, tuple[int, ...]]:
+        return {"lm_loss": (), "domain_loss_sum": (self._num_domains,), "domain_tokens": (self._num_domains,)}
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
+        """The step's statistics, the same on every rank (``lm_loss`` is the step's mean token loss); gradients end
+        in the buckets, summed over replicas and tied copies."""
         batches = [{k: v.to(self.pc.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         token_count = torch.stack([mb["label_mask"].sum() for mb in batches]).sum().float()
-        dist.all_reduce(token_count, group=data_group)
-        self._token_count = token_count.clamp(min=1.0)
+        dist.all_reduce(token_count, group=self.pc.groups["dp_ep"])
+        token_count = token_count.clamp(min=1.0)
+        batches = [mb | {"token_count": token_count} for mb in batches]
 
-        loss_sum = self.schedule.run(batches, self.progress.step + 1)
+        statistics = self.schedule.run(batches, self.progress.step + 1)
         self.buckets.finish_reduction()
-
-        if self.pc.size("dp_ep") > 1:
-            dist.all_reduce(loss_sum, group=data_group)
-        if self.pc.size("pp") > 1:  # only the last stage computed the loss
-            dist.broadcast(loss_sum, src=self.pc.group_ranks["pp"][-1], group=self.pc.groups["pp"])
         if "pipeline_ends" in self.pc.groups:
             sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
-        return loss_sum
+        return sum_over_replicas(statistics, self._statistics_template(), self.pc)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
-        """Forward, backward, clip and update; the loss and norm are read back (a host sync) only after the update
-        is queued, so the GPU never waits for the host in the middle of a step. A non-finite loss or norm still stops
-        the run before anything is saved: the in-memory state of that step is discarded with the process."""
-        loss_sum = self.forward_backward(micro_batches)
+        """Forward, backward, clip and update; the statistics and norm are read back (a host sync) only after the
+        update is queued, so the GPU never waits for the host in the middle of a step. A non-finite loss or norm
+        still stops the run before anything is saved: the in-memory state of that step is discarded with the
+        process."""
+        statistics = self.forward_backward(micro_batches)
         grad_norm = global_grad_norm(self.buckets, self.pc)
         clip = self.config.optimizer.clip_grad
         self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
         self.buckets.zero()
-        loss_value, norm_value = loss_sum.item(), grad_norm.item()
+        loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
         if not math.isfinite(loss_value) or not math.isfinite(norm_value):
             raise TrainingDivergedError(
                 f"loss {loss_value} / grad-norm {norm_value} at step {self.progress.step + 1}: training diverged; "
                 "resume from the last checkpoint with a lower optimizer.learning_rate_scheduler.learning_rate"
             )
-        return StepResult(loss_value, norm_value, lr)
+        sums, counts = statistics["domain_loss_sum"].tolist(), statistics["domain_tokens"].tolist()
+        domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
+        return StepResult(loss_value, norm_value, lr, domain_losses)
 
     def train(self) -> None:
         config = self.config
         if self.progress.step == 0 and config.checkpoints.save_initial_state:
             self.save()
         train_steps = config.tokens.train_steps
-        show_bar = self.pc.is_logging_rank and sys.stderr.isatty()
+        show_bar = self.pc.rank == 0 and sys.stderr.isatty()
         bar = tqdm(total=train_steps, initial=self.progress.step, disable=not show_bar, unit="step", dynamic_ncols=True)
         redirect = logging_redirect_tqdm([logging.getLogger("nanotron")]) if show_bar else contextlib.nullcontext()
         loader, loader_stage = None, None
@@ -323,7 +331,10 @@ class Trainer:
         logger.info(f"training finished at step {self.progress.step}")
 
     def _loader(self, stage) -> MicroBatchLoader:
+        """The micro-batches of ``stage`` from where training stands; the step statistics follow its domains."""
         t = self.config.tokens
+        self._domain_names = self._dataset(stage).domain_names
+        self._num_domains = len(self._domain_names)
         return MicroBatchLoader(
             self._dataset(stage),
             first_sample=self.progress.consumed_samples.get(stage.name, 0),
@@ -349,7 +360,7 @@ class Trainer:
         )
 
     def _log_step(self, result: StepResult, step_seconds: float, mean_step_seconds: float) -> None:
-        if not self.pc.is_logging_rank:
+        if self.pc.rank != 0:  # every rank holds the step's statistics; rank 0 logs at logging.log_level
             return
         config, step = self.config, self.progress.step
         tokens_per_sec = config.global_batch_tokens / step_seconds
@@ -371,6 +382,8 @@ class Trainer:
         }
         if self.peak_flops is not None:
             record["mfu"] = tflops * 1e12 / self.peak_flops
+        if self._num_domains > 1:
+            record["domain_losses"] = result.domain_losses
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
         hardware = f" (hw {hardware_tflops:.2f})" if self.hardware_flops_per_token != self.flops_per_token else ""
@@ -379,20 +392,14 @@ class Trainer:
             f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s ({per_gpu:,.0f}/gpu) | "
             f"{tflops:.2f} TFLOP/s{hardware} | MFU {mfu} | mem {record['peak_memory_gb']:.2f} GB | "
             f"ETA {format_duration(eta)}"
+            + ("".join(f" | {name} {loss:.4f}" for name, loss in result.domain_losses.items())
+               if self._num_domains > 1 else "")
         )
         self.metrics.write(record)
 
     def save(self) -> Path:
-        extra = {
-            "model": {
-                "padded_vocab_size": self.model.padded_vocab_size,
-                "vocab_size": self.config.model.model_config.vocab_size,
-                "dtype": self.config.model.dtype,
-                "config": asdict(self.config.model.model_config),
-            },
-            "tokenizer_fingerprint": self.tokenizer_fingerprint,
-        }
-        return save_checkpoint(self.config, self.model, self.optimizer, self.progress, self.pc, extra)
+        return save_checkpoint(self.config, self.model, self.optimizer, self.progress, self.pc,
+                               self.tokenizer_fingerprint)
 
     def close(self) -> None:
         self.pc.destroy()

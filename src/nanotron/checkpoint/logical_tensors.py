@@ -8,7 +8,6 @@ needs and gets them from whichever entries overlap, reading only those bytes (``
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FORMAT_VERSION = 1
+from nanotron.files import atomic_write
+
+FORMAT_VERSION = 2  # 2: checkpoint.json names the model family (model.type); 1 held Llama models only
 METADATA_KEY = "nanotron"
 
 
@@ -46,9 +47,7 @@ def write_boxes(path: Path, boxes: list[tuple[str, tuple[int, ...], tuple[slice,
             "offsets": [s.start for s in logical_slices],
         }
     metadata = {METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, "entries": entries})}
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
 
 
 class LogicalTensorReader:

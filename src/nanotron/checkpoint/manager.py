@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,9 +29,12 @@ from torch import nn
 
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader, write_boxes
 from nanotron.config import Config, save_config
+from nanotron.files import atomic_write_text
+from nanotron.models.registry import spec_for_config, spec_named
+from nanotron.models.spec import CausalLM, ModelSpec
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.placement import Placement, get_placement, logical_parameters
+from nanotron.parallel.placement import Placement, get_placement, logical_buffers, logical_parameters
 from nanotron.random import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -58,14 +61,16 @@ def _shard_name(parallel_context: ParallelContext) -> str:
     return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}"
 
 
-def _unique_boxes(params: dict[str, nn.Parameter], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor]):
-    """Boxes this rank must write: it holds the only copy among the replicas (dp rank 0, replicated axes at 0)."""
+def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor]):
+    """Boxes this rank must write: it holds the only copy among the replicas (every replicated axis at 0).
+
+    ``tensors`` are keyed by logical name, or ``kind/name`` for optimizer state; ``owners`` holds the parameter or
+    buffer of each name, whose placement says where the tensor lives.
+    """
     coords, sizes = parallel_context.coordinates, parallel_context.sizes
     boxes = []
-    if coords["dp"] != 0:
-        return boxes
     for name, tensor in tensors.items():
-        placement = get_placement(params[name.split("/", 1)[-1]])
+        placement = get_placement(owners[name.split("/", 1)[-1]])
         if not placement.is_unique_copy(coords):
             continue
         for local, logical in placement.boxes(coords, sizes):
@@ -73,13 +78,46 @@ def _unique_boxes(params: dict[str, nn.Parameter], parallel_context: ParallelCon
     return boxes
 
 
+def model_metadata(model_config, padded_vocab_size: int, dtype: str) -> dict:
+    """The ``model`` entry of checkpoint.json: family, architecture, vocabulary padding and dtype."""
+    return {"type": spec_for_config(model_config).name, "config": asdict(model_config),
+            "vocab_size": model_config.vocab_size, "padded_vocab_size": padded_vocab_size, "dtype": dtype}
+
+
+def checkpoint_metadata(*, step: int, optimizer_step: int, lr_schedule_start_step: int,
+                        consumed_samples: dict[str, int], consumed_tokens: int, layout: dict, model: dict,
+                        tokenizer_fingerprint: str | None, files: dict[str, int], **extra) -> dict:
+    """checkpoint.json, for training checkpoints and converted ones alike."""
+    return {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": optimizer_step,
+            "lr_schedule_start_step": lr_schedule_start_step, "consumed_samples": consumed_samples,
+            "consumed_tokens": consumed_tokens, "layout": layout, "model": model,
+            "tokenizer_fingerprint": tokenizer_fingerprint, "files": files, **extra}
+
+
+def write_metadata(folder: Path, metadata: dict) -> None:
+    atomic_write_text(folder / METADATA, json.dumps(metadata, indent=2, sort_keys=True))
+
+
+def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, object]:
+    """The model family and config recorded in a checkpoint (checkpoints of format 1 hold Llama models)."""
+    model = metadata.get("model", {})
+    if "config" not in model:
+        raise CheckpointError(f"{checkpoint / METADATA} has no model config: it was written by an older version")
+    spec = spec_named(model.get("type", "llama"), checkpoint)
+    try:
+        return spec, spec.config_class(**model["config"])
+    except TypeError as error:
+        raise CheckpointError(f"{checkpoint / METADATA} has a {spec.name} model config this version cannot read: "
+                              f"{error}") from error
+
+
 def save_checkpoint(
     config: Config,
-    model: nn.Module,
+    model: CausalLM,
     optimizer: MixedPrecisionAdamW,
     progress: TrainingProgress,
     parallel_context: ParallelContext,
-    extra_metadata: dict,
+    tokenizer_fingerprint: str | None,
 ) -> Path:
     root = Path(config.checkpoints.checkpoints_path)
     final = root / str(progress.step)
@@ -92,8 +130,9 @@ def save_checkpoint(
     dist.barrier()
 
     params = logical_parameters(model)
+    state = params | logical_buffers(model)
     written = []
-    model_boxes = _unique_boxes(params, parallel_context, dict(params))
+    model_boxes = _unique_boxes(state, parallel_context, state)
     if model_boxes:
         write_boxes(tmp / "model" / f"{_shard_name(parallel_context)}.safetensors", model_boxes)
         written.append(f"model/{_shard_name(parallel_context)}.safetensors")
@@ -119,19 +158,16 @@ def save_checkpoint(
             (tmp / "tokenizer").mkdir()
             shutil.copy(tokenizer, tmp / "tokenizer" / "tokenizer.json")
             files.append("tokenizer/tokenizer.json")
-        metadata = {
-            "format_version": FORMAT_VERSION,
-            "step": progress.step,
-            "consumed_samples": progress.consumed_samples,
-            "consumed_tokens": progress.total_consumed_samples * config.tokens.sequence_length,
-            "optimizer_step": optimizer.step_count,
-            "lr_schedule_start_step": progress.lr_schedule_start,
-            "layout": {**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
-            "files": {f: (tmp / f).stat().st_size for f in files},
-            **extra_metadata,
-        }
+        metadata = checkpoint_metadata(
+            step=progress.step, optimizer_step=optimizer.step_count,
+            lr_schedule_start_step=progress.lr_schedule_start, consumed_samples=progress.consumed_samples,
+            consumed_tokens=progress.total_consumed_samples * config.tokens.sequence_length,
+            layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
+            model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
+            tokenizer_fingerprint=tokenizer_fingerprint, files={f: (tmp / f).stat().st_size for f in files},
+        )
         save_config(config, tmp / "config.yaml")
-        (tmp / METADATA).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        write_metadata(tmp, metadata)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -151,9 +187,7 @@ def _local_tokenizer_file(name_or_path: str | None) -> Path | None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f"{LATEST}.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, root / LATEST)
+    atomic_write_text(root / LATEST, name + "\n")
 
 
 def _prune(root: Path, keep_last_n: int | None) -> None:
@@ -226,13 +260,18 @@ def _vocab_rows(model: nn.Module, metadata: dict) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_weights(checkpoint: Path, model: nn.Module, parallel_context: ParallelContext, metadata: dict) -> None:
-    """Fill this rank's parameters from the logical tensors of ``checkpoint`` (reading only the needed slices)."""
+def load_weights(checkpoint: Path, model: CausalLM, parallel_context: ParallelContext, metadata: dict) -> None:
+    """Fill this rank's parameters and persistent buffers from the logical tensors of ``checkpoint`` (reading only
+    the needed slices). A buffer the checkpoint lacks keeps its initial value: buffers hold state of optional
+    features (e.g. scaling statistics), which a run may switch on when it resumes."""
     reader = LogicalTensorReader(checkpoint / "model")
     for name, param in logical_parameters(model).items():
         if name not in reader.names():
             raise CheckpointError(f"parameter {name!r} is not in {checkpoint}: it was saved from another model")
         _read_logical(reader, name, get_placement(param), param, parallel_context, _vocab_rows(model, metadata))
+    for name, buffer in logical_buffers(model).items():
+        if name in reader.names():
+            _read_logical(reader, name, get_placement(buffer), buffer, parallel_context, _vocab_rows(model, metadata))
 
 
 def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, model: nn.Module,

@@ -8,7 +8,6 @@ All problems in a file are reported together.
 import difflib
 import math
 import os
-import tempfile
 import types
 import typing
 import warnings
@@ -29,6 +28,7 @@ from nanotron.config.schema import (
     ModelArgs,
 )
 from nanotron.config.validation import validate_config
+from nanotron.files import atomic_write_text
 
 _NO_VALIDATION = "no validation loop reads it (nanotron v0.4 never ran one either)"
 
@@ -337,19 +337,7 @@ def save_config(cfg: Config, path: str | Path) -> None:
     The file is written next to its destination and renamed into place, so a crash never leaves half a config
     (checkpoints rely on theirs being complete).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write_text(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))
 
 
 def expand_run_name(cfg: Config, now: datetime | None = None) -> Config:

@@ -6,12 +6,14 @@ folders or a model can be checked against it instead of silently training on mis
 """
 
 import hashlib
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
+
+from nanotron.data.documents import iter_documents, list_input_files
+from nanotron.files import atomic_write
 
 TOKENIZER_FILE_NAME = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -62,9 +64,6 @@ def train_tokenizer(inputs: Sequence[Path], vocab_size: int, output: Path, text_
     inputs give a byte-identical file. Byte-level BPE can encode any text without unknown tokens, and
     ``<|endoftext|>`` (id 0) is the end-of-document token that preprocessing appends.
     """
-    # Imported here because preprocess builds on this module (it tokenizes with load_tokenizer).
-    from nanotron.data.preprocess import iter_documents, list_input_files
-
     if vocab_size < MIN_VOCAB_SIZE:
         raise TokenizerError(f"--vocab-size must be at least {MIN_VOCAB_SIZE} (256 byte symbols plus "
                              f"{EOS_TOKEN}), got {vocab_size}")
@@ -89,15 +88,7 @@ def train_tokenizer(inputs: Sequence[Path], vocab_size: int, output: Path, text_
 
     tokenizer.train_from_iterator(documents(), trainer=trainer)
 
-    output_file.parent.mkdir(parents=True, exist_ok=True)
-    # A hidden sibling, renamed into place, so that no reader ever sees a half-written tokenizer.json.
-    temporary = output_file.with_name(f".{output_file.name}.{os.getpid()}.tmp")
-    try:
-        tokenizer.save(str(temporary))
-        os.replace(temporary, output_file)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    atomic_write(output_file, lambda temporary: tokenizer.save(str(temporary)))  # never a half-written tokenizer
     return output_file
 
 

@@ -25,8 +25,8 @@ from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 def evaluate(ckpt_path: Path, folders: list[Path], parallel_context: ParallelContext, sequence_length: int,
              max_windows: int, batch_size: int) -> dict[str, dict[str, float]]:
     pc = parallel_context
-    model, config, _ = load_model(ckpt_path, pc)
-    vocab = config.model.model_config.vocab_size
+    model, _ = load_model(ckpt_path, pc)
+    vocab = model.config.vocab_size
     results = {}
     for folder in folders:
         shards = TokenShards(Path(folder))

@@ -1,7 +1,8 @@
 """Autoregressive generation from a checkpoint, at any tensor- and pipeline-parallel layout.
 
 Prompts of different lengths are left-padded; a boolean mask keeps padding out of attention and positions count
-only real tokens. With the KV cache each new token costs one forward of length 1; without it the whole sequence is
+only real tokens. With the family's inference cache (Llama: keys and values) each new token costs one forward of
+length 1; without it the whole sequence is
 recomputed (kept to check the cache). Tensor parallelism runs in ALL_REDUCE mode (a single new token cannot be
 split along the sequence); logits are gathered over TP ranks to sample. With pipeline parallelism, hidden states go
 from stage to stage and the last stage broadcasts each sampled token to every stage.
@@ -14,25 +15,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from nanotron.checkpoint.hf_llama import checkpoint_llama_config
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.checkpoint.manager import load_weights, read_metadata, resolve_checkpoint
-from nanotron.config import (
-    CheckpointsArgs,
-    Config,
-    GeneralArgs,
-    LRSchedulerArgs,
-    ModelArgs,
-    OptimizerArgs,
-    ParallelismArgs,
-    RandomInit,
-    TokenizerArgs,
-    TokensArgs,
-)
-from nanotron.models.llama import KVCache
-from nanotron.models.build import build_model
+from nanotron.checkpoint.manager import checkpoint_model, load_weights, read_metadata, resolve_checkpoint
+from nanotron.models.build import BuildOptions, build_model
+from nanotron.models.registry import spec_for_config
+from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_parallel import P2P
 
@@ -66,30 +54,16 @@ def sample(logits: torch.Tensor, args: SamplingArgs, generator: torch.Generator)
     raise ValueError(f"unknown sampler {args.sampler!r}; choose one of {', '.join(SAMPLERS)}")
 
 
-def inference_config(checkpoint: Path, metadata: dict, tp: int, pp: int) -> Config:
-    """A config that builds the checkpoint's model at (tp, pp) in ALL_REDUCE mode; nothing else is used."""
-    model_config = checkpoint_llama_config(checkpoint, metadata)
-    return Config(
-        general=GeneralArgs(project="generate"),
-        checkpoints=CheckpointsArgs(checkpoints_path=checkpoint, checkpoint_interval=1),
-        parallelism=ParallelismArgs(tp=tp, pp=pp, tp_mode="ALL_REDUCE"),
-        model=ModelArgs(model_config=model_config, init_method=RandomInit(std=0.02), dtype=metadata["model"]["dtype"]),
-        tokenizer=TokenizerArgs(),
-        optimizer=OptimizerArgs(learning_rate_scheduler=LRSchedulerArgs(learning_rate=1.0)),
-        tokens=TokensArgs(sequence_length=model_config.max_position_embeddings, train_steps=1, micro_batch_size=1,
-                          batch_accumulation_per_replica=1),
-        data_stages=[],
-    )
-
-
-def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[nn.Module, Config, Path]:
-    """The checkpoint's model for this rank at the context's tp/pp, in eval mode."""
+def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[CausalLM, Path]:
+    """The checkpoint's model for this rank at the context's tp/pp (ALL_REDUCE mode), in eval mode."""
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     metadata = read_metadata(checkpoint)
-    config = inference_config(checkpoint, metadata, parallel_context.size("tp"), parallel_context.size("pp"))
-    model = build_model(config, parallel_context)
+    _, model_config = checkpoint_model(checkpoint, metadata)
+    options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
+                           sequence_length=model_config.max_position_embeddings)
+    model = build_model(model_config, parallel_context, options)
     load_weights(checkpoint, model, parallel_context, metadata)
-    return model.eval(), config, checkpoint
+    return model.eval(), checkpoint
 
 
 def _attention_mask(valid: torch.Tensor, queries: int) -> torch.Tensor:
@@ -105,7 +79,7 @@ def _attention_mask(valid: torch.Tensor, queries: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, parallel_context: ParallelContext, prompts: list[list[int]], max_new_tokens: int,
+def generate(model: CausalLM, parallel_context: ParallelContext, prompts: list[list[int]], max_new_tokens: int,
              sampling: SamplingArgs, eos_token_id: int | None, vocab_size: int, use_cache: bool = True,
              pad_token_id: int = 0) -> list[list[int]]:
     """New tokens for every prompt (stopping at EOS, which is kept, or after ``max_new_tokens``)."""
@@ -119,7 +93,8 @@ def generate(model: nn.Module, parallel_context: ParallelContext, prompts: list[
         tokens[row, longest - len(prompt):] = torch.tensor(prompt, device=device)
         valid[row, longest - len(prompt):] = True
 
-    caches = {index: KVCache() for index in model.layers} if use_cache else None
+    new_cache = spec_for_config(model.config).inference_cache
+    caches = {index: new_cache() for index in model.layers} if use_cache else None
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new_tokens: list[torch.Tensor] = []
@@ -149,8 +124,8 @@ def _until_eos(row: list[int], eos_token_id: int | None) -> list[int]:
     return row[: row.index(eos_token_id) + 1] if eos_token_id is not None and eos_token_id in row else row
 
 
-def forward_logits(model: nn.Module, pc: ParallelContext, ids: torch.Tensor, positions: torch.Tensor | None,
-                   mask: torch.Tensor | None, caches: dict[str, KVCache] | None, last_only: bool = True,
+def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, positions: torch.Tensor | None,
+                   mask: torch.Tensor | None, caches: dict[str, object] | None, last_only: bool = True,
                    gather: bool = True) -> torch.Tensor | None:
     """Logits over the padded vocabulary on the last stage (None elsewhere), gathered over TP unless ``gather``
     is False (then each TP rank keeps its vocabulary shard).
@@ -161,7 +136,7 @@ def forward_logits(model: nn.Module, pc: ParallelContext, ids: torch.Tensor, pos
     p2p = P2P(pc, (ids.shape[0], ids.shape[1], hidden_size), next(model.parameters()).dtype, timeout_s=600.0)
     hidden = None if pc.is_first_stage else p2p.recv_forward()
     out = model(input_ids=ids if pc.is_first_stage else None, hidden_states=hidden, position_ids=positions,
-                attention_mask=mask, kv_caches=caches)
+                attention_mask=mask, caches=caches)
     if not pc.is_last_stage:
         p2p.send_forward(out)
         return None

@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from nanotron.config import Config, LlamaConfig
+from nanotron.config import Config
 from nanotron.models.init import init_parameters
-from nanotron.models.llama import LlamaForCausalLM
+from nanotron.models.registry import spec_for_config
+from nanotron.models.spec import CausalLM
 from nanotron.nn.recompute import recompute_in_backward
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
 from nanotron.parallel.placement import annotate_placements
-from nanotron.parallel.plans import TENSOR_PARALLEL_PLANS
-from nanotron.parallel.tensor_parallel import apply_tensor_parallel
+from nanotron.parallel.tensor_parallel import ALL_REDUCE, apply_tensor_parallel
 
-MODEL_CLASSES: dict[type, type[nn.Module]] = {LlamaConfig: LlamaForCausalLM}
+# Changes the model on the meta device after parallelism is applied, before weights exist (e.g. swaps linears).
+ModuleConverter = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build a model, apart from its architecture; ``from_config`` reads them from a training config."""
+
+    dtype: torch.dtype
+    seed: int = 0
+    init_std: float = 0.02
+    vocab_multiple: int = 1  # model.make_vocab_size_divisible_by
+    tp_mode: str = ALL_REDUCE
+    tp_overlap: bool = False  # parallelism.tp_linear_async_communication
+    pp_stage_layers: list[int] | None = None
+    sequence_length: int = 2048  # weighs attention in the pipeline split
+    recompute_layers: bool = False
+    compile: bool = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> BuildOptions:
+        model, p = config.model, config.parallelism
+        return cls(
+            dtype=model.torch_dtype(), seed=config.general.seed,
+            init_std=getattr(model.init_method, "std", model.model_config.initializer_range),
+            vocab_multiple=model.make_vocab_size_divisible_by, tp_mode=p.tp_mode,
+            tp_overlap=p.tp_linear_async_communication, pp_stage_layers=p.pp_stage_layers,
+            sequence_length=config.tokens.sequence_length, recompute_layers=p.recompute_layer, compile=model.compile,
+        )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -25,59 +56,67 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Replace meta parameters by empty ones on ``device``; a parameter shared by two modules stays shared."""
+    """Replace meta parameters by empty ones on ``device`` and meta buffers by zeros.
+
+    Parameters take ``dtype`` unless their module lists them in ``fp32_parameters`` (state a family keeps in fp32
+    whatever the training dtype); a parameter shared by two modules stays shared.
+    """
     created: dict[int, nn.Parameter] = {}
     for submodule in module.modules():
+        keep_fp32 = getattr(submodule, "fp32_parameters", ())
         for key, param in submodule._parameters.items():
             if param is None:
                 continue
             if id(param) not in created:
+                param_dtype = torch.float32 if key in keep_fp32 else dtype
                 created[id(param)] = nn.Parameter(
-                    torch.empty(param.shape, device=device, dtype=dtype), requires_grad=param.requires_grad
+                    torch.empty(param.shape, device=device, dtype=param_dtype), requires_grad=param.requires_grad
                 )
             submodule._parameters[key] = created[id(param)]
+        for key, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                submodule._buffers[key] = torch.zeros(buffer.shape, device=device, dtype=buffer.dtype)
 
 
-def build_model(config: Config, parallel_context: ParallelContext) -> nn.Module:
+def pipeline_stage_layers(model_config, options: BuildOptions, stages: int, tp: int = 1) -> list[range]:
+    """Decoder layers of every pipeline stage, from ``parallelism.pp_stage_layers`` or balanced by compute."""
+    vocab = padded_vocab_size(model_config.vocab_size, options.vocab_multiple, tp)
+    costs = spec_for_config(model_config).costs(model_config, vocab, options.sequence_length)
+    return stage_layers(list(costs.layer_flops), stages, options.pp_stage_layers, head_cost=costs.head_flops)
+
+
+def build_model(model_config, parallel_context: ParallelContext, options: BuildOptions,
+                converters: Sequence[ModuleConverter] = ()) -> CausalLM:
     """The model of this rank, with placements on every parameter and random initial weights.
 
     Weights loaded from a checkpoint overwrite these afterwards; initialising anyway keeps one code path.
     """
-    model_config = config.model.model_config
-    vocab = padded_vocab_size(
-        model_config.vocab_size, config.model.make_vocab_size_divisible_by, parallel_context.size("tp")
-    )
+    spec = spec_for_config(model_config)
     pc, stages = parallel_context, parallel_context.size("pp")
+    vocab = padded_vocab_size(model_config.vocab_size, options.vocab_multiple, pc.size("tp"))
     with torch.device("meta"):
-        model = MODEL_CLASSES[type(model_config)](model_config, vocab)
+        model = spec.model_class(model_config, vocab)
         if pc.size("tp") > 1:
-            plan = TENSOR_PARALLEL_PLANS[type(model_config)](model_config)
-            apply_tensor_parallel(model, plan, pc.groups["tp"], config.parallelism.tp_mode,
-                                  config.parallelism.tp_linear_async_communication)
+            apply_tensor_parallel(model, spec.tensor_parallel_plan(model_config), pc.groups["tp"], options.tp_mode,
+                                  options.tp_overlap)
             model.tie_weights()
         if stages > 1:
-            layers = pipeline_stage_layers(config)[pc.coord("pp")]
+            layers = pipeline_stage_layers(model_config, options, stages, pc.size("tp"))[pc.coord("pp")]
             keep_stage(model, layers, pc.is_first_stage, pc.is_last_stage)
-    materialize(model, pc.device, config.model.torch_dtype())
+        for convert in converters:
+            convert(model)
+    materialize(model, pc.device, options.dtype)
     annotate_placements(model)
     if stages > 1:
         if model_config.tie_word_embeddings:
             mark_tied_embedding_copies(model, stages)
         log_stages(model, pc.coord("pp"), layers)
-    std = getattr(config.model.init_method, "std", model_config.initializer_range)
-    init_parameters(model, config.general.seed, std, pc.coordinates, pc.sizes)
-    if config.parallelism.recompute_layer:  # before compiling, so that the compiled forward recomputes too
+    init_parameters(model, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
+                    pc.coordinates, pc.sizes)
+    if options.recompute_layers:  # before compiling, so that the compiled forward recomputes too
         for layer in model.layers.values():
             recompute_in_backward(layer)
-    if config.model.compile:
+    if options.compile:
         for layer in model.layers.values():
             layer.compile()
     return model
-
-
-def pipeline_stage_layers(config: Config) -> list[range]:
-    """Decoder layers of every pipeline stage, from ``parallelism.pp_stage_layers`` or balanced by compute."""
-    c, tokens = config.model.model_config, config.tokens
-    layer = LlamaForCausalLM.layer_parameters(c) + tokens.sequence_length * c.hidden_size
-    return stage_layers(c.num_hidden_layers, config.parallelism.pp, config.parallelism.pp_stage_layers, layer,
-                        head_cost=c.vocab_size * c.hidden_size)

@@ -3,15 +3,19 @@
 Each parameter's full logical tensor is drawn from a generator seeded by a hash of (seed, logical name) and then
 cut to the slices this rank holds. Every layout (any tp, pp, dp) therefore starts from bit-identical weights, which
 is what makes parity tests between layouts meaningful, and no two parameters or pipeline stages share a stream.
+How a tensor is drawn is the model family's choice (``ModelSpec.init_rule``); the helpers below cover the usual
+cases, and a family may pass any function that fills a tensor from a generator.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from nanotron.models.spec import Initializer
 from nanotron.parallel.placement import get_placement, logical_parameters
 
 
@@ -20,17 +24,21 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
+def normal(std: float) -> Initializer:
+    return lambda tensor, generator: tensor.normal_(0.0, std, generator=generator)
+
+
+def constant(value: float) -> Initializer:
+    return lambda tensor, generator: tensor.fill_(value)
+
+
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, std: float, coords: dict[str, int], sizes: dict[str, int]) -> None:
-    """Fill every local parameter with its slice of the logical initial tensor (``model.init_rule`` decides how)."""
+def init_parameters(model: nn.Module, seed: int, rule: Callable[[str], Initializer], coords: dict[str, int],
+                    sizes: dict[str, int]) -> None:
+    """Fill every local parameter with its slice of the logical initial tensor; ``rule(name)`` draws it."""
     for name, param in logical_parameters(model).items():
         placement = get_placement(param)
-        rule, scale = model.init_rule(name, std)
         full = torch.empty(placement.logical_shape, dtype=torch.float32, device=param.device)
-        if rule == "ones":
-            full.fill_(1.0)
-        else:
-            generator = torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name))
-            full.normal_(0.0, scale, generator=generator)
+        rule(name)(full, torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name)))
         for local, logical in placement.boxes(coords, sizes):
             param[local].copy_(full[logical])

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotron.config import LlamaConfig
+from nanotron.models.init import constant, normal
+from nanotron.models.spec import Initializer, ModelCosts
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 from nanotron.nn.swiglu import swiglu
@@ -135,11 +137,11 @@ class LlamaForCausalLM(nn.Module):
         hidden_states: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        kv_caches: dict[str, KVCache] | None = None,
+        caches: dict[str, KVCache] | None = None,
     ) -> torch.Tensor:
         """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that.
 
-        ``kv_caches`` maps layer indices to their caches during generation. Without ``position_ids`` the sequence
+        ``caches`` maps layer indices to their KV caches during generation. Without ``position_ids`` the sequence
         starts at position 0; a later pipeline stage may see it split over tensor-parallel ranks, so its tables
         cover ``max_position_embeddings`` positions and each layer takes the first ones it needs.
         """
@@ -152,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         for index, layer in self.layers.items():
-            cache = kv_caches[index] if kv_caches is not None else None
+            cache = caches[index] if caches is not None else None
             hidden_states = layer(hidden_states, rotary, attention_mask, cache)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
@@ -160,26 +162,31 @@ class LlamaForCausalLM(nn.Module):
             hidden_states = self.lm_head(hidden_states)
         return hidden_states
 
-    def init_rule(self, name: str, std: float) -> tuple[str, float]:
-        """How the logical parameter ``name`` is initialised: ("normal", std) or ("ones", 0).
 
-        Residual output projections are scaled by 1/sqrt(2 * num_layers) (GPT-2 style) so that the residual stream's
-        variance does not grow with depth.
-        """
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            return "ones", 0.0
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return "normal", std / (2 * self.config.num_hidden_layers) ** 0.5
-        return "normal", std
+def llama_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
+    """Norm weights start at one, matrices normal(0, std). Residual output projections are scaled by
+    1/sqrt(2 * num_layers) (GPT-2 style) so that the residual stream's variance does not grow with depth."""
+    if name.endswith("layernorm.weight") or name == "norm.weight":
+        return constant(1.0)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return normal(std / (2 * config.num_hidden_layers) ** 0.5)
+    return normal(std)
 
-    @staticmethod
-    def layer_parameters(c: LlamaConfig) -> int:
-        attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        attn += c.num_attention_heads * c.head_dim * c.hidden_size
-        return attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
 
-    def num_parameters(self) -> int:
-        """Parameters of the whole logical model (tied matrices counted once), whatever this rank holds."""
-        c = self.config
-        embeddings = self.padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-        return c.num_hidden_layers * self.layer_parameters(c) + embeddings + c.hidden_size
+def llama_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+    """6 FLOPs per weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
+    weighted sum cost 4 * hidden * s FLOPs per token and layer in the forward over a full s x s matrix, half of that
+    with the causal mask, so 6 * hidden * s per token and layer for forward and backward. The embedding counts
+    with its parameters (as the tied LM head matmul, or the lookup), as in the 6N convention."""
+    attention = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    attention += c.num_attention_heads * c.head_dim * c.hidden_size
+    layer_parameters = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    embeddings = padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    parameters = c.num_hidden_layers * layer_parameters + embeddings + c.hidden_size
+    layer_flops = 6.0 * layer_parameters + 6.0 * c.hidden_size * sequence_length
+    return ModelCosts(
+        parameters=parameters,
+        layer_flops=(layer_flops,) * c.num_hidden_layers,
+        head_flops=6.0 * padded_vocab_size * c.hidden_size,
+        flops_per_token=6.0 * parameters + 6.0 * c.num_hidden_layers * c.hidden_size * sequence_length,
+    )

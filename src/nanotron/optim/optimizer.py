@@ -24,11 +24,13 @@ from nanotron.parallel.data_parallel import GradientBuckets
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
 
-def no_weight_decay(name: str, param: torch.Tensor, exclude_patterns: list[str] | None) -> bool:
-    """Built-in rule: norms and biases (1-D tensors) and embeddings are not decayed; patterns replace the rule."""
+def no_weight_decay(name: str, param: torch.Tensor, exclude_patterns: list[str] | None,
+                    declared: set[str] = frozenset()) -> bool:
+    """Built-in rule: norms and biases (1-D tensors), embeddings and the parameters a model declares
+    (``no_weight_decay_parameters``, e.g. state-space decay rates) are not decayed; patterns replace the rule."""
     if exclude_patterns is not None:
         return any(re.search(pattern, name) for pattern in exclude_patterns)
-    return param.dim() < 2 or "embed" in name
+    return param.dim() < 2 or "embed" in name or name in declared
 
 
 class MixedPrecisionAdamW:
@@ -82,9 +84,9 @@ class MixedPrecisionAdamW:
             full = {}
             for kind in kinds:
                 shard = self._shard_state(index, kind)
-                if buckets.shard_optimizer:
+                if bucket.sharded:
                     whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
-                    dist.all_gather_into_tensor(whole, shard.contiguous(), group=buckets.group)
+                    dist.all_gather_into_tensor(whole, shard.contiguous(), group=bucket.group)
                 else:
                     whole = shard
                 full[kind] = whole
@@ -106,10 +108,12 @@ class MixedPrecisionAdamW:
 
 
 def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, bucket_mb: float,
-                    group: dist.ProcessGroup) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
-    """Gradient buckets (fp32 when accumulating in fp32) and the optimizer over their shards."""
-    model_dtype = next(iter(params.values())).dtype
-    grad_dtype = torch.float32 if args.accumulate_grad_in_fp32 else model_dtype
-    no_decay = {n for n, p in params.items() if no_weight_decay(n, p, args.weight_decay_exclude_named_params)}
-    buckets = GradientBuckets(params, no_decay, grad_dtype, int(bucket_mb * 2**20), group, shard=args.zero_stage == 1)
+                    groups: dict[tuple[str, ...], dist.ProcessGroup], declared_no_decay: set[str] = frozenset(),
+                    ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
+    """Gradient buckets (fp32 when accumulating in fp32) reduced over ``groups`` (gradient axes -> process group,
+    ``ParallelContext.reduction_groups``) and the optimizer over their shards."""
+    exclude = args.weight_decay_exclude_named_params
+    no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
+    buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups,
+                              shard=args.zero_stage == 1)
     return buckets, MixedPrecisionAdamW(buckets, args)

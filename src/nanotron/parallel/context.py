@@ -7,7 +7,8 @@ outermost axis (their point-to-point traffic is the lightest).
 
 Data is sharded over the ``dp`` and ``ep`` axes alike: every (dp, ep) pair of coordinates sees different samples.
 Expert weights are sharded over ``ep``; every other weight is replicated over it, so dense gradients are reduced
-over the ``dp_ep`` group. With pipeline parallelism, ``pipeline_ends`` pairs the first and last stage of each
+over the ``dp_ep`` group and expert gradients over ``dp`` (``reduction_groups``). Step statistics (loss sums, token
+counts) are summed over ``pp_dp_ep``: every stage and data shard contributes, TP ranks hold identical copies. With pipeline parallelism, ``pipeline_ends`` pairs the first and last stage of each
 position, which both hold a copy of tied input/output embeddings.
 
 All groups are created eagerly, in the same order on every rank, so that no collective ever creates a communicator
@@ -103,7 +104,7 @@ class ParallelContext:
             ("dp", ("dp",)),
             ("pp", ("pp",)),
             ("dp_ep", ("dp", "ep")),  # data-parallel replicas of dense weights
-            ("model", ("pp", "ep", "tp")),  # one full model replica: grad-norm and checkpoint scope
+            ("pp_dp_ep", ("pp", "dp", "ep")),  # one rank per TP group: step statistics are summed over it
         ):
             self._create_groups(name, axes)
         # First and last pipeline stage of each (dp, ep, tp) position: they hold the two copies of tied embeddings.
@@ -131,6 +132,12 @@ class ParallelContext:
         return getattr(self.coords, axis)
 
     @property
+    def reduction_groups(self) -> dict[tuple[str, ...], dist.ProcessGroup]:
+        """The group of every combination of gradient axes (``Placement.gradient_axes``): the data-parallel
+        replicas of a dense weight span dp × ep, those of an expert weight (sharded over ep) only dp."""
+        return {("dp", "ep"): self.groups["dp_ep"], ("dp",): self.groups["dp"], ("ep",): self.groups["ep"]}
+
+    @property
     def coordinates(self) -> dict[str, int]:
         return {axis: getattr(self.coords, axis) for axis in AXES}
 
@@ -141,11 +148,6 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.coords.pp == self.sizes["pp"] - 1
-
-    @property
-    def is_logging_rank(self) -> bool:
-        """The rank that prints the step line: it holds the loss (last stage) and is first on every other axis."""
-        return self.is_last_stage and self.coords.dp == 0 and self.coords.ep == 0 and self.coords.tp == 0
 
     def describe(self) -> str:
         c = self.coords

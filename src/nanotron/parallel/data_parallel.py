@@ -32,15 +32,24 @@ from nanotron.parallel.placement import get_placement
 class Bucket:
     names: list[str]
     ranges: dict[str, tuple[int, int]]  # name -> [start, end) in the flat buffers
-    numel: int  # padded to a multiple of the data-parallel size
+    numel: int  # padded to a multiple of the reduction group's size
     weight_decay: bool
     grads: torch.Tensor
     params: torch.Tensor
+    group: dist.ProcessGroup  # the data-parallel replicas of these parameters (their gradient axes)
+    group_size: int
+    axes: tuple[str, ...]  # the gradient axes of every parameter in the bucket
+    sharded: bool  # ZeRO-1 over a group of more than one rank: each rank reduces and optimizes its own shard
     shard: slice  # the part this rank reduces and optimizes (all of it without ZeRO)
     pending: int = 0
     work: dist.Work | None = None
     shapes: dict[str, torch.Size] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)  # parameters with a gradient in the buffer this step
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """Axes over which the ranks hold different shards of this bucket's gradient and optimizer state."""
+        return self.axes if self.sharded else ()
 
     def shard_pieces(self) -> list[tuple[str, slice, slice]]:
         """(name, range in the parameter's flattened data, range in the shard) for every parameter in the shard."""
@@ -54,48 +63,62 @@ class Bucket:
 
 
 class GradientBuckets:
-    def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], grad_dtype: torch.dtype,
-                 bucket_bytes: int, group: dist.ProcessGroup, shard: bool):
+    """Flat gradient and parameter buffers of this rank's parameters, reduced over their data-parallel replicas.
+
+    A bucket only holds parameters that share a reduction group (their gradient axes: dense weights over dp × ep,
+    expert weights over dp), a dtype (an fp32 parameter among bf16 ones keeps its precision) and a weight-decay
+    setting. ``groups`` maps gradient axes to their process group (``ParallelContext.reduction_groups``).
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], accumulate_in_fp32: bool,
+                 bucket_bytes: int, groups: dict[tuple[str, ...], dist.ProcessGroup], shard: bool):
         self.params = params
-        self.group = group
-        self.dp = dist.get_world_size(group)
-        self.dp_rank = dist.get_rank(group)
-        self.shard_optimizer = shard and self.dp > 1
+        self.shard_over_replicas = shard
         self.final_micro_batch = False
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[str, Bucket] = {}
 
-        element_bytes = torch.finfo(grad_dtype).bits // 8
         for decay in (True, False):
-            names = [n for n in reversed(params) if (n not in no_decay) == decay]
-            current: list[str] = []
-            for name in names:
-                alone = bool(get_placement(params[name]).pipeline_copies)
-                if alone and current:
-                    self._add_bucket(current, decay, grad_dtype)
-                    current = []
-                current.append(name)
-                if alone or sum(params[n].numel() for n in current) * element_bytes >= bucket_bytes:
-                    self._add_bucket(current, decay, grad_dtype)
-                    current = []
-            if current:
-                self._add_bucket(current, decay, grad_dtype)
+            by_kind: dict[tuple[tuple[str, ...], torch.dtype], list[str]] = {}
+            for name in reversed(params):
+                if (name not in no_decay) == decay:
+                    kind = (get_placement(params[name]).gradient_axes, params[name].dtype)
+                    by_kind.setdefault(kind, []).append(name)
+            for (axes, dtype), names in by_kind.items():
+                grad_dtype = torch.float32 if accumulate_in_fp32 else dtype
+                element_bytes = torch.finfo(grad_dtype).bits // 8
+                current: list[str] = []
+                for name in names:
+                    alone = bool(get_placement(params[name]).pipeline_copies)
+                    if alone and current:
+                        self._add_bucket(current, decay, grad_dtype, axes, groups[axes])
+                        current = []
+                    current.append(name)
+                    if alone or sum(params[n].numel() for n in current) * element_bytes >= bucket_bytes:
+                        self._add_bucket(current, decay, grad_dtype, axes, groups[axes])
+                        current = []
+                if current:
+                    self._add_bucket(current, decay, grad_dtype, axes, groups[axes])
         for name, param in params.items():
             param.register_post_accumulate_grad_hook(self._hook(name))
 
-    def _add_bucket(self, names: list[str], decay: bool, grad_dtype: torch.dtype) -> None:
+    def _add_bucket(self, names: list[str], decay: bool, grad_dtype: torch.dtype, axes: tuple[str, ...],
+                    group: dist.ProcessGroup) -> None:
         first = self.params[names[0]]
         ranges, offset = {}, 0
         for name in names:
             ranges[name] = (offset, offset + self.params[name].numel())
             offset += self.params[name].numel()
-        numel = -(-offset // self.dp) * self.dp
-        per_rank = numel // self.dp
-        shard = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank) if self.shard_optimizer else slice(0, numel)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        numel = -(-offset // size) * size
+        per_rank = numel // size
+        sharded = self.shard_over_replicas and size > 1
+        shard = slice(rank * per_rank, (rank + 1) * per_rank) if sharded else slice(0, numel)
         bucket = Bucket(
             names=list(names), ranges=ranges, numel=numel, weight_decay=decay,
             grads=torch.zeros(numel, dtype=grad_dtype, device=first.device),
-            params=torch.zeros(numel, dtype=first.dtype, device=first.device), shard=shard,
+            params=torch.zeros(numel, dtype=first.dtype, device=first.device),
+            group=group, group_size=size, axes=axes, sharded=sharded, shard=shard,
         )
         for name in names:  # the parameter now lives in the flat buffer
             param, (start, end) = self.params[name], ranges[name]
@@ -124,13 +147,13 @@ class GradientBuckets:
         return hook
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.dp == 1:
+        if bucket.group_size == 1:
             return
-        if self.shard_optimizer:
-            bucket.work = dist.reduce_scatter_tensor(bucket.grads[bucket.shard], bucket.grads, group=self.group,
+        if bucket.sharded:
+            bucket.work = dist.reduce_scatter_tensor(bucket.grads[bucket.shard], bucket.grads, group=bucket.group,
                                                      async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.grads, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.grads, group=bucket.group, async_op=True)
 
     def finish_reduction(self) -> None:
         """Wait for every bucket's reduction (launching those whose parameters got no gradient this step)."""
@@ -147,10 +170,9 @@ class GradientBuckets:
 
     def all_gather_params(self) -> None:
         """After a ZeRO-1 update, give every rank the parameters updated by the others."""
-        if not self.shard_optimizer:
-            return
         for bucket in self.buckets:
-            dist.all_gather_into_tensor(bucket.params, bucket.params[bucket.shard], group=self.group)
+            if bucket.sharded:
+                dist.all_gather_into_tensor(bucket.params, bucket.params[bucket.shard], group=bucket.group)
 
     def zero(self) -> None:
         """Start a new step: the next gradient of every parameter overwrites its slice of the buffer."""
@@ -164,9 +186,10 @@ class GradientBuckets:
         bucket = self.bucket_of[name]
         return bucket.grads[slice(*bucket.ranges[name])].view(bucket.shapes[name])
 
-    def grad_pieces(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, gradient values) of every parameter piece in this rank's shards, for norms and clipping."""
-        return [(name, bucket.grads[bucket.shard][in_shard]) for bucket in self.buckets
+    def grad_pieces(self) -> list[tuple[str, torch.Tensor, tuple[str, ...]]]:
+        """(name, gradient values, split axes) of every parameter piece in this rank's shards, for norms and
+        clipping; the split axes are those over which other ranks hold other pieces of the same gradient."""
+        return [(name, bucket.grads[bucket.shard][in_shard], bucket.split_axes) for bucket in self.buckets
                 for name, _, in_shard in bucket.shard_pieces()]
 
 
@@ -201,19 +224,25 @@ class ReplicaDivergenceError(RuntimeError):
 
 @torch.no_grad()
 def check_replicas_agree(buckets: GradientBuckets, step: int) -> None:
-    """Compare a checksum of this rank's weights with the other data-parallel replicas; fail loudly if they differ.
+    """Compare a checksum of this rank's weights with their other data-parallel replicas; fail loudly if they differ.
 
     Replicas apply identical updates, so their weights must be bit-identical; a difference means a bug or a faulty
-    device, and continuing would silently train several different models.
+    device, and continuing would silently train several different models. Each reduction group (dense weights over
+    dp × ep, expert weights over dp) compares its own buckets.
     """
-    if buckets.dp == 1:
-        return
-    checksum = torch.stack([torch.stack([b.params.double().sum(), b.params.double().pow(2).sum()])
-                            for b in buckets.buckets]).sum(0)
-    gathered = [torch.empty_like(checksum) for _ in range(buckets.dp)]
-    dist.all_gather(gathered, checksum, group=buckets.group)
-    if any(not torch.equal(other, gathered[0]) for other in gathered):
-        raise ReplicaDivergenceError(
-            f"data-parallel replicas hold different weights at step {step} (checksums "
-            f"{[tuple(round(v, 6) for v in g.tolist()) for g in gathered]}); resume from the last checkpoint"
-        )
+    by_axes: dict[tuple[str, ...], list[Bucket]] = {}
+    for bucket in buckets.buckets:
+        by_axes.setdefault(bucket.axes, []).append(bucket)
+    for axes, members in sorted(by_axes.items()):
+        size = members[0].group_size
+        if size == 1:
+            continue
+        checksum = torch.stack([torch.stack([b.params.double().sum(), b.params.double().pow(2).sum()])
+                                for b in members]).sum(0)
+        gathered = [torch.empty_like(checksum) for _ in range(size)]
+        dist.all_gather(gathered, checksum, group=members[0].group)
+        if any(not torch.equal(other, gathered[0]) for other in gathered):
+            raise ReplicaDivergenceError(
+                f"replicas over {' x '.join(axes)} hold different weights at step {step} (checksums "
+                f"{[tuple(round(v, 6) for v in g.tolist()) for g in gathered]}); resume from the last checkpoint"
+            )

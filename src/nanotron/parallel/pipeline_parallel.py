@@ -9,6 +9,10 @@ instead of hanging.
 
 The loss of each micro-batch is computed on the last stage only, as ``sum of token losses / global token count``,
 so accumulating over the schedule's micro-batches gives the mean over the global batch with no further scaling.
+A stage's forward returns a :class:`StageOutput`: besides the activations (or the loss) it may carry an auxiliary
+loss that the stage adds to the objective (e.g. a router's load-balancing loss on an inner stage, backpropagated
+together with the gradient that comes back for its activations) and named statistics, which the schedule sums over
+the step's micro-batches for the trainer (``parallel/statistics.py``).
 
 1F1B (Narayanan et al., 2021): stage ``s`` of ``P`` first runs ``min(P - s - 1, M)`` forwards (warm-up), then
 alternates one forward and one backward, then finishes the remaining backwards (cool-down). At most ``P - s``
@@ -21,13 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.statistics import Statistics, accumulate
 
 
 class PipelineTimeoutError(RuntimeError):
@@ -91,16 +96,24 @@ class P2P:
         return x
 
 
+@dataclass
+class StageOutput:
+    """One stage's forward of one micro-batch."""
+
+    output: torch.Tensor  # activations for the next stage; on the last stage the scalar loss to backpropagate
+    statistics: Statistics = field(default_factory=dict)  # summed over micro-batches, detached
+    auxiliary_loss: torch.Tensor | None = None  # a scalar this stage adds to the objective
+
+
 class PipelineSchedule:
     """Runs forward and backward of all micro-batches of one step on this stage.
 
-    ``forward(micro_batch, inputs)`` returns the stage output: hidden states, or on the last stage the scalar loss
-    contribution of the micro-batch. ``before_last_backward()`` is called before the step's last backward on this
-    stage, when data-parallel gradient reduction may start.
+    ``forward(micro_batch, inputs)`` returns the stage's :class:`StageOutput`. ``before_last_backward()`` is called
+    before the step's last backward on this stage, when data-parallel gradient reduction may start.
     """
 
     def __init__(self, parallel_context: ParallelContext, engine: str, p2p: P2P,
-                 forward: Callable[[dict, torch.Tensor | None], torch.Tensor], before_last_backward: Callable[[], None]):
+                 forward: Callable[[dict, torch.Tensor | None], StageOutput], before_last_backward: Callable[[], None]):
         self.pc = parallel_context
         self.p2p = p2p
         self.forward_fn = forward
@@ -109,27 +122,26 @@ class PipelineSchedule:
         self.stages = parallel_context.size("pp")
         self.engine = engine if self.stages > 1 else "1f1b"
 
-    def run(self, micro_batches: list[dict], step: int) -> torch.Tensor:
-        """Forward and backward every micro-batch; returns the summed loss on the last stage (zero elsewhere)."""
+    def run(self, micro_batches: list[dict], step: int) -> Statistics:
+        """Forward and backward every micro-batch; returns this stage's statistics summed over the micro-batches."""
         self.p2p.step = step
-        self.loss = torch.zeros((), device=self.pc.device)
+        self.statistics: Statistics = {}
         self._pending_input: list[torch.Tensor] = []
         self._backwards_left = len(micro_batches)
         if self.engine == "afab":
             self._afab(micro_batches)
         else:
             self._one_forward_one_backward(micro_batches)
-        return self.loss
+        return self.statistics
 
     # --- one micro-batch on this stage ----------------------------------------------------------------------
 
-    def _forward(self, micro_batch: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _forward(self, micro_batch: dict) -> tuple[torch.Tensor | None, StageOutput]:
         x = None if self.first else self._next_input()
         if x is not None:
             x.requires_grad_()
         y = self.forward_fn(micro_batch, x)
-        if self.last:
-            self.loss += y.detach()
+        accumulate(self.statistics, y.statistics)
         return x, y
 
     def _next_input(self) -> torch.Tensor:
@@ -137,18 +149,22 @@ class PipelineSchedule:
         return self._pending_input.pop(0) if self._pending_input else self.p2p.recv_forward()
 
     @staticmethod
-    def _free(y: torch.Tensor) -> None:
+    def _free(y: StageOutput) -> None:
         """Release a sent activation's memory; its autograd node needs only its shape for the backward.
 
         The stage output comes from a residual addition, whose backward does not read the output's values.
         """
-        y.untyped_storage().resize_(0)
+        y.output.untyped_storage().resize_(0)
 
-    def _backward(self, x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    def _backward(self, x: torch.Tensor | None, y: StageOutput, grad: torch.Tensor | None) -> torch.Tensor | None:
         self._backwards_left -= 1
         if self._backwards_left == 0:
             self.before_last_backward()
-        torch.autograd.backward(y, grad)
+        outputs, grads = [y.output], [grad]
+        if y.auxiliary_loss is not None:
+            outputs.append(y.auxiliary_loss)
+            grads.append(None)
+        torch.autograd.backward(outputs, grads)
         return None if x is None else x.grad
 
     # --- schedules --------------------------------------------------------------------------------------------
@@ -158,7 +174,7 @@ class PipelineSchedule:
         for micro_batch in micro_batches:
             x, y = self._forward(micro_batch)
             if not self.last:
-                self.p2p.send_forward(y)
+                self.p2p.send_forward(y.output)
                 self._free(y)
             in_flight.append((x, y))
         for x, y in in_flight:
@@ -174,7 +190,7 @@ class PipelineSchedule:
         for micro_batch in micro_batches[:warmup]:
             x, y = self._forward(micro_batch)
             if not self.last:
-                self.p2p.send_forward(y)
+                self.p2p.send_forward(y.output)
                 self._free(y)
             in_flight.append((x, y))
 
@@ -184,7 +200,7 @@ class PipelineSchedule:
             in_flight.append((x, y))
             grad = None
             if not self.last:
-                grad = self.p2p.send_forward_recv_backward(y)
+                grad = self.p2p.send_forward_recv_backward(y.output)
                 self._free(y)
             x_old, y_old = in_flight.pop(0)
             dx = self._backward(x_old, y_old, grad)

@@ -2,9 +2,9 @@
 
 Stage 0 always holds the token embedding and the last stage the final norm and LM head; decoder layers are split
 into contiguous, non-empty runs. By default the split balances the compute per stage, since the slowest stage sets
-the pace of the whole pipeline. Costs are in units of parameters (a matmul's FLOPs per token are proportional to its
-parameters): a decoder layer costs its parameters plus ``sequence_length * hidden_size`` for attention over the
-sequence, the LM head its ``vocab * hidden`` output matmul, and the embedding lookup nothing. With a 128k vocabulary
+the pace of the whole pipeline. Costs are the training FLOPs per token that the model family reports
+(``ModelSpec.costs``): for Llama a decoder layer costs its matmuls plus attention over the sequence, the LM head its
+``vocab * hidden`` output matmul, and the embedding lookup nothing. With a 128k vocabulary
 the head weighs as much as two to four decoder layers, so the last stage gets fewer layers (Llama 1B at pp=2:
 10 + 6, which measured 10% faster than 8 + 8). Memory is not balanced: under 1F1B the first stage keeps the most
 micro-batches in flight and holds the most activations; ``parallelism.pp_stage_layers`` overrides the split. The
@@ -53,9 +53,10 @@ def balanced_partition(layer_costs: list[float], stages: int, first_extra: float
     return list(best(0, 0)[1])
 
 
-def stage_layers(num_layers: int, stages: int, explicit: list[int] | None, layer_cost: float,
-                 head_cost: float) -> list[range]:
-    """Global layer indices of every stage, from an explicit list of counts or the balanced split."""
+def stage_layers(layer_costs: list[float], stages: int, explicit: list[int] | None, head_cost: float) -> list[range]:
+    """Global layer indices of every stage, from an explicit list of counts or the split balancing ``layer_costs``
+    (one per decoder layer) and the LM head's ``head_cost`` on the last stage."""
+    num_layers = len(layer_costs)
     if explicit is not None:
         counts = list(explicit)
         if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
@@ -64,7 +65,7 @@ def stage_layers(num_layers: int, stages: int, explicit: list[int] | None, layer
                 f"num_hidden_layers ({num_layers})"
             )
     else:
-        counts = balanced_partition([layer_cost] * num_layers, stages, first_extra=0.0, last_extra=head_cost)
+        counts = balanced_partition(layer_costs, stages, first_extra=0.0, last_extra=head_cost)
     starts = [sum(counts[:i]) for i in range(stages)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
 
@@ -94,8 +95,7 @@ def mark_tied_embedding_copies(model: nn.Module, stages: int) -> None:
         set_placement(model.embed_tokens.weight, replace(placement, pipeline_copies=copies))
     if model.lm_head is not None:
         placement = get_placement(model.lm_head.weight)
-        set_placement(model.lm_head.weight, replace(placement, name="embed_tokens.weight",
-                                                    tied_names=("lm_head.weight",), pipeline_copies=copies))
+        set_placement(model.lm_head.weight, replace(placement, name="embed_tokens.weight", pipeline_copies=copies))
 
 
 def log_stages(model: nn.Module, stage: int, layers: range) -> None:

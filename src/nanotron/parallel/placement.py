@@ -1,19 +1,32 @@
 """Where each parameter lives: its logical name and shape, and which slice of it this rank holds.
 
-Every model parameter carries a :class:`Placement`. Grad-norm, checkpoints and (later) ZeRO read this metadata
-instead of guessing from shapes or names. A parameter is either replicated over an axis (every rank on that axis
-holds the same values) or sharded over it along one tensor dim. Fused projections (q|k|v, gate|up) are sharded
-chunk-wise: each chunk is split evenly, so every rank holds matching slices of every chunk.
+Every model parameter (and persistent buffer) carries a :class:`Placement`. Gradient reduction, grad-norm, ZeRO,
+the replica check and checkpoints read this metadata instead of guessing from shapes or names. On each of the axes
+``dp``, ``ep`` and ``tp`` a parameter is either sharded along one tensor dim or replicated (every rank on that axis
+holds the same values); pipeline stages hold different parameters, except copies tied across stages. Fused
+projections (q|k|v, gate|up) are sharded chunk-wise: each chunk is split evenly, so every rank holds matching slices
+of every chunk.
+
+The axes a parameter is replicated over decide two things:
+
+* its **gradient axes**, the replicated axes among the data axes ``dp`` and ``ep`` (ranks there see different
+  samples): its gradient is summed over them. A dense weight is reduced over ``dp`` × ``ep``; an expert weight,
+  sharded over ``ep``, only over ``dp``.
+* where it is **counted once** (grad-norm, checkpoints): on the rank at coordinate 0 of every replicated axis,
+  except the axes over which ZeRO-1 splits its gradient and optimizer state, where every rank holds a different
+  piece.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-SHARDABLE_AXES = ("tp", "ep")
+REPLICA_AXES = ("dp", "ep", "tp")  # axes a parameter is either sharded or replicated over
+DATA_AXES = ("dp", "ep")  # axes whose ranks train on different samples
 
 
 @dataclass(frozen=True)
@@ -47,7 +60,6 @@ class Placement:
     name: str
     logical_shape: tuple[int, ...]
     shards: tuple[Shard, ...] = ()
-    tied_names: tuple[str, ...] = field(default=())
     pipeline_copies: tuple[int, ...] = ()  # stages holding a tied copy (embeddings tied across stages)
 
     def shard_on(self, axis: str) -> Shard | None:
@@ -71,15 +83,25 @@ class Placement:
             pairs.append((local, logical))
         return pairs
 
-    def is_unique_copy(self, coords: dict[str, int], axes: tuple[str, ...] = SHARDABLE_AXES) -> bool:
-        """True on exactly one rank among those holding identical copies along ``axes``.
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        return tuple(axis for axis in REPLICA_AXES if self.shard_on(axis) is None)
 
-        Grad-norm counts a replicated parameter once, and a checkpoint writes it once: both ask this question. A copy
-        tied across pipeline stages counts on the first stage holding it.
+    @property
+    def gradient_axes(self) -> tuple[str, ...]:
+        """Data axes over which this parameter's gradient is summed (and ZeRO-1 splits its optimizer state)."""
+        return tuple(axis for axis in DATA_AXES if self.shard_on(axis) is None)
+
+    def is_unique_copy(self, coords: dict[str, int], split_axes: tuple[str, ...] = ()) -> bool:
+        """True on exactly one rank among those holding identical values of this parameter's local part.
+
+        ``split_axes`` are replicated axes over which the values in question are split anyway (ZeRO-1 shards of the
+        gradient), so every rank there counts. Grad-norm counts a replicated parameter once, and a checkpoint writes
+        it once: both ask this question. A copy tied across pipeline stages counts on the first stage holding it.
         """
         if self.pipeline_copies and coords["pp"] != self.pipeline_copies[0]:
             return False
-        return all(coords[axis] == 0 for axis in axes if self.shard_on(axis) is None)
+        return all(coords[axis] == 0 for axis in self.replicated_axes if axis not in split_axes)
 
 
 def set_placement(param: torch.nn.Parameter, placement: Placement) -> None:
@@ -93,28 +115,53 @@ def get_placement(param: torch.Tensor) -> Placement:
         raise RuntimeError("parameter has no placement: call nanotron.parallel.placement.set_placement") from None
 
 
+def _persistent_buffers(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for attribute, buffer in module.named_buffers(recurse=False):
+        if buffer is not None and attribute not in module._non_persistent_buffers_set:
+            yield attribute, buffer
+
+
 def annotate_placements(model: torch.nn.Module) -> None:
-    """Give every parameter its placement, named by its module path in the whole model.
+    """Give every parameter and persistent buffer its placement, named by its module path in the whole model.
 
     A module that holds a shard declares it in ``parameter_shards`` ({attribute: (logical shape, shards)});
-    every other parameter is replicated. Tied parameters appear once in ``named_parameters``; their other names are
-    recorded as ``tied_names``.
+    everything else is replicated. A parameter shared by two modules is named after the first.
     """
-    names: dict[int, list[str]] = {}
-    specs: dict[int, tuple[torch.nn.Parameter, tuple[int, ...], tuple[Shard, ...]]] = {}
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
         declared = getattr(module, "parameter_shards", {})
-        for attribute, param in module.named_parameters(recurse=False):
+        for attribute, tensor in [*module.named_parameters(recurse=False), *_persistent_buffers(module)]:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            logical_shape, shards = declared.get(attribute, (tuple(tensor.shape), ()))
             name = f"{module_name}.{attribute}" if module_name else attribute
-            names.setdefault(id(param), []).append(name)
-            logical_shape, shards = declared.get(attribute, (tuple(param.shape), ()))
-            specs.setdefault(id(param), (param, tuple(logical_shape), tuple(shards)))
-    for key, (param, logical_shape, shards) in specs.items():
-        first, *others = names[key]
-        set_placement(param, Placement(first, logical_shape, shards, tied_names=tuple(others)))
+            set_placement(tensor, Placement(name, tuple(logical_shape), tuple(shards)))
 
 
 def logical_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Unique parameters keyed by logical name, in a sorted, layout-independent order."""
     unique = {get_placement(p).name: p for p in model.parameters()}
     return dict(sorted(unique.items()))
+
+
+def logical_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers (model state that is not trained by the optimizer, e.g. scaling statistics) by logical
+    name; checkpoints store them next to the weights."""
+    unique = {get_placement(b).name: b for module in model.modules() for _, b in _persistent_buffers(module)}
+    return dict(sorted(unique.items()))
+
+
+def declared_names(model: torch.nn.Module, attribute: str) -> set[str]:
+    """Logical names of the parameters that their modules list in ``attribute`` (a tuple of attribute names).
+
+    Models state per-parameter facts this way, next to the parameters: ``fp32_parameters`` stay in fp32 whatever
+    the model dtype, ``no_weight_decay_parameters`` are never decayed.
+    """
+    names = set()
+    for module in model.modules():
+        for key in getattr(module, attribute, ()):
+            param = getattr(module, key, None)
+            if param is not None:
+                names.add(get_placement(param).name)
+    return names

@@ -1,7 +1,7 @@
 """Tensor-parallel plans: which module of each model is split how.
 
 A plan maps module names (matched exactly or as a dotted suffix) to a style. Keeping plans here, as data, leaves the
-model files free of any parallel code.
+model files free of any parallel code; each family's ``ModelSpec`` points at its plan.
 """
 
 from __future__ import annotations
@@ -25,5 +25,3 @@ def llama_plan(config: LlamaConfig) -> dict[str, Style]:
         "lm_head": Column(),  # vocabulary-sharded logits, consumed by the vocab-parallel cross-entropy
     }
 
-
-TENSOR_PARALLEL_PLANS = {LlamaConfig: llama_plan}

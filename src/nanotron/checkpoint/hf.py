@@ -1,0 +1,116 @@
+"""Convert checkpoints between Hugging Face ``transformers`` folders and nanotron, for every registered family.
+
+The family is detected from ``config.json``'s ``model_type`` (Hugging Face → nanotron) or from checkpoint.json's
+``model.type`` (nanotron → Hugging Face); its ``HFAdapter`` maps configs and tensor names, this module does the
+reading and writing. nanotron may pad the vocabulary (``make_vocab_size_divisible_by`` × tp); exports keep the first
+``vocab_size`` rows. Only ``safetensors`` and JSON are needed; ``transformers`` itself is used by the tests, never
+here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
+from nanotron.checkpoint.manager import (
+    checkpoint_metadata,
+    checkpoint_model,
+    model_metadata,
+    read_metadata,
+    resolve_checkpoint,
+    write_metadata,
+)
+from nanotron.files import atomic_write_text
+from nanotron.models.registry import spec_for_hf_model_type
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {folder} (save the model with safe_serialization)")
+    tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def _copy_tokenizer(source: Path, target: Path) -> bool:
+    found = [source / name for name in TOKENIZER_FILES if (source / name).exists()]
+    if found:
+        target.mkdir(parents=True, exist_ok=True)
+        for file in found:
+            shutil.copy(file, target / file.name)
+    return bool(found)
+
+
+def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
+    """Write a nanotron checkpoint (weights only, step 0) from a Hugging Face model folder; returns its folder."""
+    hf_path, save_path = Path(hf_path), Path(save_path)
+    config_file = hf_path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{config_file} does not exist: --hf-path must be a Hugging Face model folder")
+    if save_path.exists():
+        raise CheckpointError(f"{save_path} already exists; choose another --save-path or delete it")
+    hf_config = json.loads(config_file.read_text())
+    spec = spec_for_hf_model_type(hf_config.get("model_type"), config_file)
+    config = spec.hf_adapter.config_from_hf(hf_config)
+    tensors = spec.hf_adapter.weights_from_hf(_read_hf_tensors(hf_path), config)
+
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    tmp = save_path.with_name(save_path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "model").mkdir(parents=True)
+    boxes = [(name, tuple(t.shape), tuple(slice(0, n) for n in t.shape), t) for name, t in sorted(tensors.items())]
+    write_boxes(tmp / "model" / "hf.safetensors", boxes)
+    files = ["model/hf.safetensors"]
+    if _copy_tokenizer(hf_path, tmp / "tokenizer"):
+        files += [f"tokenizer/{p.name}" for p in sorted((tmp / "tokenizer").iterdir())]
+    write_metadata(tmp, checkpoint_metadata(
+        step=0, optimizer_step=0, lr_schedule_start_step=0, consumed_samples={}, consumed_tokens=0,
+        layout={"dp": 1, "pp": 1, "tp": 1, "ep": 1, "zero_stage": 0},
+        model=model_metadata(config, config.vocab_size, dtype), tokenizer_fingerprint=None,
+        files={f: (tmp / f).stat().st_size for f in files}, converted_from=str(hf_path),
+    ))
+    tmp.rename(save_path)
+    return save_path
+
+
+def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
+    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer) from a nanotron checkpoint."""
+    checkpoint = resolve_checkpoint(Path(ckpt_path))
+    metadata = read_metadata(checkpoint)
+    spec, config = checkpoint_model(checkpoint, metadata)
+    reader = LogicalTensorReader(checkpoint / "model")
+    padded, vocab = metadata["model"]["padded_vocab_size"], config.vocab_size
+
+    def read(name: str) -> torch.Tensor:
+        shape = reader.logical_shape(name)
+        out = torch.empty(shape, dtype=_stored_dtype(reader, name))
+        reader.read_into(name, tuple(slice(0, n) for n in shape), out)
+        return out[:vocab] if shape[0] == padded and padded != vocab else out
+
+    hf = spec.hf_adapter.weights_to_hf(read, config)
+    save_path = Path(save_path)
+    save_path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(save_path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = spec.hf_adapter.config_to_hf(config, metadata["model"]["dtype"])
+    atomic_write_text(save_path / "config.json", json.dumps(hf_config, indent=2))
+    _copy_tokenizer(checkpoint / "tokenizer", save_path)
+    return save_path
+
+
+def _stored_dtype(reader: LogicalTensorReader, name: str) -> torch.dtype:
+    entry = reader.entries[name][0]
+    with safe_open(str(entry.file), framework="pt") as handle:
+        return SAFETENSORS_DTYPES[handle.get_slice(entry.key).get_dtype()]

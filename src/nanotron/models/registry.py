@@ -1,0 +1,52 @@
+"""The model families nanotron trains, by name (the ``model.type`` of checkpoint.json) and by config class.
+
+To add a family: its config dataclass (``nanotron/config``, with its ``is_<name>_config`` marker), its pure model
+(``models/<name>.py``), its tensor-parallel plan (``parallel/plans.py``), its Hugging Face adapter
+(``checkpoint/hf_<name>.py``) and one :class:`ModelSpec` here. docs/design.md walks through it.
+"""
+
+from __future__ import annotations
+
+from nanotron.checkpoint.hf_llama import LlamaHFAdapter
+from nanotron.checkpoint.logical_tensors import CheckpointError
+from nanotron.config import LlamaConfig
+from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
+from nanotron.models.spec import ModelSpec
+from nanotron.parallel.plans import llama_plan
+
+LLAMA = ModelSpec(
+    name="llama",
+    config_class=LlamaConfig,
+    model_class=LlamaForCausalLM,
+    tensor_parallel_plan=llama_plan,
+    costs=llama_costs,
+    init_rule=llama_init_rule,
+    hf_adapter=LlamaHFAdapter(),
+    inference_cache=KVCache,
+)
+
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA,)}
+
+
+def spec_named(name: str, source: object) -> ModelSpec:
+    """The family called ``name`` by ``source`` (a checkpoint, for the error message)."""
+    if name not in MODEL_SPECS:
+        raise CheckpointError(f"{source} holds a {name!r} model, which this version cannot build (it has "
+                              f"{', '.join(sorted(MODEL_SPECS))})")
+    return MODEL_SPECS[name]
+
+
+def spec_for_config(model_config: object) -> ModelSpec:
+    for spec in MODEL_SPECS.values():
+        if type(model_config) is spec.config_class:
+            return spec
+    raise TypeError(f"no model family is registered for {type(model_config).__name__}")
+
+
+def spec_for_hf_model_type(model_type: str | None, source: object) -> ModelSpec:
+    for spec in MODEL_SPECS.values():
+        if model_type in spec.hf_adapter.model_types:
+            return spec
+    known = sorted(t for spec in MODEL_SPECS.values() for t in spec.hf_adapter.model_types)
+    raise CheckpointError(f"{source} describes a {model_type!r} model; supported model_type values: "
+                          f"{', '.join(known)}")

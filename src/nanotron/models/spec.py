@@ -1,0 +1,92 @@
+"""What the rest of nanotron needs to know about a model family, and the interface its models offer.
+
+A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel
+plan, costs (parameters, FLOPs per token per part, for MFU and the pipeline split), initial weights, Hugging Face
+adapter and inference cache. The trainer, the pipeline, generation, metrics and checkpoints only talk to a model
+through :class:`CausalLM` and its spec, so adding a family means adding its files and one registry entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# Fills the full logical fp32 tensor of one parameter, drawing from the parameter's own generator.
+Initializer = Callable[[torch.Tensor, torch.Generator], None]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model as the rest of nanotron sees it.
+
+    The four parts are named alike in every family so that pipeline stages can drop what they do not own
+    (``embed_tokens`` on stage 0, ``norm`` and ``lm_head`` on the last stage, ``layers`` keyed by the global layer
+    index) and tied embeddings can be found. The model holds no process group: parallelism is applied from outside.
+    """
+
+    config: Any
+    padded_vocab_size: int
+    embed_tokens: nn.Module | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    lm_head: nn.Module | None
+
+    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                caches: dict[str, Any] | None = None) -> torch.Tensor:
+        """The parts this stage holds: ids (first stage) or hidden states in, hidden states or logits out.
+        ``caches`` maps layer indices to their inference caches (generation)."""
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head where the config ties them (again after modules are swapped)."""
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Per-token training FLOPs (forward and backward) of a model's parts, and its logical parameter count.
+
+    ``layer_flops`` balances the pipeline split together with ``head_flops``; ``flops_per_token`` is the numerator
+    of MFU; recomputing a layer in the backward adds a third of its FLOPs (one more forward).
+    """
+
+    parameters: int
+    layer_flops: tuple[float, ...]
+    head_flops: float
+    flops_per_token: float
+
+    def hardware_flops_per_token(self, recompute_layers: bool) -> float:
+        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer."""
+        return self.flops_per_token + (sum(self.layer_flops) / 3 if recompute_layers else 0.0)
+
+
+class HFAdapter(Protocol):
+    """Maps a family's checkpoints to and from Hugging Face ``transformers`` (config.json and tensor names)."""
+
+    model_types: tuple[str, ...]  # the config.json ``model_type`` values this adapter reads
+
+    def config_from_hf(self, hf_config: dict) -> Any: ...
+
+    def config_to_hf(self, config: Any, dtype: str) -> dict: ...
+
+    def weights_from_hf(self, tensors: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]: ...
+
+    def weights_to_hf(self, read: Callable[[str], torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+        """``read(name)`` returns the full logical tensor ``name`` (the real vocabulary rows only)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family: everything built, measured, initialised or converted differently per family."""
+
+    name: str  # recorded in checkpoint.json as ``model.type``
+    config_class: type
+    model_class: Callable[[Any, int], CausalLM]  # (config, padded vocabulary size) -> model
+    tensor_parallel_plan: Callable[[Any], dict]  # config -> {module name suffix: tensor-parallel style}
+    costs: Callable[[Any, int, int], ModelCosts]  # (config, padded vocabulary size, sequence length)
+    init_rule: Callable[[str, Any, float], Initializer]  # (logical name, config, init std) -> initializer
+    hf_adapter: HFAdapter
+    inference_cache: Callable[[], Any]  # a fresh cache for one decoder layer
