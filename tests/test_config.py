@@ -569,11 +569,11 @@ RULES = {
         _set(f"{STAGE}.start_training_step", 2),
         ["data_stages: one stage must have start_training_step: 1"],
     ),
-    "stages start within the run": (
+    "stages start at a training step": (
         lambda d: d["data_stages"].append(
-            {**copy.deepcopy(d["data_stages"][0]), "name": "late", "start_training_step": 601}
+            {**copy.deepcopy(d["data_stages"][0]), "name": "late", "start_training_step": 0}
         ),
-        ["data_stages['late'].start_training_step (601)", "tokens.train_steps"],
+        ["data_stages['late'].start_training_step (0) must be >= 1"],
     ),
     "one weight per folder": (
         _set(f"{STAGE}.data.dataset.dataset_weights", [0.5, 0.5]),

@@ -120,3 +120,50 @@ def _diverged_replica() -> str:
 def test_replica_check_fails_loudly_on_divergence():
     messages = run_distributed(_diverged_replica, 2)
     assert all("step 4" in message and "dp x ep" in message for message in messages)
+
+
+def _expert_parallel_norm_and_replica_check() -> dict:
+    """dp=2 x ep=2 with ZeRO-1: a dense weight (replicated over dp and ep) and an expert weight (sharded over ep)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from nanotron.optim.clip import global_grad_norm
+    from nanotron.parallel.context import ParallelContext
+    from nanotron.parallel.data_parallel import GradientBuckets, ReplicaDivergenceError, check_replicas_agree
+    from nanotron.parallel.placement import Shard, annotate_placements, logical_parameters
+
+    pc = ParallelContext(dp=2, ep=2)
+    holder = nn.Module()
+    holder.dense, holder.expert = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+    holder.expert.parameter_shards = {"weight": ((8, 4), (Shard("ep", 0),))}  # experts 0-3 on ep 0, 4-7 on ep 1
+    annotate_placements(holder)
+    params = logical_parameters(holder)
+    buckets = GradientBuckets(params, set(), True, 1 << 20, pc.reduction_groups, shard=True)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        holder.dense.weight.fill_(1.0)
+        holder.expert.weight.fill_(float(pc.coord("ep")))  # different experts hold different weights
+    buckets.final_micro_batch = True
+    ((rank + 1) * holder.dense.weight.sum() + 2 * (rank + 1) * holder.expert.weight.sum()).backward()
+    buckets.finish_reduction()
+    norm = global_grad_norm(buckets, pc).item()
+    check_replicas_agree(buckets, step=1)
+    with torch.no_grad():
+        holder.dense.weight[0, 0] += 1e-3 * (rank == 3)
+    try:
+        check_replicas_agree(buckets, step=2)
+        divergence = None
+    except ReplicaDivergenceError as error:
+        divergence = str(error)
+    return {"norm": norm, "divergence": divergence}
+
+
+def test_expert_parallel_counts_dense_gradients_over_dp_and_ep_and_expert_ones_over_dp():
+    """Rank r = 2 * dp + ep gives the dense weight the gradient r + 1 and its expert shard 2 (r + 1). Dense weights
+    are reduced over all 4 ranks (1+2+3+4 = 10 per element), experts over the 2 dp ranks holding them (ep 0:
+    2 (1+3) = 8, ep 1: 2 (2+4) = 12): the norm is sqrt(16 * 10² + 16 * 8² + 16 * 12²). The replica check passes
+    although the two ep ranks hold different experts, and catches a dense weight that drifted on one rank."""
+    results = run_distributed(_expert_parallel_norm_and_replica_check, 4)
+    expected = (16 * 10**2 + 16 * 8**2 + 16 * 12**2) ** 0.5
+    assert all(abs(r["norm"] - expected) < 1e-4 for r in results), [r["norm"] for r in results]
+    assert all(r["divergence"] is not None and "dp x ep" in r["divergence"] for r in results)

@@ -150,3 +150,19 @@ def test_state_round_trip_keeps_fp32_moments(group):
     for key, value in restored["w"].items():
         assert torch.equal(value, saved["w"][key]), key
     assert torch.equal(fresh_param, param)
+
+
+def test_fp32_parameter_among_bf16_ones_keeps_its_precision(group):
+    """State a model keeps in fp32 (state-space decay rates, router weights) gets buckets of its own dtype."""
+    # Both are decayed matrices, so they used to share a bucket, which took the dtype of its first parameter (w).
+    params = {"a_log": nn.Parameter(torch.full((2, 4), 1.0001)),
+              "w": nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))}
+    buckets, optimizer = build(params, group)
+    assert {b.params.dtype for b in buckets.buckets} == {torch.bfloat16, torch.float32}
+    assert params["a_log"].dtype == torch.float32 and torch.equal(params["a_log"], torch.full((2, 4), 1.0001))
+    (params["w"].float().sum() + params["a_log"].sum()).backward()
+    buckets.final_micro_batch = True
+    buckets.finish_reduction()
+    optimizer.step(1e-5)
+    step = (params["a_log"] - 1.0001).abs()
+    assert params["a_log"].dtype == torch.float32 and torch.all((step > 5e-6) & (step < 2e-5))  # invisible in bf16

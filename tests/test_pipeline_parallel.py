@@ -151,3 +151,28 @@ def _stuck_neighbour(timeout_s: float) -> str:
 def test_stuck_exchange_fails_naming_stage_and_step():
     _, message = run_distributed(_stuck_neighbour, 2, timeout_s=1.0)
     assert "pipeline stage 1" in message and "step 7" in message and "pp_timeout_s" in message
+
+
+def _step_lines(config: dict) -> list[str]:
+    import logging
+
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    lines: list[str] = []
+    collect = logging.Handler()
+    collect.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("nanotron").addHandler(collect)
+    trainer.train()
+    return [line for line in lines if line.startswith("step ")]
+
+
+def test_step_lines_appear_at_pp_2_with_quiet_replicas(tiny_data, tmp_path):
+    """Every rank knows the step's loss, so rank 0 (a first stage) prints the step lines at logging.log_level even
+    when the other ranks, the last stage among them, log only warnings."""
+    config = pp_config(tiny_data, tmp_path, "quiet", pp=2, tokens={"train_steps": 5})
+    config["logging"] |= {"log_level": "info", "log_level_replica": "warning"}
+    by_rank = run_distributed(_step_lines, 2, config=config)
+    assert [len(lines) for lines in by_rank] == [5, 0]
+    assert by_rank[0][-1].startswith("step 5/5 | loss ")

@@ -29,6 +29,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanotron.checkpoint.manager import (
     TrainingProgress,
+    check_same_model,
     load_optimizer,
     load_rng,
     load_weights,
@@ -101,12 +102,21 @@ class Trainer:
         self.config = expand_run_name(config)
         p = config.parallelism
         self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size)
+        try:
+            self._set_up(converters)
+        except BaseException:
+            self.pc.destroy()  # a failed set-up leaves no process group behind (in-process callers, tests)
+            raise
+
+    def _set_up(self, converters: tuple[ModuleConverter, ...]) -> None:
+        config, p = self.config, self.config.parallelism
         validate_config(config, world_size=self.pc.world_size)
         setup_logging(self.pc, config.logging.log_level, config.logging.log_level_replica)
         seed_everything(config.general.seed + self.pc.rank)
 
         self.tokenizer_fingerprint = self._check_tokenizer_and_data()
         model_config = config.model.model_config
+        self.initial_checkpoint = self._initial_checkpoint()
         self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
         self.params = logical_parameters(self.model)
         self.buckets, self.optimizer = build_optimizer(
@@ -170,17 +180,32 @@ class Trainer:
             )
         return self.datasets[stage.name]
 
+    def _initial_checkpoint(self) -> tuple[Path, dict] | None:
+        """The checkpoint to resume from or to take the initial weights from, checked before the model exists."""
+        checkpoints, init = self.config.checkpoints, self.config.model.init_method
+        if checkpoints.resume_checkpoint_path is not None:
+            path = checkpoints.resume_checkpoint_path
+        elif isinstance(init, ExistingCheckpointInit):
+            path = init.path
+        else:
+            return None
+        checkpoint = resolve_checkpoint(path)
+        metadata = read_metadata(checkpoint)
+        check_same_model(checkpoint, metadata, self.config.model.model_config)
+        if checkpoints.resume_checkpoint_path is not None and metadata["step"] >= self.config.tokens.train_steps:
+            raise ConfigError(
+                f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
+                f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
+            )
+        return checkpoint, metadata
+
     def _load_initial_state(self) -> None:
         checkpoints = self.config.checkpoints
+        if self.initial_checkpoint is None:
+            return
+        checkpoint, metadata = self.initial_checkpoint
+        load_weights(checkpoint, self.model, self.pc, metadata)
         if checkpoints.resume_checkpoint_path is not None:
-            checkpoint = resolve_checkpoint(checkpoints.resume_checkpoint_path)
-            metadata = read_metadata(checkpoint)
-            if metadata["step"] >= self.config.tokens.train_steps:
-                raise ConfigError(
-                    f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
-                    f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
-                )
-            load_weights(checkpoint, self.model, self.pc, metadata)
             if metadata["optimizer_step"] > 0 and checkpoints.load_optimizer:
                 load_optimizer(checkpoint, self.optimizer, self.model, self.pc, metadata)
             else:
@@ -197,9 +222,7 @@ class Trainer:
                                              ("LR schedule", checkpoints.load_lr_scheduler)) if not kept]
             logger.info(f"resumed from {checkpoint} at step {self.progress.step}"
                         + (f" (fresh {' and '.join(fresh)})" if fresh else ""))
-        elif isinstance(self.config.model.init_method, ExistingCheckpointInit):
-            checkpoint = resolve_checkpoint(self.config.model.init_method.path)
-            load_weights(checkpoint, self.model, self.pc, read_metadata(checkpoint))
+        else:
             self.optimizer.sync_masters_from_model()
             logger.info(f"initial weights loaded from {checkpoint} (optimizer, schedule and data start fresh)")
 

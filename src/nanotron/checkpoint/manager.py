@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -221,7 +221,8 @@ def resolve_checkpoint(path: Path) -> Path:
 def read_metadata(checkpoint: Path) -> dict:
     metadata = json.loads((checkpoint / METADATA).read_text())
     if metadata.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {metadata['format_version']})")
+        raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {metadata['format_version']}; "
+                              f"this version reads formats up to {FORMAT_VERSION}): upgrade nanotron to load it")
     for name, size in metadata["files"].items():
         file = checkpoint / name
         if not file.exists():
@@ -259,11 +260,29 @@ def _vocab_rows(model: nn.Module, metadata: dict) -> tuple[int, int]:
     return model.padded_vocab_size, metadata["model"]["padded_vocab_size"]
 
 
+def check_same_model(checkpoint: Path, metadata: dict, model_config) -> None:
+    """Refuse weights of another family or architecture: a checkpoint whose tensors happen to fit (fewer layers,
+    heads re-cut at the same width, a larger vocabulary taken for padding) would otherwise load silently wrong."""
+    spec, saved = checkpoint_model(checkpoint, metadata)
+    current = spec_for_config(model_config)
+    if current is not spec:
+        raise CheckpointError(f"{checkpoint} holds a {spec.name} model but model.model_config describes a "
+                              f"{current.name} model")
+    differences = [f"{f.name} {getattr(saved, f.name)!r} (checkpoint) vs {getattr(model_config, f.name)!r} (config)"
+                   for f in fields(saved)
+                   if f.name not in spec.resume_may_change and getattr(saved, f.name) != getattr(model_config, f.name)]
+    if differences:
+        raise CheckpointError(f"model.model_config does not match the model in {checkpoint}: {'; '.join(differences)};"
+                              " set those keys to the checkpoint's values (its checkpoint.json) to load it")
+
+
 @torch.no_grad()
 def load_weights(checkpoint: Path, model: CausalLM, parallel_context: ParallelContext, metadata: dict) -> None:
     """Fill this rank's parameters and persistent buffers from the logical tensors of ``checkpoint`` (reading only
-    the needed slices). A buffer the checkpoint lacks keeps its initial value: buffers hold state of optional
-    features (e.g. scaling statistics), which a run may switch on when it resumes."""
+    the needed slices), after checking that it holds the same architecture. A buffer the checkpoint lacks keeps its
+    initial value: buffers hold state of optional features (e.g. scaling statistics), which a run may switch on when
+    it resumes."""
+    check_same_model(checkpoint, metadata, model.config)
     reader = LogicalTensorReader(checkpoint / "model")
     for name, param in logical_parameters(model).items():
         if name not in reader.names():

@@ -42,7 +42,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         *_tokenizer(cfg.tokenizer),
         *_tokens(cfg.tokens),
         *_optimizer(cfg.optimizer, cfg.tokens),
-        *_data_stages(cfg.data_stages, cfg.tokens),
+        *_data_stages(cfg.data_stages),
         *_logging(cfg.logging),
         *_model_vs_parallelism(cfg),
     ]
@@ -212,7 +212,7 @@ def _optimizer(opt: OptimizerArgs, tokens: TokensArgs) -> Iterator[str]:
             )
 
 
-def _data_stages(stages: list[DatasetStageArgs], tokens: TokensArgs) -> Iterator[str]:
+def _data_stages(stages: list[DatasetStageArgs]) -> Iterator[str]:
     if not stages:
         yield "data_stages must list at least one stage (one of them with start_training_step: 1)"
         return
@@ -228,11 +228,10 @@ def _data_stages(stages: list[DatasetStageArgs], tokens: TokensArgs) -> Iterator
         key = f"data_stages[{stage.name!r}]"
         if not stage.name:
             yield f"{key}.name must not be empty"
-        if not 1 <= stage.start_training_step <= tokens.train_steps:
-            yield (
-                f"{key}.start_training_step ({stage.start_training_step}) must be in [1, tokens.train_steps] = "
-                f"[1, {tokens.train_steps}]"
-            )
+        # A stage may start after tokens.train_steps: a run trained in parts (train_steps raised on each resume)
+        # keeps the whole schedule in its config.
+        if stage.start_training_step < 1:
+            yield f"{key}.start_training_step ({stage.start_training_step}) must be >= 1 (steps count from 1)"
         yield from _at_least(f"{key}.data.seed", stage.data.seed, 0)
         yield from _at_least(f"{key}.data.num_loading_workers", stage.data.num_loading_workers, 0)
         dataset = stage.data.dataset

@@ -23,6 +23,8 @@ LLAMA = ModelSpec(
     init_rule=llama_init_rule,
     hf_adapter=LlamaHFAdapter(),
     inference_cache=KVCache,
+    resume_may_change=frozenset({"max_position_embeddings", "rope_theta", "bos_token_id", "eos_token_id",
+                                 "pad_token_id", "initializer_range", "use_cache"}),
 )
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA,)}

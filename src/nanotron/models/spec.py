@@ -90,3 +90,6 @@ class ModelSpec:
     init_rule: Callable[[str, Any, float], Initializer]  # (logical name, config, init std) -> initializer
     hf_adapter: HFAdapter
     inference_cache: Callable[[], Any]  # a fresh cache for one decoder layer
+    # Config fields a run may change when it continues from a checkpoint (context length, token ids); any other
+    # difference means other weights, and loading is refused.
+    resume_may_change: frozenset[str] = frozenset()

@@ -8,8 +8,9 @@ outermost axis (their point-to-point traffic is the lightest).
 Data is sharded over the ``dp`` and ``ep`` axes alike: every (dp, ep) pair of coordinates sees different samples.
 Expert weights are sharded over ``ep``; every other weight is replicated over it, so dense gradients are reduced
 over the ``dp_ep`` group and expert gradients over ``dp`` (``reduction_groups``). Step statistics (loss sums, token
-counts) are summed over ``pp_dp_ep``: every stage and data shard contributes, TP ranks hold identical copies. With pipeline parallelism, ``pipeline_ends`` pairs the first and last stage of each
-position, which both hold a copy of tied input/output embeddings.
+counts) are summed over ``pp_dp_ep``: every stage and data shard contributes, TP ranks hold identical copies. With
+pipeline parallelism, ``pipeline_ends`` pairs the first and last stage of each position, which both hold a copy of
+tied input/output embeddings.
 
 All groups are created eagerly, in the same order on every rank, so that no collective ever creates a communicator
 lazily (a classic source of pipeline deadlocks).
