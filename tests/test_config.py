@@ -31,14 +31,14 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "config_tiny_llama.
 
 # Every field of the schema, each set to a value other than its default where another value is valid.
 FULL: dict[str, Any] = {
-    "general": {"project": "full", "run": "full_%date", "seed": 7, "ignore_sanity_checks": False},
+    "general": {"project": "full", "run": "full_%date", "seed": 7},
     "checkpoints": {
         "checkpoints_path": "ckpt/full",
         "checkpoint_interval": 5,
         "save_initial_state": True,
         "save_final_state": False,
         "resume_checkpoint_path": "ckpt/full",
-        "checkpoints_path_is_shared_file_system": False,
+        "checkpoints_path_is_shared_file_system": True,
         "keep_last_n": 2,
         "load_optimizer": False,
         "load_lr_scheduler": False,
@@ -136,7 +136,8 @@ FULL: dict[str, Any] = {
     "profiler": {"profiler_export_path": "profiles"},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
-SINGLE_VALUED = {"is_llama_config", "rope_interleaved", "rope_scaling", "hidden_act", "pretraining_tp"}
+SINGLE_VALUED = {"is_llama_config", "rope_interleaved", "rope_scaling", "hidden_act", "pretraining_tp",
+                 "checkpoints_path_is_shared_file_system"}
 
 
 def example_dict() -> dict[str, Any]:
@@ -311,7 +312,7 @@ def test_unknown_section_is_suggested():
 @pytest.mark.parametrize(
     "section, key, value, expected",
     [
-        ("general", "ignore_sanity_checks", 1, "general.ignore_sanity_checks: expected a boolean (true/false), got 1"),
+        ("checkpoints", "save_final_state", 1, "checkpoints.save_final_state: expected a boolean (true/false), got 1"),
         ("tokens", "train_steps", "300", "tokens.train_steps: expected an integer, got '300' (str)"),
         ("tokens", "train_steps", True, "tokens.train_steps: expected an integer, got True (bool)"),
         ("tokens", "micro_batch_size", 16.0, "tokens.micro_batch_size: expected an integer, got 16.0 (float)"),
@@ -387,7 +388,7 @@ def test_init_method_with_both_forms_is_rejected():
 
 def test_legacy_keys_are_ignored_with_a_warning_naming_them():
     d = example_dict()
-    d["general"].update(step=None, consumed_train_samples=None, benchmark_csv_path=None)
+    d["general"].update(step=None, consumed_train_samples=None, benchmark_csv_path=None, ignore_sanity_checks=True)
     d["tokens"].update(val_check_interval=-1, limit_val_batches=0, limit_test_batches=0)
     d["lighteval"] = None
     with pytest.warns(LegacyKeyWarning) as record:
@@ -396,6 +397,7 @@ def test_legacy_keys_are_ignored_with_a_warning_naming_them():
     assert warned == [
         "general.benchmark_csv_path",
         "general.consumed_train_samples",
+        "general.ignore_sanity_checks",
         "general.step",
         "lighteval",
         "tokens.limit_test_batches",
@@ -487,6 +489,10 @@ RULES = {
         ["checkpoints.checkpoint_interval must be >= 1"],
     ),
     "keep_last_n is at least 1": (_set("checkpoints.keep_last_n", 0), ["checkpoints.keep_last_n must be >= 1"]),
+    "checkpoints need a shared file system": (
+        _set("checkpoints.checkpoints_path_is_shared_file_system", False),
+        ["checkpoints.checkpoints_path_is_shared_file_system: false is not supported", "set it to true"],
+    ),
     "parallel degrees are positive": (_set("parallelism.dp", 0), ["parallelism.dp must be >= 1"]),
     "hidden size splits into heads": (
         _set(f"{MC}.hidden_size", 130),

@@ -37,6 +37,8 @@ LEGACY_KEYS: dict[str, str] = {
     "general.step": "the step to resume from is read from the checkpoint, not from the config",
     "general.consumed_train_samples": "the consumed samples are read from the checkpoint, not from the config",
     "general.benchmark_csv_path": "the benchmark CSV mode was removed",
+    "general.ignore_sanity_checks": "the checks always run (validation before allocation, and the replica check "
+                                    "every parallelism.replica_check_interval steps)",
     "tokens.val_check_interval": _NO_VALIDATION,
     "tokens.limit_val_batches": _NO_VALIDATION,
     "tokens.limit_test_batches": _NO_VALIDATION,

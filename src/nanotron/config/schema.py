@@ -44,7 +44,6 @@ class GeneralArgs:
     project: str
     run: str | None = None  # None means DEFAULT_RUN_NAME; placeholders are expanded by `expand_run_name`
     seed: int = 42
-    ignore_sanity_checks: bool = True
 
 
 @dataclass
@@ -54,7 +53,7 @@ class CheckpointsArgs:
     save_initial_state: bool = False
     save_final_state: bool = True
     resume_checkpoint_path: Path | None = None
-    checkpoints_path_is_shared_file_system: bool = True
+    checkpoints_path_is_shared_file_system: bool = True  # false is refused: saving needs a shared file system
     keep_last_n: int | None = None  # None keeps every checkpoint
     load_optimizer: bool = True  # on resume; False: fresh Adam moments, masters taken from the loaded weights
     load_lr_scheduler: bool = True  # on resume; False: the LR schedule starts again (warmup included) at the resume step

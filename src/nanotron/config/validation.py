@@ -77,6 +77,10 @@ def _checkpoints(checkpoints: CheckpointsArgs) -> Iterator[str]:
     yield from _at_least("checkpoints.checkpoint_interval", checkpoints.checkpoint_interval, 1)
     if checkpoints.keep_last_n is not None:
         yield from _at_least("checkpoints.keep_last_n", checkpoints.keep_last_n, 1)
+    if not checkpoints.checkpoints_path_is_shared_file_system:
+        yield ("checkpoints.checkpoints_path_is_shared_file_system: false is not supported (every rank writes its "
+               "shards into checkpoints_path and rank 0 completes the checkpoint); use a folder that all nodes see "
+               "and set it to true")
 
 
 def _parallelism(p: ParallelismArgs) -> Iterator[str]:

@@ -20,6 +20,7 @@ from torch import nn
 from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, ModelCosts
+from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 from nanotron.nn.swiglu import swiglu
@@ -49,8 +50,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_per_kv = config.num_attention_heads // config.num_key_value_heads
         qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_width, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, qkv_width, bias=False)
+        self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -90,8 +91,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_up_proj(x)))
@@ -122,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(padded_vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, padded_vocab_size, bias=False)
+        self.lm_head: Linear | None = Linear(config.hidden_size, padded_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.tie_weights()
 

@@ -98,7 +98,11 @@ class P2P:
 
 @dataclass
 class StageOutput:
-    """One stage's forward of one micro-batch."""
+    """One stage's forward of one micro-batch.
+
+    The activations are freed once sent (see ``PipelineSchedule._free``), so an auxiliary loss must be computed from
+    tensors inside the stage (router logits), never from the output itself.
+    """
 
     output: torch.Tensor  # activations for the next stage; on the last stage the scalar loss to backpropagate
     statistics: Statistics = field(default_factory=dict)  # summed over micro-batches, detached

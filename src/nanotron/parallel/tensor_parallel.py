@@ -70,8 +70,11 @@ class ColumnParallelLinear(nn.Module):
 
     ``chunks`` are the logical sizes of fused outputs (e.g. q|k|v): each chunk is split evenly so that every rank holds
     matching slices of all of them. ``overlap`` (sequence-parallel mode only) selects the backward that overlaps
-    communication with computation.
+    communication with computation; it computes its own products, so a layer given another ``matmul`` (see
+    ``nn/linear.py``) runs the plain sequence-parallel path instead.
     """
+
+    matmul = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str,
                  chunks: tuple[int, ...] | None = None, overlap: bool = False):
@@ -83,14 +86,16 @@ class ColumnParallelLinear(nn.Module):
         self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 0, chunks),))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.overlap:
+        if self.overlap and self.matmul is F.linear:
             return _OverlappedSequenceColumnLinear.apply(x, self.weight, self.group)
         x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T`` with W split along its input features; partial outputs are summed over TP."""
+
+    matmul = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str):
         super().__init__()
@@ -100,7 +105,7 @@ class RowParallelLinear(nn.Module):
         self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 1),))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight)
         return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
 
 

@@ -1,0 +1,19 @@
+"""The linear layer of every model, with a swappable matmul: where other number formats (FP8) plug in.
+
+Plain layers (:class:`Linear`) and the tensor-parallel ones (``parallel/tensor_parallel.py``) all compute
+``self.matmul(x, weight, bias)``, ``F.linear`` unless a module converter (``build_model(converters=...)``) sets another
+function on the layers it chooses. The weights, their placements and checkpoints stay the same whatever the matmul,
+so a run can switch formats when it resumes.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Linear):
+    matmul = staticmethod(F.linear)  # (input, weight, bias) -> output; a converter may set another per instance
+
+    def forward(self, x):
+        return self.matmul(x, self.weight, self.bias)
