@@ -6,7 +6,7 @@
 Both systems train the same model shape on the same batches (bf16 weights; nanotron with fp32 master weights and
 fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). Step times are measured with CUDA
 events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
-(FLOPs/token = 6·parameters + 6·layers·hidden·sequence) and peak memory (the largest over ranks, and each rank's).
+(FLOPs/token from the model family, for Llama 6·parameters + 6·layers·hidden·sequence) and peak memory (the largest over ranks, and each rank's).
 The Hugging Face loop runs only on a single process. Results go to ``--output`` (JSON) and a markdown row is printed.
 """
 
@@ -171,10 +171,12 @@ def main() -> None:
         results["speedup"] = nanotron["tokens_per_sec"] / results["hf"]["tokens_per_sec"]
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.output.write_text(json.dumps(results, indent=2))
-        hf = results.get("hf", {})
+        hf = results.get("hf")
+        versus = (f"{hf['tokens_per_sec']:,.0f} | {hf['mfu'] or 0:.1%} | {results['speedup']:.2f}x" if hf
+                  else "— | — | —")
         print(f"| {args.preset} | {nanotron['layout']} | {nanotron['tokens_per_sec']:,.0f} | "
-              f"{nanotron['tokens_per_sec_per_gpu']:,.0f} | {nanotron['mfu'] or 0:.1%} | {nanotron['peak_memory_gb']:.1f} | "
-              f"{hf.get('tokens_per_sec', 0):,.0f} | {hf.get('mfu') or 0:.1%} | {results.get('speedup', 0):.2f}x |")
+              f"{nanotron['tokens_per_sec_per_gpu']:,.0f} | {nanotron['mfu'] or 0:.1%} | "
+              f"{nanotron['peak_memory_gb']:.1f} | {versus} |")
 
 
 if __name__ == "__main__":
