@@ -7,7 +7,7 @@ Both systems train the same model shape on the same batches (bf16 weights; nanot
 fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). Step times are measured with CUDA
 events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
 (FLOPs/token from the model family, for Llama 6·parameters + 6·layers·hidden·sequence) and peak memory (the largest over ranks, and each rank's).
-The Hugging Face loop runs only on a single process. Results go to ``--output`` (JSON) and a markdown row is printed.
+The Hugging Face loop runs only on a single process, eagerly unless ``--hf-compile``. Results go to ``--output`` (JSON) and a markdown row is printed.
 """
 
 from __future__ import annotations
@@ -126,12 +126,19 @@ def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float 
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batches = [{k: v.cuda() for k, v in mb.items()} for mb in micro_batches]
+
+    def loss_of(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    if args.hf_compile:  # as nanotron's model.compile: every decoder layer and the loss
+        for layer in model.model.layers:
+            layer.compile()
+        loss_of = torch.compile(loss_of)
     torch.cuda.reset_peak_memory_stats()
 
     def step(_):
         for mb in batches:
-            logits = model(input_ids=mb["input_ids"]).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mb["labels"].flatten())
+            loss = loss_of(model(input_ids=mb["input_ids"]).logits, mb["labels"])
             (loss / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -152,6 +159,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face loop")
+    parser.add_argument("--hf-compile", action="store_true",
+                        help="compile the Hugging Face decoder layers and loss (by default its loop runs eagerly)")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
     args = parser.parse_args()
@@ -161,7 +170,7 @@ def main() -> None:
     nanotron, micro_batches = run_nanotron(args)
     results = {"preset": args.preset, "sequence_length": args.sequence_length, "micro_batch_size": args.micro_batch_size,
                "accumulation": args.accumulation, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "nanotron": nanotron}
+               "hf_compiled": args.hf_compile, "nanotron": nanotron}
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1 and not args.no_hf:
         from nanotron.metrics import peak_flops
