@@ -131,6 +131,8 @@ def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float 
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
     if args.hf_compile:  # as nanotron's model.compile: every decoder layer and the loss
+        # Each Hugging Face layer holds its own layer_idx, so each compiles once: allow one graph per layer.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(model.model.layers))
         for layer in model.model.layers:
             layer.compile()
         loss_of = torch.compile(loss_of)
