@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from nanotron.files import atomic_write_text
+
 # Dense (no sparsity) peak FLOP/s by device-name fragment, for 16-bit and fp32 (TF32 tensor cores) training.
 PEAK_FLOPS = {
     "H200": {"bf16": 989e12, "fp32": 494e12},
@@ -64,9 +66,9 @@ class MetricsWriter:
 
     def __init__(self, path: Path, resume_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
+        if path.exists():  # rewritten atomically: a crash here must not lose the history
             kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
         self.file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:

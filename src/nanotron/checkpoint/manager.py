@@ -29,7 +29,7 @@ from torch import nn
 
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader, write_boxes
 from nanotron.config import Config, save_config
-from nanotron.files import atomic_write_text
+from nanotron.files import atomic_write_text, fsync_path
 from nanotron.models.registry import spec_for_config, spec_named
 from nanotron.models.spec import CausalLM, ModelSpec
 from nanotron.optim.optimizer import MixedPrecisionAdamW
@@ -171,6 +171,7 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_path(root)  # the rename is durable before latest.txt names the checkpoint
         _write_latest(root, final.name)
         _prune(root, config.checkpoints.keep_last_n)
         logger.info(f"saved checkpoint {final}")

@@ -29,6 +29,8 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
+from nanotron.files import atomic_write
+
 MANIFEST_FILE_NAME = "manifest.json"
 MIN_DOCUMENT_CHARS = 20
 BYTES_PER_MB = 1_000_000
@@ -540,19 +542,18 @@ DEFAULT_DOMAINS: tuple[str, ...] = tuple(name for name, domain in _DOMAINS.items
 # --------------------------------------------------------------------------------------------------------------
 
 def _write_atomically(path: Path, chunks: Iterable[bytes]) -> tuple[int, str]:
-    """Write ``chunks`` to a temporary file next to ``path`` and rename it over ``path``; return size and sha256."""
+    """Write ``chunks`` to ``path`` atomically (``nanotron.files``); return size and sha256."""
     digest, size = hashlib.sha256(), 0
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+
+    def write(temporary: Path) -> None:
+        nonlocal size
         with open(temporary, "wb") as file:
             for chunk in chunks:
                 file.write(chunk)
                 digest.update(chunk)
                 size += len(chunk)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+
+    atomic_write(path, write)
     return size, digest.hexdigest()
 
 
