@@ -65,6 +65,9 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
         f"data_stages.0.data.dataset.dataset_folder={args.data}", "checkpoints.save_final_state=false",
         "checkpoints.checkpoint_interval=100000", "parallelism.replica_check_interval=null",
     ] + args.override
+    if args.save_to:
+        overrides += [f"checkpoints.checkpoints_path={args.save_to}", "checkpoints.async_save=true",
+                      "checkpoints.keep_last_n=1"]
     trainer = Trainer(load_config(ROOT / "examples" / "config_llama1b_bench.yaml", overrides))
     config = trainer.config
     loader = trainer._loader(config.data_stages[0])
@@ -78,11 +81,33 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
     times = timed(step, args.steps, args.warmup)
     if args.profile:
         write_profile(step, args.profile)
+    saves = time_saves(trainer) if args.save_to else None
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
     per_rank = peak_memory_per_rank()
     return result | {"peak_memory_gb": max(per_rank), "peak_memory_gb_per_rank": per_rank,
                      "parameters": trainer.num_parameters, "flops_per_token": trainer.flops_per_token,
-                     "layout": trainer.pc.sizes}, batches[0]
+                     "layout": trainer.pc.sizes, "saves": saves}, batches[0]
+
+
+def time_saves(trainer, repeats: int = 2) -> dict:
+    """Seconds a checkpoint save blocks training, foreground then background, and until each is on disk."""
+    import time
+
+    background = trainer.async_saver
+    result = {}
+    for label, saver in (("foreground", None), ("background", background)):
+        trainer.async_saver = saver
+        blocking, total = [], []
+        for _ in range(repeats):
+            trainer.progress.step += 1
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.save()
+            blocking.append(time.perf_counter() - start)
+            trainer.wait_for_saves()
+            total.append(time.perf_counter() - start)
+        result[label] = {"blocking_s": blocking, "total_s": total}
+    return result
 
 
 def peak_memory_per_rank() -> list[float]:
@@ -165,6 +190,7 @@ def main() -> None:
                         help="compile the Hugging Face decoder layers and loss (by default its loop runs eagerly)")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
+    parser.add_argument("--save-to", type=Path, help="also time checkpoint saves (foreground, background) into here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: the benchmark needs a CUDA device")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
-from nanotron.checkpoint.manager import resolve_checkpoint
+from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.parallel.placement import Placement, Shard
 
 

@@ -42,6 +42,8 @@ FULL: dict[str, Any] = {
         "keep_last_n": 2,
         "load_optimizer": False,
         "load_lr_scheduler": False,
+        "allow_tokenizer_change": True,
+        "async_save": True,
     },
     "parallelism": {
         "dp": 2,
@@ -69,8 +71,9 @@ FULL: dict[str, Any] = {
             "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0,
             "rope_interleaved": False,
-            "rope_scaling": None,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             "tie_word_embeddings": True,
+            "attention_bias": True,
             "hidden_act": "silu",
             "bos_token_id": 0,
             "eos_token_id": 1,
@@ -105,6 +108,8 @@ FULL: dict[str, Any] = {
         "adam_beta1": 0.8,
         "adam_beta2": 0.99,
         "torch_adam_is_fused": False,
+        "skip_bad_steps": 2,
+        "loss_spike_factor": 3.0,
     },
     "tokens": {"sequence_length": 128, "train_steps": 100, "micro_batch_size": 2, "batch_accumulation_per_replica": 4},
     "data_stages": [
@@ -136,7 +141,7 @@ FULL: dict[str, Any] = {
     "profiler": {"profiler_export_path": "profiles"},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
-SINGLE_VALUED = {"is_llama_config", "rope_interleaved", "rope_scaling", "hidden_act", "pretraining_tp",
+SINGLE_VALUED = {"is_llama_config", "rope_interleaved", "hidden_act", "pretraining_tp",
                  "checkpoints_path_is_shared_file_system"}
 
 
@@ -536,7 +541,14 @@ RULES = {
         ["tokens.sequence_length (512)", f"{MC}.max_position_embeddings (256)", "raise max_position_embeddings"],
     ),
     "rope is not interleaved": (_set(f"{MC}.rope_interleaved", True), [f"{MC}.rope_interleaved must be false"]),
-    "rope is not scaled": (_set(f"{MC}.rope_scaling", {"factor": 2.0}), [f"{MC}.rope_scaling must be null"]),
+    "rope scaling names its type": (
+        _set(f"{MC}.rope_scaling", {"factor": 2.0}),
+        [f"{MC}.rope_scaling.rope_type must be one of linear, llama3", "null for plain RoPE"],
+    ),
+    "rope scaling has its type's keys": (
+        _set(f"{MC}.rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+        [f"{MC}.rope_scaling misses low_freq_factor", "rope_type llama3 takes exactly the keys"],
+    ),
     "activation is silu": (_set(f"{MC}.hidden_act", "gelu"), [f"{MC}.hidden_act must be 'silu'"]),
     "pretraining_tp is 1": (_set(f"{MC}.pretraining_tp", 2), [f"{MC}.pretraining_tp must be 1", "parallelism.tp"]),
     "token ids fit the vocabulary": (_set(f"{MC}.eos_token_id", 4096), [f"{MC}.eos_token_id (4096)", "vocab_size"]),

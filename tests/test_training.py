@@ -78,15 +78,15 @@ def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
 
 CRASHING_TRAIN = """
 import os, sys
-import nanotron.checkpoint.manager as manager
+import nanotron.checkpoint.saving as saving
 from nanotron.cli import main
 
-real_write = manager.write_boxes
+real_write = saving.write_boxes
 def write_then_die(path, boxes):
     real_write(path, boxes)
     if ".tmp-6" in str(path):
         os._exit(9)  # killed in the middle of writing checkpoint 6
-manager.write_boxes = write_then_die
+saving.write_boxes = write_then_die
 main(["train", "--config-file", sys.argv[1]])
 """
 
@@ -147,7 +147,8 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data,
 
 def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
     from nanotron.checkpoint.logical_tensors import CheckpointError
-    from nanotron.checkpoint.manager import read_metadata, resolve_checkpoint
+    from nanotron.checkpoint.integrity import read_metadata
+    from nanotron.checkpoint.run_folder import resolve_checkpoint
     from nanotron.config import LRSchedulerArgs
     from nanotron.optim.lr_schedule import learning_rate_at
 

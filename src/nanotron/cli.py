@@ -1,5 +1,5 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``build-corpus``, ``generate``, ``eval``,
-``convert``.
+``convert``, ``checkpoint verify``.
 
 Every subcommand turns the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
 ``error:`` line and exit status 2, instead of a traceback.
@@ -8,6 +8,7 @@ Every subcommand turns the library's user-facing errors (bad config, data, token
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +46,13 @@ def _build_corpus(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from nanotron.data.tokenizer import eos_token_id
-    from nanotron.generation.generate import SamplingArgs, generate, load_checkpoint_tokenizer, load_model
+    from nanotron.generation.generate import (
+        SamplingArgs,
+        check_checkpoint_layout,
+        generate,
+        load_checkpoint_tokenizer,
+        load_model,
+    )
     from nanotron.parallel.context import ParallelContext
 
     prompts = list(args.prompt or [])
@@ -53,6 +60,7 @@ def _generate(args: argparse.Namespace) -> None:
         prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give at least one --prompt or a --prompts-file")
+    check_checkpoint_layout(args.ckpt_path, args.tp)
     pc = ParallelContext(tp=args.tp, pp=args.pp)
     try:
         model, checkpoint = load_model(args.ckpt_path, pc)
@@ -72,8 +80,11 @@ def _evaluate(args: argparse.Namespace) -> None:
     import json
 
     from nanotron.generation.evaluate import evaluate
+    from nanotron.generation.generate import check_checkpoint_layout
     from nanotron.parallel.context import ParallelContext
 
+    check_checkpoint_layout(args.ckpt_path, args.tp, sequence_length=args.sequence_length,
+                            sequence_key="--sequence-length")
     pc = ParallelContext(tp=args.tp, pp=args.pp)
     try:
         results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size)
@@ -95,6 +106,16 @@ def _convert(args: argparse.Namespace) -> None:
     else:
         path = nanotron_to_hf(args.ckpt_path, args.save_path)
     print(f"wrote {path}")
+
+
+def _verify_checkpoint(args: argparse.Namespace) -> None:
+    from nanotron.checkpoint.integrity import read_metadata, verify_checkpoint
+    from nanotron.checkpoint.run_folder import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(args.ckpt_path)
+    metadata = read_metadata(checkpoint)
+    verify_checkpoint(checkpoint, metadata)
+    print(f"{checkpoint}: step {metadata['step']}, {len(metadata['files'])} files, sizes and checksums match")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,15 +166,23 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--output", type=Path, help="also write the results as JSON")
     evaluation.set_defaults(run=_evaluate)
 
-    convert = commands.add_parser("convert", help="convert Llama checkpoints to or from Hugging Face transformers")
+    convert = commands.add_parser("convert", help="convert Llama / Qwen2 checkpoints to or from transformers")
     directions = convert.add_subparsers(dest="direction", required=True)
-    to_nanotron = directions.add_parser("hf-to-nanotron", help="a Hugging Face Llama folder -> a nanotron checkpoint")
+    to_nanotron = directions.add_parser("hf-to-nanotron",
+                                        help="a Hugging Face Llama or Qwen2 folder -> a nanotron checkpoint")
     to_nanotron.add_argument("--hf-path", type=Path, required=True)
     to_nanotron.add_argument("--save-path", type=Path, required=True)
-    to_hf = directions.add_parser("nanotron-to-hf", help="a nanotron checkpoint -> a Hugging Face Llama folder")
+    to_hf = directions.add_parser("nanotron-to-hf",
+                                  help="a nanotron checkpoint -> a Hugging Face Llama or Qwen2 folder")
     to_hf.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
     to_hf.add_argument("--save-path", type=Path, required=True)
     convert.set_defaults(run=_convert)
+
+    checkpoint = commands.add_parser("checkpoint", help="inspect checkpoints")
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    verify = actions.add_parser("verify", help="check every file of a checkpoint against its size and checksum")
+    verify.add_argument("ckpt_path", type=Path, metavar="CKPT_PATH", help="a checkpoint, or a run folder (latest.txt)")
+    verify.set_defaults(run=_verify_checkpoint)
     return parser
 
 
@@ -179,7 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:
         if not isinstance(error, _user_error_types()):
             raise
-        print(f"error: {error}", file=sys.stderr)
+        from nanotron.config import ConfigError
+
+        # Every rank finds the same problems in the same config: rank 0 alone reports them.
+        if not isinstance(error, ConfigError) or os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 
 

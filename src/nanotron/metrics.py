@@ -10,11 +10,14 @@ layers): it tells how busy the devices were rather than how fast the model train
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from nanotron.files import atomic_write_text
+
+logger = logging.getLogger(__name__)
 
 # Dense (no sparsity) peak FLOP/s by device-name fragment, for 16-bit and fp32 (TF32 tensor cores) training.
 PEAK_FLOPS = {
@@ -57,17 +60,31 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step.
 
     A resumed run continues the same file; records of steps after the resumed checkpoint (logged before a crash)
-    are dropped first, so every step appears once and steps only increase.
+    are dropped first, so every step appears once and steps only increase. A line that is not a record (the torn
+    last line of a run killed while writing) is dropped with a warning.
     """
 
     def __init__(self, path: Path, resume_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():  # rewritten atomically: a crash here must not lose the history
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+            torn = [line for line in lines if _step_of(line) is None]
+            if torn:
+                logger.warning(f"{path}: dropped {len(torn)} line(s) that are not step records "
+                               f"(e.g. {torn[0][:60]!r}, torn by a crash)")
+            kept = [line for line in lines if (step := _step_of(line)) is not None and step <= resume_step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
         self.file = open(path, "a", encoding="utf-8")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import sys
 import time
@@ -27,18 +26,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from nanotron.checkpoint.integrity import read_metadata
+from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.manager import (
     TrainingProgress,
     check_same_model,
     load_optimizer,
     load_rng,
     load_weights,
-    read_metadata,
-    resolve_checkpoint,
-    save_checkpoint,
+    verify_on_all_ranks,
 )
+from nanotron.checkpoint.async_saving import AsyncCheckpointer
+from nanotron.checkpoint.saving import take_snapshot, write_snapshot
+from nanotron.checkpoint.run_folder import check_writable, describe_existing_run, remove_partial_saves, resolve_checkpoint
 from nanotron.config import Config, ConfigError, ExistingCheckpointInit, expand_run_name, validate_config
 from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.divergence import BadStepGuard
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.logging import setup_logging
@@ -54,6 +57,7 @@ from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copi
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
 from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.parallel.statistics import Statistics, sum_over_replicas
+from nanotron.preemption import StopRequests
 from nanotron.random import seed_everything
 
 logger = logging.getLogger("nanotron.trainer")
@@ -69,6 +73,7 @@ class StepResult:
     grad_norm: float
     lr: float
     domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
+    skipped: bool = False  # a bad step whose update was skipped (``divergence.py``)
 
 
 def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
@@ -114,6 +119,7 @@ class Trainer:
         setup_logging(self.pc, config.logging.log_level, config.logging.log_level_replica)
         seed_everything(config.general.seed + self.pc.rank)
 
+        self.resume_from = self._prepare_run_folder()
         self.tokenizer_fingerprint = self._check_tokenizer_and_data()
         model_config = config.model.model_config
         self.initial_checkpoint = self._initial_checkpoint()
@@ -127,6 +133,9 @@ class Trainer:
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
         self._loss = torch.compile(micro_batch_loss) if config.model.compile else micro_batch_loss
         self.progress = TrainingProgress()
+        self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
+        self.protected_checkpoints: set[str] = set()  # the newest checkpoint from before a bad step
+        self.async_saver = AsyncCheckpointer(self.pc) if config.checkpoints.async_save else None
         self._load_initial_state()
 
         costs = spec_for_config(model_config).costs(model_config, self.model.padded_vocab_size,
@@ -180,24 +189,74 @@ class Trainer:
             )
         return self.datasets[stage.name]
 
+    def _prepare_run_folder(self) -> Path | None:
+        """Check the run folder before anything is built; the checkpoint to resume from, if any.
+
+        Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is refused
+        unless the config resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a checkpoint). Rank 0
+        also removes what interrupted saves left and checks that it can write; every rank gets its verdict.
+        """
+        checkpoints = self.config.checkpoints
+        root = Path(checkpoints.checkpoints_path)
+        resume = checkpoints.resume_checkpoint_path
+        if checkpoints.resumes_if_present:
+            resume = root if describe_existing_run(root) is not None else None
+        problem = None
+        if self.pc.rank == 0:
+            try:
+                existing = describe_existing_run(root)
+                if resume is None and existing is not None:
+                    raise ConfigError(
+                        f"checkpoints.checkpoints_path {root} already holds a run ({existing}); continue it with "
+                        "checkpoints.resume_checkpoint_path: auto (or its path), or start over in another "
+                        "checkpoints_path")
+                remove_partial_saves(root)
+                check_writable(root)
+            except (ConfigError, CheckpointError) as error:
+                problem = (type(error).__name__, str(error))
+        verdicts = [None] * self.pc.world_size
+        dist.all_gather_object(verdicts, problem)
+        if verdicts[0] is not None:
+            kind, message = verdicts[0]
+            raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
+        return resume
+
     def _initial_checkpoint(self) -> tuple[Path, dict] | None:
-        """The checkpoint to resume from or to take the initial weights from, checked before the model exists."""
+        """The checkpoint to resume from or to take the initial weights from, checked before the model exists:
+        complete and uncorrupted (checksums, the reading shared by all ranks), the same architecture, and trained
+        on data from the same tokenizer."""
         checkpoints, init = self.config.checkpoints, self.config.model.init_method
-        if checkpoints.resume_checkpoint_path is not None:
-            path = checkpoints.resume_checkpoint_path
+        if self.resume_from is not None:
+            path = self.resume_from
         elif isinstance(init, ExistingCheckpointInit):
             path = init.path
         else:
             return None
         checkpoint = resolve_checkpoint(path)
         metadata = read_metadata(checkpoint)
+        verify_on_all_ranks(checkpoint, metadata, self.pc)
         check_same_model(checkpoint, metadata, self.config.model.model_config)
-        if checkpoints.resume_checkpoint_path is not None and metadata["step"] >= self.config.tokens.train_steps:
-            raise ConfigError(
-                f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
-                f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
-            )
+        if self.resume_from is not None:
+            if metadata["step"] >= self.config.tokens.train_steps:
+                raise ConfigError(
+                    f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
+                    f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
+                )
+            self._check_same_tokenizer(checkpoint, metadata.get("tokenizer_fingerprint"))
         return checkpoint, metadata
+
+    def _check_same_tokenizer(self, checkpoint: Path, trained_with: str | None) -> None:
+        """Token ids only mean something with their tokenizer: resuming on data from another one is refused."""
+        if trained_with is None or self.config.checkpoints.allow_tokenizer_change:
+            return
+        for stage in self.config.data_stages:
+            for folder, fingerprint in zip(stage.data.dataset.dataset_folder,
+                                           self._dataset(stage).tokenizer_fingerprints):
+                if fingerprint != trained_with:
+                    raise DataError(
+                        f"{folder} was tokenized with another tokenizer than the one {checkpoint} was trained on "
+                        "(tokenizer fingerprints differ); use data tokenized with the checkpoint's tokenizer (its "
+                        "tokenizer/ folder), or set checkpoints.allow_tokenizer_change: true to continue on purpose")
 
     def _load_initial_state(self) -> None:
         checkpoints = self.config.checkpoints
@@ -205,7 +264,7 @@ class Trainer:
             return
         checkpoint, metadata = self.initial_checkpoint
         load_weights(checkpoint, self.model, self.pc, metadata)
-        if checkpoints.resume_checkpoint_path is not None:
+        if self.resume_from is not None:
             if metadata["optimizer_step"] > 0 and checkpoints.load_optimizer:
                 load_optimizer(checkpoint, self.optimizer, self.model, self.pc, metadata)
             else:
@@ -289,23 +348,44 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
         """Forward, backward, clip and update; the statistics and norm are read back (a host sync) only after the
-        update is queued, so the GPU never waits for the host in the middle of a step. A non-finite loss or norm
-        still stops the run before anything is saved: the in-memory state of that step is discarded with the
-        process."""
+        update is queued, so the GPU never waits for the host in the middle of a step, unless bad steps are to be
+        skipped (``divergence.py``), which needs them before the update. A bad step the policy does not skip stops
+        the run before anything is saved: the in-memory state of that step is discarded with the process."""
         statistics = self.forward_backward(micro_batches)
         grad_norm = global_grad_norm(self.buckets, self.pc)
+        step, guard = self.progress.step + 1, self.bad_steps
+        if guard.judges_before_update:
+            loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
+            reason = guard.judge(loss_value, norm_value)
+            if reason is not None:
+                self.buckets.zero()
+                self._on_bad_step(step, reason)
+                return StepResult(loss_value, norm_value, lr, {}, skipped=True)
         clip = self.config.optimizer.clip_grad
         self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
         self.buckets.zero()
-        loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
-        if not math.isfinite(loss_value) or not math.isfinite(norm_value):
-            raise TrainingDivergedError(
-                f"loss {loss_value} / grad-norm {norm_value} at step {self.progress.step + 1}: training diverged; "
-                "resume from the last checkpoint with a lower optimizer.learning_rate_scheduler.learning_rate"
-            )
+        if not guard.judges_before_update:
+            loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
+            reason = guard.judge(loss_value, norm_value)
+            if reason is not None:
+                self._on_bad_step(step, reason)
         sums, counts = statistics["domain_loss_sum"].tolist(), statistics["domain_tokens"].tolist()
         domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
         return StepResult(loss_value, norm_value, lr, domain_losses)
+
+    def _on_bad_step(self, step: int, reason: str) -> None:
+        """Keep the newest checkpoint from before the trouble out of pruning, then skip the step or stop."""
+        root = Path(self.config.checkpoints.checkpoints_path)
+        if self.bad_steps.bad_in_a_row == 1 and describe_existing_run(root) is not None:
+            self.protected_checkpoints.add(resolve_checkpoint(root).name)
+        if self.bad_steps.exhausted:
+            skipped = self.bad_steps.bad_in_a_row - 1
+            raise TrainingDivergedError(
+                f"at step {step}: {reason}" + (f", after {skipped} skipped step(s)" if skipped else "") + "; training "
+                "diverged. Resume from the last checkpoint before it with a lower "
+                "optimizer.learning_rate_scheduler.learning_rate (or raise optimizer.skip_bad_steps)")
+        logger.warning(f"step {step}: {reason}; update skipped ({self.bad_steps.bad_in_a_row} in a row, "
+                       f"optimizer.skip_bad_steps={self.bad_steps.skip_limit})")
 
     def train(self) -> None:
         config = self.config
@@ -318,7 +398,7 @@ class Trainer:
         loader, loader_stage = None, None
         start_step, start_time = self.progress.step, time.perf_counter()
         window_start, window_steps = start_time, 0
-        with redirect, self._profiler() as profiler:
+        with redirect, self._profiler() as profiler, StopRequests() as stop:
             for step in range(self.progress.step + 1, train_steps + 1):
                 stage = config.data_stage_at(step)
                 if stage.name != loader_stage:
@@ -344,10 +424,19 @@ class Trainer:
                     now = time.perf_counter()
                     self._log_step(result, (now - window_start) / window_steps, (now - start_time) / (step - start_step))
                     window_start, window_steps = now, 0
-                if step % config.checkpoints.checkpoint_interval == 0 or (
+                saved = step % config.checkpoints.checkpoint_interval == 0 or (
                     step == train_steps and config.checkpoints.save_final_state
-                ):
+                )
+                if saved:
                     self.save()
+                if stop.agreed(self.pc.device):
+                    if not saved:
+                        self.save()
+                    self.wait_for_saves()
+                    logger.warning(f"{stop.signal_name} received: stopped after step {step} with a checkpoint; "
+                                   "run again with checkpoints.resume_checkpoint_path: auto to continue")
+                    break
+        self.wait_for_saves()
         bar.close()
         if self.metrics is not None:
             self.metrics.close()
@@ -407,6 +496,8 @@ class Trainer:
             record["mfu"] = tflops * 1e12 / self.peak_flops
         if self._num_domains > 1:
             record["domain_losses"] = result.domain_losses
+        if result.skipped:
+            record["skipped_update"] = True
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
         hardware = f" (hw {hardware_tflops:.2f})" if self.hardware_flops_per_token != self.flops_per_token else ""
@@ -420,9 +511,20 @@ class Trainer:
         )
         self.metrics.write(record)
 
-    def save(self) -> Path:
-        return save_checkpoint(self.config, self.model, self.optimizer, self.progress, self.pc,
-                               self.tokenizer_fingerprint)
+    def save(self) -> None:
+        """Checkpoint the current step, in the foreground or (``checkpoints.async_save``) in the background."""
+        if self.async_saver is None:
+            snapshot = take_snapshot(self.config, self.model, self.optimizer, self.progress, self.pc,
+                                     self.tokenizer_fingerprint)
+            write_snapshot(snapshot, self.pc, protected=self.protected_checkpoints)
+        else:
+            self.async_saver.save(lambda: take_snapshot(self.config, self.model, self.optimizer, self.progress, self.pc,
+                                                        self.tokenizer_fingerprint, self.async_saver.buffers),
+                                  self.protected_checkpoints)
+
+    def wait_for_saves(self) -> None:
+        if self.async_saver is not None:
+            self.async_saver.wait()
 
     def close(self) -> None:
         self.pc.destroy()

@@ -17,17 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_checkpoint
 from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
-from nanotron.checkpoint.manager import (
-    checkpoint_metadata,
-    checkpoint_model,
-    model_metadata,
-    read_metadata,
-    resolve_checkpoint,
-    write_metadata,
-)
+from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
+from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.files import atomic_write_text
-from nanotron.models.registry import spec_for_hf_model_type
+from nanotron.models.registry import check_model_config, spec_for_hf_model_type
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -65,6 +60,7 @@ def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
     hf_config = json.loads(config_file.read_text())
     spec = spec_for_hf_model_type(hf_config.get("model_type"), config_file)
     config = spec.hf_adapter.config_from_hf(hf_config)
+    check_model_config(config, 1, config_file, key=None)
     tensors = spec.hf_adapter.weights_from_hf(_read_hf_tensors(hf_path), config)
 
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
@@ -80,7 +76,7 @@ def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
         step=0, optimizer_step=0, lr_schedule_start_step=0, consumed_samples={}, consumed_tokens=0,
         layout={"dp": 1, "pp": 1, "tp": 1, "ep": 1, "zero_stage": 0},
         model=model_metadata(config, config.vocab_size, dtype), tokenizer_fingerprint=None,
-        files={f: (tmp / f).stat().st_size for f in files}, converted_from=str(hf_path),
+        files={f: file_entry(tmp / f) for f in files}, converted_from=str(hf_path),
     ))
     tmp.rename(save_path)
     return save_path
@@ -90,7 +86,9 @@ def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
     """Write a Hugging Face folder (config.json, model.safetensors, tokenizer) from a nanotron checkpoint."""
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     metadata = read_metadata(checkpoint)
+    verify_checkpoint(checkpoint, metadata)
     spec, config = checkpoint_model(checkpoint, metadata)
+    check_model_config(config, 1, checkpoint / "checkpoint.json", key="model.config")
     reader = LogicalTensorReader(checkpoint / "model")
     padded, vocab = metadata["model"]["padded_vocab_size"], config.vocab_size
 

@@ -1,12 +1,19 @@
-"""Llama checkpoints in Hugging Face ``transformers`` layout, to and from nanotron's logical tensors.
+"""Llama and Qwen2 checkpoints in Hugging Face ``transformers`` layout, to and from nanotron's logical tensors.
+
+Qwen2 is Llama with biases on q, k and v: nanotron's Llama with ``attention_bias: true``. A config.json of
+``model_type`` ``qwen2`` converts to that, and such a model exports back as ``Qwen2ForCausalLM``; every other one as
+``LlamaForCausalLM`` (whose own ``attention_bias`` also biases o_proj, which nanotron does not build).
 
 Layouts (nanotron ← → Hugging Face):
 
-- ``layers.i.attn.qkv_proj.weight`` = rows ``[q_proj | k_proj | v_proj]`` of ``model.layers.i.self_attn``;
+- ``layers.i.attn.qkv_proj.weight`` = rows ``[q_proj | k_proj | v_proj]`` of ``model.layers.i.self_attn``, and
+  ``qkv_proj.bias`` likewise of the three biases;
 - ``layers.i.mlp.gate_up_proj.weight`` = rows ``[gate_proj | up_proj]`` of ``model.layers.i.mlp``;
 - other names map one to one (``model.`` prefix, ``attn`` ↔ ``self_attn``); a tied LM head exists only as
   ``embed_tokens.weight``.
 - Rotary embeddings use the same (rotate-half, non-interleaved) convention on both sides: no row permutation.
+  RoPE scaling is read from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x) and written as
+  ``rope_scaling``, which both read.
 """
 
 from __future__ import annotations
@@ -17,58 +24,86 @@ import torch
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.config import LlamaConfig
+from nanotron.config.schema import ROPE_SCALING_KEYS
 
 
 def _first(token_id):
     return token_id[0] if isinstance(token_id, list) else token_id
 
 
+def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
+    """RoPE theta and nanotron's ``rope_scaling`` (its keys only; their values are validated with the config)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise CheckpointError(f"rope type {rope_type!r} (RoPE scaling) is not supported; supported: default, "
+                              f"{', '.join(ROPE_SCALING_KEYS)}")
+    # transformers' own default for a llama3 config that leaves the pretraining context out
+    rope = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}
+    return theta, {"rope_type": rope_type, **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type] if key in rope}}
+
+
 class LlamaHFAdapter:
-    model_types = ("llama",)
+    model_types = ("llama", "qwen2")
 
     def config_from_hf(self, hf: dict) -> LlamaConfig:
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise CheckpointError(f"rope type {rope.get('rope_type', rope.get('type'))!r} (RoPE scaling) is not "
-                                  "supported")
         heads = hf["num_attention_heads"]
         if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
             raise CheckpointError("head_dim must equal hidden_size / num_attention_heads")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise CheckpointError("Llama models with attention or MLP biases are not supported")
+        qwen2 = hf.get("model_type") == "qwen2"
+        if qwen2 and hf.get("use_sliding_window"):
+            raise CheckpointError("Qwen2 models with use_sliding_window: true are not supported (nanotron attends "
+                                  "to the whole context)")
+        if not qwen2 and (hf.get("attention_bias") or hf.get("mlp_bias")):
+            raise CheckpointError("Llama models with attention_bias (which biases o_proj too) or mlp_bias are not "
+                                  "supported; only q/k/v biases are (Qwen2)")
+        rope_theta, rope_scaling = _rope_from_hf(hf)
         return LlamaConfig(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_theta=rope_theta, rope_scaling=rope_scaling, attention_bias=qwen2,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
             pad_token_id=hf.get("pad_token_id"),
         )
 
     def config_to_hf(self, config: LlamaConfig, dtype: str) -> dict:
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        if config.attention_bias:
+            family = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+                      "sliding_window": None, "max_window_layers": config.num_hidden_layers}
+        else:
+            family = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                      "mlp_bias": False}
+        return family | {
+            "hidden_act": "silu",
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
             "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
-            "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": None,
-            "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": False, "mlp_bias": False,
+            "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta, "rope_scaling": config.rope_scaling,
+            "tie_word_embeddings": config.tie_word_embeddings,
             "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
             "pad_token_id": config.pad_token_id, "torch_dtype": dtype,
         }
 
     def weights_from_hf(self, hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
         tensors = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+        fused = ("weight", "bias") if config.attention_bias else ("weight",)
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
             tensors[f"layers.{i}.input_layernorm.weight"] = hf[prefix + "input_layernorm.weight"]
             tensors[f"layers.{i}.post_attention_layernorm.weight"] = hf[prefix + "post_attention_layernorm.weight"]
-            tensors[f"layers.{i}.attn.qkv_proj.weight"] = torch.cat(
-                [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]])
+            for kind in fused:
+                tensors[f"layers.{i}.attn.qkv_proj.{kind}"] = torch.cat(
+                    [hf[f"{attn}q_proj.{kind}"], hf[f"{attn}k_proj.{kind}"], hf[f"{attn}v_proj.{kind}"]])
             tensors[f"layers.{i}.attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
             tensors[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
                 [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
@@ -80,16 +115,18 @@ class LlamaHFAdapter:
     def weights_to_hf(self, read: Callable[[str], torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
         q_width = config.num_attention_heads * config.head_dim
         kv_width = config.num_key_value_heads * config.head_dim
+        fused = ("weight", "bias") if config.attention_bias else ("weight",)
         hf = {"model.embed_tokens.weight": read("embed_tokens.weight"), "model.norm.weight": read("norm.weight")}
         for i in range(config.num_hidden_layers):
             prefix, ours = f"model.layers.{i}.", f"layers.{i}."
-            q, k, v = read(ours + "attn.qkv_proj.weight").split([q_width, kv_width, kv_width])
+            for kind in fused:
+                q, k, v = read(f"{ours}attn.qkv_proj.{kind}").split([q_width, kv_width, kv_width])
+                hf |= {f"{prefix}self_attn.q_proj.{kind}": q, f"{prefix}self_attn.k_proj.{kind}": k,
+                       f"{prefix}self_attn.v_proj.{kind}": v}
             gate, up = read(ours + "mlp.gate_up_proj.weight").chunk(2)
             hf |= {
                 prefix + "input_layernorm.weight": read(ours + "input_layernorm.weight"),
                 prefix + "post_attention_layernorm.weight": read(ours + "post_attention_layernorm.weight"),
-                prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
-                prefix + "self_attn.v_proj.weight": v,
                 prefix + "self_attn.o_proj.weight": read(ours + "attn.o_proj.weight"),
                 prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": read(ours + "mlp.down_proj.weight"),

@@ -1,4 +1,4 @@
-"""Save and resume complete training state, atomically.
+"""Checkpoints of the training state: what checkpoint.json holds, and resuming from one at any layout.
 
 Layout of ``<checkpoints_path>``::
 
@@ -7,19 +7,16 @@ Layout of ``<checkpoints_path>``::
     <step>/config.yaml              the run's config
     <step>/model/*.safetensors      boxes of logical weights (see logical_tensors.py)
     <step>/optimizer/*.safetensors  boxes of Adam moments and fp32 master weights, same naming
-    <step>/rng/rank-<rank>.pt       every rank's random generators (world rank, 5 digits)
+    <step>/rng/rank-<rank>.safetensors  every rank's random generators (world rank, 5 digits; no pickle)
 
-A save goes to ``.tmp-<step>`` first; only when every rank has finished does rank 0 rename it and update
-``latest.txt``. A crash at any moment therefore leaves the previous checkpoint intact and ``latest.txt`` pointing
-at it.
+Saving is ``saving.py`` (and ``async_saving.py`` in the background); loading starts with the integrity checks of
+``integrity.py``; the folder's bookkeeping (latest, pruning, partial saves) is ``run_folder.py``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
-import shutil
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -27,20 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader, write_boxes
-from nanotron.config import Config, save_config
-from nanotron.files import atomic_write_text, fsync_path
+from nanotron.checkpoint.integrity import verify_checksums
+from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader
+from nanotron.checkpoint.run_folder import METADATA
+from nanotron.files import atomic_write_text
 from nanotron.models.registry import spec_for_config, spec_named
 from nanotron.models.spec import CausalLM, ModelSpec
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.placement import Placement, get_placement, logical_buffers, logical_parameters
-from nanotron.random import get_rng_state, set_rng_state
-
-logger = logging.getLogger(__name__)
-
-LATEST = "latest.txt"
-METADATA = "checkpoint.json"
+from nanotron.random import load_rng_state
 
 
 @dataclass
@@ -56,28 +49,6 @@ class TrainingProgress:
         return sum(self.consumed_samples.values())
 
 
-def _shard_name(parallel_context: ParallelContext) -> str:
-    c = parallel_context.coords
-    return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}"
-
-
-def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor]):
-    """Boxes this rank must write: it holds the only copy among the replicas (every replicated axis at 0).
-
-    ``tensors`` are keyed by logical name, or ``kind/name`` for optimizer state; ``owners`` holds the parameter or
-    buffer of each name, whose placement says where the tensor lives.
-    """
-    coords, sizes = parallel_context.coordinates, parallel_context.sizes
-    boxes = []
-    for name, tensor in tensors.items():
-        placement = get_placement(owners[name.split("/", 1)[-1]])
-        if not placement.is_unique_copy(coords):
-            continue
-        for local, logical in placement.boxes(coords, sizes):
-            boxes.append((name, placement.logical_shape, logical, tensor[local]))
-    return boxes
-
-
 def model_metadata(model_config, padded_vocab_size: int, dtype: str) -> dict:
     """The ``model`` entry of checkpoint.json: family, architecture, vocabulary padding and dtype."""
     return {"type": spec_for_config(model_config).name, "config": asdict(model_config),
@@ -86,12 +57,13 @@ def model_metadata(model_config, padded_vocab_size: int, dtype: str) -> dict:
 
 def checkpoint_metadata(*, step: int, optimizer_step: int, lr_schedule_start_step: int,
                         consumed_samples: dict[str, int], consumed_tokens: int, layout: dict, model: dict,
-                        tokenizer_fingerprint: str | None, files: dict[str, int], **extra) -> dict:
-    """checkpoint.json, for training checkpoints and converted ones alike."""
+                        tokenizer_fingerprint: str | None, files: dict[str, dict], **extra) -> dict:
+    """checkpoint.json, for training checkpoints and converted ones alike; ``files`` maps each file to its
+    ``integrity.file_entry``."""
     return {"format_version": FORMAT_VERSION, "step": step, "optimizer_step": optimizer_step,
             "lr_schedule_start_step": lr_schedule_start_step, "consumed_samples": consumed_samples,
             "consumed_tokens": consumed_tokens, "layout": layout, "model": model,
-            "tokenizer_fingerprint": tokenizer_fingerprint, "files": files, **extra}
+            "tokenizer_fingerprint": tokenizer_fingerprint, "files": files, "saved_at": time.time(), **extra}
 
 
 def write_metadata(folder: Path, metadata: dict) -> None:
@@ -111,126 +83,20 @@ def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, objec
                               f"{error}") from error
 
 
-def save_checkpoint(
-    config: Config,
-    model: CausalLM,
-    optimizer: MixedPrecisionAdamW,
-    progress: TrainingProgress,
-    parallel_context: ParallelContext,
-    tokenizer_fingerprint: str | None,
-) -> Path:
-    root = Path(config.checkpoints.checkpoints_path)
-    final = root / str(progress.step)
-    tmp = root / f".tmp-{progress.step}"
-    is_main = parallel_context.rank == 0
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for sub in ("model", "optimizer", "rng"):
-            (tmp / sub).mkdir(parents=True)
-    dist.barrier()
-
-    params = logical_parameters(model)
-    state = params | logical_buffers(model)
-    written = []
-    model_boxes = _unique_boxes(state, parallel_context, state)
-    if model_boxes:
-        write_boxes(tmp / "model" / f"{_shard_name(parallel_context)}.safetensors", model_boxes)
-        written.append(f"model/{_shard_name(parallel_context)}.safetensors")
-    # One bucket at a time: under ZeRO-1 the states are gathered over data-parallel ranks, a bucket's worth at once.
-    for index, states in enumerate(optimizer.bucket_states()):
-        tensors = {f"{kind}/{name}": tensor for name, kinds in states.items() for kind, tensor in kinds.items()}
-        boxes = _unique_boxes(params, parallel_context, tensors)
-        if boxes:
-            name = f"optimizer/{_shard_name(parallel_context)}-bucket{index:04d}.safetensors"
-            write_boxes(tmp / name, boxes)
-            written.append(name)
-    rng_file = f"rng/rank-{parallel_context.rank:05d}.pt"
-    torch.save({"coords": parallel_context.coordinates, "state": get_rng_state(parallel_context.device)}, tmp / rng_file)
-    written.append(rng_file)
-
-    all_written: list[list[str]] = [None] * parallel_context.world_size  # type: ignore[list-item]
-    dist.all_gather_object(all_written, written)
-    dist.barrier()
-    if is_main:
-        files = sorted(f for rank_files in all_written for f in rank_files)
-        tokenizer = _local_tokenizer_file(config.tokenizer.tokenizer_name_or_path)
-        if tokenizer is not None:  # a checkpoint carries its tokenizer, so generation needs no other path
-            (tmp / "tokenizer").mkdir()
-            shutil.copy(tokenizer, tmp / "tokenizer" / "tokenizer.json")
-            files.append("tokenizer/tokenizer.json")
-        metadata = checkpoint_metadata(
-            step=progress.step, optimizer_step=optimizer.step_count,
-            lr_schedule_start_step=progress.lr_schedule_start, consumed_samples=progress.consumed_samples,
-            consumed_tokens=progress.total_consumed_samples * config.tokens.sequence_length,
-            layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
-            model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
-            tokenizer_fingerprint=tokenizer_fingerprint, files={f: (tmp / f).stat().st_size for f in files},
-        )
-        save_config(config, tmp / "config.yaml")
-        write_metadata(tmp, metadata)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_path(root)  # the rename is durable before latest.txt names the checkpoint
-        _write_latest(root, final.name)
-        _prune(root, config.checkpoints.keep_last_n)
-        logger.info(f"saved checkpoint {final}")
-    dist.barrier()
-    return final
+def first_problem(problem: str | None, world_size: int, group: dist.ProcessGroup | None = None) -> str | None:
+    """The first problem any rank of ``group`` reported (None where it had none), on every rank: all of them raise
+    together instead of some waiting forever for the others."""
+    problems: list[str | None] = [None] * world_size
+    dist.all_gather_object(problems, problem, group=group)
+    return next((p for p in problems if p is not None), None)
 
 
-def _local_tokenizer_file(name_or_path: str | None) -> Path | None:
-    if name_or_path is None:
-        return None
-    path = Path(name_or_path)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    return path if path.is_file() else None
-
-
-def _write_latest(root: Path, name: str) -> None:
-    atomic_write_text(root / LATEST, name + "\n")
-
-
-def _prune(root: Path, keep_last_n: int | None) -> None:
-    if keep_last_n is None:
-        return
-    complete = sorted((int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / METADATA).exists()))
-    for step in complete[:-keep_last_n]:
-        shutil.rmtree(root / str(step))
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """The checkpoint folder that ``path`` designates: a run folder (via ``latest.txt``) or a checkpoint itself.
-
-    Asking to resume from a path without a checkpoint is an error: a typo must never start a run from scratch.
-    """
-    path = Path(path)
-    if (path / LATEST).exists():
-        name = (path / LATEST).read_text().strip()
-        target = path / name
-        if not (target / METADATA).exists():
-            raise CheckpointError(f"{path / LATEST} points at {target}, which is not a complete checkpoint")
-        return target
-    if (path / METADATA).exists():
-        return path
-    raise CheckpointError(
-        f"no checkpoint at {path} (expected {LATEST} or {METADATA}); fix checkpoints.resume_checkpoint_path "
-        "or set it to null to start from scratch"
-    )
-
-
-def read_metadata(checkpoint: Path) -> dict:
-    metadata = json.loads((checkpoint / METADATA).read_text())
-    if metadata.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {metadata['format_version']}; "
-                              f"this version reads formats up to {FORMAT_VERSION}): upgrade nanotron to load it")
-    for name, size in metadata["files"].items():
-        file = checkpoint / name
-        if not file.exists():
-            raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {file} has {file.stat().st_size} bytes, expected {size}: corrupt")
-    return metadata
+def verify_on_all_ranks(checkpoint: Path, metadata: dict, parallel_context: ParallelContext) -> None:
+    """Every file's checksum, the reading shared by all ranks; all of them raise if any file is corrupt."""
+    problem = verify_checksums(checkpoint, metadata, parallel_context.rank, parallel_context.world_size)
+    problem = first_problem(problem, parallel_context.world_size)
+    if problem is not None:
+        raise CheckpointError(problem)
 
 
 def _read_logical(reader: LogicalTensorReader, key: str, placement: Placement, out: torch.Tensor,
@@ -312,11 +178,9 @@ def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, model: nn.M
 
 
 def load_rng(checkpoint: Path, parallel_context: ParallelContext) -> bool:
-    """Restore this rank's generators if the checkpoint has a rank with the same coordinates; else report False."""
-    path = checkpoint / "rng" / f"rank-{parallel_context.rank:05d}.pt"
-    if path.exists():
-        saved = torch.load(path, weights_only=False)
-        if saved["coords"] == parallel_context.coordinates:
-            set_rng_state(saved["state"], parallel_context.device)
-            return True
-    return False
+    """Restore this rank's generators if the checkpoint has a rank with the same coordinates; else report False.
+
+    Checkpoints of format 1 kept them pickled (``rank-*.pt``); those are never read, since unpickling runs code.
+    """
+    path = checkpoint / "rng" / f"rank-{parallel_context.rank:05d}.safetensors"
+    return path.exists() and load_rng_state(path, parallel_context.device, parallel_context.coordinates)

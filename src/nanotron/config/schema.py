@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 
 
 DEFAULT_RUN_NAME = "%date_%jobid"
+RESUME_IF_PRESENT = "auto"
 PP_ENGINES = ("afab", "1f1b")
 TP_MODES = ("ALL_REDUCE", "REDUCE_SCATTER")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,6 +58,13 @@ class CheckpointsArgs:
     keep_last_n: int | None = None  # None keeps every checkpoint
     load_optimizer: bool = True  # on resume; False: fresh Adam moments, masters taken from the loaded weights
     load_lr_scheduler: bool = True  # on resume; False: the LR schedule starts again (warmup included) at the resume step
+    allow_tokenizer_change: bool = False  # on resume: continue although the data was tokenized by another tokenizer
+    async_save: bool = False  # write checkpoints in the background; training waits only for a snapshot in host memory
+
+    @property
+    def resumes_if_present(self) -> bool:
+        """``resume_checkpoint_path: auto``: resume from ``checkpoints_path`` when it holds a checkpoint."""
+        return self.resume_checkpoint_path is not None and str(self.resume_checkpoint_path) == RESUME_IF_PRESENT
 
 
 @dataclass
@@ -84,6 +92,15 @@ class ParallelismArgs:
         return self.dp * self.pp * self.tp * self.expert_parallel_size
 
 
+# The RoPE scaling types of `LlamaConfig.rope_scaling` and the keys each needs besides `rope_type`, named as in
+# Hugging Face's config.json: `linear` divides every frequency by `factor` (position interpolation); `llama3`
+# (Llama 3.1+) divides only the low frequencies, leaves the high ones and blends the band between them.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
 @dataclass
 class LlamaConfig:
     is_llama_config: bool = True  # the marker that selects this class in `model.model_config`
@@ -97,8 +114,9 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_interleaved: bool = False  # only the Hugging Face (non-interleaved) rotary layout is implemented
-    rope_scaling: dict | None = None  # kept for Hugging Face compatibility; must stay None
+    rope_scaling: dict | None = None  # None, or {rope_type: linear | llama3, ...}: see ROPE_SCALING_KEYS
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q, k and v (Qwen2); the output projection never has one
     hidden_act: str = "silu"
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
@@ -185,6 +203,8 @@ class OptimizerArgs:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     torch_adam_is_fused: bool = True
+    skip_bad_steps: int = 0  # bad steps in a row whose update is skipped before the run stops (0: stop at the first)
+    loss_spike_factor: float | None = None  # a loss above this times the recent mean counts as a bad step
 
 
 @dataclass

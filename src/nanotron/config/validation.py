@@ -15,6 +15,7 @@ from nanotron.config.schema import (
     LR_DECAY_STYLES,
     LR_WARMUP_STYLES,
     PP_ENGINES,
+    ROPE_SCALING_KEYS,
     TP_MODES,
     CheckpointsArgs,
     Config,
@@ -116,49 +117,109 @@ def _model(model: ModelArgs) -> Iterator[str]:
     yield from _llama(model.model_config, "model.model_config")
 
 
-def _llama(c: LlamaConfig, key: str) -> Iterator[str]:
+def _llama(c: LlamaConfig, key: str | None) -> Iterator[str]:
+    """Rules on the values of a Llama config alone; its shapes are ``llama_layout_problems``."""
+    k = f"{key}." if key else ""
     if not c.is_llama_config:
-        yield f"{key}.is_llama_config must be true for a Llama model config"
-    sizes = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-    )
-    bad_sizes = [problem for name in sizes for problem in _at_least(f"{key}.{name}", getattr(c, name), 1)]
-    yield from bad_sizes
-    if not bad_sizes:
-        if c.hidden_size % c.num_attention_heads:
-            yield (
-                f"{key}.hidden_size ({c.hidden_size}) must be divisible by {key}.num_attention_heads "
-                f"({c.num_attention_heads}) so that every head has the same size"
-            )
-        if c.num_attention_heads % c.num_key_value_heads:
-            yield (
-                f"{key}.num_attention_heads ({c.num_attention_heads}) must be divisible by "
-                f"{key}.num_key_value_heads ({c.num_key_value_heads}): each kv head serves a whole group of heads"
-            )
+        yield f"{k}is_llama_config must be true for a Llama model config"
+    if c.vocab_size >= 1:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             token_id = getattr(c, name)
             if token_id is not None and not 0 <= token_id < c.vocab_size:
-                yield f"{key}.{name} ({token_id}) must be in [0, {key}.vocab_size) = [0, {c.vocab_size})"
-    yield from _positive(f"{key}.rms_norm_eps", c.rms_norm_eps)
-    yield from _positive(f"{key}.rope_theta", c.rope_theta)
-    yield from _positive(f"{key}.initializer_range", c.initializer_range)
+                yield f"{k}{name} ({token_id}) must be in [0, {k}vocab_size) = [0, {c.vocab_size})"
+    yield from _positive(f"{k}rms_norm_eps", c.rms_norm_eps)
+    yield from _positive(f"{k}rope_theta", c.rope_theta)
+    yield from _positive(f"{k}initializer_range", c.initializer_range)
     if c.rope_interleaved:
         yield (
-            f"{key}.rope_interleaved must be false: only the Hugging Face (non-interleaved) rotary layout is "
+            f"{k}rope_interleaved must be false: only the Hugging Face (non-interleaved) rotary layout is "
             "implemented"
         )
     if c.rope_scaling is not None:
-        yield f"{key}.rope_scaling must be null: RoPE scaling is not implemented"
+        yield from _rope_scaling(c.rope_scaling, f"{k}rope_scaling")
     if c.hidden_act != "silu":
-        yield f"{key}.hidden_act must be 'silu' (got {c.hidden_act!r}): the Llama MLP is SwiGLU"
+        yield f"{k}hidden_act must be 'silu' (got {c.hidden_act!r}): the Llama MLP is SwiGLU"
     if c.pretraining_tp != 1:
-        yield f"{key}.pretraining_tp must be 1 (got {c.pretraining_tp}); use parallelism.tp for tensor parallelism"
+        yield f"{k}pretraining_tp must be 1 (got {c.pretraining_tp}); use parallelism.tp for tensor parallelism"
+
+
+def _rope_scaling(scaling: dict, key: str) -> Iterator[str]:
+    """One line for a wrong type or wrong keys (the values are only checked once the keys are right)."""
+    types = ", ".join(ROPE_SCALING_KEYS)
+    rope_type = scaling.get("rope_type")
+    if rope_type not in ROPE_SCALING_KEYS:
+        yield (f"{key}.rope_type must be one of {types} (got {rope_type!r}); write e.g. {{rope_type: linear, "
+               "factor: 2.0}, or set rope_scaling to null for plain RoPE")
+        return
+    needed = ROPE_SCALING_KEYS[rope_type]
+    missing = [name for name in needed if name not in scaling]
+    unknown = sorted(str(name) for name in scaling if name != "rope_type" and name not in needed)
+    if missing or unknown:
+        wrong = ", ".join([*(f"misses {name}" for name in missing), *(f"has unknown key {name}" for name in unknown)])
+        yield f"{key} {wrong}: rope_type {rope_type} takes exactly the keys rope_type, {', '.join(needed)}"
+        return
+    numbers = {name: value for name, value in scaling.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if not numbers.get("factor", 0) >= 1:
+        yield f"{key}.factor must be a number >= 1 (got {scaling['factor']!r}): the context grows by this factor"
+    if rope_type == "llama3":
+        low, high = numbers.get("low_freq_factor", 0), numbers.get("high_freq_factor", 0)
+        if not 0 < low < high:
+            yield (f"{key}.low_freq_factor ({scaling['low_freq_factor']!r}) and high_freq_factor "
+                   f"({scaling['high_freq_factor']!r}) must be numbers with 0 < low_freq_factor < high_freq_factor "
+                   "(Llama 3.1: 1.0 and 4.0)")
+        original = scaling["original_max_position_embeddings"]
+        if not (isinstance(original, int) and not isinstance(original, bool) and original >= 1):
+            yield (f"{key}.original_max_position_embeddings must be an integer >= 1 (got {original!r}): the "
+                   "context length the model was pretrained with (Llama 3.1: 8192)")
+
+
+def llama_layout_problems(c: LlamaConfig, tp: int, *, key: str | None = "model.model_config",
+                          tp_key: str = "parallelism.tp", sequence_length: int | None = None,
+                          sequence_key: str = "tokens.sequence_length") -> list[str]:
+    """The shape rules of a Llama model split over ``tp`` tensor-parallel ranks, one line per broken rule.
+
+    Training (config validation), generation, evaluation and conversion all check these before building anything,
+    so that a model that cannot be split stops with one line naming the numbers instead of a shape error inside a
+    layer. ``key`` prefixes the config fields (None: bare field names), ``tp_key`` and ``sequence_key`` name where
+    the tensor-parallel size and the sequence length come from. The vocabulary needs no rule: it is padded to a
+    multiple of tp.
+    """
+    k = f"{key}." if key else ""
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings")
+    problems = [problem for name in sizes for problem in _at_least(f"{k}{name}", getattr(c, name), 1)]
+    if problems:
+        return problems
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    if c.hidden_size % heads:
+        problems.append(f"{k}hidden_size ({c.hidden_size}) must be divisible by {k}num_attention_heads ({heads}) so "
+                        "that every head has the same size")
+    elif c.head_dim % 2:
+        problems.append(f"{k}hidden_size / {k}num_attention_heads = {c.head_dim} must be even: rotary embeddings "
+                        "rotate pairs of head dimensions")
+    if heads % kv_heads:
+        problems.append(f"{k}num_attention_heads ({heads}) must be divisible by {k}num_key_value_heads ({kv_heads}): "
+                        "each kv head serves a whole group of heads")
+    if tp >= 1 and (heads % tp or kv_heads % tp):
+        fits = [str(n) for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+        problems.append(f"{tp_key} ({tp}) must divide {k}num_attention_heads ({heads}) and {k}num_key_value_heads "
+                        f"({kv_heads}): each TP rank holds whole heads and whole kv heads (replicating kv heads over "
+                        f"TP ranks is not supported); set {tp_key} to one of {', '.join(fits)}")
+    if tp >= 1 and c.intermediate_size % tp:
+        problems.append(f"{k}intermediate_size ({c.intermediate_size}) must be divisible by {tp_key} ({tp}): the MLP "
+                        "is split column-wise over TP ranks")
+    if sequence_length is not None and sequence_length > c.max_position_embeddings:
+        problems.append(f"{sequence_key} ({sequence_length}) exceeds {k}max_position_embeddings "
+                        f"({c.max_position_embeddings}); raise max_position_embeddings or shorten the sequences")
+    return problems
+
+
+def llama_problems(c: LlamaConfig, tp: int = 1, *, key: str | None = "model.model_config", **layout) -> list[str]:
+    """Every rule of a Llama config at ``tp`` ranks: its values, then its shapes (``llama_layout_problems``, which
+    takes the other keyword arguments). Generation, evaluation and conversion check configs read from files
+    with it."""
+    return [*_llama(c, key), *llama_layout_problems(c, tp, key=key, **layout)]
 
 
 def _tokenizer(tokenizer: TokenizerArgs) -> Iterator[str]:
@@ -178,6 +239,10 @@ def _optimizer(opt: OptimizerArgs, tokens: TokensArgs) -> Iterator[str]:
     if opt.clip_grad is not None:
         yield from _positive("optimizer.clip_grad", opt.clip_grad)
     yield from _positive("optimizer.adam_eps", opt.adam_eps)
+    yield from _at_least("optimizer.skip_bad_steps", opt.skip_bad_steps, 0)
+    if opt.loss_spike_factor is not None and not opt.loss_spike_factor > 1:
+        yield (f"optimizer.loss_spike_factor must be > 1 (got {opt.loss_spike_factor}): it multiplies the recent mean "
+               "loss; use e.g. 2.0, or null to detect no spikes")
     for name in ("adam_beta1", "adam_beta2"):
         beta = getattr(opt, name)
         if not 0 <= beta < 1:
@@ -266,37 +331,16 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"parallelism.pp_stage_layers {p.pp_stage_layers} adds up to {sum(p.pp_stage_layers)} but "
             f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
         )
-    if p.tp >= 1 and c.num_attention_heads >= 1 and c.num_key_value_heads >= 1:
-        if c.num_attention_heads % p.tp:
-            yield (
-                f"{key}.num_attention_heads ({c.num_attention_heads}) must be divisible by parallelism.tp ({p.tp}): "
-                "each TP rank holds whole heads"
-            )
-        if c.num_key_value_heads % p.tp:
-            yield (
-                f"{key}.num_key_value_heads ({c.num_key_value_heads}) must be divisible by parallelism.tp ({p.tp}): "
-                "each TP rank holds whole kv heads (replicating kv heads over TP ranks is not supported); "
-                "lower parallelism.tp"
-            )
-        if c.intermediate_size % p.tp:
-            yield (
-                f"{key}.intermediate_size ({c.intermediate_size}) must be divisible by parallelism.tp ({p.tp}): "
-                "the MLP is split column-wise over TP ranks"
-            )
-        if p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
-            yield (
-                f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
-                "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
-            )
+    yield from llama_layout_problems(c, p.tp, key=key, sequence_length=tokens.sequence_length)
+    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
+        yield (
+            f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
+            "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
+        )
     if c.num_hidden_layers < p.pp:
         yield (
             f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
             "every pipeline stage needs at least one layer"
-        )
-    if tokens.sequence_length > c.max_position_embeddings:
-        yield (
-            f"tokens.sequence_length ({tokens.sequence_length}) exceeds {key}.max_position_embeddings "
-            f"({c.max_position_embeddings}); raise max_position_embeddings or shorten the sequences"
         )
 
 

@@ -75,7 +75,11 @@ class TokenShards:
         return array
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the folder's stream (crossing shard boundaries), as int64."""
+        """Tokens ``[start, start + length)`` of the folder's stream (crossing shard boundaries), as int64.
+
+        Every id is checked against the folder's vocabulary as it is read (a max over the window, next to nothing):
+        a corrupt or foreign shard fails here, naming the folder, rather than as a device assert in the embedding.
+        """
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) are outside {self.folder}, which holds "
                              f"{self.num_tokens} tokens")
@@ -88,6 +92,10 @@ class TokenShards:
             out[filled:filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
+        if length and out.max() >= self.vocab_size:
+            position = start + int(out.argmax())
+            raise DataError(f"{self.folder} holds token id {out.max()} at token {position}, outside the vocabulary of "
+                            f"its tokenizer ({self.vocab_size} ids): the folder is corrupt; {_REBUILD}")
         return out
 
     def __reduce__(self):

@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.checkpoint.manager import checkpoint_model, load_weights, read_metadata, resolve_checkpoint
+from nanotron.checkpoint.integrity import read_metadata
+from nanotron.checkpoint.manager import checkpoint_model, load_weights, verify_on_all_ranks
+from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.models.build import BuildOptions, build_model
-from nanotron.models.registry import spec_for_config
+from nanotron.models.registry import check_model_config, spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_parallel import P2P
@@ -58,12 +60,28 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
     """The checkpoint's model for this rank at the context's tp/pp (ALL_REDUCE mode), in eval mode."""
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     metadata = read_metadata(checkpoint)
-    _, model_config = checkpoint_model(checkpoint, metadata)
+    verify_on_all_ranks(checkpoint, metadata, parallel_context)
+    model_config = checked_model_config(checkpoint, metadata, parallel_context.size("tp"))
     options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
                            sequence_length=model_config.max_position_embeddings)
     model = build_model(model_config, parallel_context, options)
     load_weights(checkpoint, model, parallel_context, metadata)
     return model.eval(), checkpoint
+
+
+def checked_model_config(checkpoint: Path, metadata: dict, tp: int, **keys):
+    """The checkpoint's model config, refused with one line per problem if its model cannot run at ``tp`` ranks
+    (``keys``: a sequence length to check too, see ``ModelSpec.config_problems``)."""
+    _, model_config = checkpoint_model(checkpoint, metadata)
+    check_model_config(model_config, tp, checkpoint / "checkpoint.json", key="model.config", tp_key="--tp", **keys)
+    return model_config
+
+
+def check_checkpoint_layout(ckpt_path: Path, tp: int, **keys) -> None:
+    """``checked_model_config`` before any process group exists: a launch at a tp the model cannot be split over
+    (heads, kv heads) stops with that one line, not with a world-size error or a shape error inside a layer."""
+    checkpoint = resolve_checkpoint(Path(ckpt_path))
+    checked_model_config(checkpoint, read_metadata(checkpoint), tp, **keys)
 
 
 def _attention_mask(valid: torch.Tensor, queries: int) -> torch.Tensor:

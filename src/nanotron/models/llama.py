@@ -43,14 +43,15 @@ class KVCache:
 
 
 class LlamaAttention(nn.Module):
-    """Causal self-attention with grouped-query heads and a fused q|k|v projection."""
+    """Causal self-attention with grouped-query heads and a fused q|k|v projection (biased with
+    ``attention_bias``, as in Qwen2)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.head_dim = config.head_dim
         self.q_per_kv = config.num_attention_heads // config.num_key_value_heads
         qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_width, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, qkv_width, bias=config.attention_bias)
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Linear | None = Linear(config.hidden_size, padded_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -165,10 +166,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 def llama_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
-    """Norm weights start at one, matrices normal(0, std). Residual output projections are scaled by
-    1/sqrt(2 * num_layers) (GPT-2 style) so that the residual stream's variance does not grow with depth."""
+    """Norm weights start at one, biases at zero, matrices normal(0, std). Residual output projections are scaled
+    by 1/sqrt(2 * num_layers) (GPT-2 style) so that the residual stream's variance does not grow with depth."""
     if name.endswith("layernorm.weight") or name == "norm.weight":
         return constant(1.0)
+    if name.endswith(".bias"):
+        return constant(0.0)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return normal(std / (2 * config.num_hidden_layers) ** 0.5)
     return normal(std)
@@ -178,8 +181,10 @@ def llama_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) ->
     """6 FLOPs per weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
     weighted sum cost 4 * hidden * s FLOPs per token and layer in the forward over a full s x s matrix, half of that
     with the causal mask, so 6 * hidden * s per token and layer for forward and backward. The embedding counts
-    with its parameters (as the tied LM head matmul, or the lookup), as in the 6N convention."""
-    attention = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    with its parameters (as the tied LM head matmul, or the lookup), as in the 6N convention; so do the q|k|v
+    biases (a negligible overcount of their additions)."""
+    qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    attention = c.hidden_size * qkv_width + (qkv_width if c.attention_bias else 0)
     attention += c.num_attention_heads * c.head_dim * c.hidden_size
     layer_parameters = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
     embeddings = padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from nanotron.checkpoint.hf_llama import LlamaHFAdapter
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import LlamaConfig
+from nanotron.config import ConfigError, LlamaConfig
+from nanotron.config.validation import llama_problems
 from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
 from nanotron.models.spec import ModelSpec
 from nanotron.parallel.plans import llama_plan
@@ -23,8 +24,10 @@ LLAMA = ModelSpec(
     init_rule=llama_init_rule,
     hf_adapter=LlamaHFAdapter(),
     inference_cache=KVCache,
-    resume_may_change=frozenset({"max_position_embeddings", "rope_theta", "bos_token_id", "eos_token_id",
-                                 "pad_token_id", "initializer_range", "use_cache"}),
+    config_problems=llama_problems,
+    # Extending the context changes max_position_embeddings and usually the RoPE theta or scaling with it.
+    resume_may_change=frozenset({"max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id",
+                                 "eos_token_id", "pad_token_id", "initializer_range", "use_cache"}),
 )
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA,)}
@@ -52,3 +55,11 @@ def spec_for_hf_model_type(model_type: str | None, source: object) -> ModelSpec:
     known = sorted(t for spec in MODEL_SPECS.values() for t in spec.hf_adapter.model_types)
     raise CheckpointError(f"{source} describes a {model_type!r} model; supported model_type values: "
                           f"{', '.join(known)}")
+
+
+def check_model_config(model_config, tp: int, source: object, **keys) -> None:
+    """Refuse a model config read from ``source`` (a file) that its family cannot build at ``tp`` ranks, with one
+    line per problem, before anything is allocated; ``keys`` name the fields in messages (see ``config_problems``)."""
+    problems = spec_for_config(model_config).config_problems(model_config, tp, **keys)
+    if problems:
+        raise ConfigError(*problems, source=source)

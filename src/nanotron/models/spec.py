@@ -2,8 +2,8 @@
 
 A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel
 plan, costs (parameters, FLOPs per token per part, for MFU and the pipeline split), initial weights, Hugging Face
-adapter and inference cache. The trainer, the pipeline, generation, metrics and checkpoints only talk to a model
-through :class:`CausalLM` and its spec, so adding a family means adding its files and one registry entry.
+adapter, inference cache and config rules. The trainer, the pipeline, generation, metrics and checkpoints only talk
+to a model through :class:`CausalLM` and its spec, so adding a family means adding its files and one registry entry.
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ class ModelSpec:
     init_rule: Callable[[str, Any, float], Initializer]  # (logical name, config, init std) -> initializer
     hf_adapter: HFAdapter
     inference_cache: Callable[[], Any]  # a fresh cache for one decoder layer
+    # (config, tp, key=..., tp_key=..., sequence_length=..., sequence_key=...) -> one line per problem: the rules a
+    # config read from a file (checkpoint, config.json) must pass before a model is built from it at ``tp`` ranks.
+    config_problems: Callable[..., list[str]]
     # Config fields a run may change when it continues from a checkpoint (context length, token ids); any other
     # difference means other weights, and loading is refused.
     resume_may_change: frozenset[str] = frozenset()

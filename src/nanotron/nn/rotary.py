@@ -1,29 +1,53 @@
-"""Rotary position embedding (RoPE) in the Hugging Face, non-interleaved convention.
+"""Rotary position embedding (RoPE) in the Hugging Face, non-interleaved convention, with optional scaling.
 
 Each head vector of size d is split into two halves; position p rotates the pair (x[i], x[i + d/2]) by the angle
-p * theta^(-2i/d). Checkpoints converted to or from Hugging Face Llama need exactly this convention.
+p * inv_freq[i], inv_freq[i] = theta^(-2i/d). Checkpoints converted to or from Hugging Face Llama need exactly this
+convention. Scaling (``rope_scaling``, for longer contexts) rescales inv_freq the way ``transformers`` does, so that
+converted Llama 3.1+ checkpoints compute the same angles: ``linear`` divides every frequency by ``factor``, ``llama3``
+only those whose wavelength exceeds the pretraining context / low_freq_factor, keeps those below context /
+high_freq_factor and blends the band in between.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """``inv_freq`` rescaled by a validated ``rope_scaling`` dict (None: unchanged)."""
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    context = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)  # 0 at the low-frequency edge, 1 at the high one
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    in_band = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(in_band, blended, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """Computes the cos/sin tables for given positions; holds no trainable state."""
 
-    def __init__(self, head_dim: int, theta: float = 10000.0):
+    def __init__(self, head_dim: int, theta: float = 10000.0, scaling: dict | None = None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin of shape [batch, seq, head_dim] (or [seq, head_dim] for 1-D positions)."""
         exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=torch.float32) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)
+        inv_freq = scaled_inv_freq(1.0 / (self.theta**exponent), self.scaling)
         angles = position_ids.float()[..., None] * inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()

@@ -66,10 +66,12 @@ class _OverlappedSequenceColumnLinear(torch.autograd.Function):
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T`` with W split along its output features; the output stays sharded on features.
+    """``y = x W^T + b`` with W (and the optional bias b) split along the output features; the output stays sharded
+    on features.
 
     ``chunks`` are the logical sizes of fused outputs (e.g. q|k|v): each chunk is split evenly so that every rank holds
-    matching slices of all of them. ``overlap`` (sequence-parallel mode only) selects the backward that overlaps
+    matching slices of all of them, and the bias is cut exactly like the weight's rows (a rank's bias entries are
+    those of its output features). ``overlap`` (sequence-parallel mode only) selects the backward that overlaps
     communication with computation; it computes its own products, so a layer given another ``matmul`` (see
     ``nn/linear.py``) runs the plain sequence-parallel path instead.
     """
@@ -77,19 +79,24 @@ class ColumnParallelLinear(nn.Module):
     matmul = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str,
-                 chunks: tuple[int, ...] | None = None, overlap: bool = False):
+                 chunks: tuple[int, ...] | None = None, overlap: bool = False, bias: bool = False):
         super().__init__()
         tp = dist.get_world_size(group)
         self.group, self.mode = group, mode
         self.overlap = overlap and mode == REDUCE_SCATTER
         self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
         self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 0, chunks),))}
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // tp))
+            self.parameter_shards["bias"] = ((out_features,), (Shard("tp", 0, chunks),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap and self.matmul is F.linear:
-            return _OverlappedSequenceColumnLinear.apply(x, self.weight, self.group)
+            y = _OverlappedSequenceColumnLinear.apply(x, self.weight, self.group)
+            return y if self.bias is None else y + self.bias
         x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
-        return self.matmul(x, self.weight)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -167,7 +174,8 @@ Style = Column | Row | VocabEmbedding | SequenceParallelNorm
 def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, mode: str,
                      overlap: bool) -> nn.Module | None:
     if isinstance(style, Column):
-        return ColumnParallelLinear(module.in_features, module.out_features, group, mode, style.chunks, overlap)
+        return ColumnParallelLinear(module.in_features, module.out_features, group, mode, style.chunks, overlap,
+                                    bias=module.bias is not None)
     if isinstance(style, Row):
         return RowParallelLinear(module.in_features, module.out_features, group, mode)
     if isinstance(style, VocabEmbedding):
@@ -181,15 +189,17 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.
                           overlap: bool = False) -> None:
     """Swap every module whose name matches a plan entry (exactly, or as a dotted suffix) for its parallel version.
 
-    Call on the meta device, before materialisation. Biases are not supported (Llama has none). ``overlap`` is
-    ``parallelism.tp_linear_async_communication``.
+    Call on the meta device, before materialisation. Column-parallel linears keep their bias (sharded like the
+    weight's rows); other styles refuse one: a row-parallel bias would have to be added once, after the reduction.
+    ``overlap`` is ``parallelism.tp_linear_async_communication``.
     """
     for name, module in list(model.named_modules()):
         style = next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
         if style is None or module is None:
             continue
-        if getattr(module, "bias", None) is not None:
-            raise ValueError(f"tensor parallelism of {name} with a bias is not supported")
+        if getattr(module, "bias", None) is not None and not isinstance(style, Column):
+            raise ValueError(f"tensor parallelism of {name} ({type(style).__name__}) with a bias is not supported: "
+                             "only column-parallel layers may have one; remove the bias or leave the module unsharded")
         replacement = _parallel_module(module, style, group, mode, overlap)
         if replacement is not None:
             parent_name, _, child = name.rpartition(".")

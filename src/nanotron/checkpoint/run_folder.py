@@ -1,0 +1,109 @@
+"""The run folder (``checkpoints.checkpoints_path``): which checkpoints it holds, which is the latest, what to prune.
+
+A checkpoint is complete once its ``checkpoint.json`` exists (it is written last, inside the temporary folder, before
+the folder is renamed to its step). ``latest.txt`` names the checkpoint to resume from; when it is missing, the
+most recently saved complete checkpoint is taken instead. "Recent" is the save order recorded in checkpoint.json
+(``saved_at``), not the step number: after a rollback (resuming from an older checkpoint into the same folder) the
+new checkpoints have lower steps than the abandoned ones, and they are the ones to keep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from nanotron.checkpoint.logical_tensors import CheckpointError
+from nanotron.files import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest.txt"
+METADATA = "checkpoint.json"
+PARTIAL_PREFIX = ".tmp-"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints of ``root``, oldest save first."""
+    def saved_at(folder: Path) -> tuple[float, int]:
+        try:
+            recorded = json.loads((folder / METADATA).read_text()).get("saved_at")
+        except (OSError, ValueError):
+            recorded = None
+        when = recorded if isinstance(recorded, (int, float)) else (folder / METADATA).stat().st_mtime
+        return when, int(folder.name)
+
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.name.isdigit() and (p / METADATA).exists()), key=saved_at)
+
+
+def write_latest(root: Path, name: str) -> None:
+    atomic_write_text(root / LATEST, name + "\n")
+
+
+def prune(root: Path, keep_last_n: int | None, keep: set[str]) -> None:
+    """Delete all but the ``keep_last_n`` most recently saved checkpoints, never one named in ``keep``."""
+    if keep_last_n is None:
+        return
+    for folder in complete_checkpoints(root)[:-keep_last_n]:
+        if folder.name not in keep:
+            shutil.rmtree(folder)
+
+
+def remove_partial_saves(root: Path) -> None:
+    """Delete what interrupted saves left (``.tmp-<step>`` folders): they are never complete checkpoints."""
+    if root.is_dir():
+        for partial in root.glob(f"{PARTIAL_PREFIX}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+            logger.warning(f"removed {partial}, left by an interrupted save")
+
+
+def check_writable(root: Path) -> None:
+    """Fail before training if checkpoints could not be saved into ``root``."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise CheckpointError(f"checkpoints.checkpoints_path {root} is not writable ({error.strerror}); "
+                              "choose a folder this user can write to") from error
+
+
+def describe_existing_run(root: Path) -> str | None:
+    """What an earlier run left in ``root`` (its latest checkpoint), or None when there is none to lose."""
+    if (root / LATEST).exists():
+        return f"{LATEST} names checkpoint {(root / LATEST).read_text().strip()!r}"
+    complete = complete_checkpoints(root)
+    return f"it holds checkpoint {complete[-1].name!r}" if complete else None
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """The checkpoint folder that ``path`` designates: a run folder (via ``latest.txt``) or a checkpoint itself.
+
+    Asking to resume from a path without a checkpoint is an error: a typo must never start a run from scratch.
+    """
+    path = Path(path)
+    if (path / LATEST).exists():
+        name = (path / LATEST).read_text().strip()
+        if not name.isdigit():
+            raise CheckpointError(f"{path / LATEST} names {name!r}, which is not a checkpoint of this folder (a step "
+                                  "number); fix or delete the file")
+        target = path / name
+        if not (target / METADATA).exists():
+            raise CheckpointError(f"{path / LATEST} points at {target}, which is not a complete checkpoint")
+        return target
+    if (path / METADATA).exists():
+        return path
+    complete = complete_checkpoints(path)
+    if complete:
+        logger.warning(f"{path / LATEST} is missing: resuming from {complete[-1]}, the most recently saved "
+                       "complete checkpoint")
+        return complete[-1]
+    raise CheckpointError(
+        f"no checkpoint at {path} (expected {LATEST} or {METADATA}); fix checkpoints.resume_checkpoint_path "
+        "or set it to null to start from scratch"
+    )
