@@ -137,6 +137,8 @@ FULL: dict[str, Any] = {
         "log_level_replica": "error",
         "iteration_step_info_interval": 5,
         "metrics_path": "logs/metrics.jsonl",
+        "tensorboard_dir": "logs/tensorboard",
+        "wandb": {"project": "full", "entity": "lab", "mode": "offline", "name": "full-run", "dir": "logs/wandb"},
     },
     "profiler": {"profiler_export_path": "profiles"},
 }
@@ -302,8 +304,8 @@ def test_unknown_key_names_the_dotted_key_and_the_closest_name():
 
 def test_unknown_key_without_a_close_match_lists_the_valid_keys():
     d = example_dict()
-    d["logging"]["wandb"] = True
-    with pytest.raises(ConfigError, match=r"unknown key 'logging.wandb'; valid keys are: log_level, "):
+    d["logging"]["slack"] = True
+    with pytest.raises(ConfigError, match=r"unknown key 'logging.slack'; valid keys are: log_level, "):
         config_from_dict(d)
 
 

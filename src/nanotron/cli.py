@@ -1,5 +1,5 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``build-corpus``, ``generate``, ``eval``,
-``convert``, ``checkpoint verify``.
+``convert``, ``checkpoint verify``, ``plot``.
 
 Every subcommand turns the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
 ``error:`` line and exit status 2, instead of a traceback.
@@ -118,6 +118,12 @@ def _verify_checkpoint(args: argparse.Namespace) -> None:
     print(f"{checkpoint}: step {metadata['step']}, {len(metadata['files'])} files, sizes and checksums match")
 
 
+def _plot(args: argparse.Namespace) -> None:
+    from nanotron.plot import plot_runs
+
+    print(f"wrote {plot_runs(args.metrics, args.output, args.smooth, args.names)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify = actions.add_parser("verify", help="check every file of a checkpoint against its size and checksum")
     verify.add_argument("ckpt_path", type=Path, metavar="CKPT_PATH", help="a checkpoint, or a run folder (latest.txt)")
     verify.set_defaults(run=_verify_checkpoint)
+
+    plot = commands.add_parser("plot", help="draw loss, LR, grad-norm, throughput and MFU curves of runs to a PNG")
+    plot.add_argument("--metrics", type=Path, nargs="+", required=True, help="metrics.jsonl files (or run folders)")
+    plot.add_argument("--output", type=Path, required=True, help="the PNG to write")
+    plot.add_argument("--smooth", type=int, default=None, metavar="N", help="also draw the loss averaged over N steps")
+    plot.add_argument("--names", nargs="+", default=None, help="one label per run (default: the run folder names)")
+    plot.set_defaults(run=_plot)
     return parser
 
 
@@ -226,7 +239,8 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     from nanotron.parallel.context import ParallelLayoutError
     from nanotron.parallel.data_parallel import ReplicaDivergenceError
     from nanotron.parallel.pipeline_parallel import PipelineTimeoutError
+    from nanotron.plot import PlotError
     from nanotron.trainer import TrainingDivergedError
 
     return (ConfigError, CorpusError, DataError, TokenizerError, CheckpointError, ParallelLayoutError,
-            TrainingDivergedError, PipelineTimeoutError, ReplicaDivergenceError)
+            TrainingDivergedError, PipelineTimeoutError, ReplicaDivergenceError, PlotError)

@@ -58,6 +58,7 @@ from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutp
 from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.parallel.statistics import Statistics, sum_over_replicas
 from nanotron.preemption import StopRequests
+from nanotron.trackers import Trackers
 from nanotron.random import seed_everything
 
 logger = logging.getLogger("nanotron.trainer")
@@ -147,6 +148,7 @@ class Trainer:
         self.metrics = (
             MetricsWriter(config.resolved_metrics_path(), resume_step=self.progress.step) if self.pc.rank == 0 else None
         )
+        self.trackers = Trackers(config) if self.pc.rank == 0 else None
         self._log_summary()
 
     # --- set-up ----------------------------------------------------------------------------------------------
@@ -440,6 +442,7 @@ class Trainer:
         bar.close()
         if self.metrics is not None:
             self.metrics.close()
+            self.trackers.close()
         logger.info(f"training finished at step {self.progress.step}")
 
     def _loader(self, stage) -> MicroBatchLoader:
@@ -510,6 +513,7 @@ class Trainer:
                if self._num_domains > 1 else "")
         )
         self.metrics.write(record)
+        self.trackers.log(record)
 
     def save(self) -> None:
         """Checkpoint the current step, in the foreground or (``checkpoints.async_save``) in the background."""

@@ -34,6 +34,7 @@ from nanotron.config.schema import (
     RandomInit,
     TokenizerArgs,
     TokensArgs,
+    WandbArgs,
 )
 from nanotron.config.validation import validate_config
 
@@ -60,6 +61,7 @@ __all__ = [
     "RandomInit",
     "TokenizerArgs",
     "TokensArgs",
+    "WandbArgs",
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",

@@ -38,6 +38,7 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 LR_WARMUP_STYLES = ("linear", "constant")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "1-sqrt")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass
@@ -228,11 +229,22 @@ class DatasetStageArgs:
 
 
 @dataclass
+class WandbArgs:
+    project: str
+    entity: str | None = None
+    mode: str = "online"  # online, offline (written locally, synced later with `wandb sync`) or disabled
+    name: str | None = None  # None: general.run
+    dir: Path | None = None  # None: checkpoints_path
+
+
+@dataclass
 class LoggingArgs:
     log_level: str = "info"
     log_level_replica: str = "info"
     iteration_step_info_interval: int = 1
     metrics_path: Path | None = None  # None: <checkpoints_path>/metrics.jsonl
+    tensorboard_dir: Path | None = None  # also write every step record as TensorBoard scalars here
+    wandb: WandbArgs | None = None  # also log every step record to Weights & Biases
 
 
 @dataclass

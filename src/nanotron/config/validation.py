@@ -5,6 +5,7 @@ config is fixed in one edit instead of one crash per launch. Whether the trainer
 degree is not checked here: that is the trainer's business.
 """
 
+import importlib.util
 import re
 from collections.abc import Iterator, Sequence
 
@@ -12,6 +13,7 @@ from nanotron.config.schema import (
     DTYPE_ALIASES,
     DTYPES,
     LOG_LEVELS,
+    WANDB_MODES,
     LR_DECAY_STYLES,
     LR_WARMUP_STYLES,
     PP_ENGINES,
@@ -320,6 +322,14 @@ def _logging(logging: LoggingArgs) -> Iterator[str]:
     yield from _one_of("logging.log_level", logging.log_level, LOG_LEVELS)
     yield from _one_of("logging.log_level_replica", logging.log_level_replica, LOG_LEVELS)
     yield from _at_least("logging.iteration_step_info_interval", logging.iteration_step_info_interval, 1)
+    if logging.wandb is not None:
+        yield from _one_of("logging.wandb.mode", logging.wandb.mode, WANDB_MODES)
+        if not logging.wandb.project:
+            yield "logging.wandb.project must not be empty; name the W&B project the runs go to"
+    for key, module, extra in (("logging.tensorboard_dir", "tensorboard", "tensorboard"),
+                               ("logging.wandb", "wandb", "wandb")):
+        if getattr(logging, key.split(".")[1]) is not None and importlib.util.find_spec(module) is None:
+            yield f"{key} is set but the {module} package is not installed; pip install -e \".[{extra}]\" or unset it"
 
 
 def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
