@@ -510,8 +510,8 @@ RULES = {
         [f"{MC}.num_attention_heads (4)", f"{MC}.num_key_value_heads (3)"],
     ),
     "kv heads split over tp": (
-        _set("parallelism.tp", 4),
-        [f"{MC}.num_key_value_heads (2)", "parallelism.tp (4)"],
+        _set("parallelism.tp", 3),
+        [f"{MC}.num_key_value_heads (2)", "parallelism.tp (3)"],
     ),
     "intermediate size splits over tp": (
         _all(_set(f"{MC}.intermediate_size", 385), _set("parallelism.tp", 2)),

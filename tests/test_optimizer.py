@@ -109,7 +109,8 @@ def test_global_grad_norm_is_accurate_for_large_gradients(group):
     grads = {name: torch.randn(p.shape, generator=generator) * 1e-3 for name, p in params.items()}
     sum((p * grads[name]).sum() for name, p in params.items()).backward()
     buckets.finish_reduction()
-    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, device=torch.device("cpu"))
+    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, sizes={"pp": 1, "dp": 1, "ep": 1, "tp": 1},
+                              device=torch.device("cpu"))
     exact = torch.cat([g.double() for g in grads.values()]).norm().item()
     assert abs(global_grad_norm(buckets, context).item() - exact) / exact < 1e-7
 

@@ -182,7 +182,8 @@ def test_training_with_qkv_biases_matches_at_tp_2(tiny_data, tmp_path):
 
 # --- shape rules and config errors --------------------------------------------------------------------------------
 
-SMOLLM2_LIKE = "--tp (2) must divide model.config.num_attention_heads (9) and model.config.num_key_value_heads (3)"
+SMOLLM2_LIKE = ("--tp (2) must divide model.config.num_attention_heads (9), and divide or be a multiple of "
+                "model.config.num_key_value_heads (3)")
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *fragments: str, 
 def test_generate_and_eval_refuse_a_tp_that_splits_kv_heads(smollm2_like):
     generated = _run_cli(str(ROOT / "run_generate.py"), "--ckpt-path", str(smollm2_like), "--tp", "2", "--prompt", "hi")
     assert generated.returncode == 2
-    assert_one_error_line(generated, SMOLLM2_LIKE, "set --tp to one of 1, 3")
+    assert_one_error_line(generated, SMOLLM2_LIKE, "set --tp to one of 1, 3, 9")
     evaluated = _run_cli("-m", "nanotron", "eval", "--ckpt-path", str(smollm2_like), "--data", "unused", "--tp", "2",
                          "--sequence-length", "64")
     assert evaluated.returncode == 2
@@ -229,8 +230,8 @@ def test_training_refuses_a_tp_that_splits_kv_heads_once_per_launch(smollm2_like
     config["model"]["init_method"] = {"path": str(smollm2_like)}
     config["model"]["model_config"] |= {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3}
     path = str(write_config(tmp_path / "config.yaml", config))
-    expected = ("parallelism.tp (2) must divide model.model_config.num_attention_heads (9) and "
-                "model.model_config.num_key_value_heads (3)", "set parallelism.tp to one of 1, 3")
+    expected = ("parallelism.tp (2) must divide model.model_config.num_attention_heads (9), and divide or be a "
+                "multiple of model.model_config.num_key_value_heads (3)", "set parallelism.tp to one of 1, 3, 9")
     single = _run_cli(str(ROOT / "run_train.py"), "--config-file", path)
     assert single.returncode == 2
     assert_one_error_line(single, *expected)

@@ -3,12 +3,12 @@ matmul, persistent buffers in checkpoints, auxiliary losses and statistics throu
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_config_dict, write_corpus
+from test_checkpoint_resharding import _train
 
 from distributed import run_distributed, run_distributed_each
 
@@ -165,17 +165,6 @@ def two_domains(tiny_data, tmp_path_factory) -> list[Path]:
     return [tiny_data["tokenized"], root / "other"]
 
 
-def _domain_metrics(config: dict) -> list[dict]:
-    from nanotron.config import config_from_dict
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    trainer.train()
-    if trainer.pc.rank != 0:
-        return []
-    return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-
-
 def test_multi_folder_runs_log_the_loss_of_every_domain_at_any_layout(tiny_data, two_domains, tmp_path):
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0,
@@ -183,8 +172,8 @@ def test_multi_folder_runs_log_the_loss_of_every_domain_at_any_layout(tiny_data,
     single = tiny_config_dict(tiny_data, tmp_path / "single", data_stages=[stage], tokens={"train_steps": 4})
     split = tiny_config_dict(tiny_data, tmp_path / "split", data_stages=[stage], parallelism={"dp": 2, "pp": 2},
                              tokens={"train_steps": 4, "micro_batch_size": 2})
-    (reference,) = run_distributed(_domain_metrics, 1, config=single)
-    layout = run_distributed(_domain_metrics, 4, config=split)[0]
+    (reference,) = run_distributed(_train, 1, config=single)
+    layout = run_distributed(_train, 4, config=split)[0]
     for record in reference:
         losses = record["domain_losses"]
         assert set(losses) == {"tokenized", "other"}

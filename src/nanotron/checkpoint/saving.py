@@ -63,7 +63,7 @@ def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelCon
         placement = get_placement(owners[name.split("/", 1)[-1]])
         if not placement.is_unique_copy(coords):
             continue
-        for local, logical in placement.boxes(coords, sizes):
+        for local, logical in placement.boxes(coords, sizes, unique=True):
             boxes.append((name, placement.logical_shape, logical, tensor[local]))
     return boxes
 

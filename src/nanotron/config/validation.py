@@ -203,11 +203,12 @@ def llama_layout_problems(c: LlamaConfig, tp: int, *, key: str | None = "model.m
     if heads % kv_heads:
         problems.append(f"{k}num_attention_heads ({heads}) must be divisible by {k}num_key_value_heads ({kv_heads}): "
                         "each kv head serves a whole group of heads")
-    if tp >= 1 and (heads % tp or kv_heads % tp):
-        fits = [str(n) for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
-        problems.append(f"{tp_key} ({tp}) must divide {k}num_attention_heads ({heads}) and {k}num_key_value_heads "
-                        f"({kv_heads}): each TP rank holds whole heads and whole kv heads (replicating kv heads over "
-                        f"TP ranks is not supported); set {tp_key} to one of {', '.join(fits)}")
+    if tp >= 1 and (heads % tp or (kv_heads % tp and tp % kv_heads)):
+        fits = [str(n) for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+        problems.append(f"{tp_key} ({tp}) must divide {k}num_attention_heads ({heads}), and divide or be a multiple of "
+                        f"{k}num_key_value_heads ({kv_heads}): each TP rank holds whole heads, and a kv head is either "
+                        f"split off whole or replicated over the ranks that share it; set {tp_key} to one of "
+                        f"{', '.join(fits)}")
     if tp >= 1 and c.intermediate_size % tp:
         problems.append(f"{k}intermediate_size ({c.intermediate_size}) must be divisible by {tp_key} ({tp}): the MLP "
                         "is split column-wise over TP ranks")

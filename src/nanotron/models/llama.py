@@ -3,8 +3,9 @@
 Parallelism is applied from outside (``nanotron.parallel``): tensor parallelism swaps the linear layers for
 sharded ones, and pipeline parallelism deletes the parts a stage does not own (``embed_tokens``, ``norm``,
 ``lm_head`` become ``None`` and layers are removed from ``layers``, which is keyed by the global layer index so that
-parameter names never depend on the layout). To stay layout-agnostic, attention derives its number of local heads
-from the width of its (possibly sharded) fused projection.
+parameter names never depend on the layout). To stay layout-agnostic, attention takes its numbers of local heads
+from the chunk widths its (possibly sharded) fused projection reports (``output_chunks``): whole heads split over
+tensor-parallel ranks, or a kv head replicated over the ranks that share it.
 
 The rotary cos/sin tables are computed once per forward, outside the decoder layers, and handed to each of them:
 inside a compiled layer the compiler would otherwise fuse the trigonometry into the rotation and recompute it for
@@ -49,9 +50,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.head_dim = config.head_dim
-        self.q_per_kv = config.num_attention_heads // config.num_key_value_heads
-        qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_width, bias=config.attention_bias)
+        q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.attention_bias,
+                               chunks=(q_width, kv_width, kv_width))
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
@@ -61,10 +62,11 @@ class LlamaAttention(nn.Module):
         (True = attend) replaces the causal mask when given (padded prompts), and ``kv_cache`` holds the keys and
         values of earlier positions (generation)."""
         qkv = self.qkv_proj(hidden_states)
-        batch, seq, width = qkv.shape
-        kv_heads = width // ((self.q_per_kv + 2) * self.head_dim)
-        q_heads = kv_heads * self.q_per_kv
-        q, k, v = qkv.split([q_heads * self.head_dim, kv_heads * self.head_dim, kv_heads * self.head_dim], dim=-1)
+        batch, seq, _ = qkv.shape
+        widths = self.qkv_proj.output_chunks
+        q_heads, kv_heads = widths[0] // self.head_dim, widths[1] // self.head_dim
+        q_per_kv = q_heads // kv_heads
+        q, k, v = qkv.split(list(widths), dim=-1)
         q = q.view(batch, seq, q_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
@@ -74,11 +76,11 @@ class LlamaAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         grouped = {}
-        if self.q_per_kv > 1 and SDPA_GROUPS_HEADS:
+        if q_per_kv > 1 and SDPA_GROUPS_HEADS:
             grouped = {"enable_gqa": True}
-        elif self.q_per_kv > 1:
-            k = k.repeat_interleave(self.q_per_kv, dim=1)
-            v = v.repeat_interleave(self.q_per_kv, dim=1)
+        elif q_per_kv > 1:
+            k = k.repeat_interleave(q_per_kv, dim=1)
+            v = v.repeat_interleave(q_per_kv, dim=1)
 
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)

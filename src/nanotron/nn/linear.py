@@ -13,7 +13,14 @@ from torch import nn
 
 
 class Linear(nn.Linear):
+    """``nn.Linear`` with a swappable matmul; ``chunks`` are the widths of fused outputs (q|k|v), which a model
+    reads back from ``output_chunks`` (a tensor-parallel replacement reports its local widths there)."""
+
     matmul = staticmethod(F.linear)  # (input, weight, bias) -> output; a converter may set another per instance
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, chunks: tuple[int, ...] | None = None):
+        super().__init__(in_features, out_features, bias=bias)
+        self.output_chunks = chunks or (out_features,)
 
     def forward(self, x):
         return self.matmul(x, self.weight, self.bias)

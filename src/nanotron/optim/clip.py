@@ -5,7 +5,8 @@ a replicated parameter only on one rank of each axis it is replicated over (``Pl
 weight tied across pipeline stages on one stage. Under ZeRO-1 the replicas over a bucket's gradient axes hold
 different shards of its reduced gradient, so each counts its own. The partial sums are then added over all ranks.
 Without that rule a TP-replicated norm weight would be counted tp times, and with expert parallelism dense
-weights (sharded by ZeRO-1 over dp × ep) would be counted on one ep rank only.
+weights (sharded by ZeRO-1 over dp × ep) would be counted on one ep rank only. Rows replicated over a group of TP
+ranks (kv heads shared by the ranks whose query heads use them) count on the group's first rank.
 """
 
 from __future__ import annotations
@@ -18,10 +19,30 @@ from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.placement import get_placement
 
 
+def _counted(values: torch.Tensor, in_param: slice, duplicates: list[tuple[int, int]],
+             row: int) -> list[torch.Tensor]:
+    """The parts of a gradient piece (elements ``in_param`` of the flattened parameter) outside the duplicated local
+    rows (kv heads replicated over TP ranks: counted on the first rank of each group)."""
+    kept, start = [], in_param.start
+    for first, last in duplicates:
+        lo, hi = max(first * row, in_param.start), min(last * row, in_param.stop)
+        if lo < hi:
+            kept.append(values[start - in_param.start:lo - in_param.start])
+            start = hi
+    kept.append(values[start - in_param.start:])
+    return [piece for piece in kept if piece.numel()]
+
+
 def global_grad_norm(buckets: GradientBuckets, parallel_context: ParallelContext) -> torch.Tensor:
-    coords = parallel_context.coordinates
-    pieces = [values for name, values, split_axes in buckets.grad_pieces()
-              if get_placement(buckets.params[name]).is_unique_copy(coords, split_axes)]
+    coords, sizes = parallel_context.coordinates, parallel_context.sizes
+    pieces = []
+    for name, values, split_axes, in_param in buckets.grad_pieces():
+        param = buckets.params[name]
+        placement = get_placement(param)
+        if not placement.is_unique_copy(coords, split_axes):
+            continue
+        duplicates = placement.duplicate_rows(coords, sizes)
+        pieces += _counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values]
     # One multi-tensor pass reads every gradient once (a pow and a sum per piece would write a squared copy). CUDA
     # reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4 for a million
     # elements, so the CPU accumulates in fp64.

@@ -186,11 +186,12 @@ class GradientBuckets:
         bucket = self.bucket_of[name]
         return bucket.grads[slice(*bucket.ranges[name])].view(bucket.shapes[name])
 
-    def grad_pieces(self) -> list[tuple[str, torch.Tensor, tuple[str, ...]]]:
-        """(name, gradient values, split axes) of every parameter piece in this rank's shards, for norms and
-        clipping; the split axes are those over which other ranks hold other pieces of the same gradient."""
-        return [(name, bucket.grads[bucket.shard][in_shard], bucket.split_axes) for bucket in self.buckets
-                for name, _, in_shard in bucket.shard_pieces()]
+    def grad_pieces(self) -> list[tuple[str, torch.Tensor, tuple[str, ...], slice]]:
+        """(name, gradient values, split axes, range in the parameter's flattened data) of every parameter piece in
+        this rank's shards, for norms and clipping; the split axes are those over which other ranks hold other
+        pieces of the same gradient."""
+        return [(name, bucket.grads[bucket.shard][in_shard], bucket.split_axes, in_param) for bucket in self.buckets
+                for name, in_param, in_shard in bucket.shard_pieces()]
 
 
 @torch.no_grad()

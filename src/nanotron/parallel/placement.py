@@ -30,27 +30,56 @@ DATA_AXES = ("dp", "ep")  # axes whose ranks train on different samples
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A contiguous run of one dim that a rank holds: where it sits locally and in the logical tensor, and which
+    copy it is (``replica`` > 0: other ranks hold the same values, and the one with ``replica`` 0 counts them)."""
+
+    local_start: int
+    global_start: int
+    length: int
+    replica: int = 0
+    replicas: int = 1  # ranks holding this same piece (consecutive ranks of the axis)
+
+
+@dataclass(frozen=True)
 class Shard:
-    """Split a tensor over the ranks of ``axis`` along ``dim``; ``chunks`` are the logical sizes of fused parts."""
+    """Split a tensor over the ranks of ``axis`` along ``dim``; ``chunks`` are the logical sizes of fused parts.
+
+    ``units`` are the indivisible sizes of the chunks (a head's ``head_dim``). A chunk with fewer units than ranks
+    is replicated in groups: with 2 kv heads over 4 ranks, ranks 0-1 hold head 0 and ranks 2-3 head 1 (as Megatron-LM
+    replicates kv heads), so its gradient must be summed over each group (``shared_pieces``).
+    """
 
     axis: str
     dim: int
     chunks: tuple[int, ...] | None = None
+    units: tuple[int, ...] | None = None
 
-    def intervals(self, logical_size: int, rank: int, size: int) -> list[tuple[int, int, int]]:
-        """(local_start, global_start, length) of every contiguous piece this rank holds along ``dim``."""
+    def intervals(self, logical_size: int, rank: int, size: int) -> list[Piece]:
+        """Every contiguous piece this rank holds along ``dim``, in local order."""
         chunks = self.chunks or (logical_size,)
+        units = self.units or (1,) * len(chunks)
         if sum(chunks) != logical_size:
             raise ValueError(f"chunks {chunks} do not add up to the logical size {logical_size}")
         pieces, local, start = [], 0, 0
-        for chunk in chunks:
-            if chunk % size:
-                raise ValueError(f"a chunk of {chunk} along dim {self.dim} cannot be split over {size} ranks")
-            length = chunk // size
-            pieces.append((local, start + rank * length, length))
+        for chunk, unit in zip(chunks, units):
+            count = chunk // unit
+            if count % size == 0:
+                length = chunk // size
+                pieces.append(Piece(local, start + rank * length, length))
+            elif size % count == 0:
+                replicas = size // count
+                length = unit
+                pieces.append(Piece(local, start + rank // replicas * unit, unit, rank % replicas, replicas))
+            else:
+                raise ValueError(f"a chunk of {count} units of {unit} along dim {self.dim} cannot be split over "
+                                 f"{size} ranks (neither divides the other)")
             local += length
             start += chunk
         return pieces
+
+    def local_size(self, logical_size: int, size: int) -> int:
+        return sum(piece.length for piece in self.intervals(logical_size, 0, size))
 
 
 @dataclass
@@ -68,20 +97,44 @@ class Placement:
     def local_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         shape = list(self.logical_shape)
         for shard in self.shards:
-            shape[shard.dim] //= sizes[shard.axis]
+            shape[shard.dim] = shard.local_size(shape[shard.dim], sizes[shard.axis])
         return tuple(shape)
 
-    def boxes(self, coords: dict[str, int], sizes: dict[str, int]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
-        """Pairs (local slices, logical slices) that together cover this rank's part of the tensor."""
-        per_dim: list[list[tuple[int, int, int]]] = [[(0, 0, n)] for n in self.logical_shape]
+    def _pieces(self, coords: dict[str, int], sizes: dict[str, int]) -> list[list[Piece]]:
+        per_dim = [[Piece(0, 0, n)] for n in self.logical_shape]
         for shard in self.shards:
             per_dim[shard.dim] = shard.intervals(self.logical_shape[shard.dim], coords[shard.axis], sizes[shard.axis])
+        return per_dim
+
+    def boxes(self, coords: dict[str, int], sizes: dict[str, int],
+              unique: bool = False) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+        """Pairs (local slices, logical slices) that together cover this rank's part of the tensor; with ``unique``,
+        only the boxes no other rank of the sharded axes counts (no replicated piece of a group other than its
+        first)."""
         pairs = []
-        for combo in itertools.product(*per_dim):
-            local = tuple(slice(lo, lo + n) for lo, _, n in combo)
-            logical = tuple(slice(go, go + n) for _, go, n in combo)
+        for combo in itertools.product(*self._pieces(coords, sizes)):
+            if unique and any(piece.replica for piece in combo):
+                continue
+            local = tuple(slice(p.local_start, p.local_start + p.length) for p in combo)
+            logical = tuple(slice(p.global_start, p.global_start + p.length) for p in combo)
             pairs.append((local, logical))
         return pairs
+
+    def duplicate_rows(self, coords: dict[str, int], sizes: dict[str, int]) -> list[tuple[int, int]]:
+        """Local row ranges (dim 0) that are replicas counted on another rank; replication is only along dim 0."""
+        per_dim = self._pieces(coords, sizes)
+        if any(piece.replica for pieces in per_dim[1:] for piece in pieces):
+            raise ValueError(f"{self.name}: replicated pieces are supported along dim 0 only")
+        return [(p.local_start, p.local_start + p.length) for p in per_dim[0] if p.replica]
+
+    def shared_pieces(self, axis: str, coords: dict[str, int], sizes: dict[str, int]) -> list[Piece]:
+        """Pieces along the ``axis`` shard's dim that a group of ranks of ``axis`` holds alike: each of those ranks
+        computes a part of their gradient, which must be summed over the group."""
+        shard = self.shard_on(axis)
+        if shard is None:
+            return []
+        pieces = shard.intervals(self.logical_shape[shard.dim], coords[axis], sizes[axis])
+        return [piece for piece in pieces if piece.replicas > 1]
 
     @property
     def replicated_axes(self) -> tuple[str, ...]:

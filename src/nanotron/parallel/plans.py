@@ -16,7 +16,8 @@ def llama_plan(config: LlamaConfig) -> dict[str, Style]:
     return {
         "embed_tokens": VocabEmbedding(),
         "input_layernorm": SequenceParallelNorm(),
-        "attn.qkv_proj": Column(chunks=(q_width, kv_width, kv_width)),
+        # Whole heads per rank; kv heads are replicated over the ranks sharing one when tp > num_key_value_heads.
+        "attn.qkv_proj": Column(chunks=(q_width, kv_width, kv_width), units=(config.head_dim,) * 3),
         "attn.o_proj": Row(),
         "post_attention_layernorm": SequenceParallelNorm(),
         "mlp.gate_up_proj": Column(chunks=(config.intermediate_size, config.intermediate_size)),

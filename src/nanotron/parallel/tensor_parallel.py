@@ -65,13 +65,54 @@ class _OverlappedSequenceColumnLinear(torch.autograd.Function):
         return grad_x_shard, grad_weight, None
 
 
+class _SumOverSharingRanks(torch.autograd.Function):
+    """Identity in the forward; in the backward, sums the gradient rows of pieces that several TP ranks hold alike
+    (kv heads replicated over the ranks whose query heads use them) over those ranks.
+
+    Each rank places its rows at the piece's position in a buffer spanning the replicated chunks and the buffer is
+    all-reduced over TP: a piece gets the sum of the ranks that hold it and nothing from the others.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, rows: tuple[tuple[int, int, int], ...], buffer_rows: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.rows, ctx.buffer_rows, ctx.group = rows, buffer_rows, group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        buffer = grad.new_zeros((ctx.buffer_rows, *grad.shape[1:]))
+        for local, length, offset in ctx.rows:
+            buffer[offset:offset + length] = grad[local:local + length]
+        dist.all_reduce(buffer, group=ctx.group)
+        grad = grad.clone()
+        for local, length, offset in ctx.rows:
+            grad[local:local + length] = buffer[offset:offset + length]
+        return grad, None, None, None
+
+
+def _shared_rows(shard: Shard, logical_size: int, group: dist.ProcessGroup) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """(local start, length, buffer offset) of this rank's replicated pieces, and the rows of a buffer holding every
+    replicated chunk (``_SumOverSharingRanks``)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    rows, buffer_rows, chunk_start = [], 0, 0
+    for chunk, piece in zip(shard.chunks or (logical_size,), shard.intervals(logical_size, rank, size)):
+        if piece.replicas > 1:
+            rows.append((piece.local_start, piece.length, buffer_rows + piece.global_start - chunk_start))
+            buffer_rows += chunk
+        chunk_start += chunk
+    return tuple(rows), buffer_rows
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W (and the optional bias b) split along the output features; the output stays sharded
     on features.
 
     ``chunks`` are the logical sizes of fused outputs (e.g. q|k|v): each chunk is split evenly so that every rank holds
     matching slices of all of them, and the bias is cut exactly like the weight's rows (a rank's bias entries are
-    those of its output features). ``overlap`` (sequence-parallel mode only) selects the backward that overlaps
+    those of its output features). A chunk of fewer ``units`` (heads) than ranks is replicated over groups of ranks
+    (kv heads at tp > num_key_value_heads), and its gradient summed over each group. ``output_chunks`` are this
+    rank's widths of the chunks. ``overlap`` (sequence-parallel mode only) selects the backward that overlaps
     communication with computation; it computes its own products, so a layer given another ``matmul`` (see
     ``nn/linear.py``) runs the plain sequence-parallel path instead.
     """
@@ -79,24 +120,36 @@ class ColumnParallelLinear(nn.Module):
     matmul = staticmethod(F.linear)
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str,
-                 chunks: tuple[int, ...] | None = None, overlap: bool = False, bias: bool = False):
+                 chunks: tuple[int, ...] | None = None, overlap: bool = False, bias: bool = False,
+                 units: tuple[int, ...] | None = None):
         super().__init__()
         tp = dist.get_world_size(group)
         self.group, self.mode = group, mode
         self.overlap = overlap and mode == REDUCE_SCATTER
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features))
-        self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 0, chunks),))}
+        shard = Shard("tp", 0, chunks, units)
+        pieces = shard.intervals(out_features, dist.get_rank(group), tp)
+        self.output_chunks = tuple(piece.length for piece in pieces)
+        self.shared_rows, self.shared_buffer_rows = _shared_rows(shard, out_features, group)
+        self.weight = nn.Parameter(torch.empty(sum(self.output_chunks), in_features))
+        self.parameter_shards = {"weight": ((out_features, in_features), (shard,))}
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features // tp))
-            self.parameter_shards["bias"] = ((out_features,), (Shard("tp", 0, chunks),))
+            self.bias = nn.Parameter(torch.empty(sum(self.output_chunks)))
+            self.parameter_shards["bias"] = ((out_features,), (shard,))
+
+    def _shared(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """The parameter, with replicated rows' gradients summed over the ranks that share them."""
+        if tensor is None or not self.shared_rows:
+            return tensor
+        return _SumOverSharingRanks.apply(tensor, self.shared_rows, self.shared_buffer_rows, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._shared(self.weight), self._shared(self.bias)
         if self.overlap and self.matmul is F.linear:
-            y = _OverlappedSequenceColumnLinear.apply(x, self.weight, self.group)
-            return y if self.bias is None else y + self.bias
+            y = _OverlappedSequenceColumnLinear.apply(x, weight, self.group)
+            return y if bias is None else y + bias
         x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
-        return self.matmul(x, self.weight, self.bias)
+        return self.matmul(x, weight, bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -151,6 +204,7 @@ class SequenceParallelRMSNorm(RMSNorm):
 @dataclass(frozen=True)
 class Column:
     chunks: tuple[int, ...] | None = None
+    units: tuple[int, ...] | None = None  # indivisible sizes of the chunks (heads): see ColumnParallelLinear
 
 
 @dataclass(frozen=True)
@@ -175,7 +229,7 @@ def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, 
                      overlap: bool) -> nn.Module | None:
     if isinstance(style, Column):
         return ColumnParallelLinear(module.in_features, module.out_features, group, mode, style.chunks, overlap,
-                                    bias=module.bias is not None)
+                                    bias=module.bias is not None, units=style.units)
     if isinstance(style, Row):
         return RowParallelLinear(module.in_features, module.out_features, group, mode)
     if isinstance(style, VocabEmbedding):
