@@ -136,7 +136,7 @@ def _expert_parallel_norm_and_replica_check() -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from nanotron.optim.clip import global_grad_norm
+    from nanotron.optim.clip import GlobalGradNorm
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.data_parallel import GradientBuckets, ReplicaDivergenceError, check_replicas_agree
     from nanotron.parallel.placement import Shard, annotate_placements, logical_parameters
@@ -155,7 +155,7 @@ def _expert_parallel_norm_and_replica_check() -> dict:
     buckets.final_micro_batch = True
     ((rank + 1) * holder.dense.weight.sum() + 2 * (rank + 1) * holder.expert.weight.sum()).backward()
     buckets.finish_reduction()
-    norm = global_grad_norm(buckets, pc).item()
+    norm = GlobalGradNorm(buckets, pc)().item()
     check_replicas_agree(buckets, step=1)
     with torch.no_grad():
         holder.dense.weight[0, 0] += 1e-3 * (rank == 3)

@@ -48,7 +48,7 @@ from nanotron.logging import setup_logging
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
-from nanotron.optim.clip import clip_coefficient, global_grad_norm
+from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
@@ -130,6 +130,7 @@ class Trainer:
             self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.reduction_groups,
             declared_names(self.model, "no_weight_decay_parameters"),
         )
+        self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         self.schedule = self._pipeline_schedule()
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
         self._loss = torch.compile(micro_batch_loss) if config.model.compile else micro_batch_loss
@@ -354,7 +355,7 @@ class Trainer:
         skipped (``divergence.py``), which needs them before the update. A bad step the policy does not skip stops
         the run before anything is saved: the in-memory state of that step is discarded with the process."""
         statistics = self.forward_backward(micro_batches)
-        grad_norm = global_grad_norm(self.buckets, self.pc)
+        grad_norm = self.grad_norm()
         step, guard = self.progress.step + 1, self.bad_steps
         if guard.judges_before_update:
             loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()

@@ -33,25 +33,35 @@ def _counted(values: torch.Tensor, in_param: slice, duplicates: list[tuple[int, 
     return [piece for piece in kept if piece.numel()]
 
 
-def global_grad_norm(buckets: GradientBuckets, parallel_context: ParallelContext) -> torch.Tensor:
-    coords, sizes = parallel_context.coordinates, parallel_context.sizes
-    pieces = []
-    for name, values, split_axes, in_param in buckets.grad_pieces():
-        param = buckets.params[name]
-        placement = get_placement(param)
-        if not placement.is_unique_copy(coords, split_axes):
-            continue
-        duplicates = placement.duplicate_rows(coords, sizes)
-        pieces += _counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values]
-    # One multi-tensor pass reads every gradient once (a pow and a sum per piece would write a squared copy). CUDA
-    # reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4 for a million
-    # elements, so the CPU accumulates in fp64.
-    accumulate = torch.float64 if parallel_context.device.type == "cpu" else torch.float32
-    norms = torch._foreach_norm(pieces, 2, dtype=accumulate) if pieces else []
-    total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros((), device=parallel_context.device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total.sqrt()
+class GlobalGradNorm:
+    """The global gradient norm of ``buckets``, called once per step.
+
+    Which gradient values this rank counts depends only on the layout, and the buckets' gradient buffers never move,
+    so the views to count are chosen once, here; a step only reads them.
+    """
+
+    def __init__(self, buckets: GradientBuckets, parallel_context: ParallelContext):
+        coords, sizes = parallel_context.coordinates, parallel_context.sizes
+        self.device = parallel_context.device
+        self.pieces: list[torch.Tensor] = []
+        for name, values, split_axes, in_param in buckets.grad_pieces():
+            param = buckets.params[name]
+            placement = get_placement(param)
+            if not placement.is_unique_copy(coords, split_axes):
+                continue
+            duplicates = placement.duplicate_rows(coords, sizes)
+            self.pieces += _counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values]
+
+    def __call__(self) -> torch.Tensor:
+        # One multi-tensor pass reads every gradient once (a pow and a sum per piece would write a squared copy).
+        # CUDA reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4 for a
+        # million elements, so the CPU accumulates in fp64.
+        accumulate = torch.float64 if self.device.type == "cpu" else torch.float32
+        norms = torch._foreach_norm(self.pieces, 2, dtype=accumulate) if self.pieces else []
+        total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros((), device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        return total.sqrt()
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
