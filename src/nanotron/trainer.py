@@ -31,6 +31,7 @@ from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.manager import (
     TrainingProgress,
     check_same_model,
+    first_problem,
     load_optimizer,
     load_rng,
     load_weights,
@@ -216,12 +217,10 @@ class Trainer:
                 remove_partial_saves(root)
                 check_writable(root)
             except (ConfigError, CheckpointError) as error:
-                problem = (type(error).__name__, str(error))
-        verdicts = [None] * self.pc.world_size
-        dist.all_gather_object(verdicts, problem)
-        if verdicts[0] is not None:
-            kind, message = verdicts[0]
-            raise (ConfigError if kind == "ConfigError" else CheckpointError)(message)
+                problem = str(error)
+        problem = first_problem(problem, self.pc.world_size)
+        if problem is not None:
+            raise ConfigError(problem)
         return resume
 
     def _initial_checkpoint(self) -> tuple[Path, dict] | None:
