@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -76,6 +76,7 @@ class StepResult:
     lr: float
     domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
     skipped: bool = False  # a bad step whose update was skipped (``divergence.py``)
+    model_metrics: dict = field(default_factory=dict)  # the family's own (auxiliary losses, expert load)
 
 
 def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
@@ -92,20 +93,11 @@ def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor],
     return loss, {"lm_loss": loss, "domain_loss_sum": domain_loss_sum, "domain_tokens": domain_tokens}
 
 
-def check_supported_layout(config: Config) -> None:
-    """Reject parallel settings whose mechanisms this version does not provide, naming the keys."""
-    p = config.parallelism
-    if p.expert_parallel_size != 1:
-        raise ConfigError(f"parallelism.expert_parallel_size={p.expert_parallel_size} needs a mixture-of-experts model, "
-                          "which this version does not have; set it to 1")
-
-
 class Trainer:
     """Trains the model that ``config`` describes; ``converters`` change its modules before weights exist (e.g.
     swap linears for other implementations)."""
 
     def __init__(self, config: Config, converters: tuple[ModuleConverter, ...] = ()):
-        check_supported_layout(config)
         self.config = expand_run_name(config)
         p = config.parallelism
         self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size)
@@ -124,6 +116,7 @@ class Trainer:
         self.resume_from = self._prepare_run_folder()
         self.tokenizer_fingerprint = self._check_tokenizer_and_data()
         model_config = config.model.model_config
+        self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         self.initial_checkpoint = self._initial_checkpoint()
         self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
         self.params = logical_parameters(self.model)
@@ -324,14 +317,20 @@ class Trainer:
             output = self.model(input_ids=micro_batch["input_ids"])
         else:
             output = self.model(hidden_states=hidden_states)
+        auxiliary_loss, statistics = None, {}
+        if self.auxiliary_losses is not None:
+            auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
         if not self.pc.is_last_stage:
-            return StageOutput(output)
-        loss, statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
-                                      self.config.model.model_config.vocab_size, self._num_domains)
-        return StageOutput(loss, statistics)
+            return StageOutput(output, statistics, auxiliary_loss)
+        loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
+                                           self.config.model.model_config.vocab_size, self._num_domains)
+        return StageOutput(loss, statistics | loss_statistics, auxiliary_loss)
 
     def _statistics_template(self) -> dict[str, tuple[int, ...]]:
-        return {"lm_loss": (), "domain_loss_sum": (self._num_domains,), "domain_tokens": (self._num_domains,)}
+        template = {"lm_loss": (), "domain_loss_sum": (self._num_domains,), "domain_tokens": (self._num_domains,)}
+        if self.auxiliary_losses is not None:
+            template |= self.auxiliary_losses.template(self.config.model.model_config)
+        return template
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
         """The step's statistics, the same on every rank (``lm_loss`` is the step's mean token loss); gradients end
@@ -373,7 +372,10 @@ class Trainer:
                 self._on_bad_step(step, reason)
         sums, counts = statistics["domain_loss_sum"].tolist(), statistics["domain_tokens"].tolist()
         domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
-        return StepResult(loss_value, norm_value, lr, domain_losses)
+        model_metrics = {}
+        if self.auxiliary_losses is not None:
+            model_metrics = self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
+        return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics)
 
     def _on_bad_step(self, step: int, reason: str) -> None:
         """Keep the newest checkpoint from before the trouble out of pruning, then skip the step or stop."""
@@ -501,6 +503,7 @@ class Trainer:
             record["domain_losses"] = result.domain_losses
         if result.skipped:
             record["skipped_update"] = True
+        record |= result.model_metrics
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
         hardware = f" (hw {hardware_tflops:.2f})" if self.hardware_flops_per_token != self.flops_per_token else ""
@@ -511,6 +514,8 @@ class Trainer:
             f"ETA {format_duration(eta)}"
             + ("".join(f" | {name} {loss:.4f}" for name, loss in result.domain_losses.items())
                if self._num_domains > 1 else "")
+            + "".join(f" | {name.removeprefix('moe_')} {value:.4f}" for name, value in result.model_metrics.items()
+                      if isinstance(value, float))
         )
         self.metrics.write(record)
         self.trackers.log(record)

@@ -1,4 +1,4 @@
-"""Llama and Qwen2 checkpoints in Hugging Face ``transformers`` layout, to and from nanotron's logical tensors.
+"""Llama, Qwen2 and Mixtral checkpoints in Hugging Face ``transformers`` layout, to and from nanotron's logical tensors.
 
 Qwen2 is Llama with biases on q, k and v: nanotron's Llama with ``attention_bias: true``. A config.json of
 ``model_type`` ``qwen2`` converts to that, and such a model exports back as ``Qwen2ForCausalLM``; every other one as
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import LlamaConfig
+from nanotron.config import LlaMoEConfig, LlamaConfig
 from nanotron.config.schema import ROPE_SCALING_KEYS
 
 
@@ -50,11 +50,10 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
 
 class LlamaHFAdapter:
     model_types = ("llama", "qwen2")
+    config_class = LlamaConfig
 
-    def config_from_hf(self, hf: dict) -> LlamaConfig:
-        heads = hf["num_attention_heads"]
-        if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
-            raise CheckpointError("head_dim must equal hidden_size / num_attention_heads")
+    def _check_family(self, hf: dict) -> dict:
+        """Config fields of the variant read from ``hf``, after refusing what nanotron does not build."""
         qwen2 = hf.get("model_type") == "qwen2"
         if qwen2 and hf.get("use_sliding_window"):
             raise CheckpointError("Qwen2 models with use_sliding_window: true are not supported (nanotron attends "
@@ -62,26 +61,34 @@ class LlamaHFAdapter:
         if not qwen2 and (hf.get("attention_bias") or hf.get("mlp_bias")):
             raise CheckpointError("Llama models with attention_bias (which biases o_proj too) or mlp_bias are not "
                                   "supported; only q/k/v biases are (Qwen2)")
+        return {"attention_bias": qwen2}
+
+    def config_from_hf(self, hf: dict) -> LlamaConfig:
+        heads = hf["num_attention_heads"]
+        if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
+            raise CheckpointError("head_dim must equal hidden_size / num_attention_heads")
+        variant = self._check_family(hf)
         rope_theta, rope_scaling = _rope_from_hf(hf)
-        return LlamaConfig(
+        return self.config_class(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             max_position_embeddings=hf.get("max_position_embeddings", 2048), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta, rope_scaling=rope_scaling, attention_bias=qwen2,
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"),
+            pad_token_id=hf.get("pad_token_id"), **variant,
         )
 
-    def config_to_hf(self, config: LlamaConfig, dtype: str) -> dict:
+    def _family_to_hf(self, config: LlamaConfig) -> dict:
         if config.attention_bias:
-            family = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
-                      "sliding_window": None, "max_window_layers": config.num_hidden_layers}
-        else:
-            family = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-                      "mlp_bias": False}
-        return family | {
+            return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+                    "sliding_window": None, "max_window_layers": config.num_hidden_layers}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                "mlp_bias": False}
+
+    def config_to_hf(self, config: LlamaConfig, dtype: str) -> dict:
+        return self._family_to_hf(config) | {
             "hidden_act": "silu",
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
@@ -93,21 +100,32 @@ class LlamaHFAdapter:
             "pad_token_id": config.pad_token_id, "torch_dtype": dtype,
         }
 
+    def _mlp_from_hf(self, hf: dict[str, torch.Tensor], prefix: str, ours: str, config: LlamaConfig,
+                     index: int) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s feed-forward tensors (``prefix`` is ``model.layers.i.``, ``ours`` is ``layers.i.``)."""
+        mlp = prefix + "mlp."
+        return {ours + "mlp.gate_up_proj.weight": torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]),
+                ours + "mlp.down_proj.weight": hf[mlp + "down_proj.weight"]}
+
+    def _mlp_to_hf(self, read: Callable[[str], torch.Tensor], prefix: str, ours: str, config: LlamaConfig,
+                   index: int) -> dict[str, torch.Tensor]:
+        gate, up = read(ours + "mlp.gate_up_proj.weight").chunk(2)
+        return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
+                prefix + "mlp.down_proj.weight": read(ours + "mlp.down_proj.weight")}
+
     def weights_from_hf(self, hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
         tensors = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
         fused = ("weight", "bias") if config.attention_bias else ("weight",)
         for i in range(config.num_hidden_layers):
-            prefix = f"model.layers.{i}."
-            attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            tensors[f"layers.{i}.input_layernorm.weight"] = hf[prefix + "input_layernorm.weight"]
-            tensors[f"layers.{i}.post_attention_layernorm.weight"] = hf[prefix + "post_attention_layernorm.weight"]
+            prefix, ours = f"model.layers.{i}.", f"layers.{i}."
+            attn = prefix + "self_attn."
+            tensors[f"{ours}input_layernorm.weight"] = hf[prefix + "input_layernorm.weight"]
+            tensors[f"{ours}post_attention_layernorm.weight"] = hf[prefix + "post_attention_layernorm.weight"]
             for kind in fused:
-                tensors[f"layers.{i}.attn.qkv_proj.{kind}"] = torch.cat(
+                tensors[f"{ours}attn.qkv_proj.{kind}"] = torch.cat(
                     [hf[f"{attn}q_proj.{kind}"], hf[f"{attn}k_proj.{kind}"], hf[f"{attn}v_proj.{kind}"]])
-            tensors[f"layers.{i}.attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
-            tensors[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
-            tensors[f"layers.{i}.mlp.down_proj.weight"] = hf[mlp + "down_proj.weight"]
+            tensors[f"{ours}attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+            tensors |= self._mlp_from_hf(hf, prefix, ours, config, i)
         if not config.tie_word_embeddings:
             tensors["lm_head.weight"] = hf["lm_head.weight"]
         return tensors
@@ -123,14 +141,67 @@ class LlamaHFAdapter:
                 q, k, v = read(f"{ours}attn.qkv_proj.{kind}").split([q_width, kv_width, kv_width])
                 hf |= {f"{prefix}self_attn.q_proj.{kind}": q, f"{prefix}self_attn.k_proj.{kind}": k,
                        f"{prefix}self_attn.v_proj.{kind}": v}
-            gate, up = read(ours + "mlp.gate_up_proj.weight").chunk(2)
             hf |= {
                 prefix + "input_layernorm.weight": read(ours + "input_layernorm.weight"),
                 prefix + "post_attention_layernorm.weight": read(ours + "post_attention_layernorm.weight"),
                 prefix + "self_attn.o_proj.weight": read(ours + "attn.o_proj.weight"),
-                prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
-                prefix + "mlp.down_proj.weight": read(ours + "mlp.down_proj.weight"),
-            }
+            } | self._mlp_to_hf(read, prefix, ours, config, i)
         if not config.tie_word_embeddings:
             hf["lm_head.weight"] = read("lm_head.weight")
         return hf
+
+
+class MixtralHFAdapter(LlamaHFAdapter):
+    """Mixtral: nanotron's LlaMoE with every layer a mixture of experts and renormalised top-k weights.
+
+    Experts are read from either layout ``transformers`` uses: per expert (``block_sparse_moe.experts.j.w1/w3/w2``,
+    gate/up/down, and ``block_sparse_moe.gate`` the router; the Hub checkpoints and transformers 4) or fused
+    (``mlp.experts.gate_up_proj`` [E, 2 * ffn, hidden] and ``down_proj``, ``mlp.gate``; transformers 5 in memory).
+    Exports use the per-expert layout, which both versions load. The router's jitter noise (training only) is not
+    implemented and is ignored.
+    """
+
+    model_types = ("mixtral",)
+    config_class = LlaMoEConfig
+
+    def _check_family(self, hf: dict) -> dict:
+        if hf.get("sliding_window") is not None:
+            raise CheckpointError("Mixtral models with a sliding_window are not supported (nanotron attends to the "
+                                  "whole context); set sliding_window to null if the model was trained without one")
+        return {"moe_num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+                "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "moe_normalize_topk": True}
+
+    def _family_to_hf(self, config: LlaMoEConfig) -> dict:
+        unsupported = [what for what, present in (
+            ("q/k/v biases", config.attention_bias), ("dense first layers", config.moe_first_dense_layers > 0),
+            ("raw (not renormalised) top-k weights", not config.moe_normalize_topk),
+            ("a capacity factor", config.moe_capacity_factor is not None)) if present]
+        if unsupported:
+            raise CheckpointError(f"this MoE model has {', '.join(unsupported)}, which Mixtral cannot express")
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "sliding_window": None,
+                "num_local_experts": config.moe_num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+                "router_aux_loss_coef": config.moe_aux_loss_coef, "output_router_logits": False,
+                "router_jitter_noise": 0.0}
+
+    def _mlp_from_hf(self, hf, prefix, ours, config, index):
+        fused = prefix + "mlp."
+        if fused + "experts.gate_up_proj" in hf:
+            return {ours + "mlp.router.weight": hf[fused + "gate.weight"],
+                    ours + "mlp.experts.gate_up_proj": hf[fused + "experts.gate_up_proj"],
+                    ours + "mlp.experts.down_proj": hf[fused + "experts.down_proj"]}
+        moe = prefix + "block_sparse_moe."
+        experts = range(config.moe_num_experts)
+        return {ours + "mlp.router.weight": hf[moe + "gate.weight"],
+                ours + "mlp.experts.gate_up_proj": torch.stack(
+                    [torch.cat([hf[f"{moe}experts.{j}.w1.weight"], hf[f"{moe}experts.{j}.w3.weight"]]) for j in experts]),
+                ours + "mlp.experts.down_proj": torch.stack([hf[f"{moe}experts.{j}.w2.weight"] for j in experts])}
+
+    def _mlp_to_hf(self, read, prefix, ours, config, index):
+        moe = prefix + "block_sparse_moe."
+        tensors = {moe + "gate.weight": read(ours + "mlp.router.weight")}
+        gate_up, down = read(ours + "mlp.experts.gate_up_proj"), read(ours + "mlp.experts.down_proj")
+        for j in range(config.moe_num_experts):
+            gate, up = gate_up[j].chunk(2)
+            tensors |= {f"{moe}experts.{j}.w1.weight": gate, f"{moe}experts.{j}.w3.weight": up,
+                        f"{moe}experts.{j}.w2.weight": down[j]}
+        return tensors

@@ -135,8 +135,34 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
 
+@dataclass
+class LlaMoEConfig(LlamaConfig):
+    """Llama with mixture-of-experts feed-forward layers (nanotron's ``is_llamoe_config``; Mixtral's architecture).
+
+    Each MoE layer routes every token to ``num_experts_per_tok`` of ``moe_num_experts`` SwiGLU experts of width
+    ``intermediate_size``. The first ``moe_first_dense_layers`` layers keep a dense SwiGLU MLP.
+    """
+
+    is_llama_config: bool = False
+    is_llamoe_config: bool = True
+    moe_num_experts: int = 1
+    num_experts_per_tok: int = 1
+    moe_capacity_factor: float | None = None  # None: dropless; else each expert takes at most factor * tokens * k / E
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss (Switch Transformer), per sequence, averaged over layers
+    moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean squared log-sum-exp of the router logits
+    moe_normalize_topk: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral); False: raw softmax
+    moe_first_dense_layers: int = 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.moe_first_dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+
 # `model.model_config` is chosen by the `is_<name>_config: true` marker it contains; add new architectures here.
-MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig}
+MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_llamoe_config": LlaMoEConfig}
 
 
 @dataclass
@@ -151,7 +177,7 @@ class ExistingCheckpointInit:
 
 @dataclass
 class ModelArgs:
-    model_config: LlamaConfig
+    model_config: LlamaConfig  # or a subclass: LlaMoEConfig
     init_method: RandomInit | ExistingCheckpointInit
     dtype: str = "bfloat16"
     make_vocab_size_divisible_by: int = 1

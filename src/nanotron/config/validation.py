@@ -24,6 +24,7 @@ from nanotron.config.schema import (
     ConfigError,
     DatasetStageArgs,
     GeneralArgs,
+    LlaMoEConfig,
     LlamaConfig,
     LoggingArgs,
     ModelArgs,
@@ -122,8 +123,10 @@ def _model(model: ModelArgs) -> Iterator[str]:
 def _llama(c: LlamaConfig, key: str | None) -> Iterator[str]:
     """Rules on the values of a Llama config alone; its shapes are ``llama_layout_problems``."""
     k = f"{key}." if key else ""
-    if not c.is_llama_config:
+    if type(c) is LlamaConfig and not c.is_llama_config:
         yield f"{k}is_llama_config must be true for a Llama model config"
+    if isinstance(c, LlaMoEConfig):
+        yield from _mixture_of_experts(c, k)
     if c.vocab_size >= 1:
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             token_id = getattr(c, name)
@@ -143,6 +146,22 @@ def _llama(c: LlamaConfig, key: str | None) -> Iterator[str]:
         yield f"{k}hidden_act must be 'silu' (got {c.hidden_act!r}): the Llama MLP is SwiGLU"
     if c.pretraining_tp != 1:
         yield f"{k}pretraining_tp must be 1 (got {c.pretraining_tp}); use parallelism.tp for tensor parallelism"
+
+
+def _mixture_of_experts(c: LlaMoEConfig, k: str) -> Iterator[str]:
+    if c.is_llama_config or not c.is_llamoe_config:
+        yield f"{k}is_llamoe_config must be true (and is_llama_config absent) for a mixture-of-experts config"
+    yield from _at_least(f"{k}moe_num_experts", c.moe_num_experts, 1)
+    if not 1 <= c.num_experts_per_tok <= max(c.moe_num_experts, 1):
+        yield (f"{k}num_experts_per_tok ({c.num_experts_per_tok}) must be in [1, {k}moe_num_experts] = "
+               f"[1, {c.moe_num_experts}]: each token goes to that many distinct experts")
+    if c.moe_capacity_factor is not None:
+        yield from _positive(f"{k}moe_capacity_factor", c.moe_capacity_factor)
+    yield from _at_least(f"{k}moe_aux_loss_coef", c.moe_aux_loss_coef, 0)
+    yield from _at_least(f"{k}moe_z_loss_coef", c.moe_z_loss_coef, 0)
+    if not 0 <= c.moe_first_dense_layers < c.num_hidden_layers:
+        yield (f"{k}moe_first_dense_layers ({c.moe_first_dense_layers}) must be in [0, {k}num_hidden_layers) = "
+               f"[0, {c.num_hidden_layers}): at least the last layer is a mixture of experts")
 
 
 def _rope_scaling(scaling: dict, key: str) -> Iterator[str]:
@@ -343,6 +362,13 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
         )
     yield from llama_layout_problems(c, p.tp, key=key, sequence_length=tokens.sequence_length)
+    ep = p.expert_parallel_size
+    if ep > 1 and not isinstance(c, LlaMoEConfig):
+        yield (f"parallelism.expert_parallel_size ({ep}) needs a mixture-of-experts model ({key} with "
+               "is_llamoe_config: true); set it to 1 for this model")
+    elif ep >= 1 and isinstance(c, LlaMoEConfig) and c.moe_num_experts >= 1 and c.moe_num_experts % ep:
+        yield (f"{key}.moe_num_experts ({c.moe_num_experts}) must be divisible by parallelism.expert_parallel_size "
+               f"({ep}): every expert-parallel rank holds the same number of whole experts")
     if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
         yield (
             f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "

@@ -102,12 +102,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    """Pre-norm attention and feed-forward blocks with residual connections; ``mlp`` is any module mapping hidden
+    states to hidden states (a dense SwiGLU, or a mixture of experts)."""
+
+    def __init__(self, config: LlamaConfig, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
@@ -124,11 +127,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.padded_vocab_size = padded_vocab_size
         self.embed_tokens: nn.Embedding | None = nn.Embedding(padded_vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, self.feed_forward(config, i))
+                                     for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Linear | None = Linear(config.hidden_size, padded_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
+
+    @staticmethod
+    def feed_forward(config: LlamaConfig, index: int) -> nn.Module:
+        """The feed-forward block of layer ``index``; variants of the architecture override this."""
+        return LlamaMLP(config)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head. Call again after ``to_empty``, which breaks sharing."""
@@ -180,7 +189,18 @@ def llama_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
 
 
 def llama_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
-    """6 FLOPs per weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
+    """Costs of the dense Llama: every layer's MLP is a SwiGLU of ``intermediate_size`` (see ``decoder_costs``)."""
+    dense = 3 * c.hidden_size * c.intermediate_size
+    return decoder_costs(c, padded_vocab_size, sequence_length, [(dense, dense)] * c.num_hidden_layers)
+
+
+def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
+                  feed_forward: list[tuple[int, int]]) -> ModelCosts:
+    """Costs of a Llama-style decoder whose layer ``i`` has a feed-forward block of ``feed_forward[i]`` = (parameters,
+    parameters each token uses): equal for a dense MLP, fewer for a mixture of experts, whose FLOPs count only
+    the experts a token is routed to (and the router).
+
+    6 FLOPs per used weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
     weighted sum cost 4 * hidden * s FLOPs per token and layer in the forward over a full s x s matrix, half of that
     with the causal mask, so 6 * hidden * s per token and layer for forward and backward. The embedding counts
     with its parameters (as the tied LM head matmul, or the lookup), as in the 6N convention; so do the q|k|v
@@ -188,13 +208,14 @@ def llama_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) ->
     qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     attention = c.hidden_size * qkv_width + (qkv_width if c.attention_bias else 0)
     attention += c.num_attention_heads * c.head_dim * c.hidden_size
-    layer_parameters = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    other = attention + 2 * c.hidden_size  # attention and the two norms
     embeddings = padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    parameters = c.num_hidden_layers * layer_parameters + embeddings + c.hidden_size
-    layer_flops = 6.0 * layer_parameters + 6.0 * c.hidden_size * sequence_length
+    parameters = sum(other + total for total, _ in feed_forward) + embeddings + c.hidden_size
+    active = sum(other + used for _, used in feed_forward) + embeddings + c.hidden_size
+    attention_flops = 6.0 * c.hidden_size * sequence_length
     return ModelCosts(
         parameters=parameters,
-        layer_flops=(layer_flops,) * c.num_hidden_layers,
+        layer_flops=tuple(6.0 * (other + used) + attention_flops for _, used in feed_forward),
         head_flops=6.0 * padded_vocab_size * c.hidden_size,
-        flops_per_token=6.0 * parameters + 6.0 * c.num_hidden_layers * c.hidden_size * sequence_length,
+        flops_per_token=6.0 * active + c.num_hidden_layers * attention_flops,
     )

@@ -7,13 +7,21 @@ To add a family: its config dataclass (``nanotron/config``, with its ``is_<name>
 
 from __future__ import annotations
 
-from nanotron.checkpoint.hf_llama import LlamaHFAdapter
+from nanotron.checkpoint.hf_llama import LlamaHFAdapter, MixtralHFAdapter
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import ConfigError, LlamaConfig
+from nanotron.config import ConfigError, LlaMoEConfig, LlamaConfig
 from nanotron.config.validation import llama_problems
 from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
-from nanotron.models.spec import ModelSpec
-from nanotron.parallel.plans import llama_plan
+from nanotron.models.moe import (
+    LlaMoEForCausalLM,
+    moe_costs,
+    moe_init_rule,
+    router_losses,
+    router_metrics,
+    router_statistics_template,
+)
+from nanotron.models.spec import AuxiliaryLosses, ModelSpec
+from nanotron.parallel.plans import llama_plan, moe_plan
 
 LLAMA = ModelSpec(
     name="llama",
@@ -30,7 +38,21 @@ LLAMA = ModelSpec(
                                  "eos_token_id", "pad_token_id", "initializer_range", "use_cache"}),
 )
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA,)}
+LLAMOE = ModelSpec(
+    name="llamoe",
+    config_class=LlaMoEConfig,
+    model_class=LlaMoEForCausalLM,
+    tensor_parallel_plan=moe_plan,
+    costs=moe_costs,
+    init_rule=moe_init_rule,
+    hf_adapter=MixtralHFAdapter(),
+    inference_cache=KVCache,
+    config_problems=llama_problems,
+    resume_may_change=LLAMA.resume_may_change | {"moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef"},
+    auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
+)
+
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE)}
 
 
 def spec_named(name: str, source: object) -> ModelSpec:

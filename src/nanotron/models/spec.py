@@ -2,7 +2,7 @@
 
 A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel
 plan, costs (parameters, FLOPs per token per part, for MFU and the pipeline split), initial weights, Hugging Face
-adapter, inference cache and config rules. The trainer, the pipeline, generation, metrics and checkpoints only talk
+adapter, inference cache, config rules and auxiliary losses. The trainer, the pipeline, generation, metrics and checkpoints only talk
 to a model through :class:`CausalLM` and its spec, so adding a family means adding its files and one registry entry.
 """
 
@@ -79,6 +79,21 @@ class HFAdapter(Protocol):
 
 
 @dataclass(frozen=True)
+class AuxiliaryLosses:
+    """Losses a family adds to the language-model objective (a router's load balancing), with their statistics.
+
+    ``collect(stage_model, sequences_per_step)`` runs after each micro-batch forward of a pipeline stage: it returns
+    the stage's auxiliary loss for that micro-batch (its share of the step value, or None) and named statistics,
+    which are summed like the loss (``parallel/statistics.py``); ``template(config)`` gives their shapes and
+    ``metrics(step_statistics, config)`` turns the step's sums into metrics.jsonl fields.
+    """
+
+    collect: Callable[[CausalLM, int], tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
+    template: Callable[[Any], dict[str, tuple[int, ...]]]
+    metrics: Callable[[dict[str, torch.Tensor], Any], dict]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family: everything built, measured, initialised or converted differently per family."""
 
@@ -96,3 +111,4 @@ class ModelSpec:
     # Config fields a run may change when it continues from a checkpoint (context length, token ids); any other
     # difference means other weights, and loading is refused.
     resume_may_change: frozenset[str] = frozenset()
+    auxiliary_losses: AuxiliaryLosses | None = None

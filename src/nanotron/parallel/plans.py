@@ -6,8 +6,8 @@ model files free of any parallel code; each family's ``ModelSpec`` points at its
 
 from __future__ import annotations
 
-from nanotron.config import LlamaConfig
-from nanotron.parallel.tensor_parallel import Column, Row, SequenceParallelNorm, Style, VocabEmbedding
+from nanotron.config import LlaMoEConfig, LlamaConfig
+from nanotron.parallel.tensor_parallel import Column, MixtureOfExperts, Row, SequenceParallelNorm, Style, VocabEmbedding
 
 
 def llama_plan(config: LlamaConfig) -> dict[str, Style]:
@@ -26,3 +26,8 @@ def llama_plan(config: LlamaConfig) -> dict[str, Style]:
         "lm_head": Column(),  # vocabulary-sharded logits, consumed by the vocab-parallel cross-entropy
     }
 
+
+
+def moe_plan(config: LlaMoEConfig) -> dict[str, Style]:
+    """Llama's plan (the dense layers' MLPs included); each MoE block is split as a whole (``TensorParallelMoE``)."""
+    return llama_plan(config) | {f"layers.{i}.mlp": MixtureOfExperts() for i in config.moe_layers}

@@ -23,7 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanotron.models.moe import MoEFeedForward
+from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
+from nanotron.parallel.expert_parallel import ShardedExperts
 from nanotron.parallel.placement import Shard
 from nanotron.parallel.tp_collectives import (
     copy_to_tp,
@@ -201,6 +204,43 @@ class SequenceParallelRMSNorm(RMSNorm):
         return copy_to_tp(self.weight, self.group) * rms_normalize(x, self.eps)
 
 
+class _GradientSummedLinear(Linear):
+    """A linear layer replicated over TP whose weight gradient is summed over TP: each rank backpropagates only its
+    part of what depends on the layer (a router, whose outputs weight experts split over TP)."""
+
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup):
+        super().__init__(in_features, out_features, bias=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, copy_to_tp(self.weight, self.group), None)
+
+
+class TensorParallelMoE(MoEFeedForward):
+    """A mixture-of-experts block split over TP like a dense MLP: each expert's feed-forward width is sharded
+    (gate and up column-wise, down row-wise) and the block's output is summed over TP.
+
+    Every rank routes all the block's tokens (the sequence is gathered first in sequence-parallel mode), so routing
+    is identical everywhere. The expert outputs a rank combines are partial sums, so the gradients of the routing
+    weights are partial too: the router's weight gradient is summed over TP, and so is the input's (the
+    entry's backward), which carries both. The auxiliary losses, computed in full on every rank, are therefore
+    backpropagated with a 1/tp share each.
+    """
+
+    def __init__(self, block: MoEFeedForward, group: dist.ProcessGroup, mode: str):
+        super().__init__(block.config)
+        tp = dist.get_world_size(group)
+        self.group, self.mode = group, mode
+        self.router = _GradientSummedLinear(block.router.in_features, block.router.out_features, group)
+        self.experts = ShardedExperts.resharded(block.experts, tp=tp)
+        self.auxiliary_share = 1.0 / tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
+        y = super().forward(x)
+        return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
+
+
 @dataclass(frozen=True)
 class Column:
     chunks: tuple[int, ...] | None = None
@@ -222,7 +262,12 @@ class SequenceParallelNorm:
     pass
 
 
-Style = Column | Row | VocabEmbedding | SequenceParallelNorm
+@dataclass(frozen=True)
+class MixtureOfExperts:
+    pass
+
+
+Style = Column | Row | VocabEmbedding | SequenceParallelNorm | MixtureOfExperts
 
 
 def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, mode: str,
@@ -232,6 +277,8 @@ def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, 
                                     bias=module.bias is not None, units=style.units)
     if isinstance(style, Row):
         return RowParallelLinear(module.in_features, module.out_features, group, mode)
+    if isinstance(style, MixtureOfExperts):
+        return TensorParallelMoE(module, group, mode)
     if isinstance(style, VocabEmbedding):
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, mode)
     if mode == REDUCE_SCATTER:  # a norm only needs its gradient summed when it sees a sequence shard

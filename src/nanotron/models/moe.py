@@ -1,0 +1,240 @@
+"""Mixture of experts: Llama whose feed-forward blocks send each token to ``k`` of ``E`` SwiGLU experts (Mixtral,
+nanotron's LlaMoE). Pure like every model here: expert parallelism and tensor parallelism change the block from
+outside (``parallel/expert_parallel.py``, ``parallel/tensor_parallel.py``).
+
+A block's forward:
+
+1. **route**: the router's fp32 logits give each token's top-k experts and combine weights (the top-k softmax
+   probabilities, renormalised to sum to one unless ``moe_normalize_topk`` is off). With a capacity factor, an
+   expert takes at most ``ceil(factor * tokens * k / E)`` assignments of the micro-batch; first choices go before
+   second choices and earlier tokens before later ones, so the same batch always drops the same assignments.
+   Without one (the default) no token is dropped.
+2. **permute**: assignments are sorted by expert (a stable sort on the device: no host sync), so each expert's
+   tokens are one contiguous block and the experts run as grouped GEMMs (``GroupedExperts``).
+3. **combine**: each output row, times its weight, is added back to its token.
+
+The auxiliary losses are sums over sequences, so that dividing by the step's number of sequences (the trainer
+knows it) gives the same value and gradients for any split of the global batch over ranks and micro-batches:
+
+- load balancing (Switch Transformer, per sequence as in DeepSeek-V3): ``E * sum_e f_e * P_e`` with ``f_e`` the
+  share of the sequence's assignments that chose expert ``e`` and ``P_e`` its mean router probability; 1 when
+  routing is uniform;
+- z-loss (ST-MoE): the mean over the sequence's tokens of ``logsumexp(logits)^2``, which keeps logits small.
+
+Both are averaged over the MoE layers and computed in fp32. Every forward leaves its ``RouterRecord`` on the
+block; ``router_losses`` collects them after each micro-batch of a pipeline stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotron.config import LlaMoEConfig
+from nanotron.models.init import normal
+from nanotron.models.llama import LlamaForCausalLM, LlamaMLP, decoder_costs, llama_init_rule
+from nanotron.models.spec import Initializer, ModelCosts
+from nanotron.nn.linear import Linear
+from nanotron.nn.swiglu import swiglu
+from nanotron.parallel.statistics import Statistics
+
+
+@dataclass
+class Routing:
+    """The kept (token, expert) assignments of a batch of tokens, flat."""
+
+    token_index: torch.Tensor  # [assignments] row of the token in the flattened batch
+    expert_index: torch.Tensor  # [assignments]
+    weight: torch.Tensor  # [assignments] fp32 combine weight
+
+
+@dataclass
+class RouterRecord:
+    """What one forward of a block reports: auxiliary loss sums over its sequences (differentiable) and counts."""
+
+    balance: torch.Tensor  # sum over sequences of E * sum_e f_e * P_e
+    z: torch.Tensor  # sum over sequences of mean_t logsumexp(logits_t)^2
+    tokens_per_expert: torch.Tensor  # [E] assignments each expert was chosen for (before capacity dropping)
+    dropped: torch.Tensor  # assignments dropped by the capacity limit
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool,
+          capacity_factor: float | None) -> tuple[Routing, RouterRecord]:
+    """Top-k routing of ``logits`` [sequences, positions, E] (fp32), and the record of its auxiliary terms."""
+    sequences, positions, experts = logits.shape
+    probs = logits.softmax(-1)
+    top_probs, top_experts = probs.topk(top_k, dim=-1)
+    weights = top_probs / top_probs.sum(-1, keepdim=True) if normalize else top_probs
+
+    chosen = torch.zeros_like(probs).scatter_add_(-1, top_experts, torch.ones_like(top_probs))  # [S, P, E] 0/1
+    share = chosen.sum(1) / (positions * top_k)  # f_e per sequence; a selection count, no gradient
+    balance = experts * (share * probs.mean(1)).sum()
+    z = logits.logsumexp(-1).pow(2).mean(-1).sum()
+    tokens_per_expert = chosen.sum((0, 1))
+
+    tokens = sequences * positions
+    token_index = torch.arange(tokens, device=logits.device).repeat_interleave(top_k)
+    expert_index, weight = top_experts.reshape(-1), weights.reshape(-1)
+    dropped = torch.zeros((), device=logits.device)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * tokens * top_k / experts)
+        # Priority order: every token's first choice, then every second choice, ... (token order within each).
+        by_choice = expert_index.view(tokens, top_k).t().reshape(-1)
+        position = (F.one_hot(by_choice, experts).cumsum(0) * F.one_hot(by_choice, experts)).sum(-1) - 1
+        keep = (position < capacity).view(top_k, tokens).t().reshape(-1)
+        dropped = (~keep).sum().float()
+        token_index, expert_index, weight = token_index[keep], expert_index[keep], weight[keep]
+    record = RouterRecord(balance, z, tokens_per_expert, dropped)
+    return Routing(token_index, expert_index, weight), record
+
+
+def run_experts(experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The experts of this process on tokens already grouped by expert (no parallelism: every expert is here)."""
+    return experts(tokens, tokens_per_expert)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU MLPs stored as [experts, ...] tensors, laid out like Hugging Face's Mixtral:
+    ``gate_up_proj`` [E, 2 * ffn, hidden] (gate rows, then up rows) and ``down_proj`` [E, hidden, ffn].
+
+    On CUDA in bf16 the experts run as two grouped GEMMs (``torch._grouped_mm``, where the torch build has it) over
+    the expert offsets, with no host sync; elsewhere a loop over experts is the reference. ``grouped_mm`` forces
+    one or the other (tests compare them).
+    """
+
+    grouped_mm: bool | None = None  # None: grouped GEMMs where they are supported
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn: int):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.ffn = num_experts, hidden_size, ffn
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn))
+
+    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x`` [tokens, hidden] holds expert 0's tokens, then expert 1's, ... (``tokens_per_expert`` of each)."""
+        if self._use_grouped_mm(x):
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            hidden = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(swiglu(hidden), self.down_proj.transpose(-2, -1), offs=offsets)
+        outputs = []
+        for expert, chunk in enumerate(x.split(tokens_per_expert.tolist())):
+            hidden = swiglu(F.linear(chunk, self.gate_up_proj[expert]))
+            outputs.append(F.linear(hidden, self.down_proj[expert]))
+        return torch.cat(outputs)
+
+
+class MoEFeedForward(nn.Module):
+    """Router plus experts in place of a dense MLP.
+
+    ``exchange(experts, tokens, tokens_per_expert)`` runs the experts on tokens grouped by expert: here directly;
+    expert parallelism replaces it with an all-to-all to the ranks that hold them. ``auxiliary_share`` is the part
+    of the auxiliary losses this copy of the block backpropagates (tensor parallelism computes the router on every
+    rank and sums its gradients, so each rank takes 1/tp).
+    """
+
+    def __init__(self, config: LlaMoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = Linear(config.hidden_size, config.moe_num_experts, bias=False)
+        self.experts = GroupedExperts(config.moe_num_experts, config.hidden_size, config.intermediate_size)
+        self.exchange = run_experts
+        self.auxiliary_share = 1.0
+        self.record: RouterRecord | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        sequences, positions, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        logits = self.router(tokens).float().view(sequences, positions, -1)
+        routing, self.record = route(logits, c.num_experts_per_tok, c.moe_normalize_topk, c.moe_capacity_factor)
+
+        order = routing.expert_index.argsort(stable=True)
+        token_index = routing.token_index[order]
+        tokens_per_expert = torch.zeros(c.moe_num_experts, dtype=torch.int64, device=x.device)
+        tokens_per_expert.index_add_(0, routing.expert_index, torch.ones_like(routing.expert_index))
+        expert_out = self.exchange(self.experts, tokens[token_index], tokens_per_expert)
+        weighted = expert_out * routing.weight[order].unsqueeze(-1).to(expert_out.dtype)
+        return torch.zeros_like(tokens).index_add_(0, token_index, weighted).view_as(x)
+
+
+class LlaMoEForCausalLM(LlamaForCausalLM):
+    """Llama with ``MoEFeedForward`` blocks in every layer from ``moe_first_dense_layers`` on."""
+
+    @staticmethod
+    def feed_forward(config: LlaMoEConfig, index: int) -> nn.Module:
+        return MoEFeedForward(config) if config.is_moe_layer(index) else LlamaMLP(config)
+
+
+def moe_init_rule(name: str, config: LlaMoEConfig, std: float) -> Initializer:
+    """Llama's rules; expert down projections are residual outputs, scaled like ``down_proj.weight``."""
+    if name.endswith("experts.down_proj"):
+        return normal(std / (2 * config.num_hidden_layers) ** 0.5)
+    return llama_init_rule(name, config, std)
+
+
+def moe_costs(c: LlaMoEConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+    """All experts count in the parameters; a token's FLOPs use the router and its ``k`` experts only."""
+    expert = 3 * c.hidden_size * c.intermediate_size
+    router = c.hidden_size * c.moe_num_experts
+    feed_forward = [(c.moe_num_experts * expert + router, c.num_experts_per_tok * expert + router)
+                    if c.is_moe_layer(i) else (expert, expert) for i in range(c.num_hidden_layers)]
+    return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward)
+
+
+# --- auxiliary losses and statistics, read by the trainer through ``ModelSpec.auxiliary_losses`` ---------------
+
+def router_losses(model: LlaMoEForCausalLM, sequences_per_step: int) -> tuple[torch.Tensor | None, Statistics]:
+    """The weighted auxiliary losses of the MoE blocks this stage holds, for its last forward (each the micro-batch's
+    share of the step's mean over sequences and MoE layers), and their statistics."""
+    c = model.config
+    rows = {index: row for row, index in enumerate(c.moe_layers)}
+    scale = 1.0 / (len(rows) * sequences_per_step)
+    loss, statistics = None, {}
+    for index, layer in model.layers.items():
+        block = layer.mlp
+        if not isinstance(block, MoEFeedForward) or block.record is None:
+            continue
+        record = block.record
+        balance, z = record.balance * scale, record.z * scale
+        if c.moe_aux_loss_coef or c.moe_z_loss_coef:
+            term = (c.moe_aux_loss_coef * balance + c.moe_z_loss_coef * z) * block.auxiliary_share
+            loss = term if loss is None else loss + term
+        if not statistics:
+            device = record.balance.device
+            statistics = {"moe_load_balancing_loss": torch.zeros((), device=device),
+                          "moe_z_loss": torch.zeros((), device=device),
+                          "moe_tokens_per_expert": torch.zeros(len(rows), c.moe_num_experts, device=device),
+                          "moe_dropped": torch.zeros(len(rows), device=device)}
+        statistics["moe_load_balancing_loss"] = statistics["moe_load_balancing_loss"] + balance.detach()
+        statistics["moe_z_loss"] = statistics["moe_z_loss"] + z.detach()
+        statistics["moe_tokens_per_expert"][rows[int(index)]] = record.tokens_per_expert
+        statistics["moe_dropped"][rows[int(index)]] = record.dropped
+    return loss, statistics
+
+
+def router_statistics_template(c: LlaMoEConfig) -> dict[str, tuple[int, ...]]:
+    layers = len(c.moe_layers)
+    return {"moe_load_balancing_loss": (), "moe_z_loss": (), "moe_tokens_per_expert": (layers, c.moe_num_experts),
+            "moe_dropped": (layers,)}
+
+
+def router_metrics(statistics: Statistics, c: LlaMoEConfig) -> dict:
+    """Step metrics: the auxiliary losses (unweighted), and the expert load of each MoE layer: its busiest
+    expert's tokens over the mean per expert (1.0 is a perfect balance, E means one expert takes everything)."""
+    tokens = statistics["moe_tokens_per_expert"]
+    load = (tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)).tolist()
+    metrics = {"moe_load_balancing_loss": statistics["moe_load_balancing_loss"].item(),
+               "moe_z_loss": statistics["moe_z_loss"].item(),
+               "moe_max_expert_load": max(load), "moe_expert_load": load}
+    if c.moe_capacity_factor is not None:
+        metrics["moe_dropped_fraction"] = statistics["moe_dropped"].sum().item() / max(tokens.sum().item(), 1.0)
+    return metrics
