@@ -6,7 +6,8 @@
 Both systems train the same model shape on the same batches (bf16 weights; nanotron with fp32 master weights and
 fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). Step times are measured with CUDA
 events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
-(FLOPs/token from the model family, for Llama 6·parameters + 6·layers·hidden·sequence) and peak memory (the largest over ranks, and each rank's).
+(FLOPs/token from the model family: for Llama 6·parameters + 6·layers·hidden·sequence, for a mixture of experts
+the parameters a token uses) and peak memory (the largest over ranks, and each rank's).
 The Hugging Face loop runs only on a single process, eagerly unless ``--hf-compile``. Results go to ``--output`` (JSON) and a markdown row is printed.
 """
 
@@ -27,7 +28,13 @@ PRESETS = {
                 "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "rope_theta": 500000.0},
     "llama8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                 "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0},
+    # Mixtral's architecture at 1B active / 3.5B total parameters: 8 experts of ffn 4096, top-2, in every layer.
+    "mixtral": {"is_llama_config": False, "is_llamoe_config": True, "hidden_size": 2048, "intermediate_size": 4096,
+                "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+                "tie_word_embeddings": False, "rope_theta": 1000000.0, "moe_num_experts": 8, "num_experts_per_tok": 2},
 }
+# nanotron config keys -> transformers config keys where they differ; the markers have no counterpart.
+HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None}
 
 
 def timed(step_fn, steps: int, warmup: int) -> list[float]:
@@ -144,11 +151,14 @@ def write_profile(step_fn, path: Path, steps: int = 3) -> None:
 def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:
     import transformers
 
-    preset = PRESETS[args.preset]
-    config = transformers.LlamaConfig(**preset, max_position_embeddings=args.sequence_length,
-                                      attn_implementation="sdpa", dtype=torch.bfloat16)
+    preset = {HF_NAMES.get(key, key): value for key, value in PRESETS[args.preset].items()}
+    preset.pop(None, None)
+    family = "Mixtral" if "num_local_experts" in preset else "Llama"
+    experts = {"experts_implementation": args.hf_experts} if family == "Mixtral" else {}
+    config = getattr(transformers, f"{family}Config")(**preset, max_position_embeddings=args.sequence_length,
+                                                      attn_implementation="sdpa", dtype=torch.bfloat16, **experts)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).to("cuda", torch.bfloat16).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batches = [{k: v.cuda() for k, v in mb.items()} for mb in micro_batches]
 
@@ -188,6 +198,8 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face loop")
     parser.add_argument("--hf-compile", action="store_true",
                         help="compile the Hugging Face decoder layers and loss (by default its loop runs eagerly)")
+    parser.add_argument("--hf-experts", default="grouped_mm",
+                        help="transformers' experts implementation for MoE presets (grouped_mm, batched_mm, eager)")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
     parser.add_argument("--save-to", type=Path, help="also time checkpoint saves (foreground, background) into here")

@@ -60,3 +60,27 @@ def test_fp32_multi_tensor_norm_is_accurate_on_cuda():
     for piece, norm in zip(pieces, norms):
         exact = piece.double().norm()
         assert abs(norm.double() - exact) / exact < 1e-6
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_grouped_gemm_experts_match_the_loop_in_bf16_forward_and_backward():
+    from nanotron.models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(8, 256, 512).cuda().bfloat16()
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05)
+        experts.down_proj.normal_(0, 0.05)
+    counts = torch.tensor([100, 0, 37, 250, 1, 64, 3, 57], device="cuda")  # uneven, one expert idle
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    upstream = torch.randn_like(x)
+    results = []
+    for grouped in (False, True):
+        experts.grouped_mm = grouped
+        inputs = x.clone().requires_grad_()
+        out = experts(inputs, counts)
+        (out.float() * upstream.float()).sum().backward()
+        results.append([out, inputs.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
+        experts.zero_grad()
+    for loop, grouped in zip(*results):
+        torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)

@@ -1,5 +1,5 @@
 """Continued pretraining of real checkpoints: RoPE scaling (Llama 3.1 ``llama3``, ``linear``), Qwen2 (q/k/v biases,
-tied or untied) and the shape rules checked before a model is built, against random small ``transformers`` models."""
+tied or untied), Mixtral (mixtures of experts) and the shape rules checked before a model is built, against random small ``transformers`` models."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ VARIANTS = {
     "linear": ("Llama", {"rope_scaling": LINEAR}),
     "qwen2-tied": ("Qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("Qwen2", {"tie_word_embeddings": False}),
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 

@@ -65,7 +65,7 @@ class LlamaHFAdapter:
 
     def config_from_hf(self, hf: dict) -> LlamaConfig:
         heads = hf["num_attention_heads"]
-        if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
+        if (hf.get("head_dim") or hf["hidden_size"] // heads) != hf["hidden_size"] // heads:  # Mixtral writes null
             raise CheckpointError("head_dim must equal hidden_size / num_attention_heads")
         variant = self._check_family(hf)
         rope_theta, rope_scaling = _rope_from_hf(hf)
