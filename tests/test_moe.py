@@ -181,7 +181,7 @@ def test_top_k_weights_and_auxiliary_losses_match_a_hand_computation():
     rows = [[2.0, 1.0, 0.0], [0.0, 0.5, 3.0]]
     routing, record = route(torch.tensor([rows]), top_k=2, normalize=True, capacity_factor=None)
     softmax = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in rows]
-    assert routing.token_index.tolist() == [0, 0, 1, 1]
+    assert routing.token_index is None  # dropless: token t owns assignments 2t and 2t + 1
     assert routing.expert_index.tolist() == [0, 1, 2, 1]
     first = softmax[0][0] + softmax[0][1]
     second = softmax[1][2] + softmax[1][1]
@@ -252,3 +252,26 @@ def test_expert_parallelism_needs_a_mixture_of_experts(tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "run", parallelism={"expert_parallel_size": 2})
     outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
     assert_user_error(outcome, "expert_parallel_size (2)", "is_llamoe_config")
+
+
+def test_a_capacity_that_drops_nothing_gives_the_dropless_block():
+    from nanotron.config import LlaMoEConfig
+    from nanotron.models.moe import MoEFeedForward
+
+    torch.manual_seed(0)
+    config = LlaMoEConfig(hidden_size=16, intermediate_size=8, moe_num_experts=4, num_experts_per_tok=2)
+    dropless = MoEFeedForward(config)
+    for param in dropless.parameters():
+        torch.nn.init.normal_(param, 0, 0.3)
+    capped = MoEFeedForward(LlaMoEConfig(**{**config.__dict__, "moe_capacity_factor": 100.0}))
+    capped.load_state_dict(dropless.state_dict())
+    x = torch.randn(2, 5, 16)
+    outputs = []
+    for block in (dropless, capped):
+        inputs = x.clone().requires_grad_()
+        out = block(inputs)
+        out.square().sum().backward()
+        outputs.append((out, inputs.grad, block.experts.gate_up_proj.grad, block.router.weight.grad))
+    assert capped.record.dropped.item() == 0
+    for a, b in zip(*outputs):
+        assert torch.allclose(a, b, atol=1e-6)
