@@ -124,6 +124,13 @@ def _plot(args: argparse.Namespace) -> None:
     print(f"wrote {plot_runs(args.metrics, args.output, args.smooth, args.names)}")
 
 
+def _estimate_memory(args: argparse.Namespace) -> None:
+    from nanotron.config import load_config
+    from nanotron.memory import estimate_memory
+
+    print(estimate_memory(load_config(args.config_file, args.override), args.gpu_memory_gb).table())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--smooth", type=int, default=None, metavar="N", help="also draw the loss averaged over N steps")
     plot.add_argument("--names", nargs="+", default=None, help="one label per run (default: the run folder names)")
     plot.set_defaults(run=_plot)
+
+    memory = commands.add_parser("estimate-memory",
+                                 help="estimate each pipeline stage's GPU memory per rank, and the largest micro-batch")
+    memory.add_argument("--config-file", type=Path, required=True)
+    memory.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="change config values, e.g. parallelism.pp=2 tokens.micro_batch_size=8")
+    memory.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="memory of one GPU (default: this machine's GPU, else 141, an H200)")
+    memory.set_defaults(run=_estimate_memory)
     return parser
 
 

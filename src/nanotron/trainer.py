@@ -46,6 +46,7 @@ from nanotron.divergence import BadStepGuard
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.logging import setup_logging
+from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
@@ -308,6 +309,9 @@ class Trainer:
             f"batch_accumulation_per_replica {t.batch_accumulation_per_replica} x dp {c.parallelism.dp} x "
             f"expert_parallel_size {c.parallelism.expert_parallel_size})"
         )
+        on_cuda = self.pc.device.type == "cuda"
+        gpu_memory_gb = torch.cuda.get_device_properties(self.pc.device).total_memory / 1e9 if on_cuda else None
+        logger.info(memory_summary(c, self.pc.coord("pp"), gpu_memory_gb))
 
     # --- training --------------------------------------------------------------------------------------------
 

@@ -1,0 +1,173 @@
+"""The memory planner: every part against a hand count for the tiny Llama, how layouts change the parts, the
+command, and the estimates against the peaks measured on H200s (docs/benchmarks.md)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nanotron.cli import main
+from nanotron.config import config_from_dict, load_config
+from nanotron.memory import CUDA_RUNTIME_BYTES, STEP_WORKSPACE_BYTES, estimate_memory, memory_summary
+from nanotron.models.registry import spec_for_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "config_tiny_llama.yaml"
+BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
+
+# The tiny example by hand: hidden 128, ffn 384, 4 layers, 4 heads of 32 (q width 128), 2 kv heads (kv width 64),
+# vocabulary 4096 tied, fp32, eager, micro-batch 16 x 128 tokens.
+H, FFN, Q, KV, HEADS, HEAD_DIM, VOCAB, SEQ = 128, 384, 128, 64, 4, 32, 4096, 128
+TOKENS = 16 * SEQ
+LAYER_PARAMETERS = H * (Q + 2 * KV) + Q * H + 3 * H * FFN + 2 * H
+EMBEDDING = VOCAB * H
+PARAMETERS = 4 * LAYER_PARAMETERS + EMBEDDING + H
+D = 4  # fp32
+# Eager layer, per token: each norm keeps its fp32 input, the normalised values and its output (3 x 4h); q|k|v,
+# rotated q and k, attention output, logsumexp; gate|up and SwiGLU outputs. Plus the cos/sin tables per layer.
+LAYER_KEPT = TOKENS * (2 * 3 * D * H + D * (2 * Q + 3 * KV) + D * Q + 4 * HEADS + 3 * D * FFN) + 2 * SEQ * HEAD_DIM * D
+LAYER_BACKWARD = TOKENS * 3 * D * FFN  # gradients of the gate|up and SwiGLU outputs
+FINAL_NORM = TOKENS * 3 * D * H
+LOG_SOFTMAX = TOKENS * VOCAB * 4  # fp32 log-softmax kept by the eager loss; its backward holds two more
+
+
+def tiny(*overrides: str):
+    return load_config(TINY, list(overrides))
+
+
+def test_every_part_matches_the_hand_count_of_the_tiny_llama():
+    config = tiny()
+    estimate = estimate_memory(config, gpu_memory_gb=80)
+    (stage,) = estimate.stages
+    model_config = config.model.model_config
+    assert spec_for_config(model_config).costs(model_config, VOCAB, SEQ).parameters == PARAMETERS
+    assert (stage.weights, stage.gradients, stage.master_weights, stage.adam_moments) == (
+        4 * PARAMETERS, 4 * PARAMETERS, 4 * PARAMETERS, 8 * PARAMETERS)
+    assert stage.in_flight == 1
+    assert stage.workspace == STEP_WORKSPACE_BYTES
+    # The loss's backward (two fp32 tensors of the logits' size) is the largest transient: it decides the peak.
+    assert stage.activations + stage.logits == 4 * LAYER_KEPT + FINAL_NORM + LOG_SOFTMAX + 2 * LOG_SOFTMAX
+    assert stage.peak == 20 * PARAMETERS + stage.activations + stage.logits + STEP_WORKSPACE_BYTES
+    assert stage.total > stage.peak + CUDA_RUNTIME_BYTES
+    assert estimate.fits and estimate.largest_micro_batch > 16
+
+
+def test_compiled_layers_keep_the_norm_inputs_instead_of_their_fp32_copies_and_the_loss_no_fp32_logits():
+    eager = estimate_memory(tiny(), gpu_memory_gb=80).stages[0]
+    compiled = estimate_memory(tiny("model.compile=true"), gpu_memory_gb=80).stages[0]
+    # Per layer and token: 2 x (4h fp32 copy + normalised values) become 2 x the d-byte input.
+    compiled_layer = LAYER_KEPT - TOKENS * 2 * (4 * H + D * H - D * H)
+    # fp32: the logits themselves are what the compiled loss keeps, and their gradient is the transient.
+    assert compiled.activations + compiled.logits == 4 * compiled_layer + FINAL_NORM + 2 * LOG_SOFTMAX
+    assert compiled.activations + compiled.logits < eager.activations + eager.logits
+
+
+def test_zero_1_divides_only_the_master_weights_and_moments_by_the_data_parallel_ranks():
+    alone = estimate_memory(tiny(), gpu_memory_gb=80).stages[0]
+    replicated = estimate_memory(tiny("parallelism.dp=4"), gpu_memory_gb=80).stages[0]
+    sharded = estimate_memory(tiny("parallelism.dp=4", "optimizer.zero_stage=1"), gpu_memory_gb=80).stages[0]
+    assert replicated == alone
+    assert (sharded.master_weights, sharded.adam_moments) == (alone.master_weights // 4, alone.adam_moments // 4)
+    for part in ("weights", "gradients", "activations", "logits"):
+        assert getattr(sharded, part) == getattr(alone, part), part
+
+
+def test_pipeline_stages_hold_their_layers_and_keep_their_micro_batches_in_flight():
+    split = ("parallelism.pp=2", "parallelism.pp_stage_layers=[3,1]", "tokens.batch_accumulation_per_replica=4")
+    first, last = estimate_memory(tiny(*split), gpu_memory_gb=80).stages
+    assert first.weights == 4 * (3 * LAYER_PARAMETERS + EMBEDDING)
+    assert last.weights == 4 * (LAYER_PARAMETERS + H + EMBEDDING)  # the last stage's own copy of the tied head
+    # 1F1B: stage s keeps pp - s micro-batches; the first stage has no loss.
+    assert (first.in_flight, last.in_flight) == (2, 1)
+    assert (first.activations, first.logits) == (2 * 3 * LAYER_KEPT + LAYER_BACKWARD, 0)
+    assert last.activations + last.logits == LAYER_KEPT + FINAL_NORM + LOG_SOFTMAX + 2 * LOG_SOFTMAX
+
+    afab_first, afab_last = estimate_memory(tiny(*split, "parallelism.pp_engine=afab"), gpu_memory_gb=80).stages
+    assert (afab_first.in_flight, afab_last.in_flight) == (4, 4)
+    assert afab_first.activations == 4 * 3 * LAYER_KEPT + LAYER_BACKWARD
+    assert afab_last.activations + afab_last.logits == 4 * (LAYER_KEPT + FINAL_NORM + LOG_SOFTMAX) + 2 * LOG_SOFTMAX
+
+
+def test_recomputed_layers_keep_only_their_input_and_rebuild_one_layer_in_the_backward():
+    plain = estimate_memory(tiny(), gpu_memory_gb=80).stages[0]
+    recomputed = estimate_memory(tiny("parallelism.recompute_layer=true"), gpu_memory_gb=80).stages[0]
+    layer_input = TOKENS * D * H
+    rebuilt = LAYER_KEPT + LAYER_BACKWARD
+    assert recomputed.activations + recomputed.logits == (
+        4 * layer_input + FINAL_NORM + LOG_SOFTMAX + max(2 * LOG_SOFTMAX, rebuilt))
+    assert recomputed.activations < plain.activations
+    for part in ("weights", "gradients", "master_weights", "adam_moments"):
+        assert getattr(recomputed, part) == getattr(plain, part), part
+
+
+def test_tensor_parallelism_splits_heads_replicates_shared_kv_heads_and_splits_the_vocabulary():
+    (stage,) = estimate_memory(tiny("parallelism.tp=4"), gpu_memory_gb=80).stages
+    # tp=4 over 2 kv heads: each rank holds one query head and one (replicated) kv head of 32.
+    layer = H * (32 + 2 * 32) + 32 * H + 3 * H * FFN // 4 + 2 * H
+    assert stage.weights == 4 * (4 * layer + EMBEDDING // 4 + H)
+
+
+def test_expert_weights_are_split_over_expert_parallel_ranks_and_zero_shards_them_over_dp_only():
+    raw = yaml.safe_load(TINY.read_text())
+    model_config = {k: v for k, v in raw["model"]["model_config"].items() if k != "is_llama_config"}
+    raw["model"]["model_config"] = model_config | {"is_llamoe_config": True, "moe_num_experts": 4,
+                                                   "num_experts_per_tok": 2}
+    raw["parallelism"] |= {"dp": 2, "expert_parallel_size": 2}
+    raw["optimizer"]["zero_stage"] = 1
+    (stage,) = estimate_memory(config_from_dict(raw), gpu_memory_gb=80).stages
+    dense_layer = LAYER_PARAMETERS - 3 * H * FFN + H * 4  # attention, norms and the router
+    experts_per_rank = 2 * 3 * H * FFN  # 4 experts over 2 ranks
+    dense = 4 * dense_layer + EMBEDDING + H
+    assert stage.weights == 4 * (dense + 4 * experts_per_rank)
+    # Dense weights are replicated over dp x ep = 4 ranks, experts over dp = 2.
+    assert stage.master_weights == 4 * (dense / 4 + 4 * experts_per_rank / 2)
+
+
+def test_the_training_summary_is_one_line_and_says_whether_it_fits():
+    line = memory_summary(tiny(), stage=0, gpu_memory_gb=0.5)
+    assert "\n" not in line and "GB peak allocated" in line and "more than the 0.5 GB" in line
+    assert "fits" not in memory_summary(tiny(), stage=0, gpu_memory_gb=None)
+
+
+def test_the_command_prints_a_table_per_stage(capsys):
+    main(["estimate-memory", "--config-file", str(TINY), "--override", "parallelism.pp=2",
+          "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("stage"))
+    assert "weights" in lines[header] and "largest micro-batch" in lines[header]
+    assert [line.split("|")[0].strip() for line in lines[header + 2:header + 4]] == ["0", "1"]
+    assert "fits in 80.0 GB" in out
+
+
+def test_the_command_reports_a_missing_config_in_one_error_line(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate-memory", "--config-file", str(missing)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and str(missing) in err and len(err.strip().splitlines()) == 1
+
+
+LLAMA_8B = ["model.model_config.hidden_size=4096", "model.model_config.intermediate_size=14336",
+            "model.model_config.num_hidden_layers=32", "model.model_config.tie_word_embeddings=false",
+            "tokens.micro_batch_size=1"]
+MEASURED_PEAKS = {  # docs/benchmarks.md: peak allocated GB per rank, one per pipeline stage
+    "1B, one GPU": ([], [52.3]),
+    "1B, pp=2 1F1B 10+6": (["parallelism.pp=2", "tokens.batch_accumulation_per_replica=4"], [43.0, 28.1]),
+    "1B, tp=2 sequence parallel": (["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER",
+                                    "parallelism.tp_linear_async_communication=true",
+                                    "tokens.batch_accumulation_per_replica=4"], [30.4]),
+    "8B, dp=2 ZeRO-1": (LLAMA_8B + ["tokens.batch_accumulation_per_replica=8", "parallelism.dp=2",
+                                    "optimizer.zero_stage=1"], [118.4]),
+}
+
+
+@pytest.mark.parametrize("layout", MEASURED_PEAKS)
+def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
+    overrides, measured = MEASURED_PEAKS[layout]
+    estimate = estimate_memory(load_config(BENCH, overrides), gpu_memory_gb=150.1)
+    peaks = [stage.peak / 1e9 for stage in estimate.stages]
+    assert len(peaks) == len(measured)
+    for peak, expected in zip(peaks, measured):
+        assert abs(peak - expected) / expected < 0.10, (layout, peaks, measured)
