@@ -182,8 +182,8 @@ class MoEFeedForward(nn.Module):
             assigned = tokens.index_select(0, routing.token_index)
         order = routing.expert_index.argsort(stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        tokens_per_expert = torch.zeros(c.moe_num_experts, dtype=torch.int64, device=x.device)
-        tokens_per_expert.index_add_(0, routing.expert_index, torch.ones_like(routing.expert_index))
+        # A one-hot sum: an integer index_add_ falls back to a sorting kernel under torch.compile (11 ms a step).
+        tokens_per_expert = F.one_hot(routing.expert_index, c.moe_num_experts).sum(0)
         expert_out = self.exchange(self.experts, _Permute.apply(assigned, order, inverse), tokens_per_expert)
         weighted = _Permute.apply(expert_out, inverse, order) * routing.weight.unsqueeze(-1).to(expert_out.dtype)
         if routing.token_index is None:
