@@ -59,8 +59,8 @@ FULL: dict[str, Any] = {
         "recompute_layer": True,
     },
     "model": {
-        "model_config": {
-            "is_llama_config": True,
+        "model_config": {  # the mixture-of-experts family: every Llama field plus the MoE ones
+            "is_llama_config": False,
             "vocab_size": 512,
             "hidden_size": 64,
             "intermediate_size": 256,
@@ -81,6 +81,14 @@ FULL: dict[str, Any] = {
             "initializer_range": 0.01,
             "pretraining_tp": 1,
             "use_cache": False,
+            "is_llamoe_config": True,
+            "moe_num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_capacity_factor": 1.25,
+            "moe_aux_loss_coef": 0.02,
+            "moe_z_loss_coef": 0.001,
+            "moe_normalize_topk": False,
+            "moe_first_dense_layers": 1,
         },
         "init_method": {"path": "ckpt/pretrained"},
         "dtype": "float16",
@@ -143,7 +151,7 @@ FULL: dict[str, Any] = {
     "profiler": {"profiler_export_path": "profiles"},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
-SINGLE_VALUED = {"is_llama_config", "rope_interleaved", "hidden_act", "pretraining_tp",
+SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "hidden_act", "pretraining_tp",
                  "checkpoints_path_is_shared_file_system"}
 
 
@@ -185,11 +193,14 @@ def test_example_loads_with_the_quickstart_values():
     assert (cfg.global_batch_size, cfg.global_batch_tokens) == (16, 16 * 128)
 
 
-@pytest.mark.parametrize("name", ["example", "full"])
+@pytest.mark.parametrize("name", ["example", "full", "moe"])
 def test_save_then_load_gives_an_equal_config(tmp_path, name):
-    cfg = load_config(EXAMPLE) if name == "example" else config_from_dict(FULL)
+    cfg = {"example": lambda: load_config(EXAMPLE), "full": lambda: config_from_dict(FULL),
+           "moe": lambda: load_config(EXAMPLE.with_name("config_tiny_moe.yaml"))}[name]()
     save_config(cfg, tmp_path / "out" / "config.yaml")
     assert load_config(tmp_path / "out" / "config.yaml") == cfg
+    if name == "moe":
+        assert type(cfg.model.model_config).__name__ == "LlaMoEConfig" and cfg.global_batch_size == 16
 
 
 def test_full_config_reads_and_writes_every_field():
@@ -379,7 +390,7 @@ def test_missing_section_is_named():
 def test_model_config_without_a_marker_lists_the_supported_markers():
     d = example_dict()
     d["model"]["model_config"]["is_llama_config"] = False
-    with pytest.raises(ConfigError, match=r"model\.model_config: .*one of 'is_llama_config: true' \(found none\)"):
+    with pytest.raises(ConfigError, match=r"model\.model_config: .*one of 'is_llama_config: true', 'is_llamoe_config: true' \(found none\)"):
         config_from_dict(d)
 
 
