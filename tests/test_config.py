@@ -149,6 +149,8 @@ FULL: dict[str, Any] = {
         "wandb": {"project": "full", "entity": "lab", "mode": "offline", "name": "full-run", "dir": "logs/wandb"},
     },
     "profiler": {"profiler_export_path": "profiles"},
+    "doremi": {"domain_names": None, "domain_weights": None, "ref_model_resume_checkpoint_path": "ckpt/reference",
+               "step_size": 0.5, "smoothing_param": 0.01},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
 SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "hidden_act", "pretraining_tp",
@@ -225,8 +227,10 @@ def test_full_config_sets_every_optional_field_to_a_non_default_value():
         for key, value, default in _defaulted_fields(config_from_dict(FULL))
         if value == default and key.rsplit(".", 1)[-1] not in SINGLE_VALUED
     ]
-    # The second data stage leaves dataset_weights unset on purpose; the first one sets them.
-    assert left_at_default == ["data_stages[].data.dataset.dataset_weights"]
+    # The second data stage leaves dataset_weights unset on purpose; the first one sets them. The DoReMi domain
+    # lists need one entry per folder of every stage, and these stages have 2 and 1 folders.
+    assert left_at_default == ["data_stages[].data.dataset.dataset_weights", "doremi.domain_names",
+                               "doremi.domain_weights"]
 
 
 def test_saved_yaml_lists_sections_in_schema_order(tmp_path):

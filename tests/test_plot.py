@@ -13,7 +13,7 @@ from nanotron.cli import main
 matplotlib_image = pytest.importorskip("matplotlib.image")
 
 
-def write_run(folder, steps=30, domains=None, mfu=False, torn=False):
+def write_run(folder, steps=30, domains=None, mfu=False, torn=False, moe=False):
     folder.mkdir(parents=True)
     lines = []
     for step in range(1, steps + 1):
@@ -23,6 +23,8 @@ def write_run(folder, steps=30, domains=None, mfu=False, torn=False):
                   "tflops_per_gpu": 1.0, "peak_memory_gb": 0.5}
         if mfu:
             record["mfu"] = 0.3 + 0.01 * math.sin(step)
+        if moe:
+            record |= {"moe_max_expert_load": 1 + 1 / step, "moe_load_balancing_loss": 1 + 0.5 / step}
         if domains:
             record["domain_losses"] = {name: loss + i for i, name in enumerate(domains)}
         lines.append(json.dumps(record))
@@ -100,3 +102,10 @@ def test_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
     assert run_cli("--metrics", str(path), "--output", str(tmp_path / "c.png")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err.splitlines()) == 1 and 'pip install -e ".[plot]"' in err
+
+
+def test_mixture_of_experts_runs_add_their_routing_panels(tmp_path):
+    run = write_run(tmp_path / "moe", moe=True)
+    output = tmp_path / "moe.png"
+    assert run_cli("--metrics", str(run), "--output", str(output)) == 0
+    check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, expert load, balancing loss

@@ -1,5 +1,5 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``build-corpus``, ``generate``, ``eval``,
-``convert``, ``checkpoint verify``, ``plot``.
+``convert``, ``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``.
 
 Every subcommand turns the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
 ``error:`` line and exit status 2, instead of a traceback.
@@ -13,10 +13,15 @@ import sys
 from pathlib import Path
 
 def _train(args: argparse.Namespace) -> None:
-    from nanotron.config import load_config
     from nanotron.trainer import Trainer
 
-    trainer = Trainer(load_config(args.config_file, args.override))
+    _run_training(Trainer, args)
+
+
+def _run_training(trainer_class, args: argparse.Namespace) -> None:
+    from nanotron.config import load_config
+
+    trainer = trainer_class(load_config(args.config_file, args.override))
     try:
         trainer.train()
     finally:
@@ -26,7 +31,8 @@ def _train(args: argparse.Namespace) -> None:
 def _preprocess(args: argparse.Namespace) -> None:
     from nanotron.data.preprocess import preprocess
 
-    metadata = preprocess(args.input, args.tokenizer, args.output_folder, args.text_key, args.num_workers)
+    metadata = preprocess(args.input, args.tokenizer, args.output_folder, args.text_key, args.num_workers,
+                          split=args.split, held_out_every=args.held_out_every)
     print(f"wrote {metadata['num_tokens']:,} tokens from {metadata['num_documents']:,} documents to {args.output_folder}")
 
 
@@ -124,6 +130,24 @@ def _plot(args: argparse.Namespace) -> None:
     print(f"wrote {plot_runs(args.metrics, args.output, args.smooth, args.names)}")
 
 
+def _doremi_train(args: argparse.Namespace) -> None:
+    from nanotron.doremi.trainer import DoReMiTrainer
+
+    _run_training(DoReMiTrainer, args)
+
+
+def _doremi_average(args: argparse.Namespace) -> None:
+    import json
+
+    from nanotron.doremi.weights import average_weights
+
+    averaged = average_weights(args.history)
+    if args.output is not None:
+        args.output.write_text(json.dumps(averaged, indent=2) + "\n")
+    print(f"domain_weights: [{', '.join(f'{weight:.6f}' for weight in averaged.values())}]  "
+          f"# {', '.join(averaged)}")
+
+
 def _estimate_memory(args: argparse.Namespace) -> None:
     from nanotron.config import load_config
     from nanotron.memory import estimate_memory
@@ -147,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--output-folder", type=Path, required=True)
     pre.add_argument("--text-key", default="text", help="JSONL key / parquet column holding the text")
     pre.add_argument("--num-workers", type=int, default=None, help="processes (default: all cores)")
+    pre.add_argument("--held-out-every", type=int, default=None, metavar="N",
+                     help="with --split: every N-th document is held out (for evaluation), the others are for training")
+    pre.add_argument("--split", choices=["train", "held-out"], default=None, help="which split to write")
     pre.set_defaults(run=_preprocess)
 
     tok = commands.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on local text")
@@ -203,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--smooth", type=int, default=None, metavar="N", help="also draw the loss averaged over N steps")
     plot.add_argument("--names", nargs="+", default=None, help="one label per run (default: the run folder names)")
     plot.set_defaults(run=_plot)
+
+    doremi = commands.add_parser("doremi", help="DoReMi: train a proxy against a reference, average its weights")
+    doremi_actions = doremi.add_subparsers(dest="action", required=True)
+    proxy = doremi_actions.add_parser("train", help="train the proxy model (doremi.ref_model_resume_checkpoint_path)")
+    proxy.add_argument("--config-file", type=Path, required=True)
+    proxy.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE")
+    proxy.set_defaults(run=_doremi_train)
+    average = doremi_actions.add_parser("average", help="the proxy's time-averaged domain weights, as a YAML line")
+    average.add_argument("--history", type=Path, required=True, help="<checkpoints_path>/domain_weights.jsonl")
+    average.add_argument("--output", type=Path, default=None, help="also write {name: weight} as JSON here")
+    average.set_defaults(run=_doremi_average)
 
     memory = commands.add_parser("estimate-memory",
                                  help="estimate each pipeline stage's GPU memory per rank, and the largest micro-batch")

@@ -1,7 +1,7 @@
 """Training curves from ``metrics.jsonl`` files: ``nanotron plot``.
 
-One PNG, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU and per-domain losses
-when the records carry them), several runs on the same axes so they can be compared at a glance. matplotlib is an
+One PNG, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU, a mixture of experts'
+expert load and load-balancing loss, and per-domain losses when the records carry them), several runs on the same axes so they can be compared at a glance. matplotlib is an
 optional extra (``pip install -e ".[plot]"``): training never needs it, so it is imported only here, and only its
 object-oriented API with the Agg canvas is used, which needs no display and changes no global backend.
 """
@@ -22,6 +22,8 @@ PANELS = [
     ("grad_norm", "gradient norm"),
     ("tokens_per_sec", "tokens/s"),
     ("mfu", "MFU"),
+    ("moe_max_expert_load", "MoE: busiest expert / even share"),
+    ("moe_load_balancing_loss", "MoE load-balancing loss"),
 ]
 PANEL_SIZE = (6.0, 3.5)  # inches per panel; two panels a row
 DPI = 100

@@ -85,6 +85,12 @@ def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor],
     """This micro-batch's share of the step loss (its token-loss sum over the global token count, which travels
     with the batch as ``token_count``) and its statistics: that share, and per-domain loss sums and token counts."""
     losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
+    return loss_and_statistics(losses, micro_batch, num_domains)
+
+
+def loss_and_statistics(losses: torch.Tensor, micro_batch: dict[str, torch.Tensor],
+                        num_domains: int) -> tuple[torch.Tensor, Statistics]:
+    """``micro_batch_loss`` from the per-token losses."""
     mask = micro_batch["label_mask"]
     per_sample = torch.where(mask, losses, 0.0).sum(-1)
     loss = per_sample.sum() / micro_batch["token_count"]
@@ -180,11 +186,14 @@ class Trainer:
 
     def _dataset(self, stage) -> PretrainDataset:
         if stage.name not in self.datasets:
-            dataset_args = stage.data.dataset
+            dataset_args, doremi = stage.data.dataset, self.config.doremi
+            weights = dataset_args.dataset_weights
+            if weights is None and doremi is not None:
+                weights = doremi.domain_weights
             self.datasets[stage.name] = PretrainDataset(
-                dataset_args.dataset_folder, dataset_args.dataset_weights, self.config.tokens.sequence_length,
-                stage.data.seed,
-            )
+                dataset_args.dataset_folder, weights, self.config.tokens.sequence_length, stage.data.seed)
+            if doremi is not None and doremi.domain_names is not None:
+                self.datasets[stage.name].domain_names = list(doremi.domain_names)
         return self.datasets[stage.name]
 
     def _prepare_run_folder(self) -> Path | None:
@@ -266,7 +275,8 @@ class Trainer:
             else:
                 self.optimizer.sync_masters_from_model()
             schedule_start = metadata["lr_schedule_start_step"] if checkpoints.load_lr_scheduler else metadata["step"]
-            self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start)
+            self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start,
+                                             metadata.get("domain_sampling"))
             if not load_rng(checkpoint, self.pc):
                 logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
             saved_layout = {k: v for k, v in metadata["layout"].items() if k != "zero_stage"}

@@ -43,6 +43,8 @@ class TrainingProgress:
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
     lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
+    # A mixture chosen step by step (DoReMi): {"weights": [...], "consumed": [samples taken per domain]}.
+    domain_sampling: dict | None = None
 
     @property
     def total_consumed_samples(self) -> int:

@@ -274,6 +274,22 @@ class LoggingArgs:
 
 
 @dataclass
+class DoReMiArgs:
+    """DoReMi (Xie et al., 2023): domain weights learned by a small proxy model against a reference model.
+
+    ``domain_weights`` are the reference's fixed mixture (``examples/doremi/train_reference.py``; unset: the
+    natural token shares) and the starting point of the proxy's; a larger run pastes the averaged weights of the
+    proxy here. ``ref_model_resume_checkpoint_path`` is the trained reference, needed by the proxy only.
+    """
+
+    domain_names: list[str] | None = None  # None: the names of the dataset folders
+    domain_weights: list[float] | None = None
+    ref_model_resume_checkpoint_path: Path | None = None
+    step_size: float = 1.0  # of the exponentiated-gradient update of the weights
+    smoothing_param: float = 1e-3  # mixes the updated weights with the uniform ones
+
+
+@dataclass
 class ProfilerArgs:
     profiler_export_path: Path | None = None
 
@@ -292,6 +308,7 @@ class Config:
     data_stages: list[DatasetStageArgs]
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiler: ProfilerArgs | None = None
+    doremi: DoReMiArgs | None = None
 
     def __post_init__(self) -> None:
         self.data_stages = sorted(self.data_stages, key=lambda stage: stage.start_training_step)

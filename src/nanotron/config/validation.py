@@ -48,6 +48,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         *_optimizer(cfg.optimizer, cfg.tokens),
         *_data_stages(cfg.data_stages),
         *_logging(cfg.logging),
+        *_doremi(cfg),
         *_model_vs_parallelism(cfg),
     ]
     if world_size is not None:
@@ -350,6 +351,30 @@ def _logging(logging: LoggingArgs) -> Iterator[str]:
                                ("logging.wandb", "wandb", "wandb")):
         if getattr(logging, key.split(".")[1]) is not None and importlib.util.find_spec(module) is None:
             yield f"{key} is set but the {module} package is not installed; pip install -e \".[{extra}]\" or unset it"
+
+
+def _doremi(cfg: Config) -> Iterator[str]:
+    d = cfg.doremi
+    if d is None:
+        return
+    yield from _positive("doremi.step_size", d.step_size)
+    if not 0 <= d.smoothing_param <= 1:
+        yield f"doremi.smoothing_param must be in [0, 1] (got {d.smoothing_param})"
+    for stage in cfg.data_stages:
+        folders = len(stage.data.dataset.dataset_folder)
+        for key, values in (("domain_names", d.domain_names), ("domain_weights", d.domain_weights)):
+            if values is not None and len(values) != folders:
+                yield (f"doremi.{key} has {len(values)} entries but data_stages[{stage.name!r}] has {folders} "
+                       "dataset folders (one domain each); give one per folder")
+        if d.domain_weights is not None and stage.data.dataset.dataset_weights is not None:
+            yield (f"doremi.domain_weights and data_stages[{stage.name!r}].data.dataset.dataset_weights are both "
+                   "set; keep one of them")
+    if d.domain_weights is not None:
+        if any(not weight >= 0 for weight in d.domain_weights):
+            yield f"doremi.domain_weights must all be >= 0 (got {d.domain_weights})"
+        elif abs(sum(d.domain_weights) - 1) > 1e-3:
+            yield (f"doremi.domain_weights must sum to 1 (they sum to {sum(d.domain_weights):.6g}); paste the "
+                   "output of `nanotron doremi average` or normalise them")
 
 
 def _model_vs_parallelism(cfg: Config) -> Iterator[str]:

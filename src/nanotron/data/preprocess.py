@@ -41,17 +41,27 @@ _BATCH_DOCUMENTS = 512
 _BATCH_CHARACTERS = 1 << 22
 
 
-def _document_batches(files: Sequence[Path], text_key: str) -> Iterator[list[str]]:
-    """All documents of ``files`` in order, grouped into batches bounded in count and characters."""
+def held_out(index: int, every: int | None) -> bool:
+    """Whether document ``index`` (counted over all inputs, in order) belongs to the held-out split: every
+    ``every``-th one, so both splits sample the whole input evenly."""
+    return every is not None and index % every == every - 1
+
+
+def _document_batches(files: Sequence[Path], text_key: str, split: str | None = None,
+                      held_out_every: int | None = None) -> Iterator[list[str]]:
+    """The documents of ``files`` in order (only those of ``split``, when given), grouped into batches bounded in
+    count and characters."""
     batch: list[str] = []
     characters = 0
-    for file in files:
-        for document in iter_documents(file, text_key):
-            batch.append(document)
-            characters += len(document)
-            if len(batch) >= _BATCH_DOCUMENTS or characters >= _BATCH_CHARACTERS:
-                yield batch
-                batch, characters = [], 0
+    documents = (document for file in files for document in iter_documents(file, text_key))
+    for index, document in enumerate(documents):
+        if split is not None and held_out(index, held_out_every) != (split == "held-out"):
+            continue
+        batch.append(document)
+        characters += len(document)
+        if len(batch) >= _BATCH_DOCUMENTS or characters >= _BATCH_CHARACTERS:
+            yield batch
+            batch, characters = [], 0
     if batch:
         yield batch
 
@@ -158,8 +168,12 @@ class _ShardWriter:
 
 
 def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Path, text_key: str = "text",
-               num_workers: int | None = None, tokens_per_shard: int = 1 << 28) -> dict:
+               num_workers: int | None = None, tokens_per_shard: int = 1 << 28, split: str | None = None,
+               held_out_every: int | None = None) -> dict:
     """Tokenize every document of ``inputs`` into the preprocessed folder ``output_folder``; return its metadata.
+
+    With ``held_out_every=N``, ``split="held-out"`` keeps every N-th document and ``split="train"`` the others, so
+    two runs on the same inputs give a training folder and an evaluation folder that share no document.
 
     No special tokens are added inside documents; the end-of-document id follows every document. The folder is
     built under a hidden sibling name and renamed into place at the end, so an interrupted run never leaves a
@@ -170,6 +184,8 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
         raise DataError(f"--num-workers must be at least 1, got {num_workers}")
     if tokens_per_shard < 1:
         raise DataError(f"tokens_per_shard must be at least 1, got {tokens_per_shard}")
+    if (split is None) != (held_out_every is None) or (held_out_every is not None and held_out_every < 2):
+        raise DataError("give --split (train or held-out) together with --held-out-every N, N >= 2")
     output_folder = Path(output_folder)
     if output_folder.exists() and (not output_folder.is_dir() or any(output_folder.iterdir())):
         raise DataError(f"output folder {output_folder} already exists and is not empty; choose another "
@@ -188,8 +204,8 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
     try:
         writer = _ShardWriter(staging, dtype, tokens_per_shard)
         with tqdm(desc=f"preprocessing {output_folder.name}", unit="doc") as progress:
-            for tokens, document_lengths in _encoded_batches(_document_batches(files, text_key), encoder,
-                                                              num_workers):
+            batches = _document_batches(files, text_key, split, held_out_every)
+            for tokens, document_lengths in _encoded_batches(batches, encoder, num_workers):
                 writer.add(tokens, document_lengths)
                 progress.update(len(document_lengths))
                 progress.set_postfix(tokens=writer.num_tokens, refresh=False)
@@ -206,6 +222,8 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
             "shards": shards,
             "inputs": [str(file) for file in files],
         }
+        if split is not None:
+            metadata["split"] = {"name": split, "held_out_every": held_out_every}
         (staging / METADATA_FILE_NAME).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         os.replace(staging, output_folder)  # replaces an empty output folder too
     except BaseException:

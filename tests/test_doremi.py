@@ -1,0 +1,211 @@
+"""DoReMi: the weight update by hand, per-step domain mixtures, the proxy's weight trajectory at every split of the
+global batch (dp x accumulation, pp, tp) against one process, exact resume, averaging, held-out splits and bad
+input."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config_dict, write_config, write_corpus
+from test_bad_inputs import assert_user_error, cli
+
+from distributed import run_distributed, run_distributed_each
+
+STEPS = 6
+DOMAINS = ("animals", "colours", "rivers")
+
+
+def test_weight_update_matches_a_hand_computation_and_survives_an_absent_domain():
+    from nanotron.doremi.weights import updated_weights
+
+    weights, excess, tokens = [0.5, 0.3, 0.2], [4.0, 0.0, 9.0], [8.0, 0.0, 3.0]  # domain 1 absent from the step
+    raw = [math.log(0.5) + 0.5 * 4 / 8, math.log(0.3), math.log(0.2) + 0.5 * 9 / 3]
+    softmax = [math.exp(v) / sum(math.exp(u) for u in raw) for v in raw]
+    expected = [(1 - 0.1) * p + 0.1 / 3 for p in softmax]
+    got = updated_weights(weights, excess, tokens, step_size=0.5, smoothing=0.1)
+    assert got == pytest.approx(expected, rel=1e-12) and sum(got) == pytest.approx(1.0)
+    assert all(math.isfinite(w) and w > 0 for w in got)
+
+
+def test_global_batches_follow_the_weights_with_largest_remainders():
+    from nanotron.data.domain_batches import domain_counts, global_batch
+
+    assert domain_counts([0.5, 0.3, 0.2], 8) == [4, 2, 2]  # exact 4, 2.4, 1.6: the largest remainder (.6) gets the 8th
+    assert domain_counts([0.98, 0.01, 0.01], 8) == [8, 0, 0]
+    domains, indices = global_batch([4, 3, 1], [10, 0, 5])
+    assert sorted(domains.tolist()) == [0, 0, 0, 0, 1, 1, 1, 2]
+    assert sorted(indices[domains == 0].tolist()) == [10, 11, 12, 13] and indices[domains == 2].tolist() == [5]
+    assert domains[:4].tolist() != [0, 0, 0, 0]  # interleaved, not one domain after the other
+
+
+@pytest.fixture(scope="module")
+def domains(tiny_data, tmp_path_factory) -> list[Path]:
+    """Three domains tokenized with the tiny tokenizer: two corpora of the test grammar and a shuffled-word one."""
+    from nanotron.data.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("domains")
+    folders = []
+    for seed, name in enumerate(DOMAINS):
+        corpus = write_corpus(root / f"raw_{name}", documents=120, seed=seed + 1)
+        if name == "rivers":  # word salad: a domain the reference finds harder
+            lines = [json.loads(line) for line in corpus.read_text().splitlines()]
+            rng = __import__("random").Random(0)
+            for line in lines:
+                words = line["text"].split()
+                rng.shuffle(words)
+                line["text"] = " ".join(words)
+            corpus.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        preprocess([corpus], tiny_data["tokenizer"], root / name, num_workers=1)
+        folders.append(root / name)
+    return folders
+
+
+def doremi_config(tiny_data, folders, run: Path, *, dp=1, tp=1, pp=1, accumulation=4, reference=None,
+                  resume=None, steps=STEPS, **doremi) -> dict:
+    config = tiny_config_dict(
+        tiny_data, run, parallelism={"dp": dp, "tp": tp, "pp": pp},
+        tokens={"train_steps": steps, "micro_batch_size": 8 // (dp * accumulation),
+                "batch_accumulation_per_replica": accumulation},
+        checkpoints={"checkpoint_interval": 3, "save_final_state": False,
+                     "resume_checkpoint_path": None if resume is None else str(resume)},
+        data_stages=[{"name": "main", "start_training_step": 1,
+                      "data": {"seed": 3, "num_loading_workers": 0,
+                               "dataset": {"dataset_folder": [str(f) for f in folders]}}}],
+    )
+    # A schedule that does not depend on train_steps, so that a run stopped at step 3 resumes onto the same one.
+    config["optimizer"]["learning_rate_scheduler"] = {"learning_rate": 3e-3, "lr_warmup_steps": 1,
+                                                      "lr_decay_steps": STEPS - 1, "min_decay_lr": 3e-4}
+    config["doremi"] = {"step_size": 1.0, "smoothing_param": 1e-3, **doremi}
+    if reference is not None:
+        config["doremi"]["ref_model_resume_checkpoint_path"] = str(reference)
+    return config
+
+
+def _proxy(config: dict) -> dict:
+    from nanotron.config import config_from_dict
+    from nanotron.doremi.trainer import DoReMiTrainer
+
+    trainer = DoReMiTrainer(config_from_dict(config))
+    trainer.train()
+    if trainer.pc.rank != 0:
+        return {}
+    run = Path(config["checkpoints"]["checkpoints_path"])
+    history = [json.loads(line) for line in (run / "domain_weights.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"history": history, "metrics": metrics}
+
+
+def _train(config: dict) -> None:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    Trainer(config_from_dict(config)).train()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, domains, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    run_distributed(_train, 1, config=doremi_config(tiny_data, domains, run, steps=12))
+    return run
+
+
+@pytest.fixture(scope="module")
+def proxies(tiny_data, domains, reference, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("proxies")
+
+    def config(name, **layout):
+        return doremi_config(tiny_data, domains, root / name, reference=reference, **layout)
+
+    out = {"one": run_distributed(_proxy, 1, config=config("one"))[0]}
+    calls = {"dp2_acc2": config("dp2_acc2", dp=2, accumulation=2), "pp2": config("pp2", pp=2),
+             "tp2": config("tp2", tp=2)}
+    for name, ranks in zip(calls, run_distributed_each(_proxy, 2, [{"config": c} for c in calls.values()])):
+        out[name] = ranks[0]
+    half = doremi_config(tiny_data, domains, root / "resumed", reference=reference, steps=3)
+    run_distributed(_proxy, 1, config=half)
+    rest = doremi_config(tiny_data, domains, root / "resumed", reference=reference, resume=root / "resumed")
+    out["resumed"] = run_distributed(_proxy, 1, config=rest)[0]
+    return out
+
+
+def _trajectory(result: dict) -> list[list[float]]:
+    return [[record["weights"][name] for name in DOMAINS] for record in result["history"]]
+
+
+def test_the_proxy_moves_the_weights_and_logs_them(proxies):
+    one = proxies["one"]
+    trajectory = _trajectory(one)
+    assert [record["step"] for record in one["history"]] == list(range(1, STEPS + 1))
+    assert trajectory[0] == pytest.approx([1 / 3] * 3)  # uniform start
+    assert max(abs(a - b) for a, b in zip(trajectory[-1], trajectory[0])) > 1e-3  # the weights moved
+    assert all(sum(w) == pytest.approx(1.0) for w in trajectory)
+    assert [m["domain_weights"] for m in one["metrics"]] == [r["weights"] for r in one["history"]]
+    assert all(set(m["domain_losses"]) <= set(DOMAINS) for m in one["metrics"])
+
+
+@pytest.mark.parametrize("layout", ["dp2_acc2", "pp2", "tp2"])
+def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
+    expected, got = _trajectory(proxies["one"]), _trajectory(proxies[layout])
+    for step, (a, b) in enumerate(zip(expected, got, strict=True), 1):
+        assert b == pytest.approx(a, abs=1e-6), (layout, step)
+    for a, b in zip(proxies["one"]["metrics"], proxies[layout]["metrics"], strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], abs=1e-4), layout
+
+
+def test_resume_continues_the_same_trajectory(proxies):
+    assert proxies["resumed"]["history"] == proxies["one"]["history"]  # lines of steps 1-3 kept, 4-6 appended
+    straight = {m["step"]: m["lm_loss"] for m in proxies["one"]["metrics"]}
+    assert {m["step"]: m["lm_loss"] for m in proxies["resumed"]["metrics"]} == straight
+
+
+def test_a_domain_absent_from_every_batch_keeps_a_finite_weight(tiny_data, domains, reference, tmp_path):
+    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference, steps=3,
+                           domain_weights=[0.98, 0.01, 0.01])
+    (result,) = [r for r in run_distributed(_proxy, 1, config=config) if r]
+    for weights in _trajectory(result):
+        assert all(math.isfinite(w) and w > 0 for w in weights)
+
+
+def test_average_prints_a_line_to_paste(tmp_path, capsys):
+    history = tmp_path / "domain_weights.jsonl"
+    history.write_text('{"step": 1, "weights": {"a": 0.5, "b": 0.5}}\n{"step": 2, "weights": {"a": 0.7, "b": 0.3}}\n')
+    outcome = cli("doremi", "average", "--history", history, "--output", tmp_path / "w.json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.stdout.strip() == "domain_weights: [0.600000, 0.400000]  # a, b"
+    assert json.loads((tmp_path / "w.json").read_text()) == pytest.approx({"a": 0.6, "b": 0.4})
+    assert_user_error(cli("doremi", "average", "--history", tmp_path / "missing.jsonl"), "missing.jsonl")
+
+
+def test_held_out_split_shares_no_document_with_training(tiny_data, tmp_path):
+    from nanotron.data.preprocess import preprocess
+
+    corpus = write_corpus(tmp_path / "raw", documents=50)
+    train = preprocess([corpus], tiny_data["tokenizer"], tmp_path / "train", num_workers=1, split="train",
+                       held_out_every=10)
+    held = preprocess([corpus], tiny_data["tokenizer"], tmp_path / "held", num_workers=1, split="held-out",
+                      held_out_every=10)
+    everything = preprocess([corpus], tiny_data["tokenizer"], tmp_path / "all", num_workers=1)
+    assert (train["num_documents"], held["num_documents"]) == (45, 5)
+    assert train["num_tokens"] + held["num_tokens"] == everything["num_tokens"]
+
+
+@pytest.mark.parametrize("doremi, fragments", [
+    ({"domain_weights": [0.5, 0.3, 0.3]}, ("doremi.domain_weights must sum to 1",)),
+    ({"domain_weights": [0.5, 0.5]}, ("doremi.domain_weights has 2 entries", "3 dataset folders")),
+    ({"ref_model_resume_checkpoint_path": "/nonexistent/ref"}, ("/nonexistent/ref", "does not exist")),
+])
+def test_bad_doremi_input_is_one_error_line(tiny_data, domains, tmp_path, doremi, fragments):
+    config = doremi_config(tiny_data, domains, tmp_path / "run", **doremi)
+    outcome = cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config))
+    assert_user_error(outcome, *fragments)
+
+
+def test_a_reference_with_another_vocabulary_is_refused(tiny_data, domains, reference, tmp_path):
+    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference)
+    config["model"]["model_config"]["vocab_size"] = 512
+    outcome = cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config))
+    assert_user_error(outcome, "vocabulary of 384", "vocab_size is 512")
