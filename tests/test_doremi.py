@@ -1,4 +1,4 @@
-"""DoReMi: the weight update by hand, per-step domain mixtures, the proxy's weight trajectory at every split of the
+"""DoReMi: the weight update by hand, the proxy's weight trajectory at every split of the
 global batch (dp x accumulation, pp, tp) against one process, exact resume, averaging, held-out splits and bad
 input."""
 
@@ -29,17 +29,6 @@ def test_weight_update_matches_a_hand_computation_and_survives_an_absent_domain(
     got = updated_weights(weights, excess, tokens, step_size=0.5, smoothing=0.1)
     assert got == pytest.approx(expected, rel=1e-12) and sum(got) == pytest.approx(1.0)
     assert all(math.isfinite(w) and w > 0 for w in got)
-
-
-def test_global_batches_follow_the_weights_with_largest_remainders():
-    from nanotron.data.domain_batches import domain_counts, global_batch
-
-    assert domain_counts([0.5, 0.3, 0.2], 8) == [4, 2, 2]  # exact 4, 2.4, 1.6: the largest remainder (.6) gets the 8th
-    assert domain_counts([0.98, 0.01, 0.01], 8) == [8, 0, 0]
-    domains, indices = global_batch([4, 3, 1], [10, 0, 5])
-    assert sorted(domains.tolist()) == [0, 0, 0, 0, 1, 1, 1, 2]
-    assert sorted(indices[domains == 0].tolist()) == [10, 11, 12, 13] and indices[domains == 2].tolist() == [5]
-    assert domains[:4].tolist() != [0, 0, 0, 0]  # interleaved, not one domain after the other
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +152,10 @@ def test_resume_continues_the_same_trajectory(proxies):
 
 
 def test_a_domain_absent_from_every_batch_keeps_a_finite_weight(tiny_data, domains, reference, tmp_path):
-    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference, steps=3,
-                           domain_weights=[0.98, 0.01, 0.01])
+    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference, steps=3)
+    config["data_stages"][0]["data"]["dataset"]["dataset_weights"] = [0.998, 0.001, 0.001]  # 8 of 8 from domain 0
     (result,) = [r for r in run_distributed(_proxy, 1, config=config) if r]
+    assert all(set(m["domain_losses"]) == {DOMAINS[0]} for m in result["metrics"])
     for weights in _trajectory(result):
         assert all(math.isfinite(w) and w > 0 for w in weights)
 

@@ -109,3 +109,14 @@ def test_mixture_of_experts_runs_add_their_routing_panels(tmp_path):
     output = tmp_path / "moe.png"
     assert run_cli("--metrics", str(run), "--output", str(output)) == 0
     check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, expert load, balancing loss
+
+
+def test_domain_weights_get_a_panel_of_their_own(tmp_path):
+    run = write_run(tmp_path / "proxy", domains=["code", "prose"])
+    lines = [json.loads(line) for line in run.read_text().splitlines()]
+    for record in lines:
+        record["domain_weights"] = {"code": 0.4 + 0.001 * record["step"], "prose": 0.6 - 0.001 * record["step"]}
+    run.write_text("".join(json.dumps(record) + "\n" for record in lines))
+    output = tmp_path / "proxy.png"
+    assert run_cli("--metrics", str(run), "--output", str(output)) == 0
+    check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, loss per domain, domain weights

@@ -1,7 +1,7 @@
 """Training curves from ``metrics.jsonl`` files: ``nanotron plot``.
 
 One PNG, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU, a mixture of experts'
-expert load and load-balancing loss, and per-domain losses when the records carry them), several runs on the same axes so they can be compared at a glance. matplotlib is an
+expert load and load-balancing loss, and per-domain losses and domain weights when the records carry them), several runs on the same axes so they can be compared at a glance. matplotlib is an
 optional extra (``pip install -e ".[plot]"``): training never needs it, so it is imported only here, and only its
 object-oriented API with the Agg canvas is used, which needs no display and changes no global backend.
 """
@@ -25,6 +25,8 @@ PANELS = [
     ("moe_max_expert_load", "MoE: busiest expert / even share"),
     ("moe_load_balancing_loss", "MoE load-balancing loss"),
 ]
+# Records holding one value per domain (multi-folder runs, DoReMi): one curve per domain.
+DOMAIN_PANELS = [("domain_losses", "loss per domain"), ("domain_weights", "domain weights")]
 PANEL_SIZE = (6.0, 3.5)  # inches per panel; two panels a row
 DPI = 100
 
@@ -104,8 +106,9 @@ def plot_runs(paths: list[Path], output: Path, smooth: int | None = None, names:
         raise PlotError('nanotron plot needs matplotlib: pip install -e ".[plot]"') from None
 
     panels = [(key, title) for key, title in PANELS if any(key in r for rs in runs.values() for r in rs)]
-    domains = any(isinstance(r.get("domain_losses"), dict) for rs in runs.values() for r in rs)
-    count = len(panels) + domains
+    per_domain = [(key, title) for key, title in DOMAIN_PANELS
+                  if any(isinstance(r.get(key), dict) for rs in runs.values() for r in rs)]
+    count = len(panels) + len(per_domain)
     rows, cols = math.ceil(count / 2), min(count, 2)
     figure = Figure(figsize=(PANEL_SIZE[0] * cols, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
@@ -122,15 +125,18 @@ def plot_runs(paths: list[Path], output: Path, smooth: int | None = None, names:
             else:
                 ax.plot(steps, values, color=colour, label=name)
         ax.set_title(title)
-    if domains:
-        ax = axes[len(panels)]
+    for ax, (key, title) in zip(axes[len(panels):], per_domain):
         for colour, (name, records) in zip(colours, runs.items()):
-            losses = [(r["step"], r["domain_losses"]) for r in records if isinstance(r.get("domain_losses"), dict)]
-            for style, domain in zip(["-", "--", ":", "-."] * 8, sorted({d for _, dl in losses for d in dl})):
-                points = [(s, dl[domain]) for s, dl in losses if isinstance(dl.get(domain), (int, float))]
-                ax.plot([s for s, _ in points], [v for _, v in points], color=colour, linestyle=style,
+            values = [(r["step"], r[key]) for r in records if isinstance(r.get(key), dict)]
+            domains = sorted({d for _, by_domain in values for d in by_domain})
+            for index, domain in enumerate(domains):
+                points = [(s, v[domain]) for s, v in values if isinstance(v.get(domain), (int, float))]
+                # One run: a colour per domain. Several: a colour per run, a line style per domain.
+                style = {"color": f"C{index % 10}"} if len(runs) == 1 else {
+                    "color": colour, "linestyle": ["-", "--", ":", "-."][index % 4]}
+                ax.plot([s for s, _ in points], [v for _, v in points], **style,
                         label=f"{name}: {domain}" if len(runs) > 1 else domain)
-        ax.set_title("loss per domain")
+        ax.set_title(title)
     for ax in figure.axes[:count]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

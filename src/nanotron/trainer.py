@@ -186,15 +186,20 @@ class Trainer:
 
     def _dataset(self, stage) -> PretrainDataset:
         if stage.name not in self.datasets:
-            dataset_args, doremi = stage.data.dataset, self.config.doremi
-            weights = dataset_args.dataset_weights
-            if weights is None and doremi is not None:
-                weights = doremi.domain_weights
+            doremi = self.config.doremi
             self.datasets[stage.name] = PretrainDataset(
-                dataset_args.dataset_folder, weights, self.config.tokens.sequence_length, stage.data.seed)
+                stage.data.dataset.dataset_folder, self._sampling_weights(stage), self.config.tokens.sequence_length,
+                stage.data.seed)
             if doremi is not None and doremi.domain_names is not None:
                 self.datasets[stage.name].domain_names = list(doremi.domain_names)
         return self.datasets[stage.name]
+
+    def _sampling_weights(self, stage) -> list[float] | None:
+        """The stage's mixture: ``dataset_weights``, else ``doremi.domain_weights``, else (None) the token shares."""
+        weights = stage.data.dataset.dataset_weights
+        if weights is None and self.config.doremi is not None:
+            weights = self.config.doremi.domain_weights
+        return weights
 
     def _prepare_run_folder(self) -> Path | None:
         """Check the run folder before anything is built; the checkpoint to resume from, if any.
@@ -276,7 +281,7 @@ class Trainer:
                 self.optimizer.sync_masters_from_model()
             schedule_start = metadata["lr_schedule_start_step"] if checkpoints.load_lr_scheduler else metadata["step"]
             self.progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start,
-                                             metadata.get("domain_sampling"))
+                                             metadata.get("domain_weights"))
             if not load_rng(checkpoint, self.pc):
                 logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
             saved_layout = {k: v for k, v in metadata["layout"].items() if k != "zero_stage"}

@@ -43,8 +43,7 @@ class TrainingProgress:
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
     lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
-    # A mixture chosen step by step (DoReMi): {"weights": [...], "consumed": [samples taken per domain]}.
-    domain_sampling: dict | None = None
+    domain_weights: list[float] | None = None  # learned during training (DoReMi's proxy), one per domain
 
     @property
     def total_consumed_samples(self) -> int:

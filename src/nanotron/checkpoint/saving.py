@@ -136,7 +136,7 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
         layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},
-        **({"domain_sampling": progress.domain_sampling} if progress.domain_sampling is not None else {}),
+        **({"domain_weights": progress.domain_weights} if progress.domain_weights is not None else {}),
     )
     return Snapshot(progress.step, files, rng_state(parallel_context.device, parallel_context.coordinates),
                     f"rng/rank-{parallel_context.rank:05d}.safetensors", metadata, config)

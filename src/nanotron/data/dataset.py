@@ -151,41 +151,36 @@ class PretrainDataset:
 
         self._samples_per_period = _quantise(_validated_weights(weights, self._shards), BLEND_PERIOD)
         self.weights = (self._samples_per_period / BLEND_PERIOD).tolist()
-        self._domain_of_slot, self._rank_of_slot = interleave(self._samples_per_period)
+        self._domain_of_slot, self._rank_of_slot = _interleave(self._samples_per_period)
 
     def sample(self, g: int) -> tuple[np.ndarray, int]:
         """Global sample ``g``: its ``sequence_length + 1`` tokens (int64) and its domain id."""
-        batch = self.samples([g])
-        return batch["tokens"][0].numpy(), int(batch["domain_ids"][0])
+        domains, windows = self._locate([g])
+        return self._read_window(int(domains[0]), int(windows[0])), int(domains[0])
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The samples ``indices`` stacked: ``tokens`` [n, sequence_length + 1] and ``domain_ids`` [n], int64."""
-        g = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if g.size and g.min() < 0:
-            raise IndexError(f"sample indices start at 0, got {g.min()}")
-        period, slot = np.divmod(g, BLEND_PERIOD)
-        domains = self._domain_of_slot[slot]
-        return self.domain_samples(domains, period * self._samples_per_period[domains] + self._rank_of_slot[slot])
-
-    def domain_samples(self, domains: Sequence[int], indices_in_domain: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Like ``samples``, for the ``indices_in_domain``-th samples of each domain's own stream (the order in
-        which a blend visits that domain): for samplers that choose the domains of a batch themselves."""
-        domains = np.asarray(domains, dtype=np.int64).reshape(-1)
-        windows = self._windows(domains, np.asarray(indices_in_domain, dtype=np.int64).reshape(-1))
+        domains, windows = self._locate(indices)
         tokens = np.empty((len(domains), self.sequence_length + 1), dtype=np.int64)
         for row, (domain, window) in enumerate(zip(domains.tolist(), windows.tolist())):
             tokens[row] = self._read_window(domain, window)
         return {"tokens": torch.from_numpy(tokens), "domain_ids": torch.from_numpy(domains)}
 
-    def _windows(self, domains: np.ndarray, index_in_domain: np.ndarray) -> np.ndarray:
-        """The window of each domain's ``index_in_domain``-th sample: a fresh permutation of its windows per epoch."""
+    def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Domain id and window index of each global sample index, vectorised over the indices."""
+        g = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if g.size and g.min() < 0:
+            raise IndexError(f"sample indices start at 0, got {g.min()}")
+        period, slot = np.divmod(g, BLEND_PERIOD)
+        domains = self._domain_of_slot[slot]
+        index_in_domain = period * self._samples_per_period[domains] + self._rank_of_slot[slot]
         epochs, positions = np.divmod(index_in_domain, np.asarray(self.num_windows, dtype=np.int64)[domains])
         windows = np.empty_like(positions)
         for domain, epoch in np.unique(np.stack([domains, epochs], axis=1), axis=0).tolist():
             selected = (domains == domain) & (epochs == epoch)
             windows[selected] = permute(positions[selected], self.num_windows[domain], self.seed,
                                         stream=domain * _STREAMS_PER_DOMAIN + epoch)
-        return windows
+        return domains, windows
 
     def _read_window(self, domain: int, window: int) -> np.ndarray:
         return self._shards[domain].read(window * self.sequence_length, self.sequence_length + 1)
@@ -224,7 +219,7 @@ def _quantise(weights: np.ndarray, period: int) -> np.ndarray:
     return counts
 
 
-def interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Spread ``counts[i]`` slots of each domain ``i`` evenly over one period (smooth weighted round robin).
 
     Each slot goes to the domain furthest behind its share, ``counts[i] * (slot + 1) / period - taken[i]``

@@ -37,7 +37,7 @@ def rank_micro_batches(indices: range, dp_rank: int, dp_size: int, micro_batch_s
     return [block[micro * micro_batch_size:(micro + 1) * micro_batch_size] for micro in range(accumulation)]
 
 
-def to_micro_batch(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _to_micro_batch(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens."""
     tokens = samples["tokens"]
     labels = tokens[:, 1:].contiguous()
@@ -68,7 +68,7 @@ class _RankMicroBatches(Dataset):
         indices = global_batch_indices(self.start_step + step, self.first_sample, global_batch_size)
         micro_batches = rank_micro_batches(indices, self.dp_rank, self.dp_size, self.micro_batch_size,
                                            self.accumulation)
-        return to_micro_batch(self.dataset.samples(micro_batches[micro]))
+        return _to_micro_batch(self.dataset.samples(micro_batches[micro]))
 
 
 class MicroBatchLoader:

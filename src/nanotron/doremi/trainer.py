@@ -3,7 +3,10 @@ that change every step (``doremi/weights.py``).
 
 Every step, on the same global batch at any layout:
 
-1. the batch is drawn with the current weights ``α`` (``data/domain_batches.py``);
+1. the batch is drawn uniformly over the domains (or by ``dataset_weights``), as in any run, so that every domain
+   is in every batch and has its excess loss measured: drawing batches by the learned weights instead let one
+   domain take whole batches within 200 steps on the demo corpus, after which the others were never measured
+   again and their weights could not recover;
 2. the reference model (any checkpoint: it is rebuilt at this run's tp/pp, without autograd) gives every token's
    loss ``ℓ_ref``;
 3. the proxy minimises ``Σ_i α_i · mean loss of domain i`` (the DRO objective; each domain's mean is over its
@@ -12,9 +15,8 @@ Every step, on the same global batch at any layout:
 4. the per-domain sums of ``max(ℓ - ℓ_ref, 0)`` and token counts travel as step statistics (summed over
    micro-batches, stages and data-parallel ranks), and update ``α`` for the next step.
 
-The weights and each domain's position in its stream are saved in every checkpoint (``domain_sampling``), so a
-resumed run continues the same trajectory; the weights of every step go to ``domain_weights.jsonl`` in
-``checkpoints_path`` and to metrics.jsonl.
+The weights are saved in every checkpoint (``domain_weights``), so a resumed run continues the same trajectory;
+the weights of every step go to ``domain_weights.jsonl`` in ``checkpoints_path`` and to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch.distributed as dist
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import Config, ConfigError
-from nanotron.data.domain_batches import DomainWeightedLoader
 from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
@@ -69,9 +70,9 @@ class DoReMiTrainer(Trainer):
             raise
         self._loss = self._weighted_loss
         domains = len(self.config.data_stages[0].data.dataset.dataset_folder)
-        state, doremi = self.progress.domain_sampling, self.config.doremi
-        if state is not None:
-            self.weights = list(state["weights"])
+        saved, doremi = self.progress.domain_weights, self.config.doremi
+        if saved is not None:
+            self.weights = list(saved)
         elif doremi.domain_weights is not None:
             self.weights = list(doremi.domain_weights)
         else:
@@ -81,15 +82,10 @@ class DoReMiTrainer(Trainer):
             self.history = WeightHistory(Path(self.config.checkpoints.checkpoints_path) / HISTORY_FILE,
                                          self.progress.step)
 
-    def _loader(self, stage) -> DomainWeightedLoader:
-        dataset = self._dataset(stage)
-        self._domain_names, self._num_domains = dataset.domain_names, len(dataset.domain_names)
-        state, t = self.progress.domain_sampling, self.config.tokens
-        self._domain_loader = DomainWeightedLoader(
-            dataset, state["consumed"] if state is not None else None, lambda: self.weights,
-            micro_batch_size=t.micro_batch_size, accumulation=t.batch_accumulation_per_replica,
-            dp_rank=self.pc.coord("dp") * self.pc.size("ep") + self.pc.coord("ep"), dp_size=self.pc.size("dp_ep"))
-        return self._domain_loader
+    def _sampling_weights(self, stage) -> list[float]:
+        """Uniform over the domains unless ``dataset_weights`` say otherwise: ``doremi.domain_weights`` are the
+        proxy's starting loss weights, not its sampling mixture."""
+        return stage.data.dataset.dataset_weights or [1.0] * len(stage.data.dataset.dataset_folder)
 
     def _statistics_template(self) -> dict[str, tuple[int, ...]]:
         return super()._statistics_template() | {"excess_loss_sum": (self._num_domains,)}
@@ -141,7 +137,7 @@ class DoReMiTrainer(Trainer):
             self.weights = updated_weights(used, statistics["excess_loss_sum"].tolist(),
                                            statistics["domain_tokens"].tolist(), doremi.step_size,
                                            doremi.smoothing_param)
-        self.progress.domain_sampling = {"weights": self.weights, "consumed": list(self._domain_loader.cursors)}
+        self.progress.domain_weights = self.weights
         result.model_metrics = result.model_metrics | {"domain_weights": dict(zip(self._domain_names, used))}
         if self.history is not None:
             self.history.write(self.progress.step + 1, self._domain_names, used)
