@@ -84,3 +84,24 @@ def test_grouped_gemm_experts_match_the_loop_in_bf16_forward_and_backward():
         experts.zero_grad()
     for loop, grouped in zip(*results):
         torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_fp8_scaled_mm_matches_the_emulation(rowwise):
+    from nanotron.nn.fp8 import E5M2, FP8Matmul, FP8Recipe
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16) * 0.05
+    g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    matmul = FP8Matmul(FP8Recipe(E5M2, rowwise))
+    results = []
+    for device in ("cuda", "cpu"):  # on the CPU the same quantisation, multiplied in fp32
+        xi, wi = x.to(device).clone().requires_grad_(), w.to(device).clone().requires_grad_()
+        y = matmul(xi, wi)
+        y.backward(g.to(device))
+        results.append([t.float().cpu() for t in (y, xi.grad, wi.grad)])
+    for fast, emulated in zip(*results):
+        torch.testing.assert_close(fast, emulated, rtol=2e-2, atol=2e-2)

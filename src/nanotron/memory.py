@@ -186,11 +186,12 @@ def memory_summary(config: Config, stage: int, gpu_memory_gb: float | None) -> s
     except Exception as error:  # noqa: BLE001 - the estimate is advice; training goes on without it
         return f"memory estimate unavailable: {error}"
     mine = estimate.stages[stage]
-    verdict = "" if gpu_memory_gb is None else (
-        f", fits in {gpu_memory_gb:.1f} GB" if mine.total <= gpu_memory_gb * GB else
-        f", more than the {gpu_memory_gb:.1f} GB of this GPU")
-    return (f"memory estimate for pipeline stage {stage}: {mine.peak / GB:.1f} GB peak allocated per rank, "
-            f"{mine.total / GB:.1f} GB of device memory{verdict}")
+    line = f"memory estimate for pipeline stage {stage}: {mine.peak / GB:.1f} GB peak allocated per rank"
+    if gpu_memory_gb is None:  # not on a GPU: the CUDA runtime and allocator terms of the total do not apply
+        return line
+    verdict = (f"fits in {gpu_memory_gb:.1f} GB" if mine.total <= gpu_memory_gb * GB else
+               f"more than the {gpu_memory_gb:.1f} GB of this GPU")
+    return f"{line}, {mine.total / GB:.1f} GB of device memory, {verdict}"
 
 
 # --- parameters and optimizer state ------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
+from nanotron.nn.fp8 import fp8_converter
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
@@ -125,6 +126,8 @@ class Trainer:
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         self.initial_checkpoint = self._initial_checkpoint()
+        if config.fp8 is not None and config.fp8.enabled:
+            converters = (*converters, fp8_converter(config.fp8))
         self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
         self.params = logical_parameters(self.model)
         self.buckets, self.optimizer = build_optimizer(

@@ -39,6 +39,8 @@ LR_WARMUP_STYLES = ("linear", "constant")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "1-sqrt")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 WANDB_MODES = ("online", "offline", "disabled")
+FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_FORMATS = ("e4m3", "e5m2")
 
 
 @dataclass
@@ -274,6 +276,17 @@ class LoggingArgs:
 
 
 @dataclass
+class FP8Args:
+    """FP8 matmuls in the decoder's linear layers (``nn/fp8.py``); embeddings, the LM head, routers, norms and the
+    loss stay in the model dtype, master weights and optimizer state in fp32."""
+
+    enabled: bool = False
+    recipe: str = "tensorwise"  # scaling from the current amax: tensorwise, or rowwise (per token and feature)
+    gradient_format: str = "e5m2"  # of the output gradients; e4m3 for every operand with "e4m3"
+    exclude_modules: list[str] = field(default_factory=list)  # regexes of module names kept in the model dtype
+
+
+@dataclass
 class DoReMiArgs:
     """DoReMi (Xie et al., 2023): domain weights learned by a small proxy model against a reference model.
 
@@ -309,6 +322,7 @@ class Config:
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiler: ProfilerArgs | None = None
     doremi: DoReMiArgs | None = None
+    fp8: FP8Args | None = None
 
     def __post_init__(self) -> None:
         self.data_stages = sorted(self.data_stages, key=lambda stage: stage.start_training_step)

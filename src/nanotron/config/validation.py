@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from nanotron.config.schema import (
     DTYPE_ALIASES,
     DTYPES,
+    FP8_FORMATS,
+    FP8_RECIPES,
     LOG_LEVELS,
     WANDB_MODES,
     LR_DECAY_STYLES,
@@ -49,6 +51,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         *_data_stages(cfg.data_stages),
         *_logging(cfg.logging),
         *_doremi(cfg),
+        *_fp8(cfg),
         *_model_vs_parallelism(cfg),
     ]
     if world_size is not None:
@@ -351,6 +354,18 @@ def _logging(logging: LoggingArgs) -> Iterator[str]:
                                ("logging.wandb", "wandb", "wandb")):
         if getattr(logging, key.split(".")[1]) is not None and importlib.util.find_spec(module) is None:
             yield f"{key} is set but the {module} package is not installed; pip install -e \".[{extra}]\" or unset it"
+
+
+def _fp8(cfg: Config) -> Iterator[str]:
+    if cfg.fp8 is None:
+        return
+    yield from _one_of("fp8.recipe", cfg.fp8.recipe, FP8_RECIPES)
+    yield from _one_of("fp8.gradient_format", cfg.fp8.gradient_format, FP8_FORMATS)
+    for i, pattern in enumerate(cfg.fp8.exclude_modules):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            yield f"fp8.exclude_modules[{i}] ({pattern!r}) is not a valid regex: {e}"
 
 
 def _doremi(cfg: Config) -> Iterator[str]:

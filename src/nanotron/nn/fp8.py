@@ -1,0 +1,129 @@
+"""FP8 matmuls for linear layers, forward and backward, plugged in through ``Linear.matmul``.
+
+``y = x Wᵀ`` runs on FP8 operands: the activations and weights in e4m3, the output gradient in e5m2 (or e4m3), each
+scaled from its current absolute maximum so that it fills the format's range (``fp8_max / amax``). The three
+products (the output, and the input and weight gradients in the backward) are FP8 matmuls whose results are
+dequantised to the input dtype; master weights, gradient accumulation and the optimizer never see FP8.
+
+Scaling is per tensor (``tensorwise``) or per row of each operand along the reduced dimension (``rowwise``: one
+scale per token and per output feature in the forward, re-derived along the other dimension for each backward
+product, at the price of quantising from the high-precision tensors again).
+
+On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torch._scaled_mm``. Elsewhere an
+emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
+dequantised values in fp32, so the CPU tests exercise the numerics of the GPU path. ``torch._scaled_mm`` needs
+every dimension to be a multiple of 16; a product that is not falls back to the emulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    gradient_dtype: torch.dtype = E5M2
+    rowwise: bool = False
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast to the float8 ``dtype`` after scaling by ``fp8_max / amax`` (over the whole tensor, or along
+    ``dim`` with one scale per slice); returns the FP8 tensor and the fp32 scale (kept dims for ``dim``)."""
+    x32 = x.float()
+    amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
+    finfo = torch.finfo(dtype)
+    scale = finfo.max / amax.clamp(min=1e-12)
+    return (x32 * scale).clamp(finfo.min, finfo.max).to(dtype), scale
+
+
+def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not (a.is_cuda and hasattr(torch, "_scaled_mm")):
+        return False
+    if torch.cuda.get_device_capability(a.device) < (8, 9):
+        return False
+    return all(n % 16 == 0 for n in (*a.shape, b.shape[1]))
+
+
+def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a / a_scale) @ (b / b_scale)`` for FP8 ``a`` [M, K] and ``b`` [K, N] with scales of shape [] or [M, 1]
+    and [] or [1, N]."""
+    if _scaled_mm_supported(a, b):
+        # _scaled_mm takes a row-major and b column-major, and the dequantising (inverse) scales.
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
+                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+    return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe):
+        ctx.recipe, ctx.has_bias, ctx.input_shape = recipe, bias is not None, x.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        dim = -1 if recipe.rowwise else None
+        xq, x_scale = quantize(x2, E4M3, dim)
+        wq, w_scale = quantize(weight, E4M3, dim)
+        y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype)
+        if recipe.rowwise:  # the backward products reduce over other dims: quantise again from these
+            ctx.save_for_backward(x2, weight)
+        else:
+            ctx.save_for_backward(xq, x_scale, wq, w_scale)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        recipe = ctx.recipe
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if recipe.rowwise:
+            x2, weight = ctx.saved_tensors
+            g_rows, g_row_scale = quantize(g2, recipe.gradient_dtype, -1)  # dx = g W: reduce over out features
+            w_cols, w_col_scale = quantize(weight, E4M3, 0)
+            grad_input = fp8_mm(g_rows, g_row_scale, w_cols, w_col_scale, grad.dtype)
+            g_cols, g_col_scale = quantize(g2, recipe.gradient_dtype, 0)  # dW = gᵀ x: reduce over tokens
+            x_cols, x_col_scale = quantize(x2, E4M3, 0)
+            grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
+        else:
+            xq, x_scale, wq, w_scale = ctx.saved_tensors
+            gq, g_scale = quantize(g2, recipe.gradient_dtype)
+            grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
+            grad_weight = fp8_mm(gq.t(), g_scale, xq, x_scale, grad.dtype)
+        grad_bias = g2.sum(0) if ctx.has_bias else None
+        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None
+
+
+class FP8Matmul:
+    """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside."""
+
+    def __init__(self, recipe: FP8Recipe):
+        self.recipe = recipe
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _FP8Linear.apply(x, weight, bias, self.recipe)
+
+
+def fp8_converter(args):
+    """A module converter (``build_model(converters=...)``) giving the decoder layers' linears FP8 matmuls.
+
+    Every module with a swappable ``matmul`` inside ``layers`` is converted except the MoE routers (their logits
+    choose experts: small, and sensitive) and the names matching ``fp8.exclude_modules``. The embedding and the
+    LM head are outside the decoder layers and stay in the model dtype.
+    """
+    import re
+
+    recipe = FP8Recipe(FORMATS[args.gradient_format], args.recipe == "rowwise")
+    excluded = [re.compile(pattern) for pattern in args.exclude_modules]
+
+    def convert(model) -> None:
+        for name, module in model.named_modules():
+            if (hasattr(module, "matmul") and name.startswith("layers.") and not name.endswith(".router")
+                    and not any(pattern.search(name) for pattern in excluded)):
+                module.matmul = FP8Matmul(recipe)
+
+    return convert
