@@ -50,13 +50,14 @@ def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
+           out_dtype: torch.dtype, fast_accumulation: bool = False) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale)`` for FP8 ``a`` [M, K] and ``b`` [K, N] with scales of shape [] or [M, 1]
-    and [] or [1, N]."""
+    and [] or [1, N]. ``fast_accumulation`` lets the GPU accumulate in lower precision (the forward product only,
+    as is usual: gradients keep the full fp32 accumulation)."""
     if _scaled_mm_supported(a, b):
         # _scaled_mm takes a row-major and b column-major, and the dequantising (inverse) scales.
         return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
-                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
+                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accumulation)
     return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
 
 
@@ -68,7 +69,7 @@ class _FP8Linear(torch.autograd.Function):
         dim = -1 if recipe.rowwise else None
         xq, x_scale = quantize(x2, E4M3, dim)
         wq, w_scale = quantize(weight, E4M3, dim)
-        y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype)
+        y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype, fast_accumulation=True)
         if recipe.rowwise:  # the backward products reduce over other dims: quantise again from these
             ctx.save_for_backward(x2, weight)
         else:
