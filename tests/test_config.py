@@ -151,6 +151,7 @@ FULL: dict[str, Any] = {
     "profiler": {"profiler_export_path": "profiles"},
     "doremi": {"domain_names": None, "domain_weights": None, "ref_model_resume_checkpoint_path": "ckpt/reference",
                "step_size": 0.5, "smoothing_param": 0.01},
+    "fp8": {"enabled": True, "recipe": "rowwise", "gradient_format": "e4m3", "exclude_modules": ["o_proj$"]},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
 SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "hidden_act", "pretraining_tp",
