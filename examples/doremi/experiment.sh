@@ -19,8 +19,11 @@ for domain in $DOMAINS; do
   done
 done
 
-$PYTHON examples/doremi/train_reference.py --config-file examples/doremi/config_reference.yaml
-$PYTHON examples/doremi/train_doremi.py --config-file examples/doremi/config_proxy.yaml
+# A finished run is skipped (its folder has a checkpoint of the last step: latest.txt).
+[ -f checkpoints/doremi/reference/latest.txt ] || \
+  $PYTHON examples/doremi/train_reference.py --config-file examples/doremi/config_reference.yaml
+[ -f checkpoints/doremi/proxy/latest.txt ] || \
+  $PYTHON examples/doremi/train_doremi.py --config-file examples/doremi/config_proxy.yaml
 WEIGHTS=$($NANOTRON doremi average --history checkpoints/doremi/proxy/domain_weights.jsonl \
   --output $W/doremi_weights.json | sed -e 's/^domain_weights: //' -e 's/ *#.*//')
 echo "DoReMi weights: $WEIGHTS"
@@ -32,8 +35,9 @@ for mixture in natural uniform doremi; do
     uniform) extra=("data_stages.0.data.dataset.dataset_weights=$UNIFORM") ;;
     doremi) extra=("data_stages.0.data.dataset.dataset_weights=$WEIGHTS") ;;
   esac
-  $PYTHON run_train.py --config-file examples/doremi/config_large.yaml --override \
-    checkpoints.checkpoints_path=checkpoints/doremi/large_$mixture general.run=large_$mixture ${extra[@]+"${extra[@]}"}
+  [ -f checkpoints/doremi/large_$mixture/latest.txt ] || $PYTHON run_train.py \
+    --config-file examples/doremi/config_large.yaml --override checkpoints.checkpoints_path=checkpoints/doremi/large_$mixture \
+    general.run=large_$mixture ${extra[@]+"${extra[@]}"}
   $NANOTRON eval --ckpt-path checkpoints/doremi/large_$mixture --sequence-length 128 --max-windows 1000 \
     --output $W/eval_$mixture.json --data $(for domain in $DOMAINS; do printf "$W/held-out/%s " $domain; done)
 done
