@@ -116,6 +116,7 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         out[name] = ranks
     resumed = moe_config(tiny_data, root / "ep2_tp2_at_ep1", resume_from=root / "ep2_tp2" / str(SAVED_AT))
     out["ep2_tp2_at_ep1"] = run_distributed(_run, 1, config=resumed, first_step=False)
+    out["root"] = root
     return out
 
 
@@ -167,6 +168,14 @@ def test_resume_across_expert_parallel_sizes_continues_the_curve(runs):
     at_ep1 = _rank0_metrics(runs["ep2_tp2_at_ep1"])
     assert [m["step"] for m in at_ep1] == list(after)
     _assert_same_steps(_rank0_metrics(runs["ep2_tp2"]), at_ep1, after, "ep2 x tp2 -> ep1")
+
+
+def test_eval_reads_an_expert_parallel_checkpoint(runs, tiny_data):
+    outcome = cli("eval", "--ckpt-path", runs["root"] / "ep2_tp2", "--data", tiny_data["tokenized"],
+                  "--sequence-length", "32", "--max-windows", "8")
+    assert outcome.code == 0, outcome.stderr[-2000:]
+    loss = float(outcome.stdout.split("loss ")[1].split()[0])
+    assert 3.0 < loss < _rank0_metrics(runs["ep2_tp2"])[0]["lm_loss"]  # trained: below the first step's loss
 
 
 def test_all_to_all_loses_and_duplicates_no_token(runs):
