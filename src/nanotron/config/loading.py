@@ -178,6 +178,10 @@ class _Reader:
         if raw is None and type(None) in members:
             return None
         choices = [m for m in members if m is not type(None)]
+        if len(choices) > 1 and not any(is_dataclass(choice) for choice in choices):  # e.g. int | str: first fit
+            read = (_scalar(choice, raw) for choice in choices)
+            value = next((value for value in read if value is not _INVALID), _INVALID)
+            return self._fail(key, _describe(tp), raw) if value is _INVALID else value
         if len(choices) > 1:
             return self.dataclass_union(choices, raw, key)
         (kind,) = choices

@@ -163,8 +163,65 @@ class LlaMoEConfig(LlamaConfig):
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
 
+@dataclass
+class MambaSSMArgs:
+    """The selective state-space mixer of every Mamba layer (nanotron's and mamba_ssm's ``ssm_cfg``)."""
+
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int | str = "auto"  # "auto": ceil(d_model / 16)
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init: str = "random"  # or "constant": how dt_proj.weight starts
+    dt_scale: float = 1.0
+    dt_init_floor: float = 1e-4
+    conv_bias: bool = True
+    bias: bool = False  # on in_proj and out_proj
+    use_fast_path: bool = True  # fused kernels where available; the plain-torch scan otherwise
+
+
+@dataclass
+class MambaConfig:
+    """Mamba-1 (Gu & Dao, 2023): pre-norm residual blocks of selective state-space mixers, no attention."""
+
+    is_mamba_config: bool = True
+    d_model: int = 2560
+    num_hidden_layers: int = 64
+    vocab_size: int = 50277
+    ssm_cfg: MambaSSMArgs = field(default_factory=MambaSSMArgs)
+    rms_norm: bool = True
+    rms_norm_eps: float = 1e-5
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True  # a kernel choice in mamba_ssm; the same maths here
+    pad_vocab_size_multiple: int = 8  # mamba_ssm's padding; here model.make_vocab_size_divisible_by pads
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 0
+    pad_token_id: int | None = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ssm_cfg, dict):  # read back from checkpoint.json
+            self.ssm_cfg = MambaSSMArgs(**self.ssm_cfg)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+    @property
+    def d_inner(self) -> int:
+        return self.ssm_cfg.expand * self.d_model
+
+    @property
+    def dt_rank(self) -> int:
+        rank = self.ssm_cfg.dt_rank
+        return -(-self.d_model // 16) if rank == "auto" else int(rank)
+
+
 # `model.model_config` is chosen by the `is_<name>_config: true` marker it contains; add new architectures here.
-MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_llamoe_config": LlaMoEConfig}
+MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_llamoe_config": LlaMoEConfig,
+                                         "is_mamba_config": MambaConfig}
 
 
 @dataclass
@@ -179,7 +236,7 @@ class ExistingCheckpointInit:
 
 @dataclass
 class ModelArgs:
-    model_config: LlamaConfig  # or a subclass: LlaMoEConfig
+    model_config: LlamaConfig | MambaConfig  # or LlamaConfig's subclass LlaMoEConfig
     init_method: RandomInit | ExistingCheckpointInit
     dtype: str = "bfloat16"
     make_vocab_size_divisible_by: int = 1

@@ -29,6 +29,7 @@ from nanotron.config.schema import (
     LlaMoEConfig,
     LlamaConfig,
     LoggingArgs,
+    MambaConfig,
     ModelArgs,
     OptimizerArgs,
     ParallelismArgs,
@@ -121,7 +122,10 @@ def _model(model: ModelArgs) -> Iterator[str]:
     yield from _at_least("model.ddp_bucket_cap_mb", model.ddp_bucket_cap_mb, 1)
     if isinstance(model.init_method, RandomInit):
         yield from _positive("model.init_method.std", model.init_method.std)
-    yield from _llama(model.model_config, "model.model_config")
+    if isinstance(model.model_config, MambaConfig):
+        yield from _mamba(model.model_config, "model.model_config")
+    else:
+        yield from _llama(model.model_config, "model.model_config")
 
 
 def _llama(c: LlamaConfig, key: str | None) -> Iterator[str]:
@@ -150,6 +154,46 @@ def _llama(c: LlamaConfig, key: str | None) -> Iterator[str]:
         yield f"{k}hidden_act must be 'silu' (got {c.hidden_act!r}): the Llama MLP is SwiGLU"
     if c.pretraining_tp != 1:
         yield f"{k}pretraining_tp must be 1 (got {c.pretraining_tp}); use parallelism.tp for tensor parallelism"
+
+
+def _mamba(c: MambaConfig, key: str | None) -> Iterator[str]:
+    """Rules on the values of a Mamba config alone; its shapes are ``mamba_layout_problems``."""
+    k = f"{key}." if key else ""
+    ssm = c.ssm_cfg
+    if not c.is_mamba_config:
+        yield f"{k}is_mamba_config must be true for a Mamba model config"
+    for name in ("d_state", "d_conv", "expand"):
+        yield from _at_least(f"{k}ssm_cfg.{name}", getattr(ssm, name), 1)
+    if not (ssm.dt_rank == "auto" or (isinstance(ssm.dt_rank, int) and ssm.dt_rank >= 1)):
+        yield f"{k}ssm_cfg.dt_rank must be \"auto\" or an integer >= 1 (got {ssm.dt_rank!r})"
+    if not 0 < ssm.dt_min <= ssm.dt_max:
+        yield f"{k}ssm_cfg.dt_min ({ssm.dt_min}) and dt_max ({ssm.dt_max}) must satisfy 0 < dt_min <= dt_max"
+    yield from _positive(f"{k}ssm_cfg.dt_init_floor", ssm.dt_init_floor)
+    yield from _positive(f"{k}ssm_cfg.dt_scale", ssm.dt_scale)
+    yield from _one_of(f"{k}ssm_cfg.dt_init", ssm.dt_init, ("random", "constant"))
+    if not c.rms_norm:
+        yield f"{k}rms_norm must be true: only RMSNorm is implemented for Mamba"
+    yield from _positive(f"{k}rms_norm_eps", c.rms_norm_eps)
+    yield from _positive(f"{k}initializer_range", c.initializer_range)
+
+
+def mamba_layout_problems(c: MambaConfig, tp: int, *, key: str | None = "model.model_config",
+                          tp_key: str = "parallelism.tp", pp: int = 1, **_) -> list[str]:
+    """The shape rules of a Mamba model at ``tp`` tensor-parallel ranks and ``pp`` stages (see
+    ``llama_layout_problems``; a sequence length needs no rule: the model has no position limit)."""
+    k = f"{key}." if key else ""
+    problems = [problem for name in ("vocab_size", "d_model", "num_hidden_layers")
+                for problem in _at_least(f"{k}{name}", getattr(c, name), 1)]
+    if tp > 1:
+        problems.append(f"{tp_key} ({tp}): tensor parallelism of Mamba models is not implemented yet; use 1")
+    if pp > 1:
+        problems.append(f"parallelism.pp ({pp}): pipeline parallelism of Mamba models is not implemented yet; use 1")
+    return problems
+
+
+def mamba_problems(c: MambaConfig, tp: int = 1, *, key: str | None = "model.model_config", **layout) -> list[str]:
+    """Every rule of a Mamba config at ``tp`` ranks (generation, evaluation and conversion check configs with it)."""
+    return [*_mamba(c, key), *mamba_layout_problems(c, tp, key=key, **layout)]
 
 
 def _mixture_of_experts(c: LlaMoEConfig, k: str) -> Iterator[str]:
@@ -401,7 +445,10 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"parallelism.pp_stage_layers {p.pp_stage_layers} adds up to {sum(p.pp_stage_layers)} but "
             f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
         )
-    yield from llama_layout_problems(c, p.tp, key=key, sequence_length=tokens.sequence_length)
+    if isinstance(c, MambaConfig):
+        yield from mamba_layout_problems(c, p.tp, key=key, pp=p.pp)
+    else:
+        yield from llama_layout_problems(c, p.tp, key=key, sequence_length=tokens.sequence_length)
     ep = p.expert_parallel_size
     if ep > 1 and not isinstance(c, LlaMoEConfig):
         yield (f"parallelism.expert_parallel_size ({ep}) needs a mixture-of-experts model ({key} with "

@@ -62,8 +62,10 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
     metadata = read_metadata(checkpoint)
     verify_on_all_ranks(checkpoint, metadata, parallel_context)
     model_config = checked_model_config(checkpoint, metadata, parallel_context.size("tp"))
+    # The sequence length only weighs attention in the pipeline split; a family without a context limit keeps the
+    # default.
     options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
-                           sequence_length=model_config.max_position_embeddings)
+                           sequence_length=getattr(model_config, "max_position_embeddings", BuildOptions.sequence_length))
     model = build_model(model_config, parallel_context, options)
     load_weights(checkpoint, model, parallel_context, metadata)
     return model.eval(), checkpoint

@@ -8,10 +8,12 @@ To add a family: its config dataclass (``nanotron/config``, with its ``is_<name>
 from __future__ import annotations
 
 from nanotron.checkpoint.hf_llama import LlamaHFAdapter, MixtralHFAdapter
+from nanotron.checkpoint.hf_mamba import MambaHFAdapter
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import ConfigError, LlaMoEConfig, LlamaConfig
-from nanotron.config.validation import llama_problems
+from nanotron.config import ConfigError, LlaMoEConfig, LlamaConfig, MambaConfig
+from nanotron.config.validation import llama_problems, mamba_problems
 from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
+from nanotron.models.mamba import MambaCache, MambaForCausalLM, mamba_costs, mamba_init_rule
 from nanotron.models.moe import (
     LlaMoEForCausalLM,
     moe_costs,
@@ -52,7 +54,20 @@ LLAMOE = ModelSpec(
     auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
 )
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE)}
+MAMBA = ModelSpec(
+    name="mamba",
+    config_class=MambaConfig,
+    model_class=MambaForCausalLM,
+    tensor_parallel_plan=lambda config: {},  # tp = 1 only, for now (config_problems refuses more)
+    costs=mamba_costs,
+    init_rule=mamba_init_rule,
+    hf_adapter=MambaHFAdapter(),
+    inference_cache=MambaCache,
+    config_problems=mamba_problems,
+    resume_may_change=frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"}),
+)
+
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA)}
 
 
 def spec_named(name: str, source: object) -> ModelSpec:

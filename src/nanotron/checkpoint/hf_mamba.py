@@ -1,0 +1,81 @@
+"""Mamba checkpoints in Hugging Face ``transformers`` layout (``MambaForCausalLM``), to and from nanotron.
+
+Tensor names map one to one: ``backbone.embeddings`` ↔ ``embed_tokens``, ``backbone.layers.i.{norm,mixer.*}`` ↔
+``layers.i.{norm,mixer.*}``, ``backbone.norm_f`` ↔ ``norm``; a tied LM head exists only as the embedding. The
+mixer's in_proj holds the channels ``x`` then the gate ``z`` in both, and conv1d the same [d_inner, 1, d_conv]
+kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanotron.checkpoint.logical_tensors import CheckpointError
+from nanotron.config import MambaConfig, MambaSSMArgs
+
+_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
+          "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")
+
+
+def _first(token_id):
+    return token_id[0] if isinstance(token_id, list) else token_id
+
+
+class MambaHFAdapter:
+    model_types = ("mamba",)
+
+    def config_from_hf(self, hf: dict) -> MambaConfig:
+        if hf.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"Mamba models with hidden_act {hf['hidden_act']!r} are not supported (only silu)")
+        ssm = MambaSSMArgs(
+            d_state=hf.get("state_size", 16), d_conv=hf.get("conv_kernel", 4), expand=hf.get("expand", 2),
+            dt_rank=hf.get("time_step_rank", "auto"), dt_min=hf.get("time_step_min", 0.001),
+            dt_max=hf.get("time_step_max", 0.1), dt_init=hf.get("time_step_init_scheme", "random"),
+            dt_scale=hf.get("time_step_scale", 1.0), dt_init_floor=hf.get("time_step_floor", 1e-4),
+            conv_bias=bool(hf.get("use_conv_bias", True)), bias=bool(hf.get("use_bias", False)))
+        return MambaConfig(
+            d_model=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
+            ssm_cfg=ssm, rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            residual_in_fp32=bool(hf.get("residual_in_fp32", True)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
+            pad_token_id=hf.get("pad_token_id"))
+
+    def config_to_hf(self, config: MambaConfig, dtype: str) -> dict:
+        ssm = config.ssm_cfg
+        return {
+            "architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_act": "silu",
+            "hidden_size": config.d_model, "intermediate_size": config.d_inner, "state_size": ssm.d_state,
+            "num_hidden_layers": config.num_hidden_layers, "vocab_size": config.vocab_size, "expand": ssm.expand,
+            "conv_kernel": ssm.d_conv, "use_bias": ssm.bias, "use_conv_bias": ssm.conv_bias,
+            "time_step_rank": config.dt_rank, "time_step_scale": ssm.dt_scale, "time_step_min": ssm.dt_min,
+            "time_step_max": ssm.dt_max, "time_step_init_scheme": ssm.dt_init, "time_step_floor": ssm.dt_init_floor,
+            "layer_norm_epsilon": config.rms_norm_eps, "residual_in_fp32": config.residual_in_fp32,
+            "tie_word_embeddings": config.tie_word_embeddings, "bos_token_id": config.bos_token_id,
+            "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id, "torch_dtype": dtype,
+        }
+
+    def _pairs(self, config: MambaConfig, present: Callable[[str], bool]) -> list[tuple[str, str]]:
+        """(Hugging Face name, nanotron name) of every tensor the model has."""
+        pairs = [("backbone.embeddings.weight", "embed_tokens.weight"), ("backbone.norm_f.weight", "norm.weight")]
+        for i in range(config.num_hidden_layers):
+            pairs.append((f"backbone.layers.{i}.norm.weight", f"layers.{i}.norm.weight"))
+            pairs += [(f"backbone.layers.{i}.mixer.{name}", f"layers.{i}.mixer.{name}") for name in _MIXER
+                      if present(f"layers.{i}.mixer.{name}")]
+        if not config.tie_word_embeddings:
+            pairs.append(("lm_head.weight", "lm_head.weight"))
+        return pairs
+
+    @staticmethod
+    def _has(config: MambaConfig) -> Callable[[str], bool]:
+        ssm = config.ssm_cfg
+        return lambda name: not ((name.endswith(("in_proj.bias", "out_proj.bias")) and not ssm.bias)
+                                 or (name.endswith("conv1d.bias") and not ssm.conv_bias))
+
+    def weights_from_hf(self, hf: dict[str, torch.Tensor], config: MambaConfig) -> dict[str, torch.Tensor]:
+        return {ours: hf[theirs] for theirs, ours in self._pairs(config, self._has(config))}
+
+    def weights_to_hf(self, read: Callable[[str], torch.Tensor], config: MambaConfig) -> dict[str, torch.Tensor]:
+        return {theirs: read(ours) for theirs, ours in self._pairs(config, self._has(config))}

@@ -1,0 +1,201 @@
+"""Mamba-1 (Gu & Dao, 2023) as a pure PyTorch model: an embedding, pre-norm residual blocks of selective
+state-space mixers, a final norm and a tied LM head, laid out like Hugging Face's ``MambaForCausalLM``.
+
+A mixer, on hidden states ``h`` [batch, length, d_model] with ``d_inner = expand · d_model`` channels:
+
+    x | z = in_proj(h)                                   the channels and their gate
+    x = silu(causal depthwise conv1d(x))                 kernel d_conv, over time
+    dt | B | C = x_proj(x)                               input-dependent: dt_rank, d_state, d_state wide
+    Δ = softplus(dt_proj(dt))                            per channel, with dt_proj's bias
+    s_t = exp(Δ_t A) s_{t-1} + Δ_t B_t x_t,  y_t = C_t · s_t + D x_t      A = -exp(A_log), per channel and state
+    out = out_proj(y · silu(z))
+
+The scan runs in fp32 (``selective_scan``, a plain loop over time: the reference); A_log and D are kept in fp32 and
+out of weight decay. Generation carries, per layer, the last ``d_conv - 1`` conv inputs and the scan state
+(``MambaCache``), so every new token costs the same whatever the length of the context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanotron.config import MambaConfig
+from nanotron.models.init import constant, normal
+from nanotron.models.spec import Initializer, ModelCosts
+from nanotron.nn.linear import Linear
+from nanotron.nn.rmsnorm import RMSNorm
+
+
+class MambaCache:
+    """One layer's recurrent state during generation: the conv's last inputs and the scan state."""
+
+    def __init__(self):
+        self.conv_inputs: torch.Tensor | None = None  # [batch, d_inner, d_conv - 1]
+        self.state: torch.Tensor | None = None  # [batch, d_inner, d_state], fp32
+
+
+def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y_t = C_t · s_t + D x_t`` with ``s_t = exp(Δ_t A) s_{t-1} + Δ_t B_t x_t``, one step at a time in fp32.
+
+    ``x``, ``delta`` [batch, length, channels]; ``A`` [channels, d_state]; ``B``, ``C`` [batch, length, d_state];
+    ``D`` [channels]; ``state`` [batch, channels, d_state] continues an earlier call (None: zeros). Returns ``y``
+    (fp32) and the last state.
+    """
+    x, delta, B, C = x.float(), delta.float(), B.float(), C.float()
+    batch, length, channels = x.shape
+    if state is None:
+        state = x.new_zeros(batch, channels, A.shape[1])
+    decay = torch.exp(delta.unsqueeze(-1) * A)  # [batch, length, channels, d_state]
+    inputs = (delta * x).unsqueeze(-1) * B.unsqueeze(2)
+    outputs = []
+    # unbind, not indexing per step: the backward of each index would write a whole zero tensor (quadratic).
+    for decay_t, input_t, C_t in zip(decay.unbind(1), inputs.unbind(1), C.unsqueeze(2).unbind(1)):
+        state = decay_t * state + input_t
+        outputs.append((state * C_t).sum(-1))
+    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, channels)
+    return y + x * D.float(), state
+
+
+class MambaMixer(nn.Module):
+    fp32_parameters = ("A_log", "D")
+    no_weight_decay_parameters = ("A_log", "D")
+
+    def __init__(self, config: MambaConfig):
+        super().__init__()
+        ssm, d_inner = config.ssm_cfg, config.d_inner
+        self.d_state, self.d_conv, self.dt_rank = ssm.d_state, ssm.d_conv, config.dt_rank
+        self.in_proj = Linear(config.d_model, 2 * d_inner, bias=ssm.bias, chunks=(d_inner, d_inner))
+        self.conv1d = nn.Conv1d(d_inner, d_inner, ssm.d_conv, groups=d_inner, bias=ssm.conv_bias)
+        self.x_proj = Linear(d_inner, self.dt_rank + 2 * ssm.d_state, bias=False)
+        self.dt_proj = Linear(self.dt_rank, d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(d_inner, ssm.d_state))
+        self.D = nn.Parameter(torch.empty(d_inner))
+        self.out_proj = Linear(d_inner, config.d_model, bias=ssm.bias)
+
+    def forward(self, h: torch.Tensor, valid: torch.Tensor | None = None,
+                cache: MambaCache | None = None) -> torch.Tensor:
+        """``valid`` [batch, length] marks real tokens (left padding in generation contributes nothing)."""
+        x, z = self.in_proj(h).split(list(self.in_proj.output_chunks), dim=-1)
+        if valid is not None:
+            x = x * valid.unsqueeze(-1).to(x.dtype)
+        x = x.transpose(1, 2)  # [batch, channels, length]
+        earlier = x.new_zeros(*x.shape[:2], self.d_conv - 1) if cache is None or cache.conv_inputs is None \
+            else cache.conv_inputs
+        padded = torch.cat([earlier, x], dim=-1)
+        if cache is not None:
+            cache.conv_inputs = padded[..., padded.shape[-1] - (self.d_conv - 1):]
+        x = F.silu(self.conv1d(padded)).transpose(1, 2)  # causal: output t sees inputs t - d_conv + 1 .. t
+        if valid is not None:
+            x = x * valid.unsqueeze(-1).to(x.dtype)
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(dt).float())
+        y, state = selective_scan(x, delta, -torch.exp(self.A_log.float()), B, C, self.D,
+                                  None if cache is None else cache.state)
+        if cache is not None:
+            cache.state = state
+        return self.out_proj((y * F.silu(z.float())).to(h.dtype))
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, config: MambaConfig):
+        super().__init__()
+        self.residual_in_fp32 = config.residual_in_fp32
+        self.norm = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.mixer = MambaMixer(config)
+
+    def forward(self, hidden_states: torch.Tensor, valid: torch.Tensor | None = None,
+                cache: MambaCache | None = None) -> torch.Tensor:
+        # With residual_in_fp32 the residual stream stays fp32 from the first block on; each block normalises it
+        # in the weights' dtype, as mamba_ssm and transformers do.
+        residual = hidden_states.float() if self.residual_in_fp32 else hidden_states
+        mixed = self.mixer(self.norm(hidden_states.to(self.norm.weight.dtype)), valid, cache)
+        return residual + mixed
+
+
+class MambaForCausalLM(nn.Module):
+    """The ``CausalLM`` of the Mamba family; ``position_ids`` are ignored (the scan is ordered by itself)."""
+
+    def __init__(self, config: MambaConfig, padded_vocab_size: int):
+        super().__init__()
+        self.config = config
+        self.padded_vocab_size = padded_vocab_size
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(padded_vocab_size, config.d_model)
+        self.layers = nn.ModuleDict({str(i): MambaBlock(config) for i in range(config.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.lm_head: Linear | None = Linear(config.d_model, padded_vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                caches: dict[str, MambaCache] | None = None) -> torch.Tensor:
+        """``attention_mask`` (generation's [batch, 1, queries, keys]) only tells which fed tokens are real: those
+        the last query, always a real token, may see."""
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(input_ids)
+        valid = None
+        if attention_mask is not None:
+            valid = attention_mask[:, 0, -1, attention_mask.shape[-1] - hidden_states.shape[1]:]
+        for index, layer in self.layers.items():
+            hidden_states = layer(hidden_states, valid, None if caches is None else caches[index])
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states.to(self.norm.weight.dtype))
+        if self.lm_head is not None:
+            hidden_states = self.lm_head(hidden_states)
+        return hidden_states
+
+
+def mamba_init_rule(name: str, config: MambaConfig, std: float) -> Initializer:
+    """The reference initialisation: S4D-real A (``A_log[c, n] = log(n + 1)``), D = 1, dt_proj's bias the inverse
+    softplus of a log-uniform step in [dt_min, dt_max] (floored at dt_init_floor), dt_proj's weight uniform (or
+    constant) at ``dt_rank^-0.5 · dt_scale``, out_proj scaled by 1/sqrt(num_layers) like a residual output, norms
+    at one, other biases at zero, other matrices normal(0, std)."""
+    ssm = config.ssm_cfg
+    if name.endswith("norm.weight"):
+        return constant(1.0)
+    if name.endswith("A_log"):
+        return lambda t, g: t.copy_(torch.log(torch.arange(1, t.shape[1] + 1, dtype=t.dtype)).expand_as(t))
+    if name.endswith(".D"):
+        return constant(1.0)
+    if name.endswith("dt_proj.bias"):
+        def dt_bias(t: torch.Tensor, g: torch.Generator) -> None:
+            low, high = math.log(ssm.dt_min), math.log(ssm.dt_max)
+            dt = torch.exp(torch.rand(t.shape, generator=g, device=t.device) * (high - low) + low)
+            dt = dt.clamp(min=ssm.dt_init_floor)
+            t.copy_(dt + torch.log(-torch.expm1(-dt)))
+        return dt_bias
+    if name.endswith("dt_proj.weight"):
+        bound = config.dt_rank ** -0.5 * ssm.dt_scale
+        if ssm.dt_init == "constant":
+            return constant(bound)
+        return lambda t, g: t.uniform_(-bound, bound, generator=g)
+    if name.endswith(".bias"):
+        return constant(0.0)
+    if name.endswith("out_proj.weight"):
+        return normal(std / config.num_hidden_layers ** 0.5)
+    return normal(std)
+
+
+def mamba_costs(c: MambaConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+    """6 FLOPs per weight and token for the projections and the depthwise conv (the 6N convention), plus the scan:
+    per token, channel and state about 7 FLOPs forward (decay exp and multiply, input term, state update, output
+    product), taken as 3x that for forward and backward, i.e. ``21 · d_inner · d_state`` per token and layer."""
+    ssm, d_inner = c.ssm_cfg, c.d_inner
+    layer = (c.d_model * 2 * d_inner + (2 * d_inner if ssm.bias else 0)
+             + d_inner * ssm.d_conv + (d_inner if ssm.conv_bias else 0)
+             + d_inner * (c.dt_rank + 2 * ssm.d_state) + c.dt_rank * d_inner + d_inner
+             + d_inner * ssm.d_state + d_inner + d_inner * c.d_model + (c.d_model if ssm.bias else 0) + c.d_model)
+    embeddings = padded_vocab_size * c.d_model * (1 if c.tie_word_embeddings else 2)
+    parameters = c.num_hidden_layers * layer + embeddings + c.d_model
+    layer_flops = 6.0 * layer + 21.0 * d_inner * ssm.d_state
+    return ModelCosts(parameters=parameters, layer_flops=(layer_flops,) * c.num_hidden_layers,
+                      head_flops=6.0 * padded_vocab_size * c.d_model,
+                      flops_per_token=6.0 * parameters + 21.0 * c.num_hidden_layers * d_inner * ssm.d_state)
