@@ -24,9 +24,12 @@ def test_registry_finds_llama_by_name_config_and_hf_model_type():
     assert spec_named("llama", "here") is spec_for_config(LlamaConfig()) is spec_for_hf_model_type("llama", "x") is LLAMA
     with torch.device("meta"):
         assert isinstance(LLAMA.model_class(LlamaConfig(num_hidden_layers=1), 32000), CausalLM)
-    with pytest.raises(CheckpointError, match="holds a 'mamba' model, which this version cannot build"):
-        spec_named("mamba", "ckpt/5")
-    with pytest.raises(CheckpointError, match="describes a 'gpt2' model; supported model_type values: llama"):
+    for name, hf_type in (("llamoe", "mixtral"), ("mamba", "mamba")):
+        assert spec_named(name, "here") is spec_for_hf_model_type(hf_type, "x")
+    with pytest.raises(CheckpointError, match="holds a 'rwkv' model, which this version cannot build"):
+        spec_named("rwkv", "ckpt/5")
+    with pytest.raises(CheckpointError, match="describes a 'gpt2' model; supported model_type values: llama, mamba, "
+                                              "mixtral, qwen2"):
         spec_for_hf_model_type("gpt2", "hf/config.json")
 
 
