@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, tiny_config_dict, write_config
+from conftest import assert_reference_trains, parity_steps, tiny_config_dict, write_config
 from safetensors.torch import load_file
 from test_bad_inputs import assert_user_error, cli
+from test_tensor_parallel import _run, assemble
 
-from distributed import run_distributed
+from distributed import run_distributed, run_distributed_each
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 MAMBA = {"is_mamba_config": True, "d_model": 64, "num_hidden_layers": 2, "vocab_size": 384,
@@ -62,11 +63,11 @@ def converted(tmp_path_factory):
             "greedy": greedy, "root": root}
 
 
-def _nanotron(ckpt: str) -> dict:
+def _nanotron(ckpt: str, tp: int = 1) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext()
+    pc = ParallelContext(tp=tp)
     model, _ = load_model(Path(ckpt), pc)
     logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)
     greedy = SamplingArgs("greedy")
@@ -81,6 +82,9 @@ def test_logits_and_greedy_generation_match_transformers(converted):
     assert ours["cached"] == ours["uncached"]  # the recurrent cache changes nothing, left-padded prompts included
     assert ours["cached"] == converted["greedy"]
     assert len({tuple(row) for row in ours["cached"]}) == 3 and len(set(ours["cached"][0])) > 2  # not degenerate
+    for rank in run_distributed(_nanotron, 2, ckpt=str(converted["ckpt"]), tp=2):  # channels split over 2 ranks
+        assert (rank["logits"] - converted["logits"]).abs().max() < 1e-4
+        assert rank["cached"] == converted["greedy"]
 
 
 def test_round_trip_is_bit_identical(converted):
@@ -134,7 +138,8 @@ def test_a_tiny_mamba_learns_from_yaml(tiny_data, tmp_path):
 
 @pytest.mark.parametrize("change, fragments", [
     ({"ssm_cfg": {"d_state": 8, "d_kernel": 4}}, ("ssm_cfg.d_kernel",)),
-    ({"parallelism": {"tp": 2}}, ("parallelism.tp (2)", "not implemented yet")),
+    ({"parallelism": {"tp": 3}}, ("= 128 channels", "parallelism.tp (3)")),
+    ({"parallelism": {"pp": 2}}, ("parallelism.pp (2)", "not implemented yet")),
 ])
 def test_bad_mamba_config_is_one_error_line(tiny_data, tmp_path, change, fragments):
     config = mamba_config(tiny_data, tmp_path / "run")
@@ -156,3 +161,34 @@ def test_data_parallel_with_zero_1_follows_one_process(tiny_data, tmp_path):
     for a, b in zip(reference["metrics"], ranks[0]["metrics"], strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(
             a["grad_norm"], rel=1e-4)
+
+
+def test_tensor_parallel_in_both_modes_matches_one_process_and_resumes_at_tp_1(tiny_data, tmp_path):
+    """Every channel-sharded tensor (in_proj's x and z, conv1d, dt_proj, A_log, D) is assembled from distinct
+    per-rank pieces that must equal the single process's, gradients included; a tp=2 checkpoint continues at tp=1."""
+    steps = parity_steps()
+
+    def config(name, tp, mode="ALL_REDUCE", resume=None):
+        base = mamba_config(tiny_data, tmp_path / name)
+        return base | {"parallelism": {"tp": tp, "tp_mode": mode},
+                       "tokens": base["tokens"] | {"train_steps": steps},
+                       "checkpoints": base["checkpoints"] | {"checkpoint_interval": steps // 2,
+                                                             "resume_checkpoint_path": resume}}
+
+    (reference,) = run_distributed(_run, 1, config=config("one", 1))
+    first, last = reference["metrics"][0], reference["metrics"][-1]  # it learns (more slowly than the tiny Llama)
+    assert last["lm_loss"] < first["lm_loss"] - 0.3 and all(m["grad_norm"] > 0 for m in reference["metrics"])
+    expected_weights, expected_grads = assemble([reference], "weights"), assemble([reference], "grads")
+    for mode, ranks in zip(("ALL_REDUCE", "REDUCE_SCATTER"), run_distributed_each(
+            _run, 2, [{"config": config(f"tp2_{mode}", 2, mode)} for mode in ("ALL_REDUCE", "REDUCE_SCATTER")])):
+        assert ranks[0]["local_shapes"]["layers.0.mixer.A_log"] == (64, 8)  # 128 channels over 2 ranks
+        for name, tensor in assemble(ranks, "weights").items():
+            assert torch.equal(tensor, expected_weights[name]), (mode, name)
+        for name, grad in assemble(ranks, "grads").items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+        for a, b in zip(reference["metrics"], ranks[0]["metrics"], strict=True):
+            assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5), (mode, a["step"])
+    resumed = config("tp2_at_tp1", 1, resume=str(tmp_path / "tp2_ALL_REDUCE" / str(steps // 2)))
+    (at_tp1,) = run_distributed(_run, 1, config=resumed)
+    later = {m["step"]: m["lm_loss"] for m in reference["metrics"] if m["step"] > steps // 2}
+    assert {m["step"]: pytest.approx(m["lm_loss"], rel=1e-5) for m in at_tp1["metrics"]} == later

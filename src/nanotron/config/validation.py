@@ -184,8 +184,12 @@ def mamba_layout_problems(c: MambaConfig, tp: int, *, key: str | None = "model.m
     k = f"{key}." if key else ""
     problems = [problem for name in ("vocab_size", "d_model", "num_hidden_layers")
                 for problem in _at_least(f"{k}{name}", getattr(c, name), 1)]
-    if tp > 1:
-        problems.append(f"{tp_key} ({tp}): tensor parallelism of Mamba models is not implemented yet; use 1")
+    if not problems and tp >= 1 and c.d_inner % tp:
+        problems.append(f"{k}d_model ({c.d_model}) x {k}ssm_cfg.expand ({c.ssm_cfg.expand}) = {c.d_inner} channels "
+                        f"must be divisible by {tp_key} ({tp}): each TP rank holds whole channels")
+    if tp > 1 and c.ssm_cfg.bias:
+        problems.append(f"{k}ssm_cfg.bias: true is not supported with {tp_key} ({tp}) > 1 (a row-parallel "
+                        "out_proj bias would be added on every rank); set it to false or use tp 1")
     if pp > 1:
         problems.append(f"parallelism.pp ({pp}): pipeline parallelism of Mamba models is not implemented yet; use 1")
     return problems

@@ -23,7 +23,7 @@ from nanotron.models.moe import (
     router_statistics_template,
 )
 from nanotron.models.spec import AuxiliaryLosses, ModelSpec
-from nanotron.parallel.plans import llama_plan, moe_plan
+from nanotron.parallel.plans import llama_plan, mamba_plan, moe_plan
 
 LLAMA = ModelSpec(
     name="llama",
@@ -58,7 +58,7 @@ MAMBA = ModelSpec(
     name="mamba",
     config_class=MambaConfig,
     model_class=MambaForCausalLM,
-    tensor_parallel_plan=lambda config: {},  # tp = 1 only, for now (config_problems refuses more)
+    tensor_parallel_plan=mamba_plan,
     costs=mamba_costs,
     init_rule=mamba_init_rule,
     hf_adapter=MambaHFAdapter(),

@@ -6,8 +6,16 @@ model files free of any parallel code; each family's ``ModelSpec`` points at its
 
 from __future__ import annotations
 
-from nanotron.config import LlaMoEConfig, LlamaConfig
-from nanotron.parallel.tensor_parallel import Column, MixtureOfExperts, Row, SequenceParallelNorm, Style, VocabEmbedding
+from nanotron.config import LlaMoEConfig, LlamaConfig, MambaConfig
+from nanotron.parallel.tensor_parallel import (
+    Column,
+    MixtureOfExperts,
+    Row,
+    SelectiveStateSpace,
+    SequenceParallelNorm,
+    Style,
+    VocabEmbedding,
+)
 
 
 def llama_plan(config: LlamaConfig) -> dict[str, Style]:
@@ -31,3 +39,10 @@ def llama_plan(config: LlamaConfig) -> dict[str, Style]:
 def moe_plan(config: LlaMoEConfig) -> dict[str, Style]:
     """Llama's plan (the dense layers' MLPs included); each MoE block is split as a whole (``TensorParallelMoE``)."""
     return llama_plan(config) | {f"layers.{i}.mlp": MixtureOfExperts() for i in config.moe_layers}
+
+
+def mamba_plan(config: MambaConfig) -> dict[str, Style]:
+    """Every mixer split by channels (``TensorParallelMambaMixer``); the block norms and the final norm see sequence
+    shards in sequence-parallel mode."""
+    return {"embed_tokens": VocabEmbedding(), "mixer": SelectiveStateSpace(), "norm": SequenceParallelNorm(),
+            "lm_head": Column()}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanotron.models.mamba import MambaMixer
 from nanotron.models.moe import MoEFeedForward
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
@@ -241,6 +242,43 @@ class TensorParallelMoE(MoEFeedForward):
         return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
 
 
+class _ChannelShardedConv1d(nn.Conv1d):
+    """A depthwise convolution over this rank's channels (each channel has its own kernel and bias)."""
+
+    def __init__(self, channels: int, kernel_size: int, bias: bool, tp: int):
+        super().__init__(channels // tp, channels // tp, kernel_size, groups=channels // tp, bias=bias)
+        self.parameter_shards = {"weight": ((channels, 1, kernel_size), (Shard("tp", 0),))}
+        if bias:
+            self.parameter_shards["bias"] = ((channels,), (Shard("tp", 0),))
+
+
+class TensorParallelMambaMixer(MambaMixer):
+    """A Mamba mixer split over TP by channels, every channel's state on one rank (as Megatron-LM splits Mamba).
+
+    in_proj is column-parallel (each rank's slice of x and of the gate z, the sequence gathered first in
+    sequence-parallel mode); conv1d, dt_proj's outputs, A_log and D are this rank's channels; x_proj is
+    row-parallel and always all-reduced, since every rank's scan needs the whole dt, B and C; out_proj is
+    row-parallel like an attention output (reduce-scattered to a sequence shard in sequence-parallel mode).
+    """
+
+    def __init__(self, mixer: MambaMixer, group: dist.ProcessGroup, mode: str):
+        nn.Module.__init__(self)
+        tp = dist.get_world_size(group)
+        self.d_state, self.d_conv, self.dt_rank = mixer.d_state, mixer.d_conv, mixer.dt_rank
+        d_model, d_inner = mixer.in_proj.in_features, mixer.D.shape[0]
+        if mixer.in_proj.bias is not None or mixer.out_proj.bias is not None:
+            raise ValueError("tensor parallelism of a Mamba mixer with in_proj/out_proj biases is not supported")
+        self.in_proj = ColumnParallelLinear(d_model, 2 * d_inner, group, mode, chunks=(d_inner, d_inner))
+        self.conv1d = _ChannelShardedConv1d(d_inner, self.d_conv, mixer.conv1d.bias is not None, tp)
+        self.x_proj = RowParallelLinear(d_inner, mixer.x_proj.out_features, group, ALL_REDUCE)
+        self.dt_proj = ColumnParallelLinear(self.dt_rank, d_inner, group, ALL_REDUCE, bias=True)
+        self.A_log = nn.Parameter(torch.empty(d_inner // tp, self.d_state))
+        self.D = nn.Parameter(torch.empty(d_inner // tp))
+        self.parameter_shards = {"A_log": ((d_inner, self.d_state), (Shard("tp", 0),)),
+                                 "D": ((d_inner,), (Shard("tp", 0),))}
+        self.out_proj = RowParallelLinear(d_inner, d_model, group, mode)
+
+
 @dataclass(frozen=True)
 class Column:
     chunks: tuple[int, ...] | None = None
@@ -267,7 +305,12 @@ class MixtureOfExperts:
     pass
 
 
-Style = Column | Row | VocabEmbedding | SequenceParallelNorm | MixtureOfExperts
+@dataclass(frozen=True)
+class SelectiveStateSpace:
+    pass
+
+
+Style = Column | Row | VocabEmbedding | SequenceParallelNorm | MixtureOfExperts | SelectiveStateSpace
 
 
 def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, mode: str,
@@ -279,6 +322,8 @@ def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, 
         return RowParallelLinear(module.in_features, module.out_features, group, mode)
     if isinstance(style, MixtureOfExperts):
         return TensorParallelMoE(module, group, mode)
+    if isinstance(style, SelectiveStateSpace):
+        return TensorParallelMambaMixer(module, group, mode)
     if isinstance(style, VocabEmbedding):
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, mode)
     if mode == REDUCE_SCATTER:  # a norm only needs its gradient summed when it sees a sequence shard
