@@ -63,15 +63,15 @@ def converted(tmp_path_factory):
             "greedy": greedy, "root": root}
 
 
-def _nanotron(ckpt: str, tp: int = 1) -> dict:
+def _nanotron(ckpt: str, tp: int = 1, pp: int = 1) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=tp)
+    pc = ParallelContext(tp=tp, pp=pp)
     model, _ = load_model(Path(ckpt), pc)
     logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)
     greedy = SamplingArgs("greedy")
-    return {"logits": logits[0, :, :112], "cached": generate(model, pc, PROMPTS, 16, greedy, None, 112),
+    return {"logits": None if logits is None else logits[0, :, :112], "cached": generate(model, pc, PROMPTS, 16, greedy, None, 112),
             "uncached": generate(model, pc, PROMPTS, 16, greedy, None, 112, use_cache=False),
             "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
 
@@ -82,9 +82,11 @@ def test_logits_and_greedy_generation_match_transformers(converted):
     assert ours["cached"] == ours["uncached"]  # the recurrent cache changes nothing, left-padded prompts included
     assert ours["cached"] == converted["greedy"]
     assert len({tuple(row) for row in ours["cached"]}) == 3 and len(set(ours["cached"][0])) > 2  # not degenerate
-    for rank in run_distributed(_nanotron, 2, ckpt=str(converted["ckpt"]), tp=2):  # channels split over 2 ranks
-        assert (rank["logits"] - converted["logits"]).abs().max() < 1e-4
-        assert rank["cached"] == converted["greedy"]
+    for layout in ({"tp": 2}, {"pp": 2}):  # channels split over 2 ranks; one block per pipeline stage
+        ranks = run_distributed(_nanotron, 2, ckpt=str(converted["ckpt"]), **layout)
+        last = ranks[-1]
+        assert (last["logits"] - converted["logits"]).abs().max() < 1e-4, layout
+        assert all(rank["cached"] == converted["greedy"] for rank in ranks), layout
 
 
 def test_round_trip_is_bit_identical(converted):
@@ -110,7 +112,7 @@ def _train(config: dict) -> dict:
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
-    mixer = trainer.model.layers["0"].mixer
+    mixer = next(iter(trainer.model.layers.values())).mixer  # this stage's first block
     facts = {"fp32": (mixer.A_log.dtype, mixer.D.dtype, mixer.in_proj.weight.dtype),
              "no_decay": sorted(n for n in trainer.params if trainer.buckets.bucket_of[n].weight_decay is False),
              "flops_per_token": trainer.flops_per_token}
@@ -139,7 +141,6 @@ def test_a_tiny_mamba_learns_from_yaml(tiny_data, tmp_path):
 @pytest.mark.parametrize("change, fragments", [
     ({"ssm_cfg": {"d_state": 8, "d_kernel": 4}}, ("ssm_cfg.d_kernel",)),
     ({"parallelism": {"tp": 3}}, ("= 128 channels", "parallelism.tp (3)")),
-    ({"parallelism": {"pp": 2}}, ("parallelism.pp (2)", "not implemented yet")),
 ])
 def test_bad_mamba_config_is_one_error_line(tiny_data, tmp_path, change, fragments):
     config = mamba_config(tiny_data, tmp_path / "run")
@@ -150,17 +151,19 @@ def test_bad_mamba_config_is_one_error_line(tiny_data, tmp_path, change, fragmen
     assert_user_error(outcome, *fragments)
 
 
-def test_data_parallel_with_zero_1_follows_one_process(tiny_data, tmp_path):
-    def config(name, dp, zero):
+def test_data_and_pipeline_parallelism_follow_one_process(tiny_data, tmp_path):
+    """dp=2 with ZeRO-1, and pp=2 (one block per stage, the fp32 residual stream exchanged between them)."""
+    def config(name, dp=1, pp=1, zero=0):
         base = mamba_config(tiny_data, tmp_path / name)
-        return base | {"parallelism": {"dp": dp}, "optimizer": base["optimizer"] | {"zero_stage": zero},
+        return base | {"parallelism": {"dp": dp, "pp": pp}, "optimizer": base["optimizer"] | {"zero_stage": zero},
                        "tokens": base["tokens"] | {"train_steps": 6, "micro_batch_size": 4 // dp}}
 
-    (reference,) = run_distributed(_train, 1, config=config("one", 1, 0))
-    ranks = run_distributed(_train, 2, config=config("dp2", 2, 1))
-    for a, b in zip(reference["metrics"], ranks[0]["metrics"], strict=True):
-        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(
-            a["grad_norm"], rel=1e-4)
+    (reference,) = run_distributed(_train, 1, config=config("one"))
+    calls = [{"config": config("dp2", dp=2, zero=1)}, {"config": config("pp2", pp=2)}]
+    for layout, ranks in zip(("dp2 zero1", "pp2"), run_distributed_each(_train, 2, calls)):
+        for a, b in zip(reference["metrics"], ranks[0]["metrics"], strict=True):
+            assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5), layout
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), layout
 
 
 def test_tensor_parallel_in_both_modes_matches_one_process_and_resumes_at_tp_1(tiny_data, tmp_path):

@@ -303,8 +303,10 @@ class Trainer:
         """The micro-batch schedule; with pp=1 it is plain gradient accumulation."""
         c, p = self.config, self.config.parallelism
         sequence = c.tokens.sequence_length // (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
-        shape = (c.tokens.micro_batch_size, sequence, c.model.model_config.hidden_size)
-        p2p = P2P(self.pc, shape, c.model.torch_dtype(), p.pp_timeout_s)
+        model_config = c.model.model_config
+        shape = (c.tokens.micro_batch_size, sequence, model_config.hidden_size)
+        dtype = spec_for_config(model_config).activation_dtype(model_config, c.model.torch_dtype())
+        p2p = P2P(self.pc, shape, dtype, p.pp_timeout_s)
         return PipelineSchedule(self.pc, p.pp_engine, p2p, self._stage_forward, self._before_last_backward)
 
     def _before_last_backward(self) -> None:

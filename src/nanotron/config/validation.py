@@ -178,9 +178,9 @@ def _mamba(c: MambaConfig, key: str | None) -> Iterator[str]:
 
 
 def mamba_layout_problems(c: MambaConfig, tp: int, *, key: str | None = "model.model_config",
-                          tp_key: str = "parallelism.tp", pp: int = 1, **_) -> list[str]:
-    """The shape rules of a Mamba model at ``tp`` tensor-parallel ranks and ``pp`` stages (see
-    ``llama_layout_problems``; a sequence length needs no rule: the model has no position limit)."""
+                          tp_key: str = "parallelism.tp", **_) -> list[str]:
+    """The shape rules of a Mamba model at ``tp`` tensor-parallel ranks (see ``llama_layout_problems``; a sequence
+    length needs no rule: the model has no position limit)."""
     k = f"{key}." if key else ""
     problems = [problem for name in ("vocab_size", "d_model", "num_hidden_layers")
                 for problem in _at_least(f"{k}{name}", getattr(c, name), 1)]
@@ -190,8 +190,6 @@ def mamba_layout_problems(c: MambaConfig, tp: int, *, key: str | None = "model.m
     if tp > 1 and c.ssm_cfg.bias:
         problems.append(f"{k}ssm_cfg.bias: true is not supported with {tp_key} ({tp}) > 1 (a row-parallel "
                         "out_proj bias would be added on every rank); set it to false or use tp 1")
-    if pp > 1:
-        problems.append(f"parallelism.pp ({pp}): pipeline parallelism of Mamba models is not implemented yet; use 1")
     return problems
 
 
@@ -450,7 +448,7 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
         )
     if isinstance(c, MambaConfig):
-        yield from mamba_layout_problems(c, p.tp, key=key, pp=p.pp)
+        yield from mamba_layout_problems(c, p.tp, key=key)
     else:
         yield from llama_layout_problems(c, p.tp, key=key, sequence_length=tokens.sequence_length)
     ep = p.expert_parallel_size

@@ -199,3 +199,8 @@ def mamba_costs(c: MambaConfig, padded_vocab_size: int, sequence_length: int) ->
     return ModelCosts(parameters=parameters, layer_flops=(layer_flops,) * c.num_hidden_layers,
                       head_flops=6.0 * padded_vocab_size * c.d_model,
                       flops_per_token=6.0 * parameters + 21.0 * c.num_hidden_layers * d_inner * ssm.d_state)
+
+
+def mamba_activation_dtype(c: MambaConfig, dtype: torch.dtype) -> torch.dtype:
+    """The residual stream that pipeline stages exchange: fp32 with ``residual_in_fp32``."""
+    return torch.float32 if c.residual_in_fp32 else dtype

@@ -13,7 +13,13 @@ from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.config import ConfigError, LlaMoEConfig, LlamaConfig, MambaConfig
 from nanotron.config.validation import llama_problems, mamba_problems
 from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
-from nanotron.models.mamba import MambaCache, MambaForCausalLM, mamba_costs, mamba_init_rule
+from nanotron.models.mamba import (
+    MambaCache,
+    MambaForCausalLM,
+    mamba_activation_dtype,
+    mamba_costs,
+    mamba_init_rule,
+)
 from nanotron.models.moe import (
     LlaMoEForCausalLM,
     moe_costs,
@@ -65,6 +71,7 @@ MAMBA = ModelSpec(
     inference_cache=MambaCache,
     config_problems=mamba_problems,
     resume_may_change=frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"}),
+    activation_dtype=mamba_activation_dtype,
 )
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA)}

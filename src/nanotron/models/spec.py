@@ -93,6 +93,10 @@ class AuxiliaryLosses:
     metrics: Callable[[dict[str, torch.Tensor], Any], dict]
 
 
+def same_dtype(config: Any, dtype: torch.dtype) -> torch.dtype:
+    return dtype
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family: everything built, measured, initialised or converted differently per family."""
@@ -112,3 +116,5 @@ class ModelSpec:
     # difference means other weights, and loading is refused.
     resume_may_change: frozenset[str] = frozenset()
     auxiliary_losses: AuxiliaryLosses | None = None
+    # (config, model dtype) -> dtype of the hidden states between pipeline stages (a residual stream kept in fp32)
+    activation_dtype: Callable[[Any, torch.dtype], torch.dtype] = same_dtype
