@@ -206,14 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--output", type=Path, help="also write the results as JSON")
     evaluation.set_defaults(run=_evaluate)
 
-    convert = commands.add_parser("convert", help="convert Llama / Qwen2 checkpoints to or from transformers")
+    convert = commands.add_parser("convert", help="convert Llama, Qwen2, Mixtral or Mamba checkpoints to or from "
+                                                  "transformers (the family read from config.json)")
     directions = convert.add_subparsers(dest="direction", required=True)
     to_nanotron = directions.add_parser("hf-to-nanotron",
-                                        help="a Hugging Face Llama or Qwen2 folder -> a nanotron checkpoint")
+                                        help="a Hugging Face model folder -> a nanotron checkpoint")
     to_nanotron.add_argument("--hf-path", type=Path, required=True)
     to_nanotron.add_argument("--save-path", type=Path, required=True)
     to_hf = directions.add_parser("nanotron-to-hf",
-                                  help="a nanotron checkpoint -> a Hugging Face Llama or Qwen2 folder")
+                                  help="a nanotron checkpoint -> a Hugging Face model folder")
     to_hf.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
     to_hf.add_argument("--save-path", type=Path, required=True)
     convert.set_defaults(run=_convert)

@@ -20,7 +20,7 @@ from torch import nn
 
 from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
-from nanotron.models.spec import Initializer, ModelCosts
+from nanotron.models.spec import Initializer, ModelCosts, tie_embeddings
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
@@ -141,8 +141,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head. Call again after ``to_empty``, which breaks sharing."""
-        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight
+        tie_embeddings(self)
 
     def forward(
         self,

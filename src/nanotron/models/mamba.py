@@ -25,7 +25,7 @@ from torch import nn
 
 from nanotron.config import MambaConfig
 from nanotron.models.init import constant, normal
-from nanotron.models.spec import Initializer, ModelCosts
+from nanotron.models.spec import Initializer, ModelCosts, tie_embeddings
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 
@@ -131,8 +131,7 @@ class MambaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight
+        tie_embeddings(self)
 
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -45,6 +45,13 @@ class CausalLM(Protocol):
         """Share the embedding with the LM head where the config ties them (again after modules are swapped)."""
 
 
+def tie_embeddings(model: CausalLM) -> None:
+    """``tie_weights`` for a family whose LM head is the embedding matrix when the config ties them (both parts
+    present: a pipeline stage may hold only one of the two copies)."""
+    if model.config.tie_word_embeddings and model.embed_tokens is not None and model.lm_head is not None:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 @dataclass(frozen=True)
 class ModelCosts:
     """Per-token training FLOPs (forward and backward) of a model's parts, and its logical parameter count.
