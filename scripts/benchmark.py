@@ -8,12 +8,16 @@ fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). S
 events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
 (FLOPs/token from the model family: for Llama 6·parameters + 6·layers·hidden·sequence, for a mixture of experts
 the parameters a token uses) and peak memory (the largest over ranks, and each rank's).
-The Hugging Face loop runs only on a single process, eagerly unless ``--hf-compile``. Results go to ``--output`` (JSON) and a markdown row is printed.
+The Hugging Face loop runs only on a single process, eagerly unless ``--hf-compile``; for Mamba presets
+``--mamba-ssm`` trains the authors' model with its CUDA kernels instead, and ``--versus`` trains a second nanotron
+preset in the same command (e.g. a Llama of the Mamba's size). Results go to ``--output`` (JSON) and markdown rows
+are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -32,6 +36,15 @@ PRESETS = {
     "mixtral": {"is_llama_config": False, "is_llamoe_config": True, "hidden_size": 2048, "intermediate_size": 4096,
                 "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
                 "tie_word_embeddings": False, "rope_theta": 1000000.0, "moe_num_experts": 8, "num_experts_per_tok": 2},
+    # The state-spaces Mamba-1 130M and 1.4B shapes (GPT-NeoX vocabulary) and Llamas of about their size.
+    "mamba130m": {"is_mamba_config": True, "d_model": 768, "num_hidden_layers": 24, "vocab_size": 50280,
+                  "ssm_cfg": {"d_state": 16, "d_conv": 4, "expand": 2}, "tie_word_embeddings": True},
+    "mamba1.4b": {"is_mamba_config": True, "d_model": 2048, "num_hidden_layers": 48, "vocab_size": 50280,
+                  "ssm_cfg": {"d_state": 16, "d_conv": 4, "expand": 2}, "tie_word_embeddings": True},
+    "llama130m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+                  "num_key_value_heads": 12, "vocab_size": 50280, "tie_word_embeddings": True},
+    "llama1.4b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+                  "num_key_value_heads": 16, "vocab_size": 50280, "tie_word_embeddings": True},
 }
 # nanotron config keys -> transformers config keys where they differ; the markers have no counterpart.
 HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None}
@@ -60,14 +73,19 @@ def summary(times: list[float], tokens_per_step: int, world: int, flops_per_toke
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
 
 
-def run_nanotron(args) -> tuple[dict, list[dict]]:
-    from nanotron.config import load_config
-    from nanotron.optim.lr_schedule import learning_rate_at
-    from nanotron.trainer import Trainer
+def nanotron_config(args, preset: str):
+    """The bench config (examples/config_llama1b_bench.yaml) with the preset's model and the command's shape."""
+    import yaml
 
-    overrides = [f"model.model_config.{key}={value}" for key, value in PRESETS[args.preset].items()] + [
-        f"tokens.sequence_length={args.sequence_length}", f"model.model_config.max_position_embeddings={args.sequence_length}",
-        f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.batch_accumulation_per_replica={args.accumulation}",
+    from nanotron.config import apply_overrides, config_from_dict
+
+    raw = yaml.safe_load((ROOT / "examples" / "config_llama1b_bench.yaml").read_text())
+    model = dict(PRESETS[preset])
+    if not model.get("is_mamba_config"):  # a transformer: the bench Llama with the preset's fields
+        model = raw["model"]["model_config"] | model | {"max_position_embeddings": args.sequence_length}
+    raw["model"]["model_config"] = model
+    overrides = [
+        f"tokens.sequence_length={args.sequence_length}", f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.batch_accumulation_per_replica={args.accumulation}",
         f"tokens.train_steps={args.steps + args.warmup}", "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
         f"data_stages.0.data.dataset.dataset_folder={args.data}", "checkpoints.save_final_state=false",
         "checkpoints.checkpoint_interval=100000", "parallelism.replica_check_interval=null",
@@ -75,7 +93,14 @@ def run_nanotron(args) -> tuple[dict, list[dict]]:
     if args.save_to:
         overrides += [f"checkpoints.checkpoints_path={args.save_to}", "checkpoints.async_save=true",
                       "checkpoints.keep_last_n=1"]
-    trainer = Trainer(load_config(ROOT / "examples" / "config_llama1b_bench.yaml", overrides))
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def run_nanotron(args, preset: str) -> tuple[dict, list[dict]]:
+    from nanotron.optim.lr_schedule import learning_rate_at
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(nanotron_config(args, preset))
     config = trainer.config
     loader = trainer._loader(config.data_stages[0])
     batches = [loader.next_step() for _ in range(2)]  # reused: data loading is not what is measured
@@ -159,23 +184,47 @@ def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float 
                                                       attn_implementation="sdpa", dtype=torch.bfloat16, **experts)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).to("cuda", torch.bfloat16).train()
+    layers = model.model.layers if args.hf_compile else None
+    return train_peer(args, model, lambda input_ids: model(input_ids=input_ids).logits, layers, micro_batches,
+                      flops_per_token, peak)
+
+
+def run_mamba_ssm(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:
+    """The authors' ``mamba_ssm`` model (its CUDA selective scan, causal-conv1d and fused add-norm kernels)."""
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    preset = PRESETS[args.preset]
+    config = MambaConfig(d_model=preset["d_model"], n_layer=preset["num_hidden_layers"],
+                         vocab_size=preset["vocab_size"], ssm_cfg={"layer": "Mamba1", **preset["ssm_cfg"]},
+                         rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8,
+                         tie_embeddings=preset["tie_word_embeddings"])
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).train()
+    return train_peer(args, model, lambda input_ids: model(input_ids).logits, None, micro_batches, flops_per_token,
+                      peak)
+
+
+def train_peer(args, model, logits_of, compiled_layers, micro_batches: list[dict], flops_per_token: float,
+               peak: float | None) -> dict:
+    """A plain loop on one GPU: bf16 weights, fused AdamW, the same batches, clipping and accumulation."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batches = [{k: v.cuda() for k, v in mb.items()} for mb in micro_batches]
 
     def loss_of(logits, labels):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
-    if args.hf_compile:  # as nanotron's model.compile: every decoder layer and the loss
+    if compiled_layers is not None:  # as nanotron's model.compile: every decoder layer and the loss
         # Each Hugging Face layer holds its own layer_idx, so each compiles once: allow one graph per layer.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(model.model.layers))
-        for layer in model.model.layers:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(compiled_layers))
+        for layer in compiled_layers:
             layer.compile()
         loss_of = torch.compile(loss_of)
     torch.cuda.reset_peak_memory_stats()
 
     def step(_):
         for mb in batches:
-            loss = loss_of(model(input_ids=mb["input_ids"]).logits, mb["labels"])
+            loss = loss_of(logits_of(mb["input_ids"]), mb["labels"])
             (loss / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -187,9 +236,11 @@ def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, required=True, help="a preprocessed folder (token ids < 128256)")
+    parser.add_argument("--data", type=Path, required=True, help="a preprocessed folder (token ids < the vocabulary)")
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
+    parser.add_argument("--versus", choices=sorted(PRESETS),
+                        help="also train this nanotron preset on the same batches and report the tokens/s ratio")
     parser.add_argument("--sequence-length", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
@@ -200,32 +251,52 @@ def main() -> None:
                         help="compile the Hugging Face decoder layers and loss (by default its loop runs eagerly)")
     parser.add_argument("--hf-experts", default="grouped_mm",
                         help="transformers' experts implementation for MoE presets (grouped_mm, batched_mm, eager)")
+    parser.add_argument("--mamba-ssm", action="store_true",
+                        help="for a Mamba preset, train mamba_ssm's model (its CUDA kernels) instead of transformers'")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
     parser.add_argument("--save-to", type=Path, help="also time checkpoint saves (foreground, background) into here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: the benchmark needs a CUDA device")
+    mamba = bool(PRESETS[args.preset].get("is_mamba_config"))
+    if args.mamba_ssm and not mamba:
+        sys.exit(f"error: --mamba-ssm needs a Mamba preset, not {args.preset}")
+    if mamba and not (args.mamba_ssm or args.no_hf):
+        sys.exit(f"error: {args.preset} has no transformers loop here; pass --mamba-ssm (the authors' kernels) or --no-hf")
 
-    nanotron, micro_batches = run_nanotron(args)
+    nanotron, micro_batches = run_nanotron(args, args.preset)
     results = {"preset": args.preset, "sequence_length": args.sequence_length, "micro_batch_size": args.micro_batch_size,
                "accumulation": args.accumulation, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "hf_compiled": args.hf_compile, "nanotron": nanotron}
+    rows = [(args.preset, nanotron)]
+    if args.versus:
+        gc.collect()
+        torch.cuda.empty_cache()
+        results["versus"] = {"preset": args.versus, "nanotron": run_nanotron(args, args.versus)[0]}
+        results["versus"]["ratio"] = nanotron["tokens_per_sec"] / results["versus"]["nanotron"]["tokens_per_sec"]
+        rows.append((args.versus, results["versus"]["nanotron"]))
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 and not args.no_hf:
+    if world == 1 and (args.mamba_ssm or not args.no_hf):
         from nanotron.metrics import peak_flops
 
+        gc.collect()
+        torch.cuda.empty_cache()
         peak = peak_flops(torch.device("cuda"), torch.bfloat16)
-        results["hf"] = run_hf(args, micro_batches, nanotron["flops_per_token"], peak)
-        results["speedup"] = nanotron["tokens_per_sec"] / results["hf"]["tokens_per_sec"]
+        peer = run_mamba_ssm if args.mamba_ssm else run_hf
+        results["mamba_ssm" if args.mamba_ssm else "hf"] = hf = peer(args, micro_batches, nanotron["flops_per_token"],
+                                                                     peak)
+        results["speedup"] = nanotron["tokens_per_sec"] / hf["tokens_per_sec"]
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.output.write_text(json.dumps(results, indent=2))
-        hf = results.get("hf")
+        hf = results.get("mamba_ssm", results.get("hf"))
         versus = (f"{hf['tokens_per_sec']:,.0f} | {hf['mfu'] or 0:.1%} | {results['speedup']:.2f}x" if hf
                   else "— | — | —")
-        print(f"| {args.preset} | {nanotron['layout']} | {nanotron['tokens_per_sec']:,.0f} | "
-              f"{nanotron['tokens_per_sec_per_gpu']:,.0f} | {nanotron['mfu'] or 0:.1%} | "
-              f"{nanotron['peak_memory_gb']:.1f} | {versus} |")
+        for preset, row in rows:
+            print(f"| {preset} | {row['layout']} | {row['tokens_per_sec']:,.0f} | {row['tokens_per_sec_per_gpu']:,.0f} | "
+                  f"{row['mfu'] or 0:.1%} | {row['peak_memory_gb']:.1f} | {versus if preset == args.preset else '— | — | —'} |")
+        if args.versus:
+            print(f"{args.preset} / {args.versus}: {results['versus']['ratio']:.2f}x tokens/s")
 
 
 if __name__ == "__main__":

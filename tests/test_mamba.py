@@ -5,6 +5,9 @@ and bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ MAMBA = {"is_mamba_config": True, "d_model": 64, "num_hidden_layers": 2, "vocab_
 
 
 def test_the_scan_continues_across_calls():
-    from nanotron.models.mamba import selective_scan
+    from nanotron.nn.selective_scan import selective_scan_reference as selective_scan
 
     torch.manual_seed(0)
     x, delta = torch.randn(2, 11, 6), torch.rand(2, 11, 6)
@@ -34,6 +37,67 @@ def test_the_scan_continues_across_calls():
     # One step by hand: s_0 = Δ_0 B_0 x_0, y_0 = C_0 · s_0 + D x_0.
     s0 = (delta[0, 0] * x[0, 0]).unsqueeze(-1) * B[0, 0]
     assert torch.allclose(whole[0, 0], (s0 * C[0, 0]).sum(-1) + D * x[0, 0], atol=1e-6)
+
+
+def check_chunked_scan(device: str = "cpu") -> None:
+    """The chunked scan equals the loop, forward and every gradient, in fp32 and with bf16 activations, on shapes
+    whose length and channels are not multiples of the kernels' blocks and a d_state that is not a power of 2."""
+    from nanotron.nn.selective_scan import BLOCK_D, BLOCK_T, chunked_selective_scan, selective_scan_reference
+
+    generator = torch.Generator(device).manual_seed(0)
+    for batch, length, channels, d_state in ((2, 2 * BLOCK_T + 5, BLOCK_D + 8, 16), (1, 3, 7, 5)):
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            def random(*shape, dtype=dtype):
+                return torch.randn(*shape, device=device, generator=generator).to(dtype).requires_grad_()
+            x, B, C = random(batch, length, channels), random(batch, length, d_state), random(batch, length, d_state)
+            delta = torch.nn.functional.softplus(random(batch, length, channels, dtype=torch.float32)).detach()
+            delta.requires_grad_()
+            A = (-3 * torch.rand(channels, d_state, device=device, generator=generator)).requires_grad_()
+            inputs = (x, delta, A, B, C)
+            y, last = chunked_selective_scan(*inputs)
+            reference, reference_last = selective_scan_reference(*inputs, torch.zeros(channels, device=device))
+            torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(last, reference_last, rtol=1e-5, atol=1e-5)
+            upstream = torch.randn(y.shape, device=device, generator=generator)
+            grads = torch.autograd.grad(y, inputs, upstream)
+            expected = torch.autograd.grad(reference, inputs, upstream)
+            for name, grad, want in zip(("x", "delta", "A", "B", "C"), grads, expected):
+                assert grad.dtype == want.dtype, name
+                error = (grad.float() - want.float()).abs().max() / want.float().abs().max()
+                assert error < tolerance, (name, dtype, error.item())
+
+
+def test_the_chunked_scan_equals_the_sequential_one():
+    """The GPU scan's Triton kernels, run by Triton's interpreter on the CPU."""
+    pytest.importorskip("triton")
+    tests = Path(__file__).parent
+    code = f"import sys; sys.path.insert(0, {str(tests)!r}); from test_mamba import check_chunked_scan; " \
+           "check_chunked_scan()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_causal_conv_equals_a_depthwise_conv1d():
+    from nanotron.nn.causal_conv1d import CausalConv1d
+
+    torch.manual_seed(0)
+    conv = CausalConv1d(6, 4, bias=True)
+    torch.nn.init.normal_(conv.weight)
+    torch.nn.init.normal_(conv.bias)
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = torch.randn(2, 3 + 9, 6).to(dtype).requires_grad_()  # three earlier inputs, nine new ones
+        upstream = torch.randn(2, 9, 6).to(dtype)
+        conv.to(dtype)
+        out = conv(x)
+        grads = torch.autograd.grad(out, (x, conv.weight, conv.bias), upstream)
+        xr, weight, bias = (t.detach().double().requires_grad_() for t in (x, conv.weight, conv.bias))
+        reference = torch.nn.functional.conv1d(xr.transpose(1, 2), weight, bias, groups=6).transpose(1, 2)
+        expected = torch.autograd.grad(reference, (xr, weight, bias), upstream.double())
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), reference, rtol=tolerance, atol=tolerance)
+        for grad, want in zip(grads, expected):
+            torch.testing.assert_close(grad.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
 @pytest.fixture(scope="module")

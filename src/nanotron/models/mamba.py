@@ -10,8 +10,9 @@ A mixer, on hidden states ``h`` [batch, length, d_model] with ``d_inner = expand
     s_t = exp(Δ_t A) s_{t-1} + Δ_t B_t x_t,  y_t = C_t · s_t + D x_t      A = -exp(A_log), per channel and state
     out = out_proj(y · silu(z))
 
-The scan runs in fp32 (``selective_scan``, a plain loop over time: the reference); A_log and D are kept in fp32 and
-out of weight decay. Generation carries, per layer, the last ``d_conv - 1`` conv inputs and the scan state
+The scan runs in fp32 (``nn/selective_scan.py``: a chunked parallel scan on CUDA, a loop over time elsewhere) and
+the convolution on channels-last activations (``nn/causal_conv1d.py``); A_log and D are kept in fp32 and out of
+weight decay. Generation carries, per layer, the last ``d_conv - 1`` conv inputs and the scan state
 (``MambaCache``), so every new token costs the same whatever the length of the context.
 """
 
@@ -26,39 +27,18 @@ from torch import nn
 from nanotron.config import MambaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, ModelCosts, tie_embeddings
+from nanotron.nn.causal_conv1d import CausalConv1d
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
+from nanotron.nn.selective_scan import selective_scan
 
 
 class MambaCache:
     """One layer's recurrent state during generation: the conv's last inputs and the scan state."""
 
     def __init__(self):
-        self.conv_inputs: torch.Tensor | None = None  # [batch, d_inner, d_conv - 1]
+        self.conv_inputs: torch.Tensor | None = None  # [batch, d_conv - 1, d_inner]
         self.state: torch.Tensor | None = None  # [batch, d_inner, d_state], fp32
-
-
-def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   D: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y_t = C_t · s_t + D x_t`` with ``s_t = exp(Δ_t A) s_{t-1} + Δ_t B_t x_t``, one step at a time in fp32.
-
-    ``x``, ``delta`` [batch, length, channels]; ``A`` [channels, d_state]; ``B``, ``C`` [batch, length, d_state];
-    ``D`` [channels]; ``state`` [batch, channels, d_state] continues an earlier call (None: zeros). Returns ``y``
-    (fp32) and the last state.
-    """
-    x, delta, B, C = x.float(), delta.float(), B.float(), C.float()
-    batch, length, channels = x.shape
-    if state is None:
-        state = x.new_zeros(batch, channels, A.shape[1])
-    decay = torch.exp(delta.unsqueeze(-1) * A)  # [batch, length, channels, d_state]
-    inputs = (delta * x).unsqueeze(-1) * B.unsqueeze(2)
-    outputs = []
-    # unbind, not indexing per step: the backward of each index would write a whole zero tensor (quadratic).
-    for decay_t, input_t, C_t in zip(decay.unbind(1), inputs.unbind(1), C.unsqueeze(2).unbind(1)):
-        state = decay_t * state + input_t
-        outputs.append((state * C_t).sum(-1))
-    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, channels)
-    return y + x * D.float(), state
 
 
 class MambaMixer(nn.Module):
@@ -70,7 +50,7 @@ class MambaMixer(nn.Module):
         ssm, d_inner = config.ssm_cfg, config.d_inner
         self.d_state, self.d_conv, self.dt_rank = ssm.d_state, ssm.d_conv, config.dt_rank
         self.in_proj = Linear(config.d_model, 2 * d_inner, bias=ssm.bias, chunks=(d_inner, d_inner))
-        self.conv1d = nn.Conv1d(d_inner, d_inner, ssm.d_conv, groups=d_inner, bias=ssm.conv_bias)
+        self.conv1d = CausalConv1d(d_inner, ssm.d_conv, bias=ssm.conv_bias)
         self.x_proj = Linear(d_inner, self.dt_rank + 2 * ssm.d_state, bias=False)
         self.dt_proj = Linear(self.dt_rank, d_inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(d_inner, ssm.d_state))
@@ -83,13 +63,14 @@ class MambaMixer(nn.Module):
         x, z = self.in_proj(h).split(list(self.in_proj.output_chunks), dim=-1)
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        x = x.transpose(1, 2)  # [batch, channels, length]
-        earlier = x.new_zeros(*x.shape[:2], self.d_conv - 1) if cache is None or cache.conv_inputs is None \
-            else cache.conv_inputs
-        padded = torch.cat([earlier, x], dim=-1)
+        if cache is None or cache.conv_inputs is None:
+            earlier = x.new_zeros(x.shape[0], self.d_conv - 1, x.shape[2])
+        else:
+            earlier = cache.conv_inputs
+        padded = torch.cat([earlier, x], dim=1)
         if cache is not None:
-            cache.conv_inputs = padded[..., padded.shape[-1] - (self.d_conv - 1):]
-        x = F.silu(self.conv1d(padded)).transpose(1, 2)  # causal: output t sees inputs t - d_conv + 1 .. t
+            cache.conv_inputs = padded[:, padded.shape[1] - (self.d_conv - 1):]
+        x = F.silu(self.conv1d(padded))
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)

@@ -25,6 +25,7 @@ from torch import nn
 
 from nanotron.models.mamba import MambaMixer
 from nanotron.models.moe import MoEFeedForward
+from nanotron.nn.causal_conv1d import CausalConv1d
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
 from nanotron.parallel.expert_parallel import ShardedExperts
@@ -242,11 +243,11 @@ class TensorParallelMoE(MoEFeedForward):
         return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
 
 
-class _ChannelShardedConv1d(nn.Conv1d):
+class _ChannelShardedConv1d(CausalConv1d):
     """A depthwise convolution over this rank's channels (each channel has its own kernel and bias)."""
 
     def __init__(self, channels: int, kernel_size: int, bias: bool, tp: int):
-        super().__init__(channels // tp, channels // tp, kernel_size, groups=channels // tp, bias=bias)
+        super().__init__(channels // tp, kernel_size, bias)
         self.parameter_shards = {"weight": ((channels, 1, kernel_size), (Shard("tp", 0),))}
         if bias:
             self.parameter_shards["bias"] = ((channels,), (Shard("tp", 0),))

@@ -1,0 +1,226 @@
+"""Mamba-1's selective scan, ``s_t = exp(Δ_t A) s_{t-1} + Δ_t B_t x_t`` and ``y_t = C_t · s_t + D x_t``.
+
+``selective_scan_reference`` runs it one step at a time in fp32 (plain torch, every device): the definition, used on
+CPUs, for generation with a carried state, and by the tests. On CUDA with Triton, ``selective_scan`` runs a chunked
+parallel scan instead. Each program owns one sequence's block of channels and walks the sequence in chunks of
+``BLOCK_T`` steps: inside a chunk the recurrence is a parallel associative scan over time of the pairs
+(decay, input), whose combination ``(a1, b1), (a2, b2) -> (a1 a2, a2 b1 + b2)`` is the recurrence itself; the
+state entering the chunk is folded into its first input, so no fix-up pass is needed. The per-step states
+[length, channels, d_state] never reach memory: the forward saves only the state entering each chunk, and the
+backward recomputes a chunk's states from it, then runs the adjoint recurrence ``g_t = exp(Δ_{t+1} A) g_{t+1} +
+dy_t C_t`` as a reversed scan, chunk by chunk from the end. Two identities keep the backward to one pass per chunk:
+``exp(Δ_t A) s_{t-1} = s_t - Δ_t B_t x_t`` (no division, no shifted tile), and the gradients of B, C and A, sums
+over channels or time, are written per channel block (per sequence, for A) and summed afterwards, so the result does
+not depend on the order programs finish in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the reference scan is used
+    triton = None
+
+
+def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` (fp32) and the last state; the chunked scan on CUDA with Triton when no earlier state is carried
+    (training, and the prompt in generation), the reference otherwise. Shapes as ``selective_scan_reference``."""
+    if triton is not None and x.is_cuda and state is None:
+        y, last = chunked_selective_scan(x, delta, A, B, C)
+        return y + x * D.float(), last
+    return selective_scan_reference(x, delta, A, B, C, D, state)
+
+
+def selective_scan_reference(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                             C: torch.Tensor, D: torch.Tensor,
+                             state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan one step at a time in fp32.
+
+    ``x``, ``delta`` [batch, length, channels]; ``A`` [channels, d_state]; ``B``, ``C`` [batch, length, d_state];
+    ``D`` [channels]; ``state`` [batch, channels, d_state] continues an earlier call (None: zeros). Returns ``y``
+    (fp32) and the last state.
+    """
+    x, delta, B, C = x.float(), delta.float(), B.float(), C.float()
+    batch, length, channels = x.shape
+    if state is None:
+        state = x.new_zeros(batch, channels, A.shape[1])
+    decay = torch.exp(delta.unsqueeze(-1) * A)  # [batch, length, channels, d_state]
+    inputs = (delta * x).unsqueeze(-1) * B.unsqueeze(2)
+    outputs = []
+    # unbind, not indexing per step: the backward of each index would write a whole zero tensor (quadratic).
+    for decay_t, input_t, C_t in zip(decay.unbind(1), inputs.unbind(1), C.unsqueeze(2).unbind(1)):
+        state = decay_t * state + input_t
+        outputs.append((state * C_t).sum(-1))
+    y = torch.stack(outputs, dim=1) if outputs else x.new_zeros(batch, 0, channels)
+    return y + x * D.float(), state
+
+
+def chunked_selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                           C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan without the ``D x`` term, from a zero state, as the Triton kernels compute it (any device Triton
+    runs on, its interpreter included): ``y`` [batch, length, channels] in fp32 and the last state."""
+    return _ChunkedScan.apply(x, delta, A, B, C)
+
+
+class _ChunkedScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delta, A, B, C):
+        x, delta, B, C = x.contiguous(), delta.contiguous(), B.contiguous(), C.contiguous()
+        A32 = A.float().contiguous()
+        y, starts, last = scan_forward(x, delta, A32, B, C)
+        ctx.save_for_backward(x, delta, A32, B, C, starts)
+        ctx.A_dtype = A.dtype
+        ctx.mark_non_differentiable(last)
+        return y, last
+
+    @staticmethod
+    def backward(ctx, dy, _dlast):
+        x, delta, A, B, C, starts = ctx.saved_tensors
+        dx, ddelta, dA, dB, dC = scan_backward(x, delta, A, B, C, starts, dy.float().contiguous())
+        return dx, ddelta, dA.to(ctx.A_dtype), dB, dC
+
+
+# (chunk length, channels per program, warps): one setting that ran well on an H200 at Mamba's shapes.
+BLOCK_T, BLOCK_D, NUM_WARPS = 16, 32, 8
+
+
+if triton is not None:
+
+    @triton.jit
+    def _combine(decay_a, state_a, decay_b, state_b):
+        return decay_a * decay_b, decay_b * state_a + state_b
+
+    @triton.jit
+    def _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n, length, channels, d_state):
+        """One chunk's x, Δ [BLOCK_T, BLOCK_D] and B, C [BLOCK_T, BLOCK_N] in fp32 (zeros past the ends)."""
+        td = seq * length * channels + t[:, None] * channels + d[None, :]
+        td_mask = (t[:, None] < length) & (d[None, :] < channels)
+        tn = seq * length * d_state + t[:, None] * d_state + n[None, :]
+        tn_mask = (t[:, None] < length) & (n[None, :] < d_state)
+        x = tl.load(x_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
+        delta = tl.load(delta_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
+        B = tl.load(B_ptr + tn, mask=tn_mask, other=0.0).to(tl.float32)
+        C = tl.load(C_ptr + tn, mask=tn_mask, other=0.0).to(tl.float32)
+        return x, delta, B, C, td, td_mask, tn, tn_mask
+
+    @triton.jit
+    def _chunk_states(x, delta, B, A, entering, first):
+        """The states of every step of a chunk [BLOCK_T, BLOCK_D, BLOCK_N] and its inputs Δ B x."""
+        decay = tl.exp(delta[:, :, None] * A[None, :, :])
+        inputs = (delta * x)[:, :, None] * B[:, None, :]
+        _, states = tl.associative_scan((decay, tl.where(first, inputs + decay * entering[None, :, :], inputs)),
+                                        0, _combine)
+        return states, inputs
+
+    @triton.jit
+    def _forward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, y_ptr, starts_ptr, last_ptr,
+                        length, channels, d_state, num_chunks,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        steps = tl.arange(0, BLOCK_T)
+        dn = d[:, None] * d_state + n[None, :]
+        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
+        A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0)
+        first = steps[:, None, None] == 0
+        state = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+        for chunk in range(num_chunks):
+            t = chunk * BLOCK_T + steps
+            x, delta, B, C, td, td_mask, _, _ = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n, length,
+                                                            channels, d_state)
+            tl.store(starts_ptr + (seq * num_chunks + chunk) * channels * d_state + dn, state, mask=dn_mask)
+            states, _ = _chunk_states(x, delta, B, A, state, first)
+            tl.store(y_ptr + td, tl.sum(states * C[:, None, :], axis=2), mask=td_mask)
+            # Steps past the end have decay 1 and input 0, so the chunk's last row is the state leaving it.
+            state = tl.sum(tl.where(steps[:, None, None] == BLOCK_T - 1, states, 0.0), axis=0)
+        tl.store(last_ptr + seq * channels * d_state + dn, state, mask=dn_mask)
+
+    @triton.jit
+    def _backward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, starts_ptr, dy_ptr,
+                         dx_ptr, ddelta_ptr, dA_ptr, dB_ptr, dC_ptr,
+                         length, channels, d_state, num_chunks,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        steps = tl.arange(0, BLOCK_T)
+        dn = d[:, None] * d_state + n[None, :]
+        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
+        A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0)
+        first = steps[:, None, None] == 0
+        last = steps[:, None, None] == BLOCK_T - 1
+        # Partial sums over this program's channels: [sequence, channel block, length, d_state].
+        partial = (seq * tl.num_programs(1) + block) * length * d_state
+        adjoint = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)  # g at the first step of the chunk after this one
+        dA = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+        for i in range(num_chunks):
+            chunk = num_chunks - 1 - i
+            t = chunk * BLOCK_T + steps
+            x, delta, B, C, td, td_mask, tn, tn_mask = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n,
+                                                                   length, channels, d_state)
+            entering = tl.load(starts_ptr + (seq * num_chunks + chunk) * channels * d_state + dn, mask=dn_mask,
+                               other=0.0)
+            states, inputs = _chunk_states(x, delta, B, A, entering, first)
+            dy = tl.load(dy_ptr + td, mask=td_mask, other=0.0)
+            next_mask = ((t[:, None] + 1) < length) & (d[None, :] < channels)
+            delta_next = tl.load(delta_ptr + td + channels, mask=next_mask, other=0.0).to(tl.float32)
+            decay_next = tl.exp(delta_next[:, :, None] * A[None, :, :])
+            from_outputs = dy[:, :, None] * C[:, None, :]
+            _, g = tl.associative_scan(
+                (decay_next, tl.where(last, from_outputs + decay_next * adjoint[None, :, :], from_outputs)),
+                0, _combine, reverse=True)
+            decayed = states - inputs  # exp(Δ_t A) s_{t-1}
+            g_B = tl.sum(g * B[:, None, :], axis=2)
+            g_decayed = g * decayed
+            tl.store(dx_ptr + td, (delta * g_B).to(dx_ptr.dtype.element_ty), mask=td_mask)
+            tl.store(ddelta_ptr + td, (x * g_B + tl.sum(g_decayed * A[None, :, :], axis=2)).to(
+                ddelta_ptr.dtype.element_ty), mask=td_mask)
+            dA += tl.sum(g_decayed * delta[:, :, None], axis=0)
+            tl.store(dB_ptr + partial + t[:, None] * d_state + n[None, :],
+                     tl.sum(g * (delta * x)[:, :, None], axis=1), mask=tn_mask)
+            tl.store(dC_ptr + partial + t[:, None] * d_state + n[None, :],
+                     tl.sum(states * dy[:, :, None], axis=1), mask=tn_mask)
+            adjoint = tl.sum(tl.where(first, g, 0.0), axis=0)
+        tl.store(dA_ptr + seq * channels * d_state + dn, dA, mask=dn_mask)
+
+    def _grid(x: torch.Tensor) -> tuple[int, int]:
+        return x.shape[0], triton.cdiv(x.shape[2], BLOCK_D)
+
+    @triton_op("nanotron::selective_scan_forward", mutates_args={})
+    def scan_forward(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``y`` (fp32), the state entering every chunk (saved for the backward) and the last state."""
+        batch, length, channels = x.shape
+        d_state = A.shape[1]
+        num_chunks = triton.cdiv(length, BLOCK_T)
+        y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
+        starts = torch.empty(batch, num_chunks, channels, d_state, device=x.device, dtype=torch.float32)
+        last = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
+        wrap_triton(_forward_kernel)[_grid(x)](
+            x, delta, A, B, C, y, starts, last, length, channels, d_state, num_chunks,
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
+        return y, starts, last
+
+    @triton_op("nanotron::selective_scan_backward", mutates_args={})
+    def scan_backward(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      starts: torch.Tensor, dy: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of x, Δ, A, B and C, each in its input's dtype (A's in fp32)."""
+        batch, length, channels = x.shape
+        d_state = A.shape[1]
+        grid = _grid(x)
+        dx, ddelta = torch.empty_like(x), torch.empty_like(delta)
+        dA = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
+        dB = torch.empty(batch, grid[1], length, d_state, device=x.device, dtype=torch.float32)
+        dC = torch.empty_like(dB)
+        wrap_triton(_backward_kernel)[grid](
+            x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
+        return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
