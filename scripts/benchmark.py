@@ -111,7 +111,7 @@ def run_nanotron(args, preset: str) -> tuple[dict, list[dict]]:
         trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
 
     times = timed(step, args.steps, args.warmup)
-    if args.profile:
+    if args.profile and preset == args.preset:
         write_profile(step, args.profile)
     saves = time_saves(trainer) if args.save_to else None
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)

@@ -124,9 +124,10 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
     config = MambaConfig(d_model=96, num_hidden_layers=1, vocab_size=64, ssm_cfg={"d_state": 16})
     mixer = mamba.MambaMixer(config).cuda()
     for name, parameter in mixer.named_parameters():
+        initial = torch.empty_like(parameter.cpu())
+        mamba.mamba_init_rule(name, config, 0.1)(initial, torch.Generator().manual_seed(1))
         with torch.no_grad():
-            parameter.copy_(mamba.mamba_init_rule(name, config, 0.1)(torch.empty_like(parameter.cpu()),
-                                                                     torch.Generator().manual_seed(1)))
+            parameter.copy_(initial)
     h = torch.randn(2, 100, 96, device="cuda")
     upstream = torch.randn(2, 100, 96, device="cuda")
 
