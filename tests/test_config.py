@@ -151,7 +151,8 @@ FULL: dict[str, Any] = {
     "profiler": {"profiler_export_path": "profiles"},
     "doremi": {"domain_names": None, "domain_weights": None, "ref_model_resume_checkpoint_path": "ckpt/reference",
                "step_size": 0.5, "smoothing_param": 0.01},
-    "fp8": {"enabled": True, "recipe": "rowwise", "gradient_format": "e4m3", "exclude_modules": ["o_proj$"]},
+    "fp8": {"enabled": True, "recipe": "rowwise", "amax_history_length": 8, "gradient_format": "e4m3",
+            "exclude_modules": ["o_proj$"]},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
 SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "hidden_act", "pretraining_tp",
@@ -624,6 +625,8 @@ RULES = {
         ["data_stages['main'].data.num_loading_workers must be >= 0"],
     ),
     "log level is known": (_set("logging.log_level", "verbose"), ["logging.log_level must be one of debug, info"]),
+    "fp8 history has a step": (_set("fp8", {"enabled": True, "recipe": "delayed", "amax_history_length": 0}),
+                               ["fp8.amax_history_length must be at least 1, got 0"]),
     "log interval is positive": (
         _set("logging.iteration_step_info_interval", 0),
         ["logging.iteration_step_info_interval must be >= 1"],

@@ -50,7 +50,7 @@ from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
-from nanotron.nn.fp8 import fp8_converter
+from nanotron.nn.fp8 import advance_amax_histories, discard_step_amaxes, fp8_converter
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
@@ -59,7 +59,7 @@ from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
 from nanotron.parallel.placement import declared_names, logical_parameters
-from nanotron.parallel.statistics import Statistics, sum_over_replicas
+from nanotron.parallel.statistics import Statistics, max_over_ranks, sum_over_replicas
 from nanotron.preemption import StopRequests
 from nanotron.trackers import Trackers
 from nanotron.random import seed_everything
@@ -384,11 +384,13 @@ class Trainer:
             reason = guard.judge(loss_value, norm_value)
             if reason is not None:
                 self.buckets.zero()
+                discard_step_amaxes(self.model)
                 self._on_bad_step(step, reason)
                 return StepResult(loss_value, norm_value, lr, {}, skipped=True)
         clip = self.config.optimizer.clip_grad
         self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
         self.buckets.zero()
+        advance_amax_histories(self.model, lambda amaxes: max_over_ranks(amaxes, self.pc))
         if not guard.judges_before_update:
             loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
             reason = guard.judge(loss_value, norm_value)

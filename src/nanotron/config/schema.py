@@ -39,7 +39,7 @@ LR_WARMUP_STYLES = ("linear", "constant")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "1-sqrt")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 WANDB_MODES = ("online", "offline", "disabled")
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed")
 FP8_FORMATS = ("e4m3", "e5m2")
 
 
@@ -338,7 +338,8 @@ class FP8Args:
     loss stay in the model dtype, master weights and optimizer state in fp32."""
 
     enabled: bool = False
-    recipe: str = "tensorwise"  # scaling from the current amax: tensorwise, or rowwise (per token and feature)
+    recipe: str = "tensorwise"  # tensorwise or rowwise (per token and feature) from the current amax; delayed
+    amax_history_length: int = 16  # delayed: the scale comes from the largest amax of this many last steps
     gradient_format: str = "e5m2"  # of the output gradients; e4m3 for every operand with "e4m3"
     exclude_modules: list[str] = field(default_factory=list)  # regexes of module names kept in the model dtype
 

@@ -407,6 +407,8 @@ def _fp8(cfg: Config) -> Iterator[str]:
         return
     yield from _one_of("fp8.recipe", cfg.fp8.recipe, FP8_RECIPES)
     yield from _one_of("fp8.gradient_format", cfg.fp8.gradient_format, FP8_FORMATS)
+    if cfg.fp8.amax_history_length < 1:
+        yield f"fp8.amax_history_length must be at least 1, got {cfg.fp8.amax_history_length}"
     for i, pattern in enumerate(cfg.fp8.exclude_modules):
         try:
             re.compile(pattern)

@@ -7,7 +7,12 @@ dequantised to the input dtype; master weights, gradient accumulation and the op
 
 Scaling is per tensor (``tensorwise``) or per row of each operand along the reduced dimension (``rowwise``: one
 scale per token and per output feature in the forward, re-derived along the other dimension for each backward
-product, at the price of quantising from the high-precision tensors again).
+product, at the price of quantising from the high-precision tensors again). ``delayed`` scales per tensor from the
+largest amax of the last ``amax_history_length`` optimizer steps (``AmaxHistory``, one per linear, saved in
+checkpoints), as Transformer Engine does: each step records the amaxes it meets, and between steps the trainer
+takes their maximum over the data- and tensor-parallel ranks (``parallel/statistics.py``) before pushing it into
+the history, so every rank, and every layout, uses the same scales. Until a linear has a history (its first step)
+the current amax is used.
 
 On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torch._scaled_mm``. Elsewhere an
 emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
@@ -17,9 +22,11 @@ every dimension to be a multiple of 16; a product that is not falls back to the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -29,13 +36,59 @@ FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 class FP8Recipe:
     gradient_dtype: torch.dtype = E5M2
     rowwise: bool = False
+    delayed: bool = False
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+INPUT, WEIGHT, GRADIENT = range(3)  # the rows of an AmaxHistory
+
+
+class AmaxHistory(nn.Module):
+    """One linear's amaxes of its input, weight and output gradient: over the last optimizer steps (``history``,
+    newest first, saved) and over the micro-batches of the current step (``current``)."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.register_buffer("history", torch.zeros(3, length))
+        self.register_buffer("current", torch.zeros(3), persistent=False)
+
+    def amax(self, row: int, x: torch.Tensor) -> torch.Tensor:
+        """The amax to scale ``x`` by: the history's largest, or ``x``'s own before there is one; ``x``'s is
+        recorded for this step."""
+        current = x.abs().amax().float()
+        self.current[row] = torch.maximum(self.current[row], current.detach())
+        recorded = self.history[row].amax()
+        return torch.where(recorded > 0, recorded, current)
+
+
+@torch.no_grad()
+def advance_amax_histories(model: nn.Module, reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """After an optimizer step: push every linear's step amaxes, maximised over ranks by ``reduce_max``, into its
+    history and start the next step from zero. One collective for all linears."""
+    histories = [module for module in model.modules() if isinstance(module, AmaxHistory)]
+    if not histories:
+        return
+    step = reduce_max(torch.stack([h.current for h in histories]))
+    for h, amaxes in zip(histories, step):
+        h.history.copy_(torch.cat([amaxes[:, None], h.history[:, :-1]], dim=1))
+        h.current.zero_()
+
+
+@torch.no_grad()
+def discard_step_amaxes(model: nn.Module) -> None:
+    """A skipped step's amaxes (possibly inf or NaN) must not reach the histories."""
+    for module in model.modules():
+        if isinstance(module, AmaxHistory):
+            module.current.zero_()
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
+             amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to the float8 ``dtype`` after scaling by ``fp8_max / amax`` (over the whole tensor, or along
-    ``dim`` with one scale per slice); returns the FP8 tensor and the fp32 scale (kept dims for ``dim``)."""
+    ``dim`` with one scale per slice; or the given ``amax``: values beyond it saturate); returns the FP8 tensor and
+    the fp32 scale (kept dims for ``dim``)."""
     x32 = x.float()
-    amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
+    if amax is None:
+        amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
     finfo = torch.finfo(dtype)
     scale = finfo.max / amax.clamp(min=1e-12)
     return (x32 * scale).clamp(finfo.min, finfo.max).to(dtype), scale
@@ -63,12 +116,13 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe):
-        ctx.recipe, ctx.has_bias, ctx.input_shape = recipe, bias is not None, x.shape
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
+                amaxes: AmaxHistory | None):
+        ctx.recipe, ctx.has_bias, ctx.input_shape, ctx.amaxes = recipe, bias is not None, x.shape, amaxes
         x2 = x.reshape(-1, x.shape[-1])
         dim = -1 if recipe.rowwise else None
-        xq, x_scale = quantize(x2, E4M3, dim)
-        wq, w_scale = quantize(weight, E4M3, dim)
+        xq, x_scale = quantize(x2, E4M3, dim, None if amaxes is None else amaxes.amax(INPUT, x2))
+        wq, w_scale = quantize(weight, E4M3, dim, None if amaxes is None else amaxes.amax(WEIGHT, weight))
         y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype, fast_accumulation=True)
         if recipe.rowwise:  # the backward products reduce over other dims: quantise again from these
             ctx.save_for_backward(x2, weight)
@@ -92,21 +146,22 @@ class _FP8Linear(torch.autograd.Function):
             grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
-            gq, g_scale = quantize(g2, recipe.gradient_dtype)
+            amaxes = ctx.amaxes
+            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, None if amaxes is None else amaxes.amax(GRADIENT, g2))
             grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
             grad_weight = fp8_mm(gq.t(), g_scale, xq, x_scale, grad.dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
-        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None
+        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None
 
 
 class FP8Matmul:
-    """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside."""
+    """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside; ``amaxes`` for delayed scaling."""
 
-    def __init__(self, recipe: FP8Recipe):
-        self.recipe = recipe
+    def __init__(self, recipe: FP8Recipe, amaxes: AmaxHistory | None = None):
+        self.recipe, self.amaxes = recipe, amaxes
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _FP8Linear.apply(x, weight, bias, self.recipe)
+        return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes)
 
 
 def fp8_converter(args):
@@ -118,13 +173,15 @@ def fp8_converter(args):
     """
     import re
 
-    recipe = FP8Recipe(FORMATS[args.gradient_format], args.recipe == "rowwise")
+    recipe = FP8Recipe(FORMATS[args.gradient_format], args.recipe == "rowwise", args.recipe == "delayed")
     excluded = [re.compile(pattern) for pattern in args.exclude_modules]
 
     def convert(model) -> None:
-        for name, module in model.named_modules():
+        for name, module in list(model.named_modules()):
             if (hasattr(module, "matmul") and name.startswith("layers.") and not name.endswith(".router")
                     and not any(pattern.search(name) for pattern in excluded)):
-                module.matmul = FP8Matmul(recipe)
+                if recipe.delayed:  # a child module: its history is model state, saved and loaded by name
+                    module.fp8_amaxes = AmaxHistory(args.amax_history_length)
+                module.matmul = FP8Matmul(recipe, module.fp8_amaxes if recipe.delayed else None)
 
     return convert

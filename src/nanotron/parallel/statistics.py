@@ -40,3 +40,12 @@ def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]],
         dist.all_reduce(flat, group=parallel_context.groups["pp_dp_ep"])
     sizes = [torch.Size(template[name]).numel() for name in names]
     return {name: piece.view(template[name]) for name, piece in zip(names, flat.split(sizes))}
+
+
+def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
+    """``values`` maximised over the tensor- and data-parallel ranks of this pipeline stage (which hold the same
+    modules), in place: a statistic every such rank must agree on, like FP8's step amaxes."""
+    for group in ("tp", "dp_ep"):
+        if parallel_context.size(group) > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.groups[group])
+    return values
