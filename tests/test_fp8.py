@@ -107,18 +107,19 @@ def test_delayed_scaling_scales_from_the_history_and_records_each_step():
 
 
 def _train(config: dict) -> dict:
-    """The FP8 linears converted, the metrics records (rank 0) and this rank's amax histories after training."""
+    """The FP8 linears and expert groups converted, the metrics records (rank 0) and this rank's amax histories."""
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
     converted = sum(isinstance(getattr(m, "matmul", None), FP8Matmul) for m in trainer.model.modules())
+    experts = sum(isinstance(getattr(m, "expert_matmul", None), FP8Matmul) for m in trainer.model.modules())
     trainer.train()
     histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
     records = []
     if trainer.pc.rank == 0:
         records = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    return {"converted": converted, "records": records, "histories": histories}
+    return {"converted": converted, "experts": experts, "records": records, "histories": histories}
 
 
 def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tmp_path):
@@ -175,3 +176,23 @@ def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, 
     (plain,) = run_distributed(_train, 1, config=config("off", steps=4, resume=str(tmp_path / "tp1" / "3"),
                                                          fp8=False))
     assert [step for step, _ in losses(plain)] == [4] and plain["converted"] == 0
+
+
+def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
+    """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
+    follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""
+    from test_moe import moe_config
+
+    def config(name, fp8=True, ep=1):
+        return moe_config(tiny_data, tmp_path / name, ep=ep) | {"fp8": {"enabled": fp8}}
+
+    plain, fp8 = (run_distributed(_train, 1, config=config(name, fp8=on))[0] for name, on in (("plain", False),
+                                                                                             ("fp8", True)))
+    ep2 = run_distributed(_train, 2, config=config("ep2", ep=2))[0]
+    assert (plain["experts"], fp8["experts"], ep2["experts"]) == (0, 2, 2)  # layers 1 and 2 are mixtures
+    last = plain["records"][-1]["lm_loss"]
+    assert fp8["records"][-1]["lm_loss"] != last
+    assert last < plain["records"][0]["lm_loss"] - 0.5  # the twin learns
+    assert abs(fp8["records"][-1]["lm_loss"] - last) <= 0.02 * last
+    for a, b in zip(fp8["records"], ep2["records"], strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=2e-3), a["step"]

@@ -334,8 +334,8 @@ class LoggingArgs:
 
 @dataclass
 class FP8Args:
-    """FP8 matmuls in the decoder's linear layers (``nn/fp8.py``); embeddings, the LM head, routers, norms and the
-    loss stay in the model dtype, master weights and optimizer state in fp32."""
+    """FP8 matmuls in the decoder's linear layers and MoE experts (``nn/fp8.py``); embeddings, the LM head,
+    routers, norms and the loss stay in the model dtype, master weights and optimizer state in fp32."""
 
     enabled: bool = False
     recipe: str = "tensorwise"  # tensorwise or rowwise (per token and feature) from the current amax; delayed

@@ -119,10 +119,12 @@ class GroupedExperts(nn.Module):
 
     On CUDA in bf16 the experts run as two grouped GEMMs (``torch._grouped_mm``, where the torch build has it) over
     the expert offsets, with no host sync; elsewhere a loop over experts is the reference. ``grouped_mm`` forces
-    one or the other (tests compare them).
+    one or the other (tests compare them). ``expert_matmul``, set per instance by a module converter (FP8), is a
+    ``F.linear``-like product that the loop then uses for each expert's two matmuls.
     """
 
     grouped_mm: bool | None = None  # None: grouped GEMMs where they are supported
+    expert_matmul = None  # (input, weight) -> output for one expert; None: F.linear, or the grouped GEMMs
 
     def __init__(self, num_experts: int, hidden_size: int, ffn: int):
         super().__init__()
@@ -137,14 +139,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x`` [tokens, hidden] holds expert 0's tokens, then expert 1's, ... (``tokens_per_expert`` of each)."""
-        if self._use_grouped_mm(x):
+        if self.expert_matmul is None and self._use_grouped_mm(x):
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             hidden = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(swiglu(hidden), self.down_proj.transpose(-2, -1), offs=offsets)
+        matmul = self.expert_matmul or F.linear
         outputs = []
         for expert, chunk in enumerate(x.split(tokens_per_expert.tolist())):
-            hidden = swiglu(F.linear(chunk, self.gate_up_proj[expert]))
-            outputs.append(F.linear(hidden, self.down_proj[expert]))
+            hidden = swiglu(matmul(chunk, self.gate_up_proj[expert]))
+            outputs.append(matmul(hidden, self.down_proj[expert]))
         return torch.cat(outputs)
 
 

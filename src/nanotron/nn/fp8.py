@@ -161,6 +161,8 @@ class FP8Matmul:
         self.recipe, self.amaxes = recipe, amaxes
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() == 0:  # an expert without tokens: nothing to scale
+            return torch.nn.functional.linear(x, weight, bias)
         return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes)
 
 
@@ -168,18 +170,25 @@ def fp8_converter(args):
     """A module converter (``build_model(converters=...)``) giving the decoder layers' linears FP8 matmuls.
 
     Every module with a swappable ``matmul`` inside ``layers`` is converted except the MoE routers (their logits
-    choose experts: small, and sensitive) and the names matching ``fp8.exclude_modules``. The embedding and the
-    LM head are outside the decoder layers and stay in the model dtype.
+    choose experts: small, and sensitive) and the names matching ``fp8.exclude_modules``; so are MoE experts (their
+    ``expert_matmul``: per-expert FP8 products, each expert's weights and tokens scaled on their own, from the
+    current amax even with the delayed recipe). The embedding and the LM head are outside the decoder layers and
+    stay in the model dtype.
     """
     import re
 
     recipe = FP8Recipe(FORMATS[args.gradient_format], args.recipe == "rowwise", args.recipe == "delayed")
     excluded = [re.compile(pattern) for pattern in args.exclude_modules]
 
+    experts = FP8Matmul(FP8Recipe(recipe.gradient_dtype, recipe.rowwise))
+
     def convert(model) -> None:
         for name, module in list(model.named_modules()):
-            if (hasattr(module, "matmul") and name.startswith("layers.") and not name.endswith(".router")
-                    and not any(pattern.search(name) for pattern in excluded)):
+            if not name.startswith("layers.") or any(pattern.search(name) for pattern in excluded):
+                continue
+            if hasattr(module, "expert_matmul"):
+                module.expert_matmul = experts
+            elif hasattr(module, "matmul") and not name.endswith(".router"):
                 if recipe.delayed:  # a child module: its history is model state, saved and loaded by name
                     module.fp8_amaxes = AmaxHistory(args.amax_history_length)
                 module.matmul = FP8Matmul(recipe, module.fp8_amaxes if recipe.delayed else None)
