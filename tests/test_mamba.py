@@ -41,7 +41,8 @@ def test_the_scan_continues_across_calls():
 
 def check_chunked_scan(device: str = "cpu") -> None:
     """The chunked scan equals the loop, forward and every gradient, in fp32 and with bf16 activations, on shapes
-    whose length and channels are not multiples of the kernels' blocks and a d_state that is not a power of 2."""
+    whose length and channels are not multiples of the kernels' blocks and a d_state that is not a power of 2; and
+    token-by-token decoding with the carried state equals it over 256 tokens."""
     from nanotron.nn.selective_scan import BLOCK_D, BLOCK_T, chunked_selective_scan, selective_scan_reference
 
     generator = torch.Generator(device).manual_seed(0)
@@ -65,6 +66,17 @@ def check_chunked_scan(device: str = "cpu") -> None:
                 assert grad.dtype == want.dtype, name
                 error = (grad.float() - want.float()).abs().max() / want.float().abs().max()
                 assert error < tolerance, (name, dtype, error.item())
+    # Decoding one token at a time with the carried state (generation) gives the parallel scan's outputs.
+    x, delta = torch.randn(1, 256, 8, device=device, generator=generator), torch.rand(1, 256, 8, device=device)
+    A, B, C = -torch.rand(8, 4, device=device), torch.randn(1, 256, 4, device=device), torch.randn(1, 256, 4,
+                                                                                                    device=device)
+    parallel, _ = chunked_selective_scan(x, delta, A, B, C)
+    state, steps = None, []
+    for t in range(256):
+        y, state = selective_scan_reference(x[:, t:t + 1], delta[:, t:t + 1], A, B[:, t:t + 1], C[:, t:t + 1],
+                                            torch.zeros(8, device=device), state)
+        steps.append(y)
+    torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=1e-5, atol=1e-5)
 
 
 def test_the_chunked_scan_equals_the_sequential_one():
