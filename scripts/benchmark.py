@@ -85,7 +85,8 @@ def nanotron_config(args, preset: str):
         model = raw["model"]["model_config"] | model | {"max_position_embeddings": args.sequence_length}
     raw["model"]["model_config"] = model
     overrides = [
-        f"tokens.sequence_length={args.sequence_length}", f"tokens.micro_batch_size={args.micro_batch_size}", f"tokens.batch_accumulation_per_replica={args.accumulation}",
+        f"tokens.sequence_length={args.sequence_length}", f"tokens.micro_batch_size={args.micro_batch_size}",
+        f"tokens.batch_accumulation_per_replica={args.accumulation}",
         f"tokens.train_steps={args.steps + args.warmup}", "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
         f"data_stages.0.data.dataset.dataset_folder={args.data}", "checkpoints.save_final_state=false",
         "checkpoints.checkpoint_interval=100000", "parallelism.replica_check_interval=null",
@@ -263,7 +264,8 @@ def main() -> None:
     if args.mamba_ssm and not mamba:
         sys.exit(f"error: --mamba-ssm needs a Mamba preset, not {args.preset}")
     if mamba and not (args.mamba_ssm or args.no_hf):
-        sys.exit(f"error: {args.preset} has no transformers loop here; pass --mamba-ssm (the authors' kernels) or --no-hf")
+        sys.exit(f"error: {args.preset} has no transformers loop here; pass --mamba-ssm (the authors' kernels) "
+                 "or --no-hf")
 
     nanotron, micro_batches = run_nanotron(args, args.preset)
     results = {"preset": args.preset, "sequence_length": args.sequence_length, "micro_batch_size": args.micro_batch_size,
@@ -293,8 +295,9 @@ def main() -> None:
         versus = (f"{hf['tokens_per_sec']:,.0f} | {hf['mfu'] or 0:.1%} | {results['speedup']:.2f}x" if hf
                   else "— | — | —")
         for preset, row in rows:
-            print(f"| {preset} | {row['layout']} | {row['tokens_per_sec']:,.0f} | {row['tokens_per_sec_per_gpu']:,.0f} | "
-                  f"{row['mfu'] or 0:.1%} | {row['peak_memory_gb']:.1f} | {versus if preset == args.preset else '— | — | —'} |")
+            peer = versus if preset == args.preset else "— | — | —"
+            print(f"| {preset} | {row['layout']} | {row['tokens_per_sec']:,.0f} | {row['tokens_per_sec_per_gpu']:,.0f} "
+                  f"| {row['mfu'] or 0:.1%} | {row['peak_memory_gb']:.1f} | {peer} |")
         if args.versus:
             print(f"{args.preset} / {args.versus}: {results['versus']['ratio']:.2f}x tokens/s")
 

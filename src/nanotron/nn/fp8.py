@@ -146,8 +146,8 @@ class _FP8Linear(torch.autograd.Function):
             grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
-            amaxes = ctx.amaxes
-            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, None if amaxes is None else amaxes.amax(GRADIENT, g2))
+            amax = None if ctx.amaxes is None else ctx.amaxes.amax(GRADIENT, g2)
+            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax)
             grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
             grad_weight = fp8_mm(gq.t(), g_scale, xq, x_scale, grad.dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
