@@ -120,16 +120,21 @@ if triton is not None:
         return states, inputs
 
     @triton.jit
+    def _channel_block(A_ptr, channels, d_state, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's channels and states: their indices, offsets and mask in [channels, d_state], and A."""
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        dn = d[:, None] * d_state + n[None, :]
+        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
+        return d, n, dn, dn_mask, tl.load(A_ptr + dn, mask=dn_mask, other=0.0)
+
+    @triton.jit
     def _forward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, y_ptr, starts_ptr, last_ptr,
                         length, channels, d_state, num_chunks,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        n = tl.arange(0, BLOCK_N)
+        d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
         steps = tl.arange(0, BLOCK_T)
-        dn = d[:, None] * d_state + n[None, :]
-        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
-        A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0)
         first = steps[:, None, None] == 0
         state = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
         for chunk in range(num_chunks):
@@ -150,12 +155,8 @@ if triton is not None:
                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
-        d = block * BLOCK_D + tl.arange(0, BLOCK_D)
-        n = tl.arange(0, BLOCK_N)
+        d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
         steps = tl.arange(0, BLOCK_T)
-        dn = d[:, None] * d_state + n[None, :]
-        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
-        A = tl.load(A_ptr + dn, mask=dn_mask, other=0.0)
         first = steps[:, None, None] == 0
         last = steps[:, None, None] == BLOCK_T - 1
         # Partial sums over this program's channels: [sequence, channel block, length, d_state].
