@@ -85,10 +85,14 @@ class _ChunkedScan(torch.autograd.Function):
         return dx, ddelta, dA.to(ctx.A_dtype), dB, dC
 
 
-# (chunk length, channels per program, warps): the fastest of 18 settings timed on an H200 at the 130M and 1.4B
-# shapes (forward and backward 4.2 ms per layer at 8 x 2048 x 1536). Tiles of [time, channel x state] on one
-# layout, tried instead of these [time, channel, state] ones, ran 2.5-6x slower.
-BLOCK_T, BLOCK_D, NUM_WARPS = 8, 32, 4
+# The chunk length, shared by both kernels (the forward saves the state entering each chunk), and each kernel's
+# channels per program and warps: the fastest settings timed on an H200 at the 130M and 1.4B shapes
+# (docs/benchmarks.md). Tiles of [time, channel x state] on one layout ran 2.5-6x slower than these [time, channel,
+# state] ones, and channel-major tiles [channel, time] scanned across lanes with a loop over the states ran 1-3x
+# slower.
+BLOCK_T = 8
+FORWARD_BLOCK_D, FORWARD_WARPS = 16, 2
+BACKWARD_BLOCK_D, BACKWARD_WARPS = 16, 2
 
 
 if triton is not None:
@@ -113,7 +117,7 @@ if triton is not None:
     @triton.jit
     def _chunk_states(x, delta, B, A, entering, first):
         """The states of every step of a chunk [BLOCK_T, BLOCK_D, BLOCK_N] and its inputs Δ B x."""
-        decay = tl.exp(delta[:, :, None] * A[None, :, :])
+        decay = tl.exp(delta[:, :, None] * A)
         inputs = (delta * x)[:, :, None] * B[:, None, :]
         _, states = tl.associative_scan((decay, tl.where(first, inputs + decay * entering[None, :, :], inputs)),
                                         0, _combine)
@@ -121,12 +125,19 @@ if triton is not None:
 
     @triton.jit
     def _channel_block(A_ptr, channels, d_state, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """This program's channels and states: their indices, offsets and mask in [channels, d_state], and A."""
+        """This program's channels and states: their indices, offsets and mask in [channels, d_state], and A as a
+        [1, BLOCK_D, BLOCK_N] tile.
+
+        A is loaded in three dimensions on purpose: its vectorised load (four fp32 states per thread) becomes the
+        register layout of every [time, channel, state] tile, so a sum over the states is four additions in the
+        thread and two shuffles across lanes, where the default layout spread the 16 states over 16 lanes and spent
+        four shuffles on each. Those sums (y, and the gradients of x and Δ) were the kernels' main cost: the
+        backward ran 1.8x faster at the 130M shape with it and the settings retuned for it (docs/benchmarks.md)."""
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
         dn = d[:, None] * d_state + n[None, :]
         dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
-        return d, n, dn, dn_mask, tl.load(A_ptr + dn, mask=dn_mask, other=0.0)
+        return d, n, dn, dn_mask, tl.load(A_ptr + dn[None, :, :], mask=dn_mask[None, :, :], other=0.0)
 
     @triton.jit
     def _forward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, y_ptr, starts_ptr, last_ptr,
@@ -174,7 +185,7 @@ if triton is not None:
             dy = tl.load(dy_ptr + td, mask=td_mask, other=0.0)
             next_mask = ((t[:, None] + 1) < length) & (d[None, :] < channels)
             delta_next = tl.load(delta_ptr + td + channels, mask=next_mask, other=0.0).to(tl.float32)
-            decay_next = tl.exp(delta_next[:, :, None] * A[None, :, :])
+            decay_next = tl.exp(delta_next[:, :, None] * A)
             from_outputs = dy[:, :, None] * C[:, None, :]
             _, g = tl.associative_scan(
                 (decay_next, tl.where(last, from_outputs + decay_next * adjoint[None, :, :], from_outputs)),
@@ -183,7 +194,7 @@ if triton is not None:
             g_B = tl.sum(g * B[:, None, :], axis=2)
             g_decayed = g * decayed
             tl.store(dx_ptr + td, (delta * g_B).to(dx_ptr.dtype.element_ty), mask=td_mask)
-            tl.store(ddelta_ptr + td, (x * g_B + tl.sum(g_decayed * A[None, :, :], axis=2)).to(
+            tl.store(ddelta_ptr + td, (x * g_B + tl.sum(g_decayed * A, axis=2)).to(
                 ddelta_ptr.dtype.element_ty), mask=td_mask)
             dA += tl.sum(g_decayed * delta[:, :, None], axis=0)
             tl.store(dB_ptr + partial + t[:, None] * d_state + n[None, :],
@@ -193,8 +204,8 @@ if triton is not None:
             adjoint = tl.sum(tl.where(first, g, 0.0), axis=0)
         tl.store(dA_ptr + seq * channels * d_state + dn, dA, mask=dn_mask)
 
-    def _grid(x: torch.Tensor) -> tuple[int, int]:
-        return x.shape[0], triton.cdiv(x.shape[2], BLOCK_D)
+    def _grid(x: torch.Tensor, block_d: int) -> tuple[int, int]:
+        return x.shape[0], triton.cdiv(x.shape[2], block_d)
 
     @triton_op("nanotron::selective_scan_forward", mutates_args={})
     def scan_forward(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -206,9 +217,9 @@ if triton is not None:
         y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
         starts = torch.empty(batch, num_chunks, channels, d_state, device=x.device, dtype=torch.float32)
         last = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
-        wrap_triton(_forward_kernel)[_grid(x)](
+        wrap_triton(_forward_kernel)[_grid(x, FORWARD_BLOCK_D)](
             x, delta, A, B, C, y, starts, last, length, channels, d_state, num_chunks,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=FORWARD_BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=FORWARD_WARPS)
         return y, starts, last
 
     @triton_op("nanotron::selective_scan_backward", mutates_args={})
@@ -218,12 +229,13 @@ if triton is not None:
         """Gradients of x, Δ, A, B and C, each in its input's dtype (A's in fp32)."""
         batch, length, channels = x.shape
         d_state = A.shape[1]
-        grid = _grid(x)
+        grid = _grid(x, BACKWARD_BLOCK_D)
         dx, ddelta = torch.empty_like(x), torch.empty_like(delta)
         dA = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
         dB = torch.empty(batch, grid[1], length, d_state, device=x.device, dtype=torch.float32)
         dC = torch.empty_like(dB)
         wrap_triton(_backward_kernel)[grid](
             x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=BACKWARD_BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state),
+            num_warps=BACKWARD_WARPS)
         return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
