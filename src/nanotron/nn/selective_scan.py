@@ -91,8 +91,8 @@ class _ChunkedScan(torch.autograd.Function):
 # state] ones, and channel-major tiles [channel, time] scanned across lanes with a loop over the states ran 1-3x
 # slower.
 BLOCK_T = 8
-FORWARD_BLOCK_D, FORWARD_WARPS = 16, 2
-BACKWARD_BLOCK_D, BACKWARD_WARPS = 16, 2
+FORWARD_BLOCK_D, FORWARD_WARPS = 8, 1
+BACKWARD_BLOCK_D, BACKWARD_WARPS = 8, 1
 
 
 if triton is not None:
