@@ -131,8 +131,9 @@ if triton is not None:
         A is loaded in three dimensions on purpose: its vectorised load (four fp32 states per thread) becomes the
         register layout of every [time, channel, state] tile, so a sum over the states is four additions in the
         thread and two shuffles across lanes, where the default layout spread the 16 states over 16 lanes and spent
-        four shuffles on each. Those sums (y, and the gradients of x and Δ) were the kernels' main cost: the
-        backward ran 1.8x faster at the 130M shape with it and the settings retuned for it (docs/benchmarks.md)."""
+        four shuffles on each. Those sums (y, and the gradients of x and Δ) were the kernels' main cost: with this
+        layout and the settings retuned for it, the backward ran 2.1x faster at the 130M shape and 1.5x at 1.4B
+        (docs/benchmarks.md)."""
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
         dn = d[:, None] * d_state + n[None, :]
