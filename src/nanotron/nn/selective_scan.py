@@ -85,14 +85,12 @@ class _ChunkedScan(torch.autograd.Function):
         return dx, ddelta, dA.to(ctx.A_dtype), dB, dC
 
 
-# The chunk length, shared by both kernels (the forward saves the state entering each chunk), and each kernel's
-# channels per program and warps: the fastest settings timed on an H200 at the 130M and 1.4B shapes
-# (docs/benchmarks.md). Tiles of [time, channel x state] on one layout ran 2.5-6x slower than these [time, channel,
-# state] ones, and channel-major tiles [channel, time] scanned across lanes with a loop over the states ran 1-3x
-# slower.
-BLOCK_T = 8
-FORWARD_BLOCK_D, FORWARD_WARPS = 8, 1
-BACKWARD_BLOCK_D, BACKWARD_WARPS = 8, 1
+# (chunk length, channels per program, warps), the chunk shared by both kernels since the forward saves the state
+# entering each chunk: of the settings timed on an H200 at the 130M and 1.4B shapes, each kernel on its own, these
+# were the fastest for both (docs/benchmarks.md). Tiles of [time, channel x state] on one layout ran 2.5-6x slower
+# than these [time, channel, state] ones, and channel-major tiles [channel, time] scanned across lanes with a loop
+# over the states ran 1-3x slower.
+BLOCK_T, BLOCK_D, NUM_WARPS = 8, 8, 1
 
 
 if triton is not None:
@@ -205,8 +203,8 @@ if triton is not None:
             adjoint = tl.sum(tl.where(first, g, 0.0), axis=0)
         tl.store(dA_ptr + seq * channels * d_state + dn, dA, mask=dn_mask)
 
-    def _grid(x: torch.Tensor, block_d: int) -> tuple[int, int]:
-        return x.shape[0], triton.cdiv(x.shape[2], block_d)
+    def _grid(x: torch.Tensor) -> tuple[int, int]:
+        return x.shape[0], triton.cdiv(x.shape[2], BLOCK_D)
 
     @triton_op("nanotron::selective_scan_forward", mutates_args={})
     def scan_forward(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -218,9 +216,9 @@ if triton is not None:
         y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
         starts = torch.empty(batch, num_chunks, channels, d_state, device=x.device, dtype=torch.float32)
         last = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
-        wrap_triton(_forward_kernel)[_grid(x, FORWARD_BLOCK_D)](
+        wrap_triton(_forward_kernel)[_grid(x)](
             x, delta, A, B, C, y, starts, last, length, channels, d_state, num_chunks,
-            BLOCK_T=BLOCK_T, BLOCK_D=FORWARD_BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=FORWARD_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
         return y, starts, last
 
     @triton_op("nanotron::selective_scan_backward", mutates_args={})
@@ -230,13 +228,12 @@ if triton is not None:
         """Gradients of x, Δ, A, B and C, each in its input's dtype (A's in fp32)."""
         batch, length, channels = x.shape
         d_state = A.shape[1]
-        grid = _grid(x, BACKWARD_BLOCK_D)
+        grid = _grid(x)
         dx, ddelta = torch.empty_like(x), torch.empty_like(delta)
         dA = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
         dB = torch.empty(batch, grid[1], length, d_state, device=x.device, dtype=torch.float32)
         dC = torch.empty_like(dB)
         wrap_triton(_backward_kernel)[grid](
             x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
-            BLOCK_T=BLOCK_T, BLOCK_D=BACKWARD_BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state),
-            num_warps=BACKWARD_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
         return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
