@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from nanotron.cli import main
-from nanotron.config import config_from_dict, load_config
+from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
 from nanotron.memory import CUDA_RUNTIME_BYTES, STEP_WORKSPACE_BYTES, estimate_memory, memory_summary
 from nanotron.models.registry import spec_for_config
 
@@ -171,3 +171,48 @@ def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
     assert len(peaks) == len(measured)
     for peak, expected in zip(peaks, measured):
         assert abs(peak - expected) / expected < 0.10, (layout, peaks, measured)
+
+
+TINY_MAMBA = ROOT / "examples" / "config_tiny_mamba.yaml"
+# The tiny Mamba compiled, by hand: d_model 128, d_inner 256, dt_rank 8, d_state 16, fp32 (d = 4), micro-batch
+# 16 x 128 tokens; the scan saves the state entering every chunk of 8 steps.
+M_H, M_E, M_R, M_N, M_D = 128, 256, 8, 16, 4
+MAMBA_BLOCK_KEPT = TOKENS * (4 * M_H + M_D * M_H + 6 * M_D * M_E + 8 * M_E + 4 * M_N * M_E / 8
+                             + M_D * (M_R + 4 * M_N)) + 4 * M_E * M_N
+MAMBA_BLOCK_PARAMETERS = (M_H * 2 * M_E + M_E * 4 + M_E + (M_R + 2 * M_N) * M_E + M_E * M_R + M_E + M_E * M_N + M_E
+                          + M_E * M_H + M_H)  # in_proj, conv (weight, bias), x_proj, dt_proj (+ bias), A_log, D, out_proj, norm
+
+
+def test_a_compiled_mamba_block_matches_the_hand_count_and_tp_splits_its_channels():
+    one = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true"]), gpu_memory_gb=80).stages[0]
+    embedding = VOCAB * M_H
+    assert one.weights == M_D * (4 * MAMBA_BLOCK_PARAMETERS + embedding + M_H)
+    backward = int(TOKENS * 61 * M_E)
+    assert one.activations == 4 * int(MAMBA_BLOCK_KEPT) + backward + FINAL_NORM
+    # tp=2: every mixer parameter but the norms is split by channels, the vocabulary too.
+    two = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true", "parallelism.tp=2"]), gpu_memory_gb=80)
+    split = 4 * (MAMBA_BLOCK_PARAMETERS - M_H) // 2 + 4 * M_H + embedding // 2 + M_H
+    assert two.stages[0].weights == M_D * split
+    with pytest.raises(ConfigError, match="compiled Mamba blocks only"):
+        estimate_memory(load_config(TINY_MAMBA), gpu_memory_gb=80)
+
+
+MAMBA_PRESETS = {"130M": {"d_model": 768, "num_hidden_layers": 24}, "1.4B": {"d_model": 2048, "num_hidden_layers": 48}}
+MAMBA_PEAKS = {  # docs/benchmarks.md: compiled, sequence 2048, bf16, one H200
+    "130M, micro-batch 8": ("130M", ["tokens.micro_batch_size=8"], 24.59),
+    "130M, micro-batch 8, recomputed layers": ("130M", ["tokens.micro_batch_size=8",
+                                                        "parallelism.recompute_layer=true"], 19.43),
+    "1.4B, micro-batch 4": ("1.4B", ["tokens.micro_batch_size=4"], 76.6),
+}
+
+
+@pytest.mark.parametrize("run", MAMBA_PEAKS)
+def test_compiled_mamba_estimates_are_within_10_percent_of_the_peaks_measured_on_an_h200(run):
+    shape, overrides, measured = MAMBA_PEAKS[run]
+    raw = yaml.safe_load(BENCH.read_text())
+    raw["model"]["model_config"] = {"is_mamba_config": True, "vocab_size": 50280, "tie_word_embeddings": True,
+                                    "ssm_cfg": {"d_state": 16, "d_conv": 4, "expand": 2}, **MAMBA_PRESETS[shape]}
+    raw["tokens"]["sequence_length"] = 2048
+    config = config_from_dict(apply_overrides(raw, overrides))
+    peak = estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak / 1e9
+    assert abs(peak - measured) / measured < 0.10, (run, peak, measured)

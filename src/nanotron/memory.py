@@ -18,10 +18,11 @@ How each part is computed, and why:
   of every dense parameter and 1/dp of every expert (their replicas: ``Placement.gradient_axes``), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward. In flight on stage ``s`` of ``pp``: ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a
-  single stage keeps one), all of them under AFAB. The decoder layer's saved tensors (``llama_layer_bytes``)
-  come from reading the layer's code and were checked layer by layer on an H200; with
-  ``parallelism.recompute_layer`` each layer keeps only its input, and the backward rebuilds one layer at a time.
-  The last stage adds the final norm, which is never compiled.
+  single stage keeps one), all of them under AFAB. The decoder layer's saved tensors (``llama_layer_bytes``, and
+  ``mamba_layer_bytes`` for compiled Mamba blocks) come from reading the layer's code and were checked layer by
+  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input (a Mamba block also what
+  its scan saved), and the backward rebuilds one layer at a time. The last stage adds the final norm, which is
+  never compiled.
 - **logits**: the LM head's output and the loss buffers of the last stage (``logits_bytes``), per micro-batch in
   flight and during the loss's backward.
 - **workspace**: cuBLAS workspaces and the step's small buffers, allocated by the first step.
@@ -37,7 +38,8 @@ the two transients counts (the layers' one under activations, the rest of the lo
 Checked against the peaks in docs/benchmarks.md ("Memory planner against measured peaks"): the Llama 1B shape on
 one H200 with compiled layers (52.3 GB), at pp=2 1F1B with 10 + 6 layers (43.0 / 28.1 GB), at tp=2 with sequence
 parallelism (30.4 GB), and the 8B shape at dp=2 with ZeRO-1 (118.4 GB): within 1%, except tp=2 at -7% (that
-figure is from an older commit; the layout measured 28.3 GB at the commit the planner was checked on).
+figure is from an older commit; the layout measured 28.3 GB at the commit the planner was checked on). Compiled
+Mamba at 130M (24.6 GB; 19.4 GB with recomputed layers) and 1.4B (76.6 GB): within 0.1%, -4.4% and +1.7%.
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanotron.config import Config, ConfigError, LlamaConfig
+from nanotron.config import Config, ConfigError, LlamaConfig, MambaConfig
 from nanotron.models.build import BuildOptions, padded_vocab_size, pipeline_stage_layers
 from nanotron.models.moe import GroupedExperts
 from nanotron.models.registry import spec_for_config
+from nanotron.nn.selective_scan import BLOCK_T as SCAN_CHUNK
 from nanotron.parallel.placement import Shard
-from nanotron.parallel.tensor_parallel import REDUCE_SCATTER, Column, MixtureOfExperts, Row, VocabEmbedding
+from nanotron.parallel.tensor_parallel import (REDUCE_SCATTER, Column, MixtureOfExperts, Row, SelectiveStateSpace,
+                                              VocabEmbedding)
 
 GB = 1e9
 DEFAULT_GPU_MEMORY_GB = 141.0  # an H200, when no CUDA device is visible
@@ -67,6 +71,9 @@ ALLOCATOR_SLACK = 0.05
 # Allocated by the first training step and kept (cuBLAS workspaces, step scalars): 67 MB in the same runs.
 STEP_WORKSPACE_BYTES = int(67e6)
 LARGEST_MICRO_BATCH_SEARCHED = 1 << 16
+# What a compiled Mamba block's backward holds beyond what the block keeps, per channel and token (bytes): fitted
+# to the step peak of the 130M shape with recomputed layers, measured on an H200 (docs/benchmarks.md).
+MAMBA_BACKWARD_BYTES_PER_CHANNEL = 61
 
 
 @dataclass(frozen=True)
@@ -154,9 +161,12 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
         gpu_memory_gb = device_memory_gb()
     p = config.parallelism
     model_config = config.model.model_config
-    if not isinstance(model_config, LlamaConfig):
+    if not isinstance(model_config, (LlamaConfig, MambaConfig)):
         raise ConfigError(f"the memory planner has no activation model for {type(model_config).__name__}; it knows "
-                          "Llama-style decoders (llama, llamoe)")
+                          "Llama-style decoders (llama, llamoe) and Mamba")
+    if isinstance(model_config, MambaConfig) and not config.model.compile:
+        raise ConfigError("the memory planner models compiled Mamba blocks only (model.compile: true): eager ones "
+                          "peaked up to 14% above its count on an H200, for want of a model of their backward")
     layers = pipeline_stage_layers(model_config, BuildOptions.from_config(config), p.pp, p.tp)
     state = _stage_states(config, layers)
 
@@ -253,7 +263,9 @@ def _local_elements(module: nn.Module, module_name: str, key: str, param: torch.
             shape[1 if key == "gate_up_proj" else 2] //= tp
         return math.prod(shape), True
     style = _planned_style(module_name, plan)
-    if isinstance(style, Column):
+    if isinstance(style, SelectiveStateSpace):  # a Mamba mixer: every parameter split along its channel dim
+        shape[1 if module_name.endswith(("x_proj", "out_proj")) else 0] //= tp
+    elif isinstance(style, Column):
         shape[0] = Shard("tp", 0, style.chunks, style.units).local_size(shape[0], tp)
     elif isinstance(style, Row):
         shape[1] //= tp
@@ -264,13 +276,15 @@ def _local_elements(module: nn.Module, module_name: str, key: str, param: torch.
 
 
 def _planned_style(module_name: str, plan: dict):
-    """The plan entry that applies to ``module_name``: its own, else a whole block's (``MixtureOfExperts``)."""
+    """The plan entry that applies to ``module_name``: its own, else a whole block's (``MixtureOfExperts``, a Mamba
+    mixer's ``SelectiveStateSpace``)."""
     parts = module_name.split(".")
     for end in range(len(parts), 0, -1):
         name = ".".join(parts[:end])
         style = next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
         if style is not None:
-            return style if end == len(parts) or isinstance(style, MixtureOfExperts) else None
+            whole_block = isinstance(style, (MixtureOfExperts, SelectiveStateSpace))
+            return style if end == len(parts) or whole_block else None
     return None
 
 
@@ -292,18 +306,26 @@ class _Widths:
     value_bytes: int  # model dtype
 
 
+def _token_shares(config: Config) -> tuple[float, float]:
+    """(residual, linear input): the share of a micro-batch's tokens a rank keeps of the residual stream (1/tp with
+    sequence parallelism) and of a column-parallel linear's input (1/tp only when the backward is overlapped: it
+    keeps the input shard and gathers it again; the plain one keeps the gathered input)."""
+    p = config.parallelism
+    sequence_parallel = p.tp > 1 and p.tp_mode == REDUCE_SCATTER
+    return (1 / p.tp if sequence_parallel else 1.0,
+            1 / p.tp if sequence_parallel and p.tp_linear_async_communication else 1.0)
+
+
 def _widths(config: Config) -> _Widths:
     c, p = config.model.model_config, config.parallelism
     tp = p.tp
-    sequence_parallel = tp > 1 and p.tp_mode == REDUCE_SCATTER
     kv_width = c.num_key_value_heads * c.head_dim
+    residual_share, linear_input_share = _token_shares(config)
     return _Widths(
         hidden=c.hidden_size, q=c.num_attention_heads * c.head_dim // tp,
         kv=Shard("tp", 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp),
         heads=c.num_attention_heads // tp, head_dim=c.head_dim, ffn=c.intermediate_size // tp,
-        residual_share=1 / tp if sequence_parallel else 1.0,
-        # The overlapped backward keeps the input shard and gathers it again; the plain one keeps the gathered input.
-        linear_input_share=1 / tp if sequence_parallel and p.tp_linear_async_communication else 1.0,
+        residual_share=residual_share, linear_input_share=linear_input_share,
         value_bytes=config.model.torch_dtype().itemsize,
     )
 
@@ -358,12 +380,45 @@ def llama_layer_bytes(config: Config, layer: int, micro_batch_size: int, recompu
     return int(kept), full + transient
 
 
+def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -> tuple[int, int]:
+    """(kept, transient) of one compiled Mamba block per micro-batch on one rank, as ``llama_layer_bytes``.
+
+    With h = d_model, e = d_inner / tp (this rank's channels), r = dt_rank, n = d_state and d the model dtype's
+    bytes, the block keeps per token:
+
+    - the fp32 residual stream it reads (4h) and the in_proj input (d·h),
+    - in_proj's output x|z, the padded conv input, the conv/SiLU output (the scan's x), dt_proj's output and the
+      gated out_proj input: 6d·e,
+    - Δ and the scan's output y in fp32 (8e), and the state entering every chunk of ``SCAN_CHUNK`` steps (fp32:
+      4n·e / ``SCAN_CHUNK``),
+    - x_proj's output dt|B|C and the scan's contiguous copies of B and C: d·(r + 4n),
+
+    and per block the fp32 A (4e·n). Measured per layer on an H200 (130M and 1.4B shapes, bf16): within 0.02%. A
+    recomputed block keeps its input and, since the compiler does not recompute the scan's custom op, what that op
+    saved (x, Δ, B, C, the chunk states, A) and y (measured). The backward adds the scan's and the mixer's
+    gradients, ``MAMBA_BACKWARD_BYTES_PER_CHANNEL`` per channel and token.
+    """
+    c, p = config.model.model_config, config.parallelism
+    d, tokens = config.model.torch_dtype().itemsize, micro_batch_size * config.tokens.sequence_length
+    h, e, r, n = c.d_model, c.d_inner // p.tp, c.dt_rank, c.ssm_cfg.d_state
+    residual_share, linear_input_share = _token_shares(config)
+    residual = (4 if c.residual_in_fp32 else d) * h * residual_share
+    chunk_states = 4 * n * e / SCAN_CHUNK
+    per_token = residual + d * h * linear_input_share + 6 * d * e + 8 * e + chunk_states + d * (r + 4 * n)
+    full = int(tokens * per_token + 4 * e * n)
+    transient = int(tokens * MAMBA_BACKWARD_BYTES_PER_CHANNEL * e)
+    if not recomputed:
+        return full, transient
+    kept = tokens * (residual + d * e + 8 * e + chunk_states + 2 * d * n) + 4 * e * n
+    return int(kept), full + transient
+
+
 def final_norm_bytes(config: Config, micro_batch_size: int) -> int:
     """The final norm (never compiled) keeps its fp32 input copy, the normalised values and its output."""
-    w = _widths(config)
+    d, hidden = config.model.torch_dtype().itemsize, config.model.model_config.hidden_size
+    residual_share, linear_input_share = _token_shares(config)
     tokens = micro_batch_size * config.tokens.sequence_length
-    return int(tokens * ((4 + w.value_bytes) * w.hidden * w.residual_share + w.value_bytes * w.hidden
-                         * w.linear_input_share))
+    return int(tokens * ((4 + d) * hidden * residual_share + d * hidden * linear_input_share))
 
 
 def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
@@ -401,7 +456,10 @@ def _stage_memory(config: Config, stage: int, layers: range, state: _StageState,
                   micro_batch_size: int) -> StageMemory:
     in_flight = _in_flight(config, stage)
     recomputed = config.parallelism.recompute_layer
-    per_layer = [llama_layer_bytes(config, index, micro_batch_size, recomputed) for index in layers]
+    if isinstance(config.model.model_config, MambaConfig):
+        per_layer = [mamba_layer_bytes(config, micro_batch_size, recomputed)] * len(layers)
+    else:
+        per_layer = [llama_layer_bytes(config, index, micro_batch_size, recomputed) for index in layers]
     kept = sum(k for k, _ in per_layer)
     backward = max(t for _, t in per_layer)
     logits = 0
