@@ -39,7 +39,7 @@ Checked against the peaks in docs/benchmarks.md ("Memory planner against measure
 one H200 with compiled layers (52.3 GB), at pp=2 1F1B with 10 + 6 layers (43.0 / 28.1 GB), at tp=2 with sequence
 parallelism (30.4 GB), and the 8B shape at dp=2 with ZeRO-1 (118.4 GB): within 1%, except tp=2 at -7% (that
 figure is from an older commit; the layout measured 28.3 GB at the commit the planner was checked on). Compiled
-Mamba at 130M (24.6 GB; 19.4 GB with recomputed layers) and 1.4B (76.6 GB): within 0.1%, -4.4% and +1.7%.
+Mamba at 130M (24.6 GB; 7.0 GB with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
 """
 
 from __future__ import annotations
@@ -71,9 +71,6 @@ ALLOCATOR_SLACK = 0.05
 # Allocated by the first training step and kept (cuBLAS workspaces, step scalars): 67 MB in the same runs.
 STEP_WORKSPACE_BYTES = int(67e6)
 LARGEST_MICRO_BATCH_SEARCHED = 1 << 16
-# What a compiled Mamba block's backward holds beyond what the block keeps, per channel and token (bytes): fitted
-# to the step peak of the 130M shape with recomputed layers, measured on an H200 (docs/benchmarks.md).
-MAMBA_BACKWARD_BYTES_PER_CHANNEL = 61
 
 
 @dataclass(frozen=True)
@@ -394,9 +391,9 @@ def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -
     - x_proj's output dt|B|C and the scan's contiguous copies of B and C: d·(r + 4n),
 
     and per block the fp32 A (4e·n). Measured per layer on an H200 (130M and 1.4B shapes, bf16): within 0.02%. A
-    recomputed block keeps its input and, since the compiler does not recompute the scan's custom op, what that op
-    saved (x, Δ, B, C, the chunk states, A) and y (measured). The backward adds the scan's and the mixer's
-    gradients, ``MAMBA_BACKWARD_BYTES_PER_CHANNEL`` per channel and token.
+    recomputed block keeps its input (measured). No transient is added for the backward: at both shapes, with and
+    without recomputation, the step peaks came within 0.3% of the count without one (the loss's backward, which
+    runs first, needs more).
     """
     c, p = config.model.model_config, config.parallelism
     d, tokens = config.model.torch_dtype().itemsize, micro_batch_size * config.tokens.sequence_length
@@ -406,11 +403,7 @@ def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -
     chunk_states = 4 * n * e / SCAN_CHUNK
     per_token = residual + d * h * linear_input_share + 6 * d * e + 8 * e + chunk_states + d * (r + 4 * n)
     full = int(tokens * per_token + 4 * e * n)
-    transient = int(tokens * MAMBA_BACKWARD_BYTES_PER_CHANNEL * e)
-    if not recomputed:
-        return full, transient
-    kept = tokens * (residual + d * e + 8 * e + chunk_states + 2 * d * n) + 4 * e * n
-    return int(kept), full + transient
+    return (int(tokens * residual), full) if recomputed else (full, 0)
 
 
 def final_norm_bytes(config: Config, micro_batch_size: int) -> int:

@@ -64,25 +64,9 @@ def chunked_selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor
                            C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan without the ``D x`` term, from a zero state, as the Triton kernels compute it (any device Triton
     runs on, its interpreter included): ``y`` [batch, length, channels] in fp32 and the last state."""
-    return _ChunkedScan.apply(x, delta, A, B, C)
-
-
-class _ChunkedScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, delta, A, B, C):
-        x, delta, B, C = x.contiguous(), delta.contiguous(), B.contiguous(), C.contiguous()
-        A32 = A.float().contiguous()
-        y, starts, last = scan_forward(x, delta, A32, B, C)
-        ctx.save_for_backward(x, delta, A32, B, C, starts)
-        ctx.A_dtype = A.dtype
-        ctx.mark_non_differentiable(last)
-        return y, last
-
-    @staticmethod
-    def backward(ctx, dy, _dlast):
-        x, delta, A, B, C, starts = ctx.saved_tensors
-        dx, ddelta, dA, dB, dC = scan_backward(x, delta, A, B, C, starts, dy.float().contiguous())
-        return dx, ddelta, dA.to(ctx.A_dtype), dB, dC
+    y, _, last = scan_forward(x.contiguous(), delta.contiguous(), A.float().contiguous(), B.contiguous(),
+                              C.contiguous())
+    return y, last
 
 
 # (chunk length, channels per program, warps), the chunk shared by both kernels since the forward saves the state
@@ -237,3 +221,18 @@ if triton is not None:
             x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
             BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
         return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
+
+    def _save_for_backward(ctx, inputs, output):
+        x, delta, A, B, C = inputs
+        _, starts, last = output
+        ctx.save_for_backward(x, delta, A, B, C, starts)
+        ctx.mark_non_differentiable(starts, last)
+
+    def _scan_gradients(ctx, dy, _dstarts, _dlast):
+        x, delta, A, B, C, starts = ctx.saved_tensors
+        return scan_backward(x, delta, A, B, C, starts, dy.float().contiguous())
+
+    # The backward is the op's own autograd formula rather than an autograd.Function around it, so that under
+    # torch.compile with recomputed layers the forward kernel is recomputed in the backward like any other op (an
+    # autograd.Function's saved tensors were kept: 64% of a block's activations).
+    scan_forward.register_autograd(_scan_gradients, setup_context=_save_for_backward)
