@@ -20,9 +20,8 @@ How each part is computed, and why:
   backward. In flight on stage ``s`` of ``pp``: ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a
   single stage keeps one), all of them under AFAB. The decoder layer's saved tensors (``llama_layer_bytes``, and
   ``mamba_layer_bytes`` for compiled Mamba blocks) come from reading the layer's code and were checked layer by
-  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input (a Mamba block also what
-  its scan saved), and the backward rebuilds one layer at a time. The last stage adds the final norm, which is
-  never compiled.
+  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input, and the backward
+  rebuilds one layer at a time. The last stage adds the final norm, which is never compiled.
 - **logits**: the LM head's output and the loss buffers of the last stage (``logits_bytes``), per micro-batch in
   flight and during the loss's backward.
 - **workspace**: cuBLAS workspaces and the step's small buffers, allocated by the first step.
