@@ -3,6 +3,7 @@ stop signals, other tokenizers, torn metrics, full disks, partial saves and stra
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -136,34 +137,49 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-def _train_process(config_path: Path, launcher: list[str]) -> subprocess.Popen:
+def _train_process(config_path: Path, launcher: list[str], log: Path | None = None) -> subprocess.Popen:
+    """Start a training run; its output goes to ``log`` (a file: a pipe nobody reads while the test waits would
+    stall the run once full)."""
     env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(launcher + [str(ROOT / "run_train.py"), "--config-file", str(config_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with open(log or os.devnull, "w") as output:
+        return subprocess.Popen(launcher + [str(ROOT / "run_train.py"), "--config-file", str(config_path)],
+                                stdout=output, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _workers(process: subprocess.Popen) -> list[int]:
+    listing = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in listing.split()]
 
 
 @pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM), ("torchrun", signal.SIGUSR1)])
 def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
-    run = tmp_path / "run"
+    run, log = tmp_path / "run", tmp_path / "train.log"
     parallelism = {"dp": 2} if launch == "torchrun" else {}
     config = _config(tiny_data, run, 100_000, parallelism=parallelism)
     config["tokens"]["micro_batch_size"] = 2 if launch == "torchrun" else 4
     config["checkpoints"]["checkpoint_interval"] = 100_000
     launcher = [sys.executable] if launch == "python" else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    process = _train_process(write_config(tmp_path / "config.yaml", config), launcher)
+    process = _train_process(write_config(tmp_path / "config.yaml", config), launcher, log)
     deadline = time.monotonic() + 120
     while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= 3) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if launch == "python":
-        process.send_signal(signum)
-    else:  # Slurm's --signal reaches every task; here, every worker process of the agent
-        for child in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split():
-            os.kill(int(child), signum)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr[:6000]
+    # Slurm's --signal reaches every task: under torchrun, every worker process of the agent
+    for pid in [process.pid] if launch == "python" else _workers(process):
+        os.kill(pid, signum)
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        for pid in _workers(process) + [process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"the run did not stop within 120 s of {signal.Signals(signum).name}:\n"
+                    + log.read_text()[-6000:])
+    output = log.read_text()
+    assert process.returncode == 0, output[-6000:]
     step = checkpoint_json(run)["step"]
-    assert f"{signal.Signals(signum).name} received: stopped after step {step}" in stderr
+    assert f"{signal.Signals(signum).name} received: stopped after step {step}" in output
     assert metrics(run)[-1]["step"] == step and step >= 3
     resume = config | {"tokens": config["tokens"] | {"train_steps": step + 2}}
     resume["checkpoints"] = config["checkpoints"] | {"resume_checkpoint_path": "auto"}
@@ -172,6 +188,26 @@ def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, t
                               env={**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert [r["step"] for r in metrics(run)] == list(range(1, step + 3))
+
+
+def test_a_signal_handled_during_the_stop_agreement_stops_the_next_step(monkeypatch):
+    """Ranks spend much of a step waiting in collectives, the agreement's all-reduce among them: a signal handled
+    there must not be overwritten by the other ranks' zeros (the run would train on and be killed later)."""
+    import torch
+    import torch.distributed as dist
+
+    from nanotron.preemption import StopRequests
+
+    def all_reduce_while_signalled(flag, op):  # the other ranks' flags are 0; the signal lands meanwhile
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce_while_signalled)
+    with StopRequests() as stop:
+        assert not stop.agreed(torch.device("cpu"))  # not seen by the other ranks before the all-reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda flag, op: None)
+        assert stop.agreed(torch.device("cpu")) and stop.signal_name == "SIGUSR1"
 
 
 def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, tiny_data, tmp_path):
@@ -357,7 +393,7 @@ def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tin
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.05))  # somewhere in the step or the save that follows it
         process.kill()
-        process.communicate()
+        process.wait()
         kills += process.returncode == -signal.SIGKILL
     train(config(run), tmp_path / "final.yaml")
     assert kills == 3

@@ -47,5 +47,8 @@ class StopRequests:
             return bool(self.received)
         flag = torch.tensor([self.received], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.received = int(flag.item())
-        return bool(self.received)
+        agreed = int(flag.item())
+        # A signal handled while this rank waited in the all-reduce is not in ``flag``: keep it for the next step's
+        # agreement instead of overwriting it with the other ranks' zeros, which would lose the stop request.
+        self.received = self.received or agreed
+        return bool(agreed)
