@@ -9,9 +9,14 @@ events after ``--warmup`` steps and the median is reported, with tokens/s, token
 (FLOPs/token from the model family: for Llama 6·parameters + 6·layers·hidden·sequence, for a mixture of experts
 the parameters a token uses) and peak memory (the largest over ranks, and each rank's).
 The Hugging Face loop runs only on a single process, eagerly unless ``--hf-compile``; for Mamba presets
-``--mamba-ssm`` trains the authors' model with its CUDA kernels instead, and ``--versus`` trains a second nanotron
-preset in the same command (e.g. a Llama of the Mamba's size). Results go to ``--output`` (JSON) and markdown rows
-are printed.
+``--mamba-ssm`` trains the authors' model with its CUDA kernels instead. ``--versus`` and ``--versus-override``
+train a second nanotron run in the same command, another preset (a Llama of the Mamba's size) or the same one with
+other overrides (FP8 against bf16), and report the tokens/s ratio; ``--torchao`` trains the compiled Hugging Face
+loop twice, in bf16 and with torchao's float8 training, as the peer of nanotron's FP8. Results go to ``--output``
+(JSON) and markdown rows are printed.
+
+    python scripts/benchmark.py --data ... --output fp8.json --override fp8.enabled=true \
+      --versus-override fp8.enabled=false --torchao tensorwise
 """
 
 from __future__ import annotations
@@ -73,8 +78,9 @@ def summary(times: list[float], tokens_per_step: int, world: int, flops_per_toke
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
 
 
-def nanotron_config(args, preset: str):
-    """The bench config (examples/config_llama1b_bench.yaml) with the preset's model and the command's shape."""
+def nanotron_config(args, preset: str, overrides: list[str]):
+    """The bench config (examples/config_llama1b_bench.yaml) with the preset's model, the command's shape and
+    ``overrides`` (section.key=value)."""
     import yaml
 
     from nanotron.config import apply_overrides, config_from_dict
@@ -90,18 +96,18 @@ def nanotron_config(args, preset: str):
         f"tokens.train_steps={args.steps + args.warmup}", "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
         f"data_stages.0.data.dataset.dataset_folder={args.data}", "checkpoints.save_final_state=false",
         "checkpoints.checkpoint_interval=100000", "parallelism.replica_check_interval=null",
-    ] + args.override
+    ] + overrides
     if args.save_to:
         overrides += [f"checkpoints.checkpoints_path={args.save_to}", "checkpoints.async_save=true",
                       "checkpoints.keep_last_n=1"]
     return config_from_dict(apply_overrides(raw, overrides))
 
 
-def run_nanotron(args, preset: str) -> tuple[dict, list[dict]]:
+def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None = None) -> tuple[dict, list[dict]]:
     from nanotron.optim.lr_schedule import learning_rate_at
     from nanotron.trainer import Trainer
 
-    trainer = Trainer(nanotron_config(args, preset))
+    trainer = Trainer(nanotron_config(args, preset, overrides))
     config = trainer.config
     loader = trainer._loader(config.data_stages[0])
     batches = [loader.next_step() for _ in range(2)]  # reused: data loading is not what is measured
@@ -112,8 +118,8 @@ def run_nanotron(args, preset: str) -> tuple[dict, list[dict]]:
         trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
 
     times = timed(step, args.steps, args.warmup)
-    if args.profile and preset == args.preset:
-        write_profile(step, args.profile)
+    if profile:
+        write_profile(step, profile)
     saves = time_saves(trainer) if args.save_to else None
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
     per_rank = peak_memory_per_rank()
@@ -174,7 +180,10 @@ def write_profile(step_fn, path: Path, steps: int = 3) -> None:
     path.write_text(operators + "\n\n" + "\n".join(lines) + "\n")
 
 
-def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:
+def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None,
+           float8_recipe: str | None = None) -> dict:
+    """The ``transformers`` model of the preset in a plain loop; with ``float8_recipe``, its decoder layers' linears
+    converted to torchao's float8 training (the LM head stays bf16, as nanotron's FP8 keeps it)."""
     import transformers
 
     preset = {HF_NAMES.get(key, key): value for key, value in PRESETS[args.preset].items()}
@@ -185,6 +194,11 @@ def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float 
                                                       attn_implementation="sdpa", dtype=torch.bfloat16, **experts)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).to("cuda", torch.bfloat16).train()
+    if float8_recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8_recipe),
+                                   module_filter_fn=lambda module, name: name.startswith("model.layers."))
     layers = model.model.layers if args.hf_compile else None
     return train_peer(args, model, lambda input_ids: model(input_ids=input_ids).logits, layers, micro_batches,
                       flops_per_token, peak)
@@ -242,6 +256,9 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     parser.add_argument("--versus", choices=sorted(PRESETS),
                         help="also train this nanotron preset on the same batches and report the tokens/s ratio")
+    parser.add_argument("--versus-override", nargs="*", default=[],
+                        help="overrides applied after --override to the second run (its preset: --versus, else "
+                             "--preset), e.g. fp8.enabled=false")
     parser.add_argument("--sequence-length", type=int, default=4096)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
@@ -252,6 +269,9 @@ def main() -> None:
                         help="compile the Hugging Face decoder layers and loss (by default its loop runs eagerly)")
     parser.add_argument("--hf-experts", default="grouped_mm",
                         help="transformers' experts implementation for MoE presets (grouped_mm, batched_mm, eager)")
+    parser.add_argument("--torchao", choices=("tensorwise", "rowwise"),
+                        help="train the compiled Hugging Face loop in bf16, then with torchao's float8 training of "
+                             "this recipe, and report its ratio (install torchao first)")
     parser.add_argument("--mamba-ssm", action="store_true",
                         help="for a Mamba preset, train mamba_ssm's model (its CUDA kernels) instead of transformers'")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
@@ -266,40 +286,53 @@ def main() -> None:
     if mamba and not (args.mamba_ssm or args.no_hf):
         sys.exit(f"error: {args.preset} has no transformers loop here; pass --mamba-ssm (the authors' kernels) "
                  "or --no-hf")
+    if args.torchao and (mamba or args.no_hf):
+        sys.exit("error: --torchao trains the Hugging Face loop: drop --no-hf, and use a transformer preset")
+    args.hf_compile = args.hf_compile or bool(args.torchao)  # float8 pays only compiled
 
-    nanotron, micro_batches = run_nanotron(args, args.preset)
+    nanotron, micro_batches = run_nanotron(args, args.preset, args.override, args.profile)
     results = {"preset": args.preset, "sequence_length": args.sequence_length, "micro_batch_size": args.micro_batch_size,
                "accumulation": args.accumulation, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "hf_compiled": args.hf_compile, "nanotron": nanotron}
-    rows = [(args.preset, nanotron)]
-    if args.versus:
+    rows, ratios = [(" ".join([args.preset, *args.override]), nanotron)], []
+    if args.versus or args.versus_override:
         gc.collect()
         torch.cuda.empty_cache()
-        results["versus"] = {"preset": args.versus, "nanotron": run_nanotron(args, args.versus)[0]}
-        results["versus"]["ratio"] = nanotron["tokens_per_sec"] / results["versus"]["nanotron"]["tokens_per_sec"]
-        rows.append((args.versus, results["versus"]["nanotron"]))
+        preset = args.versus or args.preset
+        second = run_nanotron(args, preset, args.override + args.versus_override)[0]
+        label = " ".join([preset, *args.versus_override])
+        results["versus"] = {"preset": preset, "overrides": args.versus_override, "nanotron": second,
+                             "ratio": nanotron["tokens_per_sec"] / second["tokens_per_sec"]}
+        rows.append((label, second))
+        ratios.append((rows[0][0], label, results["versus"]["ratio"]))
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1 and (args.mamba_ssm or not args.no_hf):
         from nanotron.metrics import peak_flops
 
-        gc.collect()
-        torch.cuda.empty_cache()
         peak = peak_flops(torch.device("cuda"), torch.bfloat16)
-        peer = run_mamba_ssm if args.mamba_ssm else run_hf
-        results["mamba_ssm" if args.mamba_ssm else "hf"] = hf = peer(args, micro_batches, nanotron["flops_per_token"],
-                                                                     peak)
-        results["speedup"] = nanotron["tokens_per_sec"] / hf["tokens_per_sec"]
+        peers = [("mamba_ssm", run_mamba_ssm, {})] if args.mamba_ssm else [("hf", run_hf, {})]
+        if args.torchao:
+            peers.append((f"hf_torchao_{args.torchao}", run_hf, {"float8_recipe": args.torchao}))
+        for name, run_peer, options in peers:
+            gc.collect()
+            torch.cuda.empty_cache()
+            results[name] = run_peer(args, micro_batches, nanotron["flops_per_token"], peak, **options)
+            rows.append((name, results[name] | {"layout": "1 GPU"}))
+        first = peers[0][0]
+        results["speedup"] = nanotron["tokens_per_sec"] / results[first]["tokens_per_sec"]
+        ratios.append((rows[0][0], first, results["speedup"]))
+        if args.torchao:
+            name = peers[1][0]
+            results[f"{name}_ratio"] = results[name]["tokens_per_sec"] / results[first]["tokens_per_sec"]
+            ratios.append((name, first, results[f"{name}_ratio"]))
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.output.write_text(json.dumps(results, indent=2))
-        hf = results.get("mamba_ssm", results.get("hf"))
-        versus = (f"{hf['tokens_per_sec']:,.0f} | {hf['mfu'] or 0:.1%} | {results['speedup']:.2f}x" if hf
-                  else "— | — | —")
-        for preset, row in rows:
-            peer = versus if preset == args.preset else "— | — | —"
-            print(f"| {preset} | {row['layout']} | {row['tokens_per_sec']:,.0f} | {row['tokens_per_sec_per_gpu']:,.0f} "
-                  f"| {row['mfu'] or 0:.1%} | {row['peak_memory_gb']:.1f} | {peer} |")
-        if args.versus:
-            print(f"{args.preset} / {args.versus}: {results['versus']['ratio']:.2f}x tokens/s")
+        print("| run | layout | tokens/s | tokens/s/GPU | MFU | peak memory (GB) |")
+        for label, row in rows:
+            print(f"| {label} | {row['layout']} | {row['tokens_per_sec']:,.0f} | {row['tokens_per_sec_per_gpu']:,.0f} "
+                  f"| {row['mfu'] or 0:.1%} | {row['peak_memory_gb']:.1f} |")
+        for numerator, denominator, ratio in ratios:
+            print(f"{numerator} / {denominator}: {ratio:.2f}x tokens/s")
 
 
 if __name__ == "__main__":
