@@ -95,9 +95,11 @@ def loss_and_statistics(losses: torch.Tensor, micro_batch: dict[str, torch.Tenso
     mask = micro_batch["label_mask"]
     per_sample = torch.where(mask, losses, 0.0).sum(-1)
     loss = per_sample.sum() / micro_batch["token_count"]
-    domains = micro_batch["domain_ids"]
-    domain_loss_sum = torch.zeros(num_domains, device=losses.device).index_add_(0, domains, per_sample)
-    domain_tokens = torch.zeros(num_domains, device=losses.device).index_add_(0, domains, mask.sum(-1).float())
+    # Sums per domain through a one-hot mask rather than index_add_: deterministic (no atomics on GPUs), and
+    # compiled alike on every device (the CPU compiler fails on an index_add_ into so small a tensor).
+    in_domain = micro_batch["domain_ids"][:, None] == torch.arange(num_domains, device=losses.device)
+    domain_loss_sum = torch.where(in_domain, per_sample[:, None], 0.0).sum(0)
+    domain_tokens = torch.where(in_domain, mask.sum(-1, keepdim=True).float(), 0.0).sum(0)
     return loss, {"lm_loss": loss, "domain_loss_sum": domain_loss_sum, "domain_tokens": domain_tokens}
 
 
