@@ -152,7 +152,7 @@ FULL: dict[str, Any] = {
     "doremi": {"domain_names": None, "domain_weights": None, "ref_model_resume_checkpoint_path": "ckpt/reference",
                "step_size": 0.5, "smoothing_param": 0.01},
     "fp8": {"enabled": True, "recipe": "rowwise", "amax_history_length": 8, "gradient_format": "e4m3",
-            "exclude_modules": ["o_proj$"]},
+            "exclude_modules": ["o_proj$"], "log_out_of_range": True},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
 SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "hidden_act", "pretraining_tp",

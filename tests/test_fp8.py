@@ -5,6 +5,7 @@ shapes with real upstream gradients, a tiny model training close to its bf16-fre
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -15,13 +16,16 @@ from distributed import run_distributed, run_distributed_each
 from nanotron.nn.fp8 import (
     E4M3,
     E5M2,
+    GRADIENT,
     INPUT,
     AmaxHistory,
     FP8Matmul,
+    FP8RangeCounts,
     FP8Recipe,
     advance_amax_histories,
     discard_step_amaxes,
     quantize,
+    report_range_counts,
 )
 
 
@@ -106,27 +110,58 @@ def test_delayed_scaling_scales_from_the_history_and_records_each_step():
     assert not history.current.any()
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_range_counts_are_the_values_the_cast_saturates_or_flushes(dtype):
+    finfo = torch.finfo(dtype)
+    half_subnormal = finfo.tiny * finfo.eps / 2
+    half_top_step = 2.0 ** math.floor(math.log2(finfo.max)) * finfo.eps / 2  # rounding's reach beyond the max
+
+    def above(value: float) -> float:
+        return torch.nextafter(torch.tensor(value), torch.tensor(float("inf"))).item()
+
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.logspace(-14, 1, 4096) * finfo.max  # from far below the format to beyond it
+    edges = [half_subnormal, above(half_subnormal), finfo.max + half_top_step, above(finfo.max + half_top_step), 0.0]
+    x[:5] = torch.tensor(edges)
+    counter = FP8RangeCounts()
+    q, _ = quantize(x, dtype, amax=torch.tensor(finfo.max), counts=(counter, GRADIENT))  # scale 1: x as cast
+    # What the cast itself does: a saturated value moves by more than rounding at the top can, a flushed one is 0.
+    cast = x.to(dtype).float().clamp(-finfo.max, finfo.max)  # e5m2 overflows to inf where e4m3fn saturates
+    saturated, flushed = (x - cast).abs() > half_top_step, (cast == 0) & (x != 0)
+    assert saturated[:5].tolist() == [False, False, False, True, False]
+    assert flushed[:5].tolist() == [True, False, False, False, False]
+    assert counter.counts[GRADIENT].tolist() == [saturated.sum(), flushed.sum(), 4096]
+    assert saturated.sum() > 100 and flushed.sum() > 100 and not counter.counts[INPUT].any()
+    assert (q.float().abs() <= finfo.max).all()
+    shares = report_range_counts(counter, lambda counts: counts, torch.device("cpu"))
+    assert shares["fp8_range"]["gradient"] == {"saturated": saturated.sum() / 4096, "flushed": flushed.sum() / 4096}
+    assert shares["fp8_saturated"] == saturated.sum() / 4096 and not counter.counts.any()  # counted afresh
+
+
 def _train(config: dict) -> dict:
-    """The FP8 linears and expert groups converted, the metrics records (rank 0) and this rank's amax histories."""
+    """The FP8 linears and expert groups converted, their range counters, the metrics records (rank 0) and this
+    rank's amax histories."""
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
     converted = sum(isinstance(getattr(m, "matmul", None), FP8Matmul) for m in trainer.model.modules())
     experts = sum(isinstance(getattr(m, "expert_matmul", None), FP8Matmul) for m in trainer.model.modules())
+    counters = sum(isinstance(m, FP8RangeCounts) for m in trainer.model.modules())
     trainer.train()
     histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
     records = []
     if trainer.pc.rank == 0:
         records = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    return {"converted": converted, "experts": experts, "records": records, "histories": histories}
+    return {"converted": converted, "experts": experts, "counters": counters, "records": records,
+            "histories": histories}
 
 
 def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tmp_path):
     steps = 100
     configs = [tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": steps}, fp8=fp8)
-               for name, fp8 in (("plain", {"enabled": False}), ("fp8", {"enabled": True}),
-                                 ("delayed", {"enabled": True, "recipe": "delayed"}))]
+               for name, fp8 in (("plain", {"enabled": False}), ("fp8", {"enabled": True, "log_out_of_range": True}),
+                                 ("delayed", {"enabled": True, "recipe": "delayed", "log_out_of_range": True}))]
     plain, fp8, delayed = (run_distributed(_train, 1, config=config)[0] for config in configs)
     assert plain["converted"] == 0 and fp8["converted"] == delayed["converted"] == 2 * 4  # qkv, o, gate_up, down
     first, last = plain["records"][0], plain["records"][-1]
@@ -134,11 +169,37 @@ def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tm
     for run in (fp8, delayed):
         assert abs(run["records"][-1]["lm_loss"] - last["lm_loss"]) <= 0.02 * last["lm_loss"]
     assert len(delayed["histories"]) == 2 * 4 and all(h.all() for h in delayed["histories"].values())
+    # Scales from the current amax never saturate; a history's do when a tensor outgrows it (early training).
+    assert "fp8_saturated" not in plain["records"][0]
+    assert all(r["fp8_range"][operand]["saturated"] == 0 for r in fp8["records"] for operand in r["fp8_range"])
+    assert any(r["fp8_saturated"] > 0 for r in delayed["records"])
+    for run in (fp8, delayed):
+        assert any(r["fp8_range"]["gradient"]["flushed"] > 0 for r in run["records"])
+        assert all(0 <= r["fp8_flushed"] < 0.5 for r in run["records"])
+
+
+def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_data, tmp_path):
+    """model.compile on the CPU (the layers and the loss, as on GPUs): the buffers FP8 writes in the forward and the
+    backward (amax histories, range counts) come out as in eager mode, and so do the losses."""
+    def config(name, compiled):
+        config = tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 4},
+                                  fp8={"enabled": True, "recipe": "delayed", "log_out_of_range": True})
+        config["model"]["compile"] = compiled
+        return config
+
+    eager, compiled = (run_distributed(_train, 1, config=config(name, name == "compiled"))[0]
+                       for name in ("eager", "compiled"))
+    for a, b in zip(eager["records"], compiled["records"], strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5) and b["fp8_range"] == a["fp8_range"]
+    assert any(r["fp8_saturated"] > 0 for r in compiled["records"])
+    for name, history in eager["histories"].items():
+        torch.testing.assert_close(compiled["histories"][name], history, rtol=1e-5, atol=0, msg=name)
 
 
 def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
     def config(name, tp, mode="ALL_REDUCE"):
-        return tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 6}, fp8={"enabled": True},
+        return tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 6},
+                                fp8={"enabled": True, "log_out_of_range": True},
                                 parallelism={"tp": tp, "tp_mode": mode})
 
     (reference,) = run_distributed(_train, 1, config=config("tp1", 1))
@@ -147,6 +208,8 @@ def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
         for a, b in zip(reference["records"], ranks[0]["records"], strict=True):
             # Each TP rank scales its own shards (amax over its slice): close, not bit-identical.
             assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=2e-3), a["step"]
+            # The range shares are summed over both ranks' casts: present, and no saturation without a history.
+            assert b["fp8_saturated"] == 0 and 0 <= b["fp8_flushed"] < 0.5
 
 
 def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, tmp_path):
@@ -184,12 +247,13 @@ def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(ti
     from test_moe import moe_config
 
     def config(name, fp8=True, ep=1):
-        return moe_config(tiny_data, tmp_path / name, ep=ep) | {"fp8": {"enabled": fp8}}
+        return moe_config(tiny_data, tmp_path / name, ep=ep) | {"fp8": {"enabled": fp8, "log_out_of_range": fp8}}
 
     plain, fp8 = (run_distributed(_train, 1, config=config(name, fp8=on))[0] for name, on in (("plain", False),
                                                                                              ("fp8", True)))
     ep2 = run_distributed(_train, 2, config=config("ep2", ep=2))[0]
     assert (plain["experts"], fp8["experts"], ep2["experts"]) == (0, 2, 2)  # layers 1 and 2 are mixtures
+    assert fp8["counters"] == fp8["converted"] + fp8["experts"] and "fp8_flushed" in ep2["records"][-1]
     last = plain["records"][-1]["lm_loss"]
     assert fp8["records"][-1]["lm_loss"] != last
     assert last < plain["records"][0]["lm_loss"] - 0.5  # the twin learns

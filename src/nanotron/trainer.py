@@ -50,7 +50,7 @@ from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
-from nanotron.nn.fp8 import advance_amax_histories, discard_step_amaxes, fp8_converter
+from nanotron.nn.fp8 import advance_amax_histories, discard_step_amaxes, fp8_converter, report_range_counts
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
@@ -59,7 +59,7 @@ from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
 from nanotron.parallel.placement import declared_names, logical_parameters
-from nanotron.parallel.statistics import Statistics, max_over_ranks, sum_over_replicas
+from nanotron.parallel.statistics import Statistics, max_over_ranks, sum_over_all_ranks, sum_over_replicas
 from nanotron.preemption import StopRequests
 from nanotron.trackers import Trackers
 from nanotron.random import seed_everything
@@ -78,7 +78,7 @@ class StepResult:
     lr: float
     domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
     skipped: bool = False  # a bad step whose update was skipped (``divergence.py``)
-    model_metrics: dict = field(default_factory=dict)  # the family's own (auxiliary losses, expert load)
+    model_metrics: dict = field(default_factory=dict)  # the family's (auxiliary losses, expert load), FP8's ranges
 
 
 def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
@@ -388,7 +388,7 @@ class Trainer:
                 self.buckets.zero()
                 discard_step_amaxes(self.model)
                 self._on_bad_step(step, reason)
-                return StepResult(loss_value, norm_value, lr, {}, skipped=True)
+                return StepResult(loss_value, norm_value, lr, {}, skipped=True, model_metrics=self._fp8_ranges())
         clip = self.config.optimizer.clip_grad
         self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
         self.buckets.zero()
@@ -400,10 +400,17 @@ class Trainer:
                 self._on_bad_step(step, reason)
         sums, counts = statistics["domain_loss_sum"].tolist(), statistics["domain_tokens"].tolist()
         domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
-        model_metrics = {}
+        model_metrics = self._fp8_ranges()
         if self.auxiliary_losses is not None:
-            model_metrics = self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
+            model_metrics |= self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
         return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics)
+
+    def _fp8_ranges(self) -> dict:
+        """With ``fp8.log_out_of_range``, the step's shares of FP8-cast values saturated and flushed (collective)."""
+        fp8 = self.config.fp8
+        if fp8 is None or not (fp8.enabled and fp8.log_out_of_range):
+            return {}
+        return report_range_counts(self.model, lambda counts: sum_over_all_ranks(counts, self.pc), self.pc.device)
 
     def _on_bad_step(self, step: int, reason: str) -> None:
         """Keep the newest checkpoint from before the trouble out of pruning, then skip the step or stop."""
@@ -542,7 +549,7 @@ class Trainer:
             f"ETA {format_duration(eta)}"
             + ("".join(f" | {name} {loss:.4f}" for name, loss in result.domain_losses.items())
                if self._num_domains > 1 else "")
-            + "".join(f" | {name.removeprefix('moe_')} {value:.4f}" for name, value in result.model_metrics.items()
+            + "".join(f" | {name.removeprefix('moe_')} {value:.4g}" for name, value in result.model_metrics.items()
                       if isinstance(value, float))
         )
         self.metrics.write(record)

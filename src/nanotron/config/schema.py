@@ -342,6 +342,7 @@ class FP8Args:
     amax_history_length: int = 16  # delayed: the scale comes from the largest amax of this many last steps
     gradient_format: str = "e5m2"  # of the output gradients; e4m3 for every operand with "e4m3"
     exclude_modules: list[str] = field(default_factory=list)  # regexes of module names kept in the model dtype
+    log_out_of_range: bool = False  # log the shares of cast values that saturated or flushed to zero, every step
 
 
 @dataclass

@@ -14,6 +14,11 @@ takes their maximum over the data- and tensor-parallel ranks (``parallel/statist
 the history, so every rank, and every layout, uses the same scales. Until a linear has a history (its first step)
 the current amax is used.
 
+With ``fp8.log_out_of_range`` each converted linear also counts, per operand, the values its casts saturated (beyond
+the format's largest finite value: only scales from a history can meet that) and flushed to zero (at most half the
+format's smallest subnormal: small values next to a large amax), in ``FP8RangeCounts``; the trainer reports them
+as shares of all cast values after every step.
+
 On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torch._scaled_mm``. Elsewhere an
 emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
 dequantised values in fp32, so the CPU tests exercise the numerics of the GPU path. ``torch._scaled_mm`` needs
@@ -22,6 +27,7 @@ every dimension to be a multiple of 16; a product that is not falls back to the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +45,8 @@ class FP8Recipe:
     delayed: bool = False
 
 
-INPUT, WEIGHT, GRADIENT = range(3)  # the rows of an AmaxHistory
+INPUT, WEIGHT, GRADIENT = range(3)  # the rows of an AmaxHistory and of FP8RangeCounts
+OPERANDS = ("input", "weight", "gradient")
 
 
 class AmaxHistory(nn.Module):
@@ -81,17 +88,63 @@ def discard_step_amaxes(model: nn.Module) -> None:
             module.current.zero_()
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None,
-             amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+class FP8RangeCounts(nn.Module):
+    """One linear's count of cast values per operand (rows as ``AmaxHistory``'s) since the last report: saturated,
+    flushed to zero, and all of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("counts", torch.zeros(3, 3, dtype=torch.int64), persistent=False)
+
+    def record(self, row: int, x: torch.Tensor, scaled: torch.Tensor, dtype: torch.dtype) -> None:
+        """Count ``x``'s values (scaled to the format, ``scaled``) that its cast to ``dtype`` saturates (more than
+        half a step beyond the largest finite value, which rounding alone cannot explain) or flushes (at most half
+        the smallest subnormal: it rounds to zero, a tie going to the even zero)."""
+        finfo = torch.finfo(dtype)
+        top_step = 2.0 ** math.floor(math.log2(finfo.max)) * finfo.eps  # the spacing of the largest binade
+        saturated = (scaled.abs() > finfo.max + top_step / 2).sum()
+        flushed = ((scaled.abs() <= finfo.tiny * finfo.eps / 2) & (x != 0)).sum()
+        self.counts[row] += torch.stack([saturated, flushed, saturated.new_tensor(x.numel())])
+
+
+@torch.no_grad()
+def report_range_counts(model: nn.Module, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                        device: torch.device) -> dict:
+    """The shares of cast values saturated and flushed since the last report, over every linear and, through
+    ``reduce_sum`` (collective: every rank calls it, with counters or none), every rank, for all operands and per
+    operand; the counts restart."""
+    counters = [module for module in model.modules() if isinstance(module, FP8RangeCounts)]
+    local = torch.zeros(3, 3, dtype=torch.float64, device=device)
+    for counter in counters:
+        local += counter.counts
+    counts = reduce_sum(local).tolist()
+    for counter in counters:
+        counter.counts.zero_()
+    totals = [sum(column) for column in zip(*counts)]
+
+    def shares(saturated, flushed, cast):
+        return {"saturated": saturated / max(cast, 1), "flushed": flushed / max(cast, 1)}
+
+    overall = shares(*totals)
+    return {"fp8_saturated": overall["saturated"], "fp8_flushed": overall["flushed"],
+            "fp8_range": {operand: shares(*row) for operand, row in zip(OPERANDS, counts)}}
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, amax: torch.Tensor | None = None,
+             counts: tuple[FP8RangeCounts, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to the float8 ``dtype`` after scaling by ``fp8_max / amax`` (over the whole tensor, or along
     ``dim`` with one scale per slice; or the given ``amax``: values beyond it saturate); returns the FP8 tensor and
-    the fp32 scale (kept dims for ``dim``)."""
+    the fp32 scale (kept dims for ``dim``). ``counts``: a counter and its operand row, to record the cast in."""
     x32 = x.float()
     if amax is None:
         amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
     finfo = torch.finfo(dtype)
     scale = finfo.max / amax.clamp(min=1e-12)
-    return (x32 * scale).clamp(finfo.min, finfo.max).to(dtype), scale
+    scaled = x32 * scale
+    if counts is not None:
+        counter, row = counts
+        counter.record(row, x32, scaled, dtype)
+    return scaled.clamp(finfo.min, finfo.max).to(dtype), scale
 
 
 def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -114,15 +167,22 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
     return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
 
 
+def _counter(ranges: FP8RangeCounts | None, row: int) -> tuple[FP8RangeCounts, int] | None:
+    return None if ranges is None else (ranges, row)
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
-                amaxes: AmaxHistory | None):
+                amaxes: AmaxHistory | None, ranges: FP8RangeCounts | None):
         ctx.recipe, ctx.has_bias, ctx.input_shape, ctx.amaxes = recipe, bias is not None, x.shape, amaxes
+        ctx.ranges = ranges
         x2 = x.reshape(-1, x.shape[-1])
         dim = -1 if recipe.rowwise else None
-        xq, x_scale = quantize(x2, E4M3, dim, None if amaxes is None else amaxes.amax(INPUT, x2))
-        wq, w_scale = quantize(weight, E4M3, dim, None if amaxes is None else amaxes.amax(WEIGHT, weight))
+        xq, x_scale = quantize(x2, E4M3, dim, None if amaxes is None else amaxes.amax(INPUT, x2),
+                               _counter(ranges, INPUT))
+        wq, w_scale = quantize(weight, E4M3, dim, None if amaxes is None else amaxes.amax(WEIGHT, weight),
+                               _counter(ranges, WEIGHT))
         y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype, fast_accumulation=True)
         if recipe.rowwise:  # the backward products reduce over other dims: quantise again from these
             ctx.save_for_backward(x2, weight)
@@ -134,36 +194,39 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        recipe = ctx.recipe
+        recipe, ranges = ctx.recipe, ctx.ranges
         g2 = grad.reshape(-1, grad.shape[-1])
         if recipe.rowwise:
             x2, weight = ctx.saved_tensors
-            g_rows, g_row_scale = quantize(g2, recipe.gradient_dtype, -1)  # dx = g W: reduce over out features
-            w_cols, w_col_scale = quantize(weight, E4M3, 0)
+            # dx = g W: reduce over out features
+            g_rows, g_row_scale = quantize(g2, recipe.gradient_dtype, -1, counts=_counter(ranges, GRADIENT))
+            w_cols, w_col_scale = quantize(weight, E4M3, 0, counts=_counter(ranges, WEIGHT))
             grad_input = fp8_mm(g_rows, g_row_scale, w_cols, w_col_scale, grad.dtype)
-            g_cols, g_col_scale = quantize(g2, recipe.gradient_dtype, 0)  # dW = gᵀ x: reduce over tokens
-            x_cols, x_col_scale = quantize(x2, E4M3, 0)
+            # dW = gᵀ x: reduce over tokens
+            g_cols, g_col_scale = quantize(g2, recipe.gradient_dtype, 0, counts=_counter(ranges, GRADIENT))
+            x_cols, x_col_scale = quantize(x2, E4M3, 0, counts=_counter(ranges, INPUT))
             grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
             amax = None if ctx.amaxes is None else ctx.amaxes.amax(GRADIENT, g2)
-            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax)
+            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, _counter(ranges, GRADIENT))
             grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
             grad_weight = fp8_mm(gq.t(), g_scale, xq, x_scale, grad.dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
-        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None
+        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None, None
 
 
 class FP8Matmul:
-    """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside; ``amaxes`` for delayed scaling."""
+    """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside; ``amaxes`` for delayed scaling,
+    ``ranges`` to count the casts' saturated and flushed values."""
 
-    def __init__(self, recipe: FP8Recipe, amaxes: AmaxHistory | None = None):
-        self.recipe, self.amaxes = recipe, amaxes
+    def __init__(self, recipe: FP8Recipe, amaxes: AmaxHistory | None = None, ranges: FP8RangeCounts | None = None):
+        self.recipe, self.amaxes, self.ranges = recipe, amaxes, ranges
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() == 0:  # an expert without tokens: nothing to scale
             return torch.nn.functional.linear(x, weight, bias)
-        return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes)
+        return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes, self.ranges)
 
 
 def fp8_converter(args):
@@ -179,18 +242,23 @@ def fp8_converter(args):
 
     recipe = FP8Recipe(FORMATS[args.gradient_format], args.recipe == "rowwise", args.recipe == "delayed")
     excluded = [re.compile(pattern) for pattern in args.exclude_modules]
+    experts_recipe = FP8Recipe(recipe.gradient_dtype, recipe.rowwise)
 
-    experts = FP8Matmul(FP8Recipe(recipe.gradient_dtype, recipe.rowwise))
+    def range_counts(module: nn.Module) -> FP8RangeCounts | None:
+        if not args.log_out_of_range:
+            return None
+        module.fp8_ranges = FP8RangeCounts()  # a child module, so that it follows the model to its device
+        return module.fp8_ranges
 
     def convert(model) -> None:
         for name, module in list(model.named_modules()):
             if not name.startswith("layers.") or any(pattern.search(name) for pattern in excluded):
                 continue
             if hasattr(module, "expert_matmul"):
-                module.expert_matmul = experts
+                module.expert_matmul = FP8Matmul(experts_recipe, ranges=range_counts(module))
             elif hasattr(module, "matmul") and not name.endswith(".router"):
                 if recipe.delayed:  # a child module: its history is model state, saved and loaded by name
                     module.fp8_amaxes = AmaxHistory(args.amax_history_length)
-                module.matmul = FP8Matmul(recipe, module.fp8_amaxes if recipe.delayed else None)
+                module.matmul = FP8Matmul(recipe, module.fp8_amaxes if recipe.delayed else None, range_counts(module))
 
     return convert

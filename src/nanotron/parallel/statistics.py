@@ -42,6 +42,14 @@ def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]],
     return {name: piece.view(template[name]) for name, piece in zip(names, flat.split(sizes))}
 
 
+def sum_over_all_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
+    """``values`` summed over every rank, in place: counts that each rank makes of its own work (every stage's
+    layers, every replica's batch, every TP rank's shards), like FP8's cast values."""
+    if parallel_context.world_size > 1:
+        dist.all_reduce(values)
+    return values
+
+
 def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
     """``values`` maximised over the tensor- and data-parallel ranks of this pipeline stage (which hold the same
     modules), in place: a statistic every such rank must agree on, like FP8's step amaxes."""
