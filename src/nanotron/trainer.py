@@ -95,12 +95,18 @@ def loss_and_statistics(losses: torch.Tensor, micro_batch: dict[str, torch.Tenso
     mask = micro_batch["label_mask"]
     per_sample = torch.where(mask, losses, 0.0).sum(-1)
     loss = per_sample.sum() / micro_batch["token_count"]
-    # Sums per domain through a one-hot mask rather than index_add_: deterministic (no atomics on GPUs), and
-    # compiled alike on every device (the CPU compiler fails on an index_add_ into so small a tensor).
-    in_domain = micro_batch["domain_ids"][:, None] == torch.arange(num_domains, device=losses.device)
-    domain_loss_sum = torch.where(in_domain, per_sample[:, None], 0.0).sum(0)
-    domain_tokens = torch.where(in_domain, mask.sum(-1, keepdim=True).float(), 0.0).sum(0)
+    domains = micro_batch["domain_ids"]
+    domain_loss_sum = per_domain_sums(per_sample, domains, num_domains)
+    domain_tokens = per_domain_sums(mask.sum(-1).float(), domains, num_domains)
     return loss, {"lm_loss": loss, "domain_loss_sum": domain_loss_sum, "domain_tokens": domain_tokens}
+
+
+def per_domain_sums(values: torch.Tensor, domains: torch.Tensor, num_domains: int) -> torch.Tensor:
+    """The sums of per-sample ``values`` over the samples of each domain, through a one-hot mask rather than
+    ``index_add_``: deterministic (no atomics on GPUs), and compiled alike on every device (the CPU compiler fails
+    on an ``index_add_`` into a one-element tensor)."""
+    in_domain = domains[:, None] == torch.arange(num_domains, device=values.device)
+    return torch.where(in_domain, values[:, None], 0.0).sum(0)
 
 
 class Trainer:

@@ -33,7 +33,7 @@ from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
-from nanotron.trainer import StepResult, Trainer, loss_and_statistics
+from nanotron.trainer import StepResult, Trainer, loss_and_statistics, per_domain_sums
 
 
 def reference_checkpoint(config: Config) -> Path:
@@ -104,9 +104,8 @@ class DoReMiTrainer(Trainer):
         ``α_i`` over domain ``i``'s token count in the global batch (0 for a domain absent from it)."""
         device = self.pc.device
         batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-        tokens = torch.zeros(self._num_domains, device=device)
-        for mb in batches:
-            tokens.index_add_(0, mb["domain_ids"], mb["label_mask"].sum(-1).float())
+        tokens = sum(per_domain_sums(mb["label_mask"].sum(-1).float(), mb["domain_ids"], self._num_domains)
+                     for mb in batches)
         dist.all_reduce(tokens, group=self.pc.groups["dp_ep"])
         weights = torch.tensor(self.weights, device=device, dtype=torch.float32)
         per_token = torch.where(tokens > 0, weights / tokens.clamp(min=1.0), 0.0)
@@ -125,8 +124,7 @@ class DoReMiTrainer(Trainer):
         per_sample = torch.where(mask, losses, 0.0).sum(-1)
         loss = (per_sample * micro_batch["domain_token_weights"][domains]).sum()
         excess = torch.where(mask, (losses - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
-        statistics["excess_loss_sum"] = torch.zeros(num_domains, device=losses.device).index_add_(
-            0, domains, excess.detach())
+        statistics["excess_loss_sum"] = per_domain_sums(excess.detach(), domains, num_domains)
         return loss, statistics
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
