@@ -1,12 +1,13 @@
 """Kernel times of Mamba's chunked selective scan (``nn/selective_scan.py``), forward and backward, on CUDA.
 
     python scripts/benchmark_scan.py --output scan.json
-    python scripts/benchmark_scan.py --output sweep.json --settings 8,8,1 8,16,2 16,8,1 --shapes 8x2048x1536
+    python scripts/benchmark_scan.py --output sweep.json --settings 8,8,1,1 8,8,1,2 8,16,2,1 --shapes 8x2048x1536
 
 Times the raw ``scan_forward`` and ``scan_backward`` ops (``triton.testing.do_bench`` medians) with bf16 x, B, C
 and fp32 Δ and upstream gradient, as a compiled Mamba block calls them, at each ``batch x length x channels`` shape
 (default: the 130M shape at micro-batch 8 and the 1.4B shape at micro-batch 4, sequence 2048, d_state 16) and for
-each kernel setting ``chunk,channels,warps`` (default: the one in use). Every setting's outputs are checked against
+each kernel setting ``chunk,channels,warps,stages`` (default: the one in use; stages > 1 prefetch the next chunks'
+loads). Every setting's outputs are checked against
 the first's, so a faster setting that computes something else is reported as such. Results go to ``--output``
 (JSON) and a markdown table is printed.
 """
@@ -38,11 +39,12 @@ def inputs(batch: int, length: int, channels: int, d_state: int) -> tuple[torch.
     return x, delta, A, B, C, dy
 
 
-def time_setting(setting: tuple[int, int, int], tensors: tuple[torch.Tensor, ...]) -> tuple[float, float, list]:
-    """Forward and backward milliseconds at ``setting`` (chunk, channels, warps), and the outputs to compare."""
+def time_setting(setting: tuple[int, ...], tensors: tuple[torch.Tensor, ...]) -> tuple[float, float, list]:
+    """Forward and backward milliseconds at ``setting`` (chunk, channels, warps, stages), and the outputs to
+    compare."""
     from triton.testing import do_bench
 
-    scan.BLOCK_T, scan.BLOCK_D, scan.NUM_WARPS = setting  # read by the ops at each call
+    scan.BLOCK_T, scan.BLOCK_D, scan.NUM_WARPS, scan.NUM_STAGES = setting  # read by the ops at each call
     x, delta, A, B, C, dy = tensors
     y, starts, _ = scan.scan_forward(x, delta, A, B, C)
     forward = do_bench(lambda: scan.scan_forward(x, delta, A, B, C))
@@ -56,14 +58,15 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["8x2048x1536", "4x2048x4096"],
                         help="batch x length x channels (channels = expand x d_model)")
     parser.add_argument("--d-state", type=int, default=16)
-    parser.add_argument("--settings", nargs="+", default=[f"{scan.BLOCK_T},{scan.BLOCK_D},{scan.NUM_WARPS}"],
-                        help="chunk,channels,warps; the first is the baseline the others' outputs are checked against")
+    parser.add_argument("--settings", nargs="+",
+                        default=[f"{scan.BLOCK_T},{scan.BLOCK_D},{scan.NUM_WARPS},{scan.NUM_STAGES}"],
+                        help="chunk,channels,warps,stages; the first is the baseline the others are checked against")
     args = parser.parse_args()
     if not torch.cuda.is_available() or scan.triton is None:
         sys.exit("error: the scan benchmark needs a CUDA device and Triton")
     settings = [tuple(int(v) for v in text.split(",")) for text in args.settings]
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "d_state": args.d_state, "rows": []}
-    print("| shape | chunk, channels, warps | forward ms | backward ms | outputs as the first setting's |")
+    print("| shape | chunk, channels, warps, stages | forward ms | backward ms | outputs as the first setting's |")
     print("| --- | --- | ---: | ---: | --- |")
     for shape in args.shapes:
         batch, length, channels = (int(v) for v in shape.split("x"))

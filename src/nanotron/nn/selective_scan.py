@@ -73,8 +73,10 @@ def chunked_selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor
 # entering each chunk: of the settings timed on an H200 at the 130M and 1.4B shapes, each kernel on its own, these
 # were the fastest for both (docs/benchmarks.md). Tiles of [time, channel x state] on one layout ran 2.5-6x slower
 # than these [time, channel, state] ones, and channel-major tiles [channel, time] scanned across lanes with a loop
-# over the states ran 1-3x slower.
-BLOCK_T, BLOCK_D, NUM_WARPS = 8, 8, 1
+# over the states ran 1-3x slower. NUM_STAGES > 1 has the compiler prefetch the next chunks' loads (asynchronous
+# copies) while a chunk computes; 1, the loop as written, is the setting measured so far
+# (scripts/benchmark_scan.py sweeps all four).
+BLOCK_T, BLOCK_D, NUM_WARPS, NUM_STAGES = 8, 8, 1, 1
 
 
 if triton is not None:
@@ -124,14 +126,14 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, y_ptr, starts_ptr, last_ptr,
-                        length, channels, d_state, num_chunks,
-                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                        length, channels, d_state, num_chunks, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
         steps = tl.arange(0, BLOCK_T)
         first = steps[:, None, None] == 0
         state = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-        for chunk in range(num_chunks):
+        for chunk in tl.range(num_chunks, num_stages=NUM_STAGES):
             t = chunk * BLOCK_T + steps
             x, delta, B, C, td, td_mask, _, _ = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n, length,
                                                             channels, d_state)
@@ -145,8 +147,8 @@ if triton is not None:
     @triton.jit
     def _backward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, starts_ptr, dy_ptr,
                          dx_ptr, ddelta_ptr, dA_ptr, dB_ptr, dC_ptr,
-                         length, channels, d_state, num_chunks,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                         length, channels, d_state, num_chunks, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
@@ -157,7 +159,7 @@ if triton is not None:
         partial = (seq * tl.num_programs(1) + block) * length * d_state
         adjoint = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)  # g at the first step of the chunk after this one
         dA = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-        for i in range(num_chunks):
+        for i in tl.range(num_chunks, num_stages=NUM_STAGES):
             chunk = num_chunks - 1 - i
             t = chunk * BLOCK_T + steps
             x, delta, B, C, td, td_mask, tn, tn_mask = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n,
@@ -201,8 +203,8 @@ if triton is not None:
         starts = torch.empty(batch, num_chunks, channels, d_state, device=x.device, dtype=torch.float32)
         last = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
         wrap_triton(_forward_kernel)[_grid(x)](
-            x, delta, A, B, C, y, starts, last, length, channels, d_state, num_chunks,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
+            x, delta, A, B, C, y, starts, last, length, channels, d_state, num_chunks, BLOCK_T=BLOCK_T,
+            BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
         return y, starts, last
 
     @triton_op("nanotron::selective_scan_backward", mutates_args={})
@@ -219,7 +221,8 @@ if triton is not None:
         dC = torch.empty_like(dB)
         wrap_triton(_backward_kernel)[grid](
             x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), num_warps=NUM_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), NUM_STAGES=NUM_STAGES,
+            num_warps=NUM_WARPS)
         return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
 
     def _save_for_backward(ctx, inputs, output):
