@@ -124,7 +124,7 @@ def test_range_counts_are_the_values_the_cast_saturates_or_flushes(dtype):
     edges = [half_subnormal, above(half_subnormal), finfo.max + half_top_step, above(finfo.max + half_top_step), 0.0]
     x[:5] = torch.tensor(edges)
     counter = FP8RangeCounts()
-    q, _ = quantize(x, dtype, amax=torch.tensor(finfo.max), counts=(counter, GRADIENT))  # scale 1: x as cast
+    q, _ = quantize(x, dtype, amax=torch.tensor(finfo.max), ranges=counter, operand=GRADIENT)  # scale 1: x as cast
     # What the cast itself does: a saturated value moves by more than rounding at the top can, a flushed one is 0.
     cast = x.to(dtype).float().clamp(-finfo.max, finfo.max)  # e5m2 overflows to inf where e4m3fn saturates
     saturated, flushed = (x - cast).abs() > half_top_step, (cast == 0) & (x != 0)

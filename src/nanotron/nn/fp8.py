@@ -131,19 +131,18 @@ def report_range_counts(model: nn.Module, reduce_sum: Callable[[torch.Tensor], t
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, amax: torch.Tensor | None = None,
-             counts: tuple[FP8RangeCounts, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             ranges: FP8RangeCounts | None = None, operand: int = INPUT) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to the float8 ``dtype`` after scaling by ``fp8_max / amax`` (over the whole tensor, or along
     ``dim`` with one scale per slice; or the given ``amax``: values beyond it saturate); returns the FP8 tensor and
-    the fp32 scale (kept dims for ``dim``). ``counts``: a counter and its operand row, to record the cast in."""
+    the fp32 scale (kept dims for ``dim``); ``ranges`` records the cast in its ``operand``'s row."""
     x32 = x.float()
     if amax is None:
         amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
     finfo = torch.finfo(dtype)
     scale = finfo.max / amax.clamp(min=1e-12)
     scaled = x32 * scale
-    if counts is not None:
-        counter, row = counts
-        counter.record(row, x32, scaled, dtype)
+    if ranges is not None:
+        ranges.record(operand, x32, scaled, dtype)
     return scaled.clamp(finfo.min, finfo.max).to(dtype), scale
 
 
@@ -167,10 +166,6 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
     return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
 
 
-def _counter(ranges: FP8RangeCounts | None, row: int) -> tuple[FP8RangeCounts, int] | None:
-    return None if ranges is None else (ranges, row)
-
-
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
@@ -179,10 +174,9 @@ class _FP8Linear(torch.autograd.Function):
         ctx.ranges = ranges
         x2 = x.reshape(-1, x.shape[-1])
         dim = -1 if recipe.rowwise else None
-        xq, x_scale = quantize(x2, E4M3, dim, None if amaxes is None else amaxes.amax(INPUT, x2),
-                               _counter(ranges, INPUT))
-        wq, w_scale = quantize(weight, E4M3, dim, None if amaxes is None else amaxes.amax(WEIGHT, weight),
-                               _counter(ranges, WEIGHT))
+        xq, x_scale = quantize(x2, E4M3, dim, None if amaxes is None else amaxes.amax(INPUT, x2), ranges, INPUT)
+        wq, w_scale = quantize(weight, E4M3, dim, None if amaxes is None else amaxes.amax(WEIGHT, weight), ranges,
+                               WEIGHT)
         y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype, fast_accumulation=True)
         if recipe.rowwise:  # the backward products reduce over other dims: quantise again from these
             ctx.save_for_backward(x2, weight)
@@ -199,17 +193,17 @@ class _FP8Linear(torch.autograd.Function):
         if recipe.rowwise:
             x2, weight = ctx.saved_tensors
             # dx = g W: reduce over out features
-            g_rows, g_row_scale = quantize(g2, recipe.gradient_dtype, -1, counts=_counter(ranges, GRADIENT))
-            w_cols, w_col_scale = quantize(weight, E4M3, 0, counts=_counter(ranges, WEIGHT))
+            g_rows, g_row_scale = quantize(g2, recipe.gradient_dtype, -1, None, ranges, GRADIENT)
+            w_cols, w_col_scale = quantize(weight, E4M3, 0, None, ranges, WEIGHT)
             grad_input = fp8_mm(g_rows, g_row_scale, w_cols, w_col_scale, grad.dtype)
             # dW = gᵀ x: reduce over tokens
-            g_cols, g_col_scale = quantize(g2, recipe.gradient_dtype, 0, counts=_counter(ranges, GRADIENT))
-            x_cols, x_col_scale = quantize(x2, E4M3, 0, counts=_counter(ranges, INPUT))
+            g_cols, g_col_scale = quantize(g2, recipe.gradient_dtype, 0, None, ranges, GRADIENT)
+            x_cols, x_col_scale = quantize(x2, E4M3, 0, None, ranges, INPUT)
             grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
             amax = None if ctx.amaxes is None else ctx.amaxes.amax(GRADIENT, g2)
-            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, _counter(ranges, GRADIENT))
+            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, ranges, GRADIENT)
             grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
             grad_weight = fp8_mm(gq.t(), g_scale, xq, x_scale, grad.dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
