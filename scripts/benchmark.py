@@ -321,8 +321,7 @@ def main() -> None:
         first = peers[0][0]
         results["speedup"] = nanotron["tokens_per_sec"] / results[first]["tokens_per_sec"]
         ratios.append((rows[0][0], first, results["speedup"]))
-        if args.torchao:
-            name = peers[1][0]
+        for name, _, _ in peers[1:]:  # torchao's float8 against the same loop in bf16
             results[f"{name}_ratio"] = results[name]["tokens_per_sec"] / results[first]["tokens_per_sec"]
             ratios.append((name, first, results[f"{name}_ratio"]))
     if not dist.is_initialized() or dist.get_rank() == 0:
