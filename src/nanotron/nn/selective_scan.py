@@ -108,6 +108,18 @@ if triton is not None:
         return states, inputs
 
     @triton.jit
+    def _adjoints(decay_next, from_outputs, adjoint, steps, BLOCK_T: tl.constexpr):
+        """The chunk's adjoints, ``g_t = decay_next_t g_{t+1} + from_outputs_t`` from its last step back, ``adjoint``
+        [BLOCK_D, BLOCK_N] being g at the first step of the next chunk."""
+        g = tl.zeros_like(from_outputs)
+        for i in tl.static_range(BLOCK_T - 1, -1, -1):
+            row = steps[:, None, None] == i
+            adjoint = (tl.sum(tl.where(row, decay_next, 0.0), axis=0) * adjoint
+                       + tl.sum(tl.where(row, from_outputs, 0.0), axis=0))
+            g = tl.where(row, adjoint[None, :, :], g)
+        return g
+
+    @triton.jit
     def _channel_block(A_ptr, channels, d_state, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
         """This program's channels and states: their indices, offsets and mask in [channels, d_state], and A as a
         [1, BLOCK_D, BLOCK_N] tile.
@@ -154,7 +166,6 @@ if triton is not None:
         d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
         steps = tl.arange(0, BLOCK_T)
         first = steps[:, None, None] == 0
-        last = steps[:, None, None] == BLOCK_T - 1
         # Partial sums over this program's channels: [sequence, channel block, length, d_state].
         partial = (seq * tl.num_programs(1) + block) * length * d_state
         adjoint = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)  # g at the first step of the chunk after this one
@@ -172,9 +183,7 @@ if triton is not None:
             delta_next = tl.load(delta_ptr + td + channels, mask=next_mask, other=0.0).to(tl.float32)
             decay_next = tl.exp(delta_next[:, :, None] * A)
             from_outputs = dy[:, :, None] * C[:, None, :]
-            _, g = tl.associative_scan(
-                (decay_next, tl.where(last, from_outputs + decay_next * adjoint[None, :, :], from_outputs)),
-                0, _combine, reverse=True)
+            g = _adjoints(decay_next, from_outputs, adjoint, steps, BLOCK_T)
             decayed = states - inputs  # exp(Δ_t A) s_{t-1}
             g_B = tl.sum(g * B[:, None, :], axis=2)
             g_decayed = g * decayed
