@@ -29,7 +29,9 @@ except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6
 def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    D: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``y`` (fp32) and the last state; the chunked scan on CUDA with Triton when no earlier state is carried
-    (training, and the prompt in generation), the reference otherwise. Shapes as ``selective_scan_reference``."""
+    (training, and the prompt in generation), the reference otherwise. Shapes as ``selective_scan_reference``; the
+    chunked scan's ``C · s`` term is rounded to x's dtype (as the authors' CUDA scan does) before ``D x`` is added
+    in fp32."""
     if triton is not None and x.is_cuda and state is None:
         y, last = chunked_selective_scan(x, delta, A, B, C)
         return y + x * D.float(), last
@@ -63,7 +65,7 @@ def selective_scan_reference(x: torch.Tensor, delta: torch.Tensor, A: torch.Tens
 def chunked_selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                            C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scan without the ``D x`` term, from a zero state, as the Triton kernels compute it (any device Triton
-    runs on, its interpreter included): ``y`` [batch, length, channels] in fp32 and the last state."""
+    runs on, its interpreter included): ``y`` [batch, length, channels] in x's dtype and the last state (fp32)."""
     y, _, last = scan_forward(x.contiguous(), delta.contiguous(), A.float().contiguous(), B.contiguous(),
                               C.contiguous())
     return y, last
@@ -73,10 +75,27 @@ def chunked_selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor
 # entering each chunk: of the settings timed on an H200 at the 130M and 1.4B shapes, each kernel on its own, these
 # were the fastest for both (docs/benchmarks.md). Tiles of [time, channel x state] on one layout ran 2.5-6x slower
 # than these [time, channel, state] ones, and channel-major tiles [channel, time] scanned across lanes with a loop
-# over the states ran 1-3x slower. NUM_STAGES > 1 has the compiler prefetch the next chunks' loads (asynchronous
-# copies) while a chunk computes; 1, the loop as written, is the setting measured so far
-# (scripts/benchmark_scan.py sweeps all four).
-BLOCK_T, BLOCK_D, NUM_WARPS, NUM_STAGES = 8, 8, 1, 1
+# over the states ran 1-3x slower.
+#
+# The chunk loops' stages: above 1 the compiler prefetches the next chunks' loads (asynchronous copies) while a
+# chunk computes. The forward ran 12-26% faster with 3. The backward's prefetch buffers take registers (245 against
+# 168 on sm_90), so 8 one-warp programs fit on a multiprocessor instead of 12: prefetching pays only where the grid
+# overflows one wave of 12 per multiprocessor anyway (13% faster at the 1.4B shape), and cost 40% where it fits
+# (130M). BACKWARD_STAGES = None decides by the grid; scripts/benchmark_scan.py sweeps all five settings.
+BLOCK_T, BLOCK_D, NUM_WARPS, FORWARD_STAGES = 8, 8, 1, 3
+BACKWARD_STAGES: int | None = None
+BACKWARD_PROGRAMS_PER_SM = 12  # resident one-warp backward programs per multiprocessor without prefetching
+
+
+def backward_stages(programs: int, device: torch.device) -> int:
+    """The backward's chunk-loop stages for a grid of ``programs``: 2 where they overflow one wave without
+    prefetching, else 1 (``BACKWARD_STAGES`` when set)."""
+    if BACKWARD_STAGES is not None:
+        return BACKWARD_STAGES
+    if device.type != "cuda":
+        return 1
+    resident = BACKWARD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 if programs <= resident else 2
 
 
 if triton is not None:
@@ -110,7 +129,12 @@ if triton is not None:
     @triton.jit
     def _adjoints(decay_next, from_outputs, adjoint, steps, BLOCK_T: tl.constexpr):
         """The chunk's adjoints, ``g_t = decay_next_t g_{t+1} + from_outputs_t`` from its last step back, ``adjoint``
-        [BLOCK_D, BLOCK_N] being g at the first step of the next chunk."""
+        [BLOCK_D, BLOCK_N] being g at the first step of the next chunk.
+
+        An unrolled recurrence rather than a reversed ``tl.associative_scan``: a chunk's steps are in one thread's
+        registers either way, but Triton 3.6 lowered the reversed scan with 460 lane shuffles per chunk (of 684 in
+        the sm_90 code; the forward scan has none), and without them the backward ran 1.6x faster at the 130M shape
+        (docs/benchmarks.md)."""
         g = tl.zeros_like(from_outputs)
         for i in tl.static_range(BLOCK_T - 1, -1, -1):
             row = steps[:, None, None] == i
@@ -151,7 +175,7 @@ if triton is not None:
                                                             channels, d_state)
             tl.store(starts_ptr + (seq * num_chunks + chunk) * channels * d_state + dn, state, mask=dn_mask)
             states, _ = _chunk_states(x, delta, B, A, state, first)
-            tl.store(y_ptr + td, tl.sum(states * C[:, None, :], axis=2), mask=td_mask)
+            tl.store(y_ptr + td, tl.sum(states * C[:, None, :], axis=2).to(y_ptr.dtype.element_ty), mask=td_mask)
             # Steps past the end have decay 1 and input 0, so the chunk's last row is the state leaving it.
             state = tl.sum(tl.where(steps[:, None, None] == BLOCK_T - 1, states, 0.0), axis=0)
         tl.store(last_ptr + seq * channels * d_state + dn, state, mask=dn_mask)
@@ -178,7 +202,7 @@ if triton is not None:
             entering = tl.load(starts_ptr + (seq * num_chunks + chunk) * channels * d_state + dn, mask=dn_mask,
                                other=0.0)
             states, inputs = _chunk_states(x, delta, B, A, entering, first)
-            dy = tl.load(dy_ptr + td, mask=td_mask, other=0.0)
+            dy = tl.load(dy_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
             next_mask = ((t[:, None] + 1) < length) & (d[None, :] < channels)
             delta_next = tl.load(delta_ptr + td + channels, mask=next_mask, other=0.0).to(tl.float32)
             decay_next = tl.exp(delta_next[:, :, None] * A)
@@ -204,16 +228,17 @@ if triton is not None:
     @triton_op("nanotron::selective_scan_forward", mutates_args={})
     def scan_forward(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                      C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``y`` (fp32), the state entering every chunk (saved for the backward) and the last state."""
+        """``y`` in x's dtype, the state entering every chunk (saved for the backward) and the last state, both
+        fp32."""
         batch, length, channels = x.shape
         d_state = A.shape[1]
         num_chunks = triton.cdiv(length, BLOCK_T)
-        y = torch.empty(batch, length, channels, device=x.device, dtype=torch.float32)
+        y = torch.empty_like(x)
         starts = torch.empty(batch, num_chunks, channels, d_state, device=x.device, dtype=torch.float32)
         last = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
         wrap_triton(_forward_kernel)[_grid(x)](
             x, delta, A, B, C, y, starts, last, length, channels, d_state, num_chunks, BLOCK_T=BLOCK_T,
-            BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+            BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), NUM_STAGES=FORWARD_STAGES, num_warps=NUM_WARPS)
         return y, starts, last
 
     @triton_op("nanotron::selective_scan_backward", mutates_args={})
@@ -230,8 +255,8 @@ if triton is not None:
         dC = torch.empty_like(dB)
         wrap_triton(_backward_kernel)[grid](
             x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), NUM_STAGES=NUM_STAGES,
-            num_warps=NUM_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state),
+            NUM_STAGES=backward_stages(grid[0] * grid[1], x.device), num_warps=NUM_WARPS)
         return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
 
     def _save_for_backward(ctx, inputs, output):
@@ -242,7 +267,7 @@ if triton is not None:
 
     def _scan_gradients(ctx, dy, _dstarts, _dlast):
         x, delta, A, B, C, starts = ctx.saved_tensors
-        return scan_backward(x, delta, A, B, C, starts, dy.float().contiguous())
+        return scan_backward(x, delta, A, B, C, starts, dy.contiguous())
 
     # The backward is the op's own autograd formula rather than an autograd.Function around it, so that under
     # torch.compile with recomputed layers the forward kernel is recomputed in the backward like any other op (an
