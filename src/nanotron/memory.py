@@ -383,16 +383,16 @@ def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -
     bytes, the block keeps per token:
 
     - the fp32 residual stream it reads (4h) and the in_proj input (d·h),
-    - in_proj's output x|z, the padded conv input, the conv/SiLU output (the scan's x), dt_proj's output and the
-      gated out_proj input: 6d·e,
-    - Δ and the scan's output y in fp32 (8e), and the state entering every chunk of ``SCAN_CHUNK`` steps (fp32:
-      4n·e / ``SCAN_CHUNK``),
+    - in_proj's output x|z, the padded conv input, the conv/SiLU output (the scan's x), dt_proj's output, the
+      scan's output y and the gated out_proj input: 7d·e,
+    - Δ in fp32 (4e), and the state entering every chunk of ``SCAN_CHUNK`` steps (fp32: 4n·e / ``SCAN_CHUNK``),
     - x_proj's output dt|B|C and the scan's contiguous copies of B and C: d·(r + 4n),
 
-    and per block the fp32 A (4e·n). Measured per layer on an H200 (130M and 1.4B shapes, bf16): within 0.02%. A
-    recomputed block keeps its input (measured). No transient is added for the backward: at both shapes, with and
-    without recomputation, the step peaks came within 0.3% of the count without one (the loss's backward, which
-    runs first, needs more).
+    and per block the fp32 A (4e·n). Measured per layer on an H200 (130M and 1.4B shapes, bf16): within 0.02%,
+    when y was fp32; with y in the model dtype the step peaks fell by the 2e per token this count drops, to within
+    0.1% of it. A recomputed block keeps its input (measured). No transient is added for the backward: at both
+    shapes, with and without recomputation, the step peaks came within 0.3% of the count without one (the loss's
+    backward, which runs first, needs more).
     """
     c, p = config.model.model_config, config.parallelism
     d, tokens = config.model.torch_dtype().itemsize, micro_batch_size * config.tokens.sequence_length
@@ -400,7 +400,7 @@ def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -
     residual_share, linear_input_share = _token_shares(config)
     residual = (4 if c.residual_in_fp32 else d) * h * residual_share
     chunk_states = 4 * n * e / SCAN_CHUNK
-    per_token = residual + d * h * linear_input_share + 6 * d * e + 8 * e + chunk_states + d * (r + 4 * n)
+    per_token = residual + d * h * linear_input_share + 7 * d * e + 4 * e + chunk_states + d * (r + 4 * n)
     full = int(tokens * per_token + 4 * e * n)
     return (int(tokens * residual), full) if recomputed else (full, 0)
 
