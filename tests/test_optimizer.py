@@ -167,3 +167,20 @@ def test_fp32_parameter_among_bf16_ones_keeps_its_precision(group):
     optimizer.step(1e-5)
     step = (params["a_log"] - 1.0001).abs()
     assert params["a_log"].dtype == torch.float32 and torch.all((step > 5e-6) & (step < 2e-5))  # invisible in bf16
+
+
+def test_the_weights_are_freed_with_their_buckets_and_optimizer(group):
+    """The gradient hooks must not keep the buckets, and through them the weights, alive (a process that trains
+    twice, as the benchmark does, kept every earlier model)."""
+    import gc
+    import weakref
+
+    param = nn.Parameter(torch.ones(8))
+    buckets, optimizer = build({"w": param}, group)
+    (param * 2).sum().backward()
+    buckets.finish_reduction()
+    optimizer.step(1e-3)
+    alive = weakref.ref(param)
+    del param, buckets, optimizer
+    gc.collect()
+    assert alive() is None

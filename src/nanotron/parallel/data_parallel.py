@@ -19,6 +19,7 @@ their gradients can be summed shard to shard.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -130,8 +131,13 @@ class GradientBuckets:
         self.buckets.append(bucket)
 
     def _hook(self, name: str):
+        # A weak reference: a hook holding the buckets, which hold the parameter the hook is registered on, made a
+        # cycle that the garbage collector did not free, so every trainer's weights outlived it.
+        owner = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            bucket = self.bucket_of[name]
+            buckets = owner()
+            bucket = buckets.bucket_of[name]
             start, end = bucket.ranges[name]
             if name in bucket.written:
                 bucket.grads[start:end].add_(param.grad.flatten())
@@ -139,10 +145,10 @@ class GradientBuckets:
                 torch._foreach_copy_([bucket.grads[start:end]], [param.grad.flatten()])
                 bucket.written.add(name)
             param.grad = None
-            if self.final_micro_batch:
+            if buckets.final_micro_batch:
                 bucket.pending -= 1
                 if bucket.pending == 0:
-                    self._launch(bucket)
+                    buckets._launch(bucket)
 
         return hook
 
