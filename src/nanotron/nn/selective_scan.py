@@ -84,9 +84,10 @@ def chunked_selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor
 #
 # The chunk loops' stages: above 1 the compiler prefetches the next chunks' loads (asynchronous copies) while a
 # chunk computes. The forward ran 12-26% faster with 3. The backward's prefetch buffers take registers (245 against
-# 168 on sm_90), so 8 one-warp programs fit on a multiprocessor instead of 12: prefetching pays only where the grid
-# overflows one wave of 12 per multiprocessor anyway (13% faster at the 1.4B shape), and cost 40% where it fits
-# (130M). BACKWARD_STAGES = None decides by the grid; scripts/benchmark_scan.py sweeps all five settings.
+# 168 on sm_90 as measured, 216 since the decays use exp2), so 8 or 9 one-warp programs fit on a multiprocessor
+# instead of 12: prefetching pays only where the grid overflows one wave of 12 per multiprocessor anyway (13% faster
+# at the 1.4B shape), and cost 40% where it fits (130M). BACKWARD_STAGES = None decides by the grid;
+# scripts/benchmark_scan.py sweeps all five settings.
 BLOCK_T, BLOCK_D, NUM_WARPS, FORWARD_STAGES = 8, 8, 1, 3
 BACKWARD_STAGES: int | None = None
 BACKWARD_PROGRAMS_PER_SM = 12  # resident one-warp backward programs per multiprocessor without prefetching
