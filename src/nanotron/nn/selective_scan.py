@@ -11,8 +11,7 @@ backward recomputes a chunk's states from it, then runs the adjoint recurrence `
 dy_t C_t`` step by step from each chunk's end, chunk by chunk from the sequence's end. Two identities keep the
 backward to one pass per chunk: ``exp(Δ_t A) s_{t-1} = s_t - Δ_t B_t x_t`` (no division, no shifted tile), and the
 gradients of B, C and A, sums over channels or time, are written per channel block (per sequence, for A) and summed
-afterwards, so the result does
-not depend on the order programs finish in.
+afterwards, so the result does not depend on the order programs finish in.
 
 Δ's softplus and the mixer's gate stay outside the kernels, in the compiled graph, unlike the authors' CUDA scan:
 inside, every [time, channel] operation runs on each of the four lanes that share a channel's states, and with
