@@ -91,6 +91,18 @@ def test_the_chunked_scan_equals_the_sequential_one():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_the_backward_prefetches_only_where_its_grid_overflows_one_wave(monkeypatch):
+    """On an H200's 132 multiprocessors the 130M shape's backward (8 sequences x 192 channel blocks) fits in one wave
+    without prefetching, which would make it two; the 1.4B shape's (4 x 512) takes two waves anyway. A set
+    ``BACKWARD_STAGES`` (the benchmark's sweeps) wins."""
+    from nanotron.nn import selective_scan as scan
+
+    assert scan.backward_stages(8 * 192, 132) == 1
+    assert scan.backward_stages(4 * 512, 132) == 2
+    monkeypatch.setattr(scan, "BACKWARD_STAGES", 1)
+    assert scan.backward_stages(4 * 512, 132) == 1
+
+
 def test_the_causal_conv_equals_a_depthwise_conv1d():
     from nanotron.nn.causal_conv1d import CausalConv1d
 

@@ -93,15 +93,13 @@ BACKWARD_STAGES: int | None = None
 BACKWARD_PROGRAMS_PER_SM = 12  # resident one-warp backward programs per multiprocessor without prefetching
 
 
-def backward_stages(programs: int, device: torch.device) -> int:
-    """The backward's chunk-loop stages for a grid of ``programs``: 2 where they overflow one wave without
-    prefetching, else 1 (``BACKWARD_STAGES`` when set)."""
+def backward_stages(programs: int, multiprocessors: int) -> int:
+    """The backward's chunk-loop stages for a grid of ``programs`` on ``multiprocessors``: 2 where the programs
+    overflow one wave without prefetching, else 1 (``BACKWARD_STAGES`` when set)."""
     if BACKWARD_STAGES is not None:
         return BACKWARD_STAGES
-    if device.type != "cuda":
-        return 1
-    resident = BACKWARD_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return 1 if programs <= resident else 2
+    return 1 if programs <= BACKWARD_PROGRAMS_PER_SM * multiprocessors else 2
+
 
 
 if triton is not None:
@@ -266,10 +264,14 @@ if triton is not None:
         dA = torch.empty(batch, channels, d_state, device=x.device, dtype=torch.float32)
         dB = torch.empty(batch, grid[1], length, d_state, device=x.device, dtype=torch.float32)
         dC = torch.empty_like(dB)
+        stages = 1  # Triton's interpreter on a CPU ignores it
+        if x.is_cuda:
+            multiprocessors = torch.cuda.get_device_properties(x.device).multi_processor_count
+            stages = backward_stages(grid[0] * grid[1], multiprocessors)
         wrap_triton(_backward_kernel)[grid](
             x, delta, A, B, C, starts, dy, dx, ddelta, dA, dB, dC, length, channels, d_state, starts.shape[1],
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state),
-            NUM_STAGES=backward_stages(grid[0] * grid[1], x.device), num_warps=NUM_WARPS)
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state), NUM_STAGES=stages,
+            num_warps=NUM_WARPS)
         return dx, ddelta, dA.sum(0), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype)
 
     def _save_for_backward(ctx, inputs, output):
