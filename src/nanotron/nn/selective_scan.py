@@ -101,7 +101,6 @@ def backward_stages(programs: int, multiprocessors: int) -> int:
     return 1 if programs <= BACKWARD_PROGRAMS_PER_SM * multiprocessors else 2
 
 
-
 if triton is not None:
     # Decays are exp2(Δ · A log2 e): tl.exp multiplies by log2 e on every element itself; with the product hoisted
     # out of the chunk loop, the backward's sm_90 code has 188 fewer multiplications per chunk (1392 instructions
@@ -137,8 +136,9 @@ if triton is not None:
 
     @triton.jit
     def _adjoints(decay_next, from_outputs, adjoint, steps, BLOCK_T: tl.constexpr):
-        """The chunk's adjoints, ``g_t = decay_next_t g_{t+1} + from_outputs_t`` from its last step back, ``adjoint``
-        [BLOCK_D, BLOCK_N] being g at the first step of the next chunk.
+        """The chunk's adjoints, ``g_t = decay_next_t g_{t+1} + from_outputs_t`` from its last step back, and the one
+        at its first step (the next chunk back starts from it); ``adjoint`` [BLOCK_D, BLOCK_N] is g at the first step
+        of the next chunk.
 
         An unrolled recurrence rather than a reversed ``tl.associative_scan``: a chunk's steps are in one thread's
         registers either way, but Triton 3.6 lowered the reversed scan with 460 lane shuffles per chunk (of 684 in
@@ -150,7 +150,7 @@ if triton is not None:
             adjoint = (tl.sum(tl.where(row, decay_next, 0.0), axis=0) * adjoint
                        + tl.sum(tl.where(row, from_outputs, 0.0), axis=0))
             g = tl.where(row, adjoint[None, :, :], g)
-        return g
+        return g, adjoint
 
     @triton.jit
     def _channel_block(A_ptr, channels, d_state, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -218,7 +218,7 @@ if triton is not None:
             delta_next = tl.load(delta_ptr + td + channels, mask=next_mask, other=0.0).to(tl.float32)
             decay_next = tl.exp2(delta_next[:, :, None] * A_log2)
             from_outputs = dy[:, :, None] * C[:, None, :]
-            g = _adjoints(decay_next, from_outputs, adjoint, steps, BLOCK_T)
+            g, adjoint = _adjoints(decay_next, from_outputs, adjoint, steps, BLOCK_T)
             decayed = states - inputs  # exp(Δ_t A) s_{t-1}
             g_B = tl.sum(g * B[:, None, :], axis=2)
             g_decayed = g * decayed
@@ -230,7 +230,6 @@ if triton is not None:
                      tl.sum(g * (delta * x)[:, :, None], axis=1), mask=tn_mask)
             tl.store(dC_ptr + partial + t[:, None] * d_state + n[None, :],
                      tl.sum(states * dy[:, :, None], axis=1), mask=tn_mask)
-            adjoint = tl.sum(tl.where(first, g, 0.0), axis=0)
         tl.store(dA_ptr + seq * channels * d_state + dn, dA, mask=dn_mask)
 
     def _grid(x: torch.Tensor) -> tuple[int, int]:
