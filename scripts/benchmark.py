@@ -177,7 +177,29 @@ def write_profile(step_fn, path: Path, steps: int = 3) -> None:
     lines = [f"GPU kernel time per step: {total / steps:.1f} ms", "ms/step  calls/step  kernel"]
     for name, (calls, ms) in sorted(kernels.items(), key=lambda item: -item[1][1])[:80]:
         lines.append(f"{ms / steps:8.2f}  {calls / steps:10.1f}  {name[:150]}")
-    path.write_text(operators + "\n\n" + "\n".join(lines) + "\n")
+    path.write_text(operators + "\n\n" + "\n".join(lines) + "\n\n" + idle_gaps(profiler, steps) + "\n")
+
+
+def idle_gaps(profiler, steps: int, shown: int = 25) -> str:
+    """When the GPU waits for the host: the gaps between one kernel's end and the next one's start, in total per
+    step and the longest, each with the kernels around it (what the host was launching late)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, busy_until, before = [], None, None
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            gaps.append(((start - busy_until) / 1e3, before, name))
+        if busy_until is None or end > busy_until:
+            busy_until, before = end, name
+    lines = [f"GPU idle between kernels per step: {sum(g for g, _, _ in gaps) / steps:.1f} ms in {len(gaps) / steps:.0f} "
+             f"gaps, {len(spans) / steps:.0f} kernels"]
+    for low, high in ((0, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, float("inf"))):
+        within = [g for g, _, _ in gaps if low <= g < high]
+        lines.append(f"  gaps of {low}-{high} ms: {len(within) / steps:.0f} per step, {sum(within) / steps:.2f} ms")
+    lines.append("longest (ms): after kernel  ->  before kernel")
+    for gap, after, following in sorted(gaps, reverse=True)[:shown]:
+        lines.append(f"{gap:6.3f}  {after[:70]}  ->  {following[:70]}")
+    return "\n".join(lines)
 
 
 def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None,
