@@ -111,18 +111,27 @@ if triton is not None:
     def _combine(decay_a, state_a, decay_b, state_b):
         return decay_a * decay_b, decay_b * state_a + state_b
 
+    # The helpers take no pointers, or return no offsets: torch.compile decides which tensors a kernel writes by
+    # following each store's address back through the code, and an address computed by a call that also received
+    # input pointers marks those inputs as written. The compiled backward then copied x, Δ, A, B and C before every
+    # call (8% of the scan's time at the 130M shape).
     @triton.jit
-    def _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n, length, channels, d_state):
-        """One chunk's x, Δ [BLOCK_T, BLOCK_D] and B, C [BLOCK_T, BLOCK_N] in fp32 (zeros past the ends)."""
+    def _chunk_offsets(seq, t, d, n, length, channels, d_state):
+        """Offsets and masks of one chunk's [time, channel] and [time, state] tiles (masked past the ends)."""
         td = seq * length * channels + t[:, None] * channels + d[None, :]
         td_mask = (t[:, None] < length) & (d[None, :] < channels)
         tn = seq * length * d_state + t[:, None] * d_state + n[None, :]
         tn_mask = (t[:, None] < length) & (n[None, :] < d_state)
+        return td, td_mask, tn, tn_mask
+
+    @triton.jit
+    def _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, td, td_mask, tn, tn_mask):
+        """One chunk's x, Δ [BLOCK_T, BLOCK_D] and B, C [BLOCK_T, BLOCK_N] in fp32 (zeros past the ends)."""
         x = tl.load(x_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
         delta = tl.load(delta_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
         B = tl.load(B_ptr + tn, mask=tn_mask, other=0.0).to(tl.float32)
         C = tl.load(C_ptr + tn, mask=tn_mask, other=0.0).to(tl.float32)
-        return x, delta, B, C, td, td_mask, tn, tn_mask
+        return x, delta, B, C
 
     @triton.jit
     def _chunk_states(x, delta, B, A_log2, entering, first):
@@ -153,9 +162,17 @@ if triton is not None:
         return g, adjoint
 
     @triton.jit
-    def _channel_block(A_ptr, channels, d_state, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """This program's channels and states: their indices, offsets and mask in [channels, d_state], and A as a
-        [1, BLOCK_D, BLOCK_N] tile.
+    def _channel_block(channels, d_state, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's channels and states: their indices, offsets and mask in [channels, d_state]."""
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        n = tl.arange(0, BLOCK_N)
+        dn = d[:, None] * d_state + n[None, :]
+        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
+        return d, n, dn, dn_mask
+
+    @triton.jit
+    def _load_A(A_ptr, dn, dn_mask):
+        """A as a [1, BLOCK_D, BLOCK_N] tile.
 
         A is loaded in three dimensions on purpose: its vectorised load (four fp32 states per thread) becomes the
         register layout of every [time, channel, state] tile, so a sum over the states is four additions in the
@@ -163,26 +180,23 @@ if triton is not None:
         four shuffles on each. Those sums (y, and the gradients of x and Δ) were the kernels' main cost: with this
         layout and the settings retuned for it, the backward ran 2.1x faster at the 130M shape and 1.5x at 1.4B
         (docs/benchmarks.md)."""
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        n = tl.arange(0, BLOCK_N)
-        dn = d[:, None] * d_state + n[None, :]
-        dn_mask = (d[:, None] < channels) & (n[None, :] < d_state)
-        return d, n, dn, dn_mask, tl.load(A_ptr + dn[None, :, :], mask=dn_mask[None, :, :], other=0.0)
+        return tl.load(A_ptr + dn[None, :, :], mask=dn_mask[None, :, :], other=0.0)
 
     @triton.jit
     def _forward_kernel(x_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, y_ptr, starts_ptr, last_ptr,
                         length, channels, d_state, num_chunks, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
-        d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
+        d, n, dn, dn_mask = _channel_block(channels, d_state, BLOCK_D, BLOCK_N)
+        A = _load_A(A_ptr, dn, dn_mask)
         A_log2 = A * LOG2_E
         steps = tl.arange(0, BLOCK_T)
         first = steps[:, None, None] == 0
         state = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
         for chunk in tl.range(num_chunks, num_stages=NUM_STAGES):
             t = chunk * BLOCK_T + steps
-            x, delta, B, C, td, td_mask, _, _ = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n, length,
-                                                            channels, d_state)
+            td, td_mask, tn, tn_mask = _chunk_offsets(seq, t, d, n, length, channels, d_state)
+            x, delta, B, C = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, td, td_mask, tn, tn_mask)
             tl.store(starts_ptr + (seq * num_chunks + chunk) * channels * d_state + dn, state, mask=dn_mask)
             states, _ = _chunk_states(x, delta, B, A_log2, state, first)
             tl.store(y_ptr + td, tl.sum(states * C[:, None, :], axis=2).to(y_ptr.dtype.element_ty), mask=td_mask)
@@ -197,7 +211,8 @@ if triton is not None:
                          BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
-        d, n, dn, dn_mask, A = _channel_block(A_ptr, channels, d_state, BLOCK_D, BLOCK_N)
+        d, n, dn, dn_mask = _channel_block(channels, d_state, BLOCK_D, BLOCK_N)
+        A = _load_A(A_ptr, dn, dn_mask)
         A_log2 = A * LOG2_E
         steps = tl.arange(0, BLOCK_T)
         first = steps[:, None, None] == 0
@@ -208,8 +223,8 @@ if triton is not None:
         for i in tl.range(num_chunks, num_stages=NUM_STAGES):
             chunk = num_chunks - 1 - i
             t = chunk * BLOCK_T + steps
-            x, delta, B, C, td, td_mask, tn, tn_mask = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, seq, t, d, n,
-                                                                   length, channels, d_state)
+            td, td_mask, tn, tn_mask = _chunk_offsets(seq, t, d, n, length, channels, d_state)
+            x, delta, B, C = _load_chunk(x_ptr, delta_ptr, B_ptr, C_ptr, td, td_mask, tn, tn_mask)
             entering = tl.load(starts_ptr + (seq * num_chunks + chunk) * channels * d_state + dn, mask=dn_mask,
                                other=0.0)
             states, inputs = _chunk_states(x, delta, B, A_log2, entering, first)
