@@ -191,8 +191,9 @@ def idle_gaps(profiler, steps: int, shown: int = 25) -> str:
             gaps.append(((start - busy_until) / 1e3, before, name))
         if busy_until is None or end > busy_until:
             busy_until, before = end, name
-    lines = [f"GPU idle between kernels per step: {sum(g for g, _, _ in gaps) / steps:.1f} ms in {len(gaps) / steps:.0f} "
-             f"gaps, {len(spans) / steps:.0f} kernels"]
+    idle = sum(gap for gap, _, _ in gaps)
+    lines = [f"GPU idle between kernels per step: {idle / steps:.1f} ms in {len(gaps) / steps:.0f} gaps, "
+             f"{len(spans) / steps:.0f} kernels"]
     for low, high in ((0, 0.01), (0.01, 0.05), (0.05, 0.2), (0.2, float("inf"))):
         within = [g for g, _, _ in gaps if low <= g < high]
         lines.append(f"  gaps of {low}-{high} ms: {len(within) / steps:.0f} per step, {sum(within) / steps:.2f} ms")
