@@ -113,10 +113,17 @@ def test_chunked_selective_scan_matches_the_loop_on_cuda():
     check_chunked_scan("cuda")
 
 
+def test_causal_conv_kernels_match_the_reference_on_cuda():
+    from test_mamba import check_causal_conv
+
+    check_causal_conv("cuda")
+
+
 def test_compiled_mamba_mixer_matches_the_reference_mixer():
-    """The GPU path (compiled mixer: channels-last conv fused by the compiler, chunked scan) against the same
-    mixer run eagerly with the loop scan, output and every parameter's gradient, in fp32."""
+    """The GPU path (compiled mixer: conv and scan kernels) against the same mixer run eagerly with the plain-torch
+    conv and loop scan, output and every parameter's gradient, in fp32."""
     import nanotron.models.mamba as mamba
+    import nanotron.nn.causal_conv1d as conv
     from nanotron.config import MambaConfig
     from nanotron.nn.selective_scan import selective_scan_reference
 
@@ -138,12 +145,12 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
         return out.detach(), {name: p.grad.clone() for name, p in mixer.named_parameters()}
 
     fast = run(torch.compile(mixer))
-    original = mamba.selective_scan
-    mamba.selective_scan = selective_scan_reference
+    scan, conv_silu = mamba.selective_scan, conv.causal_conv1d_silu
+    mamba.selective_scan, conv.causal_conv1d_silu = selective_scan_reference, conv.causal_conv1d_silu_reference
     try:
         reference = run(mixer)
     finally:
-        mamba.selective_scan = original
+        mamba.selective_scan, conv.causal_conv1d_silu = scan, conv_silu
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-4, atol=1e-5)
     for name, grad in reference[1].items():
         torch.testing.assert_close(fast[1][name], grad, rtol=1e-3, atol=1e-3 * grad.abs().max().item(), msg=name)

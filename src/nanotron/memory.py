@@ -383,8 +383,8 @@ def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -
     bytes, the block keeps per token:
 
     - the fp32 residual stream it reads (4h) and the in_proj input (d·h),
-    - in_proj's output x|z, the padded conv input, the conv/SiLU output (the scan's x), dt_proj's output, the
-      scan's output y and the gated out_proj input: 7d·e,
+    - in_proj's output x|z, the conv/SiLU output (the scan's x), dt_proj's output, the scan's output y and the
+      gated out_proj input: 6d·e (the conv kernels read x inside in_proj's output: no padded copy),
     - Δ in fp32 (4e), and the state entering every chunk of ``SCAN_CHUNK`` steps (fp32: 4n·e / ``SCAN_CHUNK``),
     - x_proj's output dt|B|C and the scan's contiguous copies of B and C: d·(r + 4n),
 
@@ -400,7 +400,7 @@ def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -
     residual_share, linear_input_share = _token_shares(config)
     residual = (4 if c.residual_in_fp32 else d) * h * residual_share
     chunk_states = 4 * n * e / SCAN_CHUNK
-    per_token = residual + d * h * linear_input_share + 7 * d * e + 4 * e + chunk_states + d * (r + 4 * n)
+    per_token = residual + d * h * linear_input_share + 6 * d * e + 4 * e + chunk_states + d * (r + 4 * n)
     full = int(tokens * per_token + 4 * e * n)
     return (int(tokens * residual), full) if recomputed else (full, 0)
 

@@ -10,10 +10,10 @@ A mixer, on hidden states ``h`` [batch, length, d_model] with ``d_inner = expand
     s_t = exp(Δ_t A) s_{t-1} + Δ_t B_t x_t,  y_t = C_t · s_t + D x_t      A = -exp(A_log), per channel and state
     out = out_proj(y · silu(z))
 
-The scan runs in fp32 (``nn/selective_scan.py``: a chunked parallel scan on CUDA, a loop over time elsewhere) and
-the convolution on channels-last activations (``nn/causal_conv1d.py``); A_log and D are kept in fp32 and out of
-weight decay. Generation carries, per layer, the last ``d_conv - 1`` conv inputs and the scan state
-(``MambaCache``), so every new token costs the same whatever the length of the context.
+The scan runs in fp32 (``nn/selective_scan.py``: a chunked parallel scan on CUDA, a loop over time elsewhere), and
+the convolution with its SiLU on channels-last activations (``nn/causal_conv1d.py``: Triton kernels on CUDA); A_log
+and D are kept in fp32 and out of weight decay. Generation carries, per layer, the last ``d_conv - 1`` conv inputs
+and the scan state (``MambaCache``), so every new token costs the same whatever the length of the context.
 """
 
 from __future__ import annotations
@@ -63,14 +63,12 @@ class MambaMixer(nn.Module):
         x, z = self.in_proj(h).split(list(self.in_proj.output_chunks), dim=-1)
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        if cache is None or cache.conv_inputs is None:
-            earlier = x.new_zeros(x.shape[0], self.d_conv - 1, x.shape[2])
-        else:
-            earlier = cache.conv_inputs
-        padded = torch.cat([earlier, x], dim=1)
+        earlier = None if cache is None else cache.conv_inputs  # None: zeros, the start of a sequence
         if cache is not None:
-            cache.conv_inputs = padded[:, padded.shape[1] - (self.d_conv - 1):]
-        x = F.silu(self.conv1d(padded))
+            if earlier is None:
+                earlier = x.new_zeros(x.shape[0], self.d_conv - 1, x.shape[2])
+            cache.conv_inputs = torch.cat([earlier, x], dim=1)[:, x.shape[1]:]
+        x = self.conv1d(x, earlier)
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)

@@ -1,21 +1,37 @@
-"""Mamba's depthwise causal convolution over time, on channels-last activations [batch, length, channels].
+"""Mamba's depthwise causal convolution over time and the SiLU after it, on channels-last activations
+[batch, length, channels].
 
-Written as ``kernel_size`` shifted multiply-adds in fp32 rather than ``F.conv1d``: the mixer's activations are
-channels-last on both sides of the convolution, so this needs no transposes, and under ``torch.compile`` the
-shifts, bias, the mixer's SiLU and its masking fuse into one kernel each way, where cuDNN's depthwise convolution
-runs as separate kernels around two transposed copies. ``F.conv1d`` on the transposed input is the reference the
-tests compare against.
+``causal_conv1d_silu_reference`` is the definition in plain torch (every device; generation, which carries the last
+inputs between calls; the tests): ``kernel_size`` shifted multiply-adds in fp32, the bias, SiLU, and one rounding to
+the input's dtype. ``F.conv1d`` on the transposed input is what the tests compare it against.
+
+On CUDA with Triton, a sequence that starts from nothing carried (training, a prompt without cache) runs Triton
+kernels instead. The forward reads x where it lies (a strided half of in_proj's output) and treats the inputs before the
+sequence as zeros through its masks, so no padded copy is made or kept for the backward. The backward recomputes the
+convolution to write the gradient at the pre-activation (in x's dtype), sums its shifted rows into the input
+gradient, and leaves the weight's and bias's sums over every step to the compiler, which makes one reduction kernel
+of them. Compiled from plain torch, the same backward took four kernels and read the pre-activation gradient three
+times in fp32 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the reference is used
+    triton = None
 
 
 class CausalConv1d(nn.Module):
-    """Each channel's own ``kernel_size`` filter over its last inputs; ``weight`` [channels, 1, kernel_size] as
-    ``nn.Conv1d(channels, channels, kernel_size, groups=channels)`` keeps it (and Hugging Face checkpoints)."""
+    """Each channel's own ``kernel_size`` filter over its last inputs, then SiLU; ``weight`` [channels, 1,
+    kernel_size] as ``nn.Conv1d(channels, channels, kernel_size, groups=channels)`` keeps it (and Hugging Face
+    checkpoints)."""
 
     def __init__(self, channels: int, kernel_size: int, bias: bool):
         super().__init__()
@@ -23,12 +39,152 @@ class CausalConv1d(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
-    def forward(self, padded: torch.Tensor) -> torch.Tensor:
-        """``padded`` [batch, kernel_size - 1 + length, channels]: the inputs preceded by the ``kernel_size - 1``
-        before them (zeros at the start of a sequence). Output t sees inputs t - kernel_size + 1 .. t."""
-        length = padded.shape[1] - (self.kernel_size - 1)
-        weight = self.weight.float()
-        out = sum(padded[:, k:k + length].float() * weight[:, 0, k] for k in range(self.kernel_size))
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.to(padded.dtype)
+    def forward(self, x: torch.Tensor, earlier: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(conv(x))`` [batch, length, channels] in x's dtype; ``earlier`` [batch, kernel_size - 1, channels]
+        holds the inputs before x (None: zeros, the start of a sequence). Output t sees inputs t - kernel_size + 1
+        .. t."""
+        return causal_conv1d_silu(x, self.weight, self.bias, earlier)
+
+
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       earlier: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernels on CUDA when nothing is carried, the reference otherwise."""
+    if triton is not None and x.is_cuda and earlier is None:
+        return conv_forward(x, weight, bias)
+    return causal_conv1d_silu_reference(x, weight, bias, earlier)
+
+
+def causal_conv1d_silu_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 earlier: torch.Tensor | None = None) -> torch.Tensor:
+    kernel_size, length = weight.shape[-1], x.shape[1]
+    if earlier is None:
+        earlier = x.new_zeros(x.shape[0], kernel_size - 1, x.shape[2])
+    padded = torch.cat([earlier, x], dim=1)
+    w = weight.float()
+    out = sum(padded[:, k:k + length].float() * w[:, 0, k] for k in range(kernel_size))
+    if bias is not None:
+        out = out + bias.float()
+    return F.silu(out).to(x.dtype)
+
+
+# Steps and channels per program, and warps: each tile row is 128 channels, 256 contiguous bytes in bf16. The
+# fastest of nine settings timed on an H200 for the forward at the 130M shape (docs/benchmarks.md).
+BLOCK_T, BLOCK_C, NUM_WARPS = 16, 128, 4
+
+if triton is not None:
+    # As in selective_scan.py, helpers that receive pointers return values, never addresses: torch.compile takes
+    # every input that an address is derived from as written, and would copy it before each call.
+    @triton.jit
+    def _preactivation(x_ptr, weight_ptr, bias_ptr, x_row, t, c, c_mask, length, KERNEL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr):
+        """conv(x) + bias in fp32 at steps ``t`` [BLOCK_T] and channels ``c`` [BLOCK_C] of one sequence (``x_ptr``
+        at its first step, ``x_row`` elements between steps); inputs before the sequence are zeros."""
+        out = tl.zeros([t.shape[0], c.shape[0]], tl.float32)
+        for k in tl.static_range(KERNEL):
+            source = t - (KERNEL - 1) + k
+            inside = (source >= 0) & (source < length)
+            inputs = tl.load(x_ptr + source[:, None] * x_row + c[None, :], mask=inside[:, None] & c_mask[None, :],
+                             other=0.0).to(tl.float32)
+            out += inputs * tl.load(weight_ptr + c * KERNEL + k, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        return out
+
+    @triton.jit
+    def _conv_forward_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, length, channels, x_seq, x_row, KERNEL: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        seq = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < channels
+        pre = _preactivation(x_ptr + seq * x_seq, weight_ptr, bias_ptr, x_row, t, c, c_mask, length, KERNEL,
+                             HAS_BIAS)
+        out = pre * tl.sigmoid(pre)
+        tl.store(out_ptr + seq * length * channels + t[:, None] * channels + c[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(t[:, None] < length) & c_mask[None, :])
+
+    @triton.jit
+    def _preactivation_gradient_kernel(x_ptr, weight_ptr, bias_ptr, grad_ptr, dpre_ptr, length, channels, x_seq,
+                                       x_row, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+                                       BLOCK_C: tl.constexpr):
+        """The gradient at the pre-activation, ``dpre = grad · silu'(conv(x) + bias)``, in dpre's dtype."""
+        seq = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < channels
+        pre = _preactivation(x_ptr + seq * x_seq, weight_ptr, bias_ptr, x_row, t, c, c_mask, length, KERNEL,
+                             HAS_BIAS)
+        td = seq * length * channels + t[:, None] * channels + c[None, :]
+        td_mask = (t[:, None] < length) & c_mask[None, :]
+        grad = tl.load(grad_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
+        sigmoid = tl.sigmoid(pre)
+        tl.store(dpre_ptr + td, (grad * sigmoid * (1 + pre * (1 - sigmoid))).to(dpre_ptr.dtype.element_ty),
+                 mask=td_mask)
+
+    @triton.jit
+    def _input_gradient_kernel(dpre_ptr, weight_ptr, dx_ptr, length, channels, KERNEL: tl.constexpr,
+                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """``dx[s] = Σ_k w[k] · dpre[s + KERNEL - 1 - k]``, from the pre-activation gradient's next steps."""
+        seq = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < channels
+        dx = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        for k in tl.static_range(KERNEL):
+            steps = t + (KERNEL - 1 - k)
+            dpre = tl.load(dpre_ptr + seq * length * channels + steps[:, None] * channels + c[None, :],
+                           mask=(steps[:, None] < length) & c_mask[None, :], other=0.0)
+            dx += dpre * tl.load(weight_ptr + c * KERNEL + k, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(dx_ptr + seq * length * channels + t[:, None] * channels + c[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=(t[:, None] < length) & c_mask[None, :])
+
+    def _grid(x: torch.Tensor) -> tuple[int, int, int]:
+        return x.shape[0], triton.cdiv(x.shape[1], BLOCK_T), triton.cdiv(x.shape[2], BLOCK_C)
+
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """x with unit stride over channels (in_proj's half already has it; anything else is copied)."""
+        return x if x.stride(2) == 1 else x.contiguous()
+
+    @triton_op("nanotron::causal_conv1d_silu_forward", mutates_args={})
+    def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = _rows(x)
+        out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        wrap_triton(_conv_forward_kernel)[_grid(x)](
+            x, weight, weight if bias is None else bias, out, x.shape[1], x.shape[2], x.stride(0), x.stride(1),
+            KERNEL=weight.shape[-1], HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+            num_warps=NUM_WARPS)
+        return out
+
+    @triton_op("nanotron::causal_conv1d_silu_backward", mutates_args={})
+    def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of x (x's dtype, contiguous), the weight and the bias (theirs; the bias's is zeros without
+        one)."""
+        x, grad = _rows(x), grad.contiguous()
+        length, channels, kernel_size, grid = x.shape[1], x.shape[2], weight.shape[-1], _grid(x)
+        dpre = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        wrap_triton(_preactivation_gradient_kernel)[grid](
+            x, weight, weight if bias is None else bias, grad, dpre, length, channels, x.stride(0), x.stride(1),
+            KERNEL=kernel_size, HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+        dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        wrap_triton(_input_gradient_kernel)[grid](dpre, weight, dx, length, channels, KERNEL=kernel_size,
+                                                  BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+        # Sums over every step: the compiler makes one reduction kernel of them (in the kernel above, the per-tile
+        # sums' synchronisation across warps made it several times slower than the forward).
+        dpre = dpre.float()
+        padded = F.pad(x, (0, 0, kernel_size - 1, 0)).float()
+        dweight = torch.stack([(dpre * padded[:, k:k + length]).sum((0, 1)) for k in range(kernel_size)], dim=-1)
+        return (dx, dweight.reshape(weight.shape).to(weight.dtype),
+                dpre.sum((0, 1)).to(weight.dtype if bias is None else bias.dtype))
+
+    def _save_for_backward(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, bias)
+
+    def _conv_gradients(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        dx, dweight, dbias = conv_backward(x, weight, bias, grad)
+        return dx, dweight, dbias if ctx.has_bias else None
+
+    conv_forward.register_autograd(_conv_gradients, setup_context=_save_for_backward)
