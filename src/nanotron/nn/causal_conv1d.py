@@ -91,31 +91,32 @@ if triton is not None:
         return out
 
     @triton.jit
-    def _conv_forward_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, length, channels, x_seq, x_row, KERNEL: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _tile(length, channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """This program's sequence, steps and channels, and the offsets and mask of its [BLOCK_T, BLOCK_C] tile in a
+        contiguous [batch, length, channels] tensor."""
         seq = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = c < channels
+        td = seq * length * channels + t[:, None] * channels + c[None, :]
+        return seq, t, c, c_mask, td, (t[:, None] < length) & c_mask[None, :]
+
+    @triton.jit
+    def _conv_forward_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, length, channels, x_seq, x_row, KERNEL: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        seq, t, c, c_mask, td, td_mask = _tile(length, channels, BLOCK_T, BLOCK_C)
         pre = _preactivation(x_ptr + seq * x_seq, weight_ptr, bias_ptr, x_row, t, c, c_mask, length, KERNEL,
                              HAS_BIAS)
-        out = pre * tl.sigmoid(pre)
-        tl.store(out_ptr + seq * length * channels + t[:, None] * channels + c[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(t[:, None] < length) & c_mask[None, :])
+        tl.store(out_ptr + td, (pre * tl.sigmoid(pre)).to(out_ptr.dtype.element_ty), mask=td_mask)
 
     @triton.jit
     def _preactivation_gradient_kernel(x_ptr, weight_ptr, bias_ptr, grad_ptr, dpre_ptr, length, channels, x_seq,
                                        x_row, KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                                        BLOCK_C: tl.constexpr):
         """The gradient at the pre-activation, ``dpre = grad · silu'(conv(x) + bias)``, in dpre's dtype."""
-        seq = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = c < channels
+        seq, t, c, c_mask, td, td_mask = _tile(length, channels, BLOCK_T, BLOCK_C)
         pre = _preactivation(x_ptr + seq * x_seq, weight_ptr, bias_ptr, x_row, t, c, c_mask, length, KERNEL,
                              HAS_BIAS)
-        td = seq * length * channels + t[:, None] * channels + c[None, :]
-        td_mask = (t[:, None] < length) & c_mask[None, :]
         grad = tl.load(grad_ptr + td, mask=td_mask, other=0.0).to(tl.float32)
         sigmoid = tl.sigmoid(pre)
         tl.store(dpre_ptr + td, (grad * sigmoid * (1 + pre * (1 - sigmoid))).to(dpre_ptr.dtype.element_ty),
@@ -125,18 +126,14 @@ if triton is not None:
     def _input_gradient_kernel(dpre_ptr, weight_ptr, dx_ptr, length, channels, KERNEL: tl.constexpr,
                                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """``dx[s] = Σ_k w[k] · dpre[s + KERNEL - 1 - k]``, from the pre-activation gradient's next steps."""
-        seq = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = c < channels
+        seq, t, c, c_mask, td, td_mask = _tile(length, channels, BLOCK_T, BLOCK_C)
         dx = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
         for k in tl.static_range(KERNEL):
-            steps = t + (KERNEL - 1 - k)
-            dpre = tl.load(dpre_ptr + seq * length * channels + steps[:, None] * channels + c[None, :],
-                           mask=(steps[:, None] < length) & c_mask[None, :], other=0.0)
+            shift = KERNEL - 1 - k
+            dpre = tl.load(dpre_ptr + td + shift * channels, mask=((t[:, None] + shift) < length) & c_mask[None, :],
+                           other=0.0)
             dx += dpre * tl.load(weight_ptr + c * KERNEL + k, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(dx_ptr + seq * length * channels + t[:, None] * channels + c[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=(t[:, None] < length) & c_mask[None, :])
+        tl.store(dx_ptr + td, dx.to(dx_ptr.dtype.element_ty), mask=td_mask)
 
     def _grid(x: torch.Tensor) -> tuple[int, int, int]:
         return x.shape[0], triton.cdiv(x.shape[1], BLOCK_T), triton.cdiv(x.shape[2], BLOCK_C)
