@@ -145,7 +145,7 @@ def written_kernel_arguments() -> dict[str, list[str]]:
                   "BLOCK_T": 32, "BLOCK_C": 128}
     kernels = {"scan forward": (scan._forward_kernel, scan_sizes), "scan backward": (scan._backward_kernel, scan_sizes),
                "conv forward": (conv._conv_forward_kernel, conv_sizes),
-               "conv backward": (conv._preactivation_gradient_kernel, conv_sizes),
+               "conv pre-activation gradient": (conv._preactivation_gradient_kernel, conv_sizes),
                "conv input gradient": (conv._input_gradient_kernel, conv_sizes)}
     triton.runtime.driver.set_active(Hopper())
     written = {}
@@ -173,7 +173,7 @@ def test_compiled_graphs_copy_no_input_of_the_kernels():
         "scan forward": ["last_ptr", "starts_ptr", "y_ptr"],
         "scan backward": ["dA_ptr", "dB_ptr", "dC_ptr", "ddelta_ptr", "dx_ptr"],
         "conv forward": ["out_ptr"],
-        "conv backward": ["dpre_ptr"],
+        "conv pre-activation gradient": ["dpre_ptr"],
         "conv input gradient": ["dx_ptr"]}
 
 

@@ -65,9 +65,8 @@ class MambaMixer(nn.Module):
             x = x * valid.unsqueeze(-1).to(x.dtype)
         earlier = None if cache is None else cache.conv_inputs  # None: zeros, the start of a sequence
         if cache is not None:
-            if earlier is None:
-                earlier = x.new_zeros(x.shape[0], self.d_conv - 1, x.shape[2])
-            cache.conv_inputs = torch.cat([earlier, x], dim=1)[:, x.shape[1]:]
+            start = x.new_zeros(x.shape[0], self.d_conv - 1, x.shape[2]) if earlier is None else earlier
+            cache.conv_inputs = torch.cat([start, x], dim=1)[:, x.shape[1]:]
         x = self.conv1d(x, earlier)
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)

@@ -155,8 +155,8 @@ if triton is not None:
     @triton_op("nanotron::causal_conv1d_silu_backward", mutates_args={})
     def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients of x (x's dtype, contiguous), the weight and the bias (theirs; the bias's is zeros without
-        one)."""
+        """Gradients of x (x's dtype, contiguous), the weight and the bias, in their dtypes (the bias's is the
+        pre-activation gradient's sum, computed whether or not there is a bias)."""
         x, grad = _rows(x), grad.contiguous()
         length, channels, kernel_size, grid = x.shape[1], x.shape[2], weight.shape[-1], _grid(x)
         dpre = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -166,8 +166,8 @@ if triton is not None:
         dx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         wrap_triton(_input_gradient_kernel)[grid](dpre, weight, dx, length, channels, KERNEL=kernel_size,
                                                   BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
-        # Sums over every step: the compiler makes one reduction kernel of them (in the kernel above, the per-tile
-        # sums' synchronisation across warps made it several times slower than the forward).
+        # Sums over every step, left to the compiler, which makes one reduction kernel of them: summed per tile in
+        # the gradient kernel instead, they synchronised across warps and made it several times slower.
         dpre = dpre.float()
         padded = F.pad(x, (0, 0, kernel_size - 1, 0)).float()
         dweight = torch.stack([(dpre * padded[:, k:k + length]).sum((0, 1)) for k in range(kernel_size)], dim=-1)

@@ -114,7 +114,7 @@ if triton is not None:
     # The helpers take no pointers, or return no offsets: torch.compile decides which tensors a kernel writes by
     # following each store's address back through the code, and an address computed by a call that also received
     # input pointers marks those inputs as written. The compiled backward then copied x, Δ, A, B and C before every
-    # call (8% of the scan's time at the 130M shape).
+    # call (78 µs per layer at the 130M shape, 1.9 ms a step).
     @triton.jit
     def _chunk_offsets(seq, t, d, n, length, channels, d_state):
         """Offsets and masks of one chunk's [time, channel] and [time, state] tiles (masked past the ends)."""
