@@ -50,7 +50,13 @@ from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
-from nanotron.nn.fp8 import advance_amax_histories, discard_step_amaxes, fp8_converter, report_range_counts
+from nanotron.nn.fp8 import (
+    advance_amax_histories,
+    discard_step_amaxes,
+    fp8_converter,
+    refresh_filled_histories,
+    report_range_counts,
+)
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
@@ -285,6 +291,7 @@ class Trainer:
             return
         checkpoint, metadata = self.initial_checkpoint
         load_weights(checkpoint, self.model, self.pc, metadata)
+        refresh_filled_histories(self.model)  # loaded FP8 amax histories scale the first step
         if self.resume_from is not None:
             if metadata["optimizer_step"] > 0 and checkpoints.load_optimizer:
                 load_optimizer(checkpoint, self.optimizer, self.model, self.pc, metadata)
