@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                         help="change config values, e.g. parallelism.pp=2 tokens.micro_batch_size=8")
     memory.add_argument("--gpu-memory-gb", type=float, default=None,
-                        help="memory of one GPU (default: this machine's GPU, else 141, an H200)")
+                        help="memory of one GPU (default: this machine's GPU, else an H200's 150.1)")
     memory.set_defaults(run=_estimate_memory)
     return parser
 

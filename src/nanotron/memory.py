@@ -22,6 +22,11 @@ How each part is computed, and why:
   ``mamba_layer_bytes`` for compiled Mamba blocks) come from reading the layer's code and were checked layer by
   layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input, and the backward
   rebuilds one layer at a time. The last stage adds the final norm, which is never compiled.
+- **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
+  converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
+  (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
+  less than bf16, since the backward recomputes the cast inputs (45.8 against 52.3 GB at the 1B shape); that is
+  not modeled, so the estimate is then an upper bound.
 - **logits**: the LM head's output and the loss buffers of the last stage (``logits_bytes``), per micro-batch in
   flight and during the loss's backward.
 - **workspace**: cuBLAS workspaces and the step's small buffers, allocated by the first step.
@@ -36,7 +41,8 @@ the two transients counts (the layers' one under activations, the rest of the lo
 
 Checked against the peaks in docs/benchmarks.md ("Memory planner against measured peaks"): the Llama 1B shape on
 one H200 with compiled layers (52.3 GB), at pp=2 1F1B with 10 + 6 layers (43.0 / 28.1 GB), at tp=2 with sequence
-parallelism (30.4 GB), and the 8B shape at dp=2 with ZeRO-1 (118.4 GB): within 1%, except tp=2 at -7% (that
+parallelism (30.4 GB), the 8B shape at dp=2 with ZeRO-1 (118.4 GB), and on one H200 with recomputed layers and
+bf16 gradients (135.7 GB; 142.1 GB in FP8): within 1%, except tp=2 at -7% (that
 figure is from an older commit; the layout measured 28.3 GB at the commit the planner was checked on). Compiled
 Mamba at 130M (24.6 GB; 7.0 GB with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
 """
@@ -53,13 +59,14 @@ from nanotron.config import Config, ConfigError, LlamaConfig, MambaConfig
 from nanotron.models.build import BuildOptions, padded_vocab_size, pipeline_stage_layers
 from nanotron.models.moe import GroupedExperts
 from nanotron.models.registry import spec_for_config
+from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.nn.selective_scan import BLOCK_T as SCAN_CHUNK
 from nanotron.parallel.placement import Shard
 from nanotron.parallel.tensor_parallel import (REDUCE_SCATTER, Column, MixtureOfExperts, Row, SelectiveStateSpace,
                                               VocabEmbedding)
 
 GB = 1e9
-DEFAULT_GPU_MEMORY_GB = 141.0  # an H200, when no CUDA device is visible
+DEFAULT_GPU_MEMORY_GB = 150.1  # an H200 (its total_memory, 150,109,880,320 bytes), when no CUDA device is visible
 # Device memory in use outside PyTorch's allocator: CUDA context, cuBLAS/cuDNN/Triton kernels, NCCL communicators.
 # Measured on one H200 (torch 2.11, NCCL) as used device memory minus the allocator's reserved memory: 3.84-3.86 GB
 # in each of seven runs of the 1B and 8B shapes, eager and compiled (docs/benchmarks.md).
@@ -152,7 +159,8 @@ def device_memory_gb() -> float:
 
 def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> MemoryEstimate:
     """Per-stage memory of ``config`` per rank, whether it fits in ``gpu_memory_gb`` (None: this machine's GPU,
-    else 141 GB), and the largest micro-batch size that fits (searched: activations grow with it, state does not)."""
+    else an H200's 150.1 GB), and the largest micro-batch size that fits (searched: activations grow with it, state
+    does not)."""
     if gpu_memory_gb is None:
         gpu_memory_gb = device_memory_gb()
     p = config.parallelism
@@ -210,6 +218,7 @@ class _StageState:
     weight_bytes: int
     gradient_bytes: int
     optimizer_elements: float
+    fp8_weight_elements: int  # weights of the linears that FP8 converts
 
 
 def _stage_states(config: Config, layers: list[range]) -> list[_StageState]:
@@ -221,17 +230,23 @@ def _stage_states(config: Config, layers: list[range]) -> list[_StageState]:
     vocab = padded_vocab_size(model_config.vocab_size, config.model.make_vocab_size_divisible_by, p.tp)
     with torch.device("meta"):
         model = spec.model_class(model_config, vocab)
+        if config.fp8 is not None and config.fp8.enabled:
+            fp8_converter(config.fp8)(model)
     plan = spec.tensor_parallel_plan(model_config) if p.tp > 1 else {}
     model_bytes = config.model.torch_dtype().itemsize
     zero = opt.zero_stage == 1
 
     by_part: dict[str, dict[int, tuple[int, int, bool]]] = {}  # part -> {id(param): (elements, bytes each, expert)}
+    fp8_by_part: dict[str, int] = {}  # part -> weight elements of its FP8 linears
     for name, module in model.named_modules():
         keep_fp32 = getattr(module, "fp32_parameters", ())
+        part = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
+        in_fp8 = any(isinstance(getattr(module, kind, None), FP8Matmul) for kind in ("matmul", "expert_matmul"))
         for key, param in module.named_parameters(recurse=False):
             elements, expert = _local_elements(module, name, key, param, plan, p.tp, p.expert_parallel_size)
-            part = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
             by_part.setdefault(part, {})[id(param)] = (elements, 4 if key in keep_fp32 else model_bytes, expert)
+            if in_fp8 and key != "bias":
+                fp8_by_part[part] = fp8_by_part.get(part, 0) + elements
 
     states = []
     for stage, stage_layers in enumerate(layers):
@@ -244,6 +259,7 @@ def _stage_states(config: Config, layers: list[range]) -> list[_StageState]:
             weight_bytes=sum(n * size for n, size, _ in held.values()),
             gradient_bytes=sum(n * (4 if opt.accumulate_grad_in_fp32 else size) for n, size, _ in held.values()),
             optimizer_elements=sum(n / (replicas[expert] if zero else 1) for n, _, expert in held.values()),
+            fp8_weight_elements=sum(fp8_by_part.get(part, 0) for part in parts),
         ))
     return states
 
@@ -453,6 +469,8 @@ def _stage_memory(config: Config, stage: int, layers: range, state: _StageState,
     else:
         per_layer = [llama_layer_bytes(config, index, micro_batch_size, recomputed) for index in layers]
     kept = sum(k for k, _ in per_layer)
+    if recomputed:
+        kept += state.fp8_weight_elements  # one byte each: the FP8 weights a recomputed forward keeps
     backward = max(t for _, t in per_layer)
     logits = 0
     if stage == config.parallelism.pp - 1:
