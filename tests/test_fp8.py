@@ -98,6 +98,7 @@ def test_delayed_scaling_scales_from_the_history_and_records_each_step():
     assert history.amax(INPUT, x / 2) == amax / 2 and history.current[INPUT] == amax  # the step's largest is kept
     advance_amax_histories(history, lambda amaxes: amaxes)
     assert history.history[INPUT].tolist() == [amax.item(), 0, 0] and not history.current.any()
+    assert history.filled == (True, False, False)  # known on the host: the other operands met no tensor yet
     big = 10 * x
     assert history.amax(INPUT, big) == amax  # the history's, so values beyond it saturate
     q, _ = quantize(big, E4M3, amax=history.amax(INPUT, big))
