@@ -242,6 +242,31 @@ def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, 
     assert [step for step, _ in losses(plain)] == [4] and plain["converted"] == 0
 
 
+def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny_data, tmp_path):
+    """pp=2 (1F1B) × dp=2 with ZeRO-1 trains in FP8 like one process accumulating the same two micro-batches: each
+    micro-batch is cast with the same scales in both (its own amax on the first step, then the histories, whose
+    step amaxes are maximised over the replicas), so both replicas of a stage hold the one process's histories."""
+    def config(name, dp, pp, accumulation):
+        return tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 6,
+                                                                    "batch_accumulation_per_replica": accumulation},
+                                fp8={"enabled": True, "recipe": "delayed"}, parallelism={"dp": dp, "pp": pp},
+                                optimizer={"zero_stage": 1})
+
+    (reference,) = run_distributed(_train, 1, config=config("one", 1, 1, 2))
+    ranks = run_distributed(_train, 4, config=config("dp2_pp2", 2, 2, 1))
+    for a, b in zip(reference["records"], ranks[0]["records"], strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-4), a["step"]
+    stages = {}
+    for rank in ranks:
+        stages.setdefault(tuple(sorted(rank["histories"])), []).append(rank["histories"])
+    assert len(stages) == 2 and sorted(name for names in stages for name in names) == sorted(reference["histories"])
+    for replicas in stages.values():
+        assert len(replicas) == 2
+        for name, history in replicas[0].items():
+            assert torch.equal(replicas[1][name], history), name
+            torch.testing.assert_close(history, reference["histories"][name], rtol=1e-4, atol=0, msg=name)
+
+
 def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
     """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
     follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""
