@@ -85,18 +85,18 @@ def check_causal_conv(device: str = "cpu") -> None:
     """The conv + SiLU kernels equal the reference, forward and every gradient, in fp32 and bf16, with and without
     a bias, reading x as the first half of a wider tensor (as the mixer passes in_proj's output), on a length and a
     channel count that are not multiples of the kernels' blocks."""
-    from nanotron.nn.causal_conv1d import BLOCK_C, BLOCK_T, causal_conv1d_silu, causal_conv1d_silu_reference
+    from nanotron.nn.causal_conv1d import BLOCK_C, BLOCK_T, causal_conv1d_silu_reference, conv_forward
 
     generator = torch.Generator(device).manual_seed(0)
     batch, length, channels = 2, BLOCK_T + 13, BLOCK_C + 5
     for bias in (True, False):
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):  # bf16: dpre is rounded to it
             def random(*shape):
                 return torch.randn(*shape, device=device, generator=generator).to(dtype).requires_grad_()
             wide, weight = random(batch, length, 2 * channels), random(channels, 1, 4)
             inputs = [wide, weight] + ([random(channels)] if bias else [])
             x = wide[..., :channels]
-            out = causal_conv1d_silu(x, weight, inputs[2] if bias else None)
+            out = conv_forward(x, weight, inputs[2] if bias else None)  # the kernels on any device, not a dispatch
             reference = causal_conv1d_silu_reference(x, weight, inputs[2] if bias else None)
             assert out.dtype == dtype
             torch.testing.assert_close(out.float(), reference.float(), rtol=tolerance, atol=tolerance)
