@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,16 @@ WORDS = (
     "the a one every small large red green blue old new quick slow cat dog bird fish tree river stone house "
     "runs jumps sleeps eats sees finds makes takes near under over behind with without and but then so"
 ).split()
+
+
+def run_with_triton_interpreter(code: str) -> None:
+    """Run ``code`` in a fresh Python with Triton's interpreter on (it is chosen when Triton is imported), the tests
+    folder importable: how the CPU checks the GPU's Triton kernels against their plain-torch references."""
+    pytest.importorskip("triton")
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); {code}"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def write_corpus(folder: Path, documents: int = 400, seed: int = 0) -> Path:

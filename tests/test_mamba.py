@@ -5,14 +5,13 @@ and bad input."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict, write_config
+from conftest import assert_reference_trains, parity_steps, run_with_triton_interpreter, tiny_config_dict, write_config
 from safetensors.torch import load_file
 from test_bad_inputs import assert_user_error, cli
 from test_tensor_parallel import _run, assemble
@@ -112,13 +111,8 @@ def check_causal_conv(device: str = "cpu") -> None:
 
 def test_the_triton_kernels_equal_the_plain_torch_references():
     """The GPU scan's and conv's Triton kernels, run by Triton's interpreter on the CPU."""
-    pytest.importorskip("triton")
-    tests = Path(__file__).parent
-    code = f"import sys; sys.path.insert(0, {str(tests)!r}); from test_mamba import check_chunked_scan, " \
-           "check_causal_conv; check_chunked_scan(); check_causal_conv()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_with_triton_interpreter("from test_mamba import check_chunked_scan, check_causal_conv; "
+                                "check_chunked_scan(); check_causal_conv()")
 
 
 def written_kernel_arguments() -> dict[str, list[str]]:
