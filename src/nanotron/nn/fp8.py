@@ -36,6 +36,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the plain-torch cast is used
+    triton = None
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 
@@ -74,8 +81,16 @@ class AmaxHistory(nn.Module):
         """The amax to scale ``x`` by: the history's largest, or ``x``'s own before there is one; ``x``'s is
         recorded for this step."""
         current = tensor_amax(x).float()
-        self.current[row] = torch.maximum(self.current[row], current.detach())
-        return self.history[row].amax() if self.filled[row] else current
+        self.record(row, current)
+        recorded = self.recorded_amax(row)
+        return current if recorded is None else recorded
+
+    def recorded_amax(self, row: int) -> torch.Tensor | None:
+        """The history's largest amax, or None while it holds none."""
+        return self.history[row].amax() if self.filled[row] else None
+
+    def record(self, row: int, amax: torch.Tensor) -> None:
+        self.current[row] = torch.maximum(self.current[row], amax.detach())
 
 
 @torch.no_grad()
@@ -172,6 +187,55 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, amax: 
     return scaled.clamp(finfo.min, finfo.max).to(dtype), scale
 
 
+def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize`` per tensor of a 2-D ``x``, in both layouts: returns the FP8 tensor, the same transposed (row-major:
+    the weight gradient's product needs the tokens contiguous), the scale, and ``x``'s own amax (to record when the
+    scale came from a history). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
+    it, where the compiler's kernel with a transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
+    if amax is None:
+        amax = tensor_amax(x).float()
+    scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
+    if triton is not None and x.is_cuda:
+        out, out_t, seen = cast_both_layouts(x, scale, dtype)
+        return out, out_t, scale, seen
+    out, _ = quantize(x, dtype, amax=amax)
+    return out, out.t().contiguous(), scale, tensor_amax(x).float()
+
+
+if triton is not None:
+    # A tile of 32 rows × 128 columns on 4 warps: of eight tiles timed on an H200 at the 1B model's gradient shapes,
+    # the only one within 5% of the fastest at all three (docs/benchmarks.md).
+    CAST_BLOCK_R, CAST_BLOCK_C, CAST_WARPS = 32, 128, 4
+
+    @triton.jit
+    def _cast_both_layouts_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, rows, columns, fp8_max,
+                                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] < rows) & (c[None, :] < columns)
+        x = tl.load(x_ptr + r[:, None].to(tl.int64) * columns + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.clamp(x * tl.load(scale_ptr), -fp8_max, fp8_max).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + r[:, None].to(tl.int64) * columns + c[None, :], y, mask=mask)
+        tl.store(out_t_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(y), mask=tl.trans(mask))
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))  # non-negative floats: order-free
+
+    @triton_op("nanotron::fp8_cast_both_layouts", mutates_args={})
+    def cast_both_layouts(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [rows, columns] times ``scale``, clamped and cast to ``dtype``, row-major and transposed, and
+        ``x``'s amax in fp32."""
+        rows, columns = x.shape
+        out = torch.empty((rows, columns), dtype=dtype, device=x.device)
+        out_t = torch.empty((columns, rows), dtype=dtype, device=x.device)
+        amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(rows, CAST_BLOCK_R), triton.cdiv(columns, CAST_BLOCK_C))
+        wrap_triton(_cast_both_layouts_kernel)[grid](x.contiguous(), scale, out, out_t, amax, rows, columns,
+                                                     torch.finfo(dtype).max, BLOCK_R=CAST_BLOCK_R,
+                                                     BLOCK_C=CAST_BLOCK_C, num_warps=CAST_WARPS)
+        return out, out_t, amax
+
+
 def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not (a.is_cuda and hasattr(torch, "_scaled_mm")):
         return False
@@ -228,10 +292,18 @@ class _FP8Linear(torch.autograd.Function):
             grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
-            amax = None if ctx.amaxes is None else ctx.amaxes.amax(GRADIENT, g2)
-            gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, ranges, GRADIENT)
+            amaxes = ctx.amaxes
+            if ranges is None:  # both layouts in one pass (counting the cast's range needs the scaled tensor)
+                recorded = None if amaxes is None else amaxes.recorded_amax(GRADIENT)
+                gq, gq_t, g_scale, seen = quantize_both_layouts(g2, recipe.gradient_dtype, recorded)
+                if amaxes is not None:
+                    amaxes.record(GRADIENT, seen)
+            else:
+                amax = None if amaxes is None else amaxes.amax(GRADIENT, g2)
+                gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, ranges, GRADIENT)
+                gq_t = gq.t()
             grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
-            grad_weight = fp8_mm(gq.t(), g_scale, xq, x_scale, grad.dtype)
+            grad_weight = fp8_mm(gq_t, g_scale, xq, x_scale, grad.dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
         return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None, None
 
