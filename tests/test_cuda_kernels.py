@@ -105,6 +105,12 @@ def test_fp8_scaled_mm_matches_the_emulation(rowwise):
         torch.testing.assert_close(fast, emulated, rtol=2e-2, atol=2e-2)
 
 
+def test_fp8_cast_kernel_matches_the_plain_cast_on_cuda():
+    from test_fp8 import check_cast_both_layouts
+
+    check_cast_both_layouts("cuda")
+
+
 def test_chunked_selective_scan_matches_the_loop_on_cuda():
     from test_mamba import check_chunked_scan
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +92,43 @@ def test_rowwise_scaling_is_closer_than_tensorwise_on_outlier_rows():
         rest = torch.arange(32) != 3
         errors[rowwise] = ((y - exact)[rest].norm() / exact[rest].norm()).item()
     assert errors[True] < 0.1 < errors[False]
+
+
+def check_cast_both_layouts(device: str = "cpu") -> None:
+    """``quantize_both_layouts`` (the Triton kernel on CUDA, or under Triton's interpreter on the CPU) against the
+    plain-torch cast, bit for bit, in both formats: on a shape that is not a multiple of the kernel's tile, with
+    values beyond the format's range (saturated). Off CUDA the inputs are grid points of the format times a power of
+    two, so that no rounding happens: the interpreter rounds some values at the top of a binade down a whole binade
+    (31.49 to 16 in e5m2), so rounding is left to the CUDA run, where the values are random."""
+    from nanotron.nn.fp8 import CAST_BLOCK_C, CAST_BLOCK_R, cast_both_layouts
+
+    generator = torch.Generator().manual_seed(0)
+    rows, columns = CAST_BLOCK_R + 7, CAST_BLOCK_C + 9
+    for dtype in (E4M3, E5M2):
+        finfo = torch.finfo(dtype)
+        values = torch.randn(rows, columns, generator=generator) * 8
+        if device == "cpu":
+            values = values.to(dtype).float()  # grid points
+        x = (values / 4).to(torch.bfloat16)
+        x[0, 0], x[-1, -1] = finfo.max, -finfo.max  # four times the format's range at a scale of 4
+        x = x.to(device)
+        scale = torch.tensor(4.0, device=device)
+        out, out_t, amax = cast_both_layouts(x, scale, dtype)
+        expected = (x.float() * scale).clamp(finfo.min, finfo.max).to(dtype)
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), dtype
+        assert torch.equal(out_t.view(torch.uint8), expected.t().contiguous().view(torch.uint8)), dtype
+        assert amax.item() == x.float().abs().max().item() and out[0, 0].float().item() == finfo.max
+
+
+def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():
+    """The FP8 gradient cast's Triton kernel, run by Triton's interpreter on the CPU."""
+    pytest.importorskip("triton")
+    tests = Path(__file__).parent
+    code = f"import sys; sys.path.insert(0, {str(tests)!r}); from test_fp8 import check_cast_both_layouts; " \
+           "check_cast_both_layouts()"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_delayed_scaling_scales_from_the_history_and_records_each_step():

@@ -116,13 +116,14 @@ def test_the_triton_kernels_equal_the_plain_torch_references():
 
 
 def written_kernel_arguments() -> dict[str, list[str]]:
-    """Each Mamba kernel's arguments that torch.compile's analysis of its Triton IR takes as written, for sm_90 (the
-    analysis only reads the IR, so a CPU build can run it)."""
+    """Each Triton kernel's arguments (Mamba's, and FP8's gradient cast) that torch.compile's analysis of its IR
+    takes as written, for sm_90 (the analysis only reads the IR, so a CPU build can run it)."""
     import triton
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
     from triton.backends.compiler import GPUTarget
 
     from nanotron.nn import causal_conv1d as conv
+    from nanotron.nn import fp8
     from nanotron.nn import selective_scan as scan
 
     class Hopper:
@@ -140,7 +141,9 @@ def written_kernel_arguments() -> dict[str, list[str]]:
     kernels = {"scan forward": (scan._forward_kernel, scan_sizes), "scan backward": (scan._backward_kernel, scan_sizes),
                "conv forward": (conv._conv_forward_kernel, conv_sizes),
                "conv pre-activation gradient": (conv._preactivation_gradient_kernel, conv_sizes),
-               "conv input gradient": (conv._input_gradient_kernel, conv_sizes)}
+               "conv input gradient": (conv._input_gradient_kernel, conv_sizes),
+               "fp8 cast": (fp8._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "fp8_max": 448.0,
+                                                            "BLOCK_R": 32, "BLOCK_C": 128})}
     triton.runtime.driver.set_active(Hopper())
     written = {}
     for name, (kernel, sizes) in kernels.items():
@@ -151,7 +154,7 @@ def written_kernel_arguments() -> dict[str, list[str]]:
 
 
 def test_compiled_graphs_copy_no_input_of_the_kernels():
-    """torch.compile copies every input it believes a user kernel writes before each call; the Mamba kernels must
+    """torch.compile copies every input it believes a user kernel writes before each call; the Triton kernels must
     be seen to write only their outputs (an address computed by a helper that also took input pointers once made it
     copy x, Δ, A, B and C for every backward)."""
     pytest.importorskip("triton")
@@ -168,7 +171,8 @@ def test_compiled_graphs_copy_no_input_of_the_kernels():
         "scan backward": ["dA_ptr", "dB_ptr", "dC_ptr", "ddelta_ptr", "dx_ptr"],
         "conv forward": ["out_ptr"],
         "conv pre-activation gradient": ["dpre_ptr"],
-        "conv input gradient": ["dx_ptr"]}
+        "conv input gradient": ["dx_ptr"],
+        "fp8 cast": ["amax_ptr", "out_ptr", "out_t_ptr"]}
 
 
 def test_the_backward_prefetches_only_where_its_grid_overflows_one_wave(monkeypatch):
