@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_dict
+from conftest import run_with_triton_interpreter, tiny_config_dict
 
 from distributed import run_distributed, run_distributed_each
 
@@ -122,13 +118,7 @@ def check_cast_both_layouts(device: str = "cpu") -> None:
 
 def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():
     """The FP8 gradient cast's Triton kernel, run by Triton's interpreter on the CPU."""
-    pytest.importorskip("triton")
-    tests = Path(__file__).parent
-    code = f"import sys; sys.path.insert(0, {str(tests)!r}); from test_fp8 import check_cast_both_layouts; " \
-           "check_cast_both_layouts()"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_with_triton_interpreter("from test_fp8 import check_cast_both_layouts; check_cast_both_layouts()")
 
 
 def test_delayed_scaling_scales_from_the_history_and_records_each_step():
