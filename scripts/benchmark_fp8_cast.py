@@ -7,7 +7,8 @@ gradient's product, and transposed for the weight gradient's (``torch._scaled_mm
 reduced dimension contiguous). torch.compile fuses the cast and the transposed copy into one kernel with two stores
 (``nn/fp8.py`` as compiled layers run it), with the amax as a separate reduction unless the scale is known. The
 kernel of ``nn/fp8.py`` reads a [rows, columns] tile once and writes both layouts from it, recording the amax with
-one atomic per tile; it is timed here at several tiles. Shapes: the 1B model's gate|up, q|k|v and output-projection gradients at 16,384 tokens.
+one atomic per tile; it is timed here at several tiles. Shapes: the 1B model's gate|up, q|k|v and output-projection
+gradients at 16,384 tokens.
 Every setting's outputs are checked bit for bit against the compiler's; times are ``triton.testing.do_bench``
 medians in ms, with the bandwidth of the 4 bytes moved per element.
 """
