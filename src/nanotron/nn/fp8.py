@@ -209,13 +209,15 @@ if triton is not None:
     CAST_BLOCK_R, CAST_BLOCK_C, CAST_WARPS = 32, 128, 4
 
     @triton.jit
-    def _cast_both_layouts_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, rows, columns, fp8_max,
-                                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _cast_both_layouts_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, rows, columns,
+                                  FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # FP8_MAX is a compile-time constant: torch.compile passes a Python float argument as fp64, and Triton
+        # cannot lower an fp64 clamp followed by a cast to FP8.
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (r[:, None] < rows) & (c[None, :] < columns)
         x = tl.load(x_ptr + r[:, None].to(tl.int64) * columns + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.clamp(x * tl.load(scale_ptr), -fp8_max, fp8_max).to(out_ptr.dtype.element_ty)
+        y = tl.clamp(x * tl.load(scale_ptr), -FP8_MAX, FP8_MAX).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + r[:, None].to(tl.int64) * columns + c[None, :], y, mask=mask)
         tl.store(out_t_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(y), mask=tl.trans(mask))
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))  # non-negative floats: order-free
@@ -231,7 +233,7 @@ if triton is not None:
         amax = torch.zeros((), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, CAST_BLOCK_R), triton.cdiv(columns, CAST_BLOCK_C))
         wrap_triton(_cast_both_layouts_kernel)[grid](x.contiguous(), scale, out, out_t, amax, rows, columns,
-                                                     torch.finfo(dtype).max, BLOCK_R=CAST_BLOCK_R,
+                                                     FP8_MAX=torch.finfo(dtype).max, BLOCK_R=CAST_BLOCK_R,
                                                      BLOCK_C=CAST_BLOCK_C, num_warps=CAST_WARPS)
         return out, out_t, amax
 
