@@ -96,13 +96,20 @@ def test_fp8_scaled_mm_matches_the_emulation(rowwise):
     g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
     matmul = FP8Matmul(FP8Recipe(E5M2, rowwise))
     results = []
-    for device in ("cuda", "cpu"):  # on the CPU the same quantisation, multiplied in fp32
+    # Eager and compiled on CUDA (the compiler builds the Triton cast kernels itself, with its own argument types);
+    # on the CPU the same quantisation, multiplied in fp32.
+    for device, run in (("cuda", matmul), ("cuda", torch.compile(matmul)), ("cpu", matmul)):
         xi, wi = x.to(device).clone().requires_grad_(), w.to(device).clone().requires_grad_()
-        y = matmul(xi, wi)
+        y = run(xi, wi)
         y.backward(g.to(device))
         results.append([t.float().cpu() for t in (y, xi.grad, wi.grad)])
-    for fast, emulated in zip(*results):
-        torch.testing.assert_close(fast, emulated, rtol=2e-2, atol=2e-2)
+    eager, compiled, emulated = results
+    for fast, fast_compiled, reference in zip(eager, compiled, emulated):
+        torch.testing.assert_close(fast, reference, rtol=2e-2, atol=2e-2)
+        # The compiler computes a scale as reciprocal times the format's maximum, an ulp away from the division, and
+        # values of bf16 inputs often sit on a rounding tie of the FP8 grid: a few casts round the other way, by a
+        # whole e5m2 step. Compared as a whole, the products agree; a wrong scale or layout is off by far more.
+        assert (fast_compiled - fast).norm() <= 1e-2 * fast.norm()
 
 
 def test_fp8_cast_kernel_matches_the_plain_cast_on_cuda():
