@@ -205,7 +205,7 @@ def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tenso
 
 if triton is not None:
     # A tile of 32 rows × 128 columns on 4 warps: of eight tiles timed on an H200 at the 1B model's gradient shapes,
-    # the only one within 5% of the fastest at all three (docs/benchmarks.md).
+    # within 8% of the fastest at each shape in every run (docs/benchmarks.md; the tiles differ by microseconds).
     CAST_BLOCK_R, CAST_BLOCK_C, CAST_WARPS = 32, 128, 4
 
     @triton.jit
