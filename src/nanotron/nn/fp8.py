@@ -193,14 +193,15 @@ def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tenso
     the weight gradient's product needs the tokens contiguous), the scale, and ``x``'s own amax (to record when the
     scale came from a history). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
     it, where the compiler's kernel with a transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
-    if amax is None:
-        amax = tensor_amax(x).float()
-    scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
     if triton is not None and x.is_cuda:
+        if amax is None:
+            amax = tensor_amax(x).float()
+        scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
         out, out_t, seen = cast_both_layouts(x, scale, dtype)
         return out, out_t, scale, seen
-    out, _ = quantize(x, dtype, amax=amax)
-    return out, out.t().contiguous(), scale, tensor_amax(x).float()
+    seen = tensor_amax(x).float()
+    out, scale = quantize(x, dtype, amax=seen if amax is None else amax)
+    return out, out.t().contiguous(), scale, seen
 
 
 if triton is not None:
