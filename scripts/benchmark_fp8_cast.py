@@ -40,7 +40,8 @@ def tiled(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int, int]):
     amax = torch.zeros((), device=x.device)
     block_r, block_c, warps = tile
     grid = (triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))
-    _cast_both_layouts_kernel[grid](x, scale, out, out_t, amax, rows, columns, FP8_MAX=E5M2_MAX, BLOCK_R=block_r,
+    _cast_both_layouts_kernel[grid](x, scale, out, out_t, amax, rows, columns, FP8_MAX=E5M2_MAX, RECORD_AMAX=True,
+                                    BLOCK_R=block_r,
                                     BLOCK_C=block_c, num_warps=warps)
     return out, out_t
 

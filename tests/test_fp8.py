@@ -109,11 +109,13 @@ def check_cast_both_layouts(device: str = "cpu") -> None:
         x[0, 0], x[-1, -1] = finfo.max, -finfo.max  # four times the format's range at a scale of 4
         x = x.to(device)
         scale = torch.tensor(4.0, device=device)
-        out, out_t, amax = cast_both_layouts(x, scale, dtype)
         expected = (x.float() * scale).clamp(finfo.min, finfo.max).to(dtype)
-        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), dtype
-        assert torch.equal(out_t.view(torch.uint8), expected.t().contiguous().view(torch.uint8)), dtype
-        assert amax.item() == x.float().abs().max().item() and out[0, 0].float().item() == finfo.max
+        for record_amax in (True, False):
+            out, out_t, amax = cast_both_layouts(x, scale, dtype, record_amax)
+            assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), dtype
+            assert torch.equal(out_t.view(torch.uint8), expected.t().contiguous().view(torch.uint8)), dtype
+            assert amax.item() == (x.float().abs().max().item() if record_amax else 0)
+            assert out[0, 0].float().item() == finfo.max
 
 
 def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():

@@ -143,7 +143,7 @@ def written_kernel_arguments() -> dict[str, list[str]]:
                "conv pre-activation gradient": (conv._preactivation_gradient_kernel, conv_sizes),
                "conv input gradient": (conv._input_gradient_kernel, conv_sizes),
                "fp8 cast": (fp8._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
-                                                            "BLOCK_R": 32, "BLOCK_C": 128})}
+                                                            "RECORD_AMAX": True, "BLOCK_R": 32, "BLOCK_C": 128})}
     triton.runtime.driver.set_active(Hopper())
     written = {}
     for name, (kernel, sizes) in kernels.items():

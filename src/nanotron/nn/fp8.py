@@ -194,11 +194,12 @@ def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tenso
     scale came from a history). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
     it, where the compiler's kernel with a transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
     if triton is not None and x.is_cuda:
-        if amax is None:
+        from_history = amax is not None  # else the amax is reduced first, and the kernel need not record it again
+        if not from_history:
             amax = tensor_amax(x).float()
         scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
-        out, out_t, seen = cast_both_layouts(x, scale, dtype)
-        return out, out_t, scale, seen
+        out, out_t, seen = cast_both_layouts(x, scale, dtype, record_amax=from_history)
+        return out, out_t, scale, seen if from_history else amax
     seen = tensor_amax(x).float()
     out, scale = quantize(x, dtype, amax=seen if amax is None else amax)
     return out, out.t().contiguous(), scale, seen
@@ -211,7 +212,8 @@ if triton is not None:
 
     @triton.jit
     def _cast_both_layouts_kernel(x_ptr, scale_ptr, out_ptr, out_t_ptr, amax_ptr, rows, columns,
-                                  FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                                  FP8_MAX: tl.constexpr, RECORD_AMAX: tl.constexpr, BLOCK_R: tl.constexpr,
+                                  BLOCK_C: tl.constexpr):
         # FP8_MAX is a compile-time constant: torch.compile passes a Python float argument as fp64, and Triton
         # cannot lower an fp64 clamp followed by a cast to FP8.
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -221,21 +223,22 @@ if triton is not None:
         y = tl.clamp(x * tl.load(scale_ptr), -FP8_MAX, FP8_MAX).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + r[:, None].to(tl.int64) * columns + c[None, :], y, mask=mask)
         tl.store(out_t_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(y), mask=tl.trans(mask))
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))  # non-negative floats: order-free
+        if RECORD_AMAX:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))  # non-negative floats: order-free
 
     @triton_op("nanotron::fp8_cast_both_layouts", mutates_args={})
-    def cast_both_layouts(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    def cast_both_layouts(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, record_amax: bool = True
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [rows, columns] times ``scale``, clamped and cast to ``dtype``, row-major and transposed, and
-        ``x``'s amax in fp32."""
+        ``x``'s amax in fp32 (zero unless ``record_amax``)."""
         rows, columns = x.shape
         out = torch.empty((rows, columns), dtype=dtype, device=x.device)
         out_t = torch.empty((columns, rows), dtype=dtype, device=x.device)
         amax = torch.zeros((), dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(rows, CAST_BLOCK_R), triton.cdiv(columns, CAST_BLOCK_C))
         wrap_triton(_cast_both_layouts_kernel)[grid](x.contiguous(), scale, out, out_t, amax, rows, columns,
-                                                     FP8_MAX=torch.finfo(dtype).max, BLOCK_R=CAST_BLOCK_R,
-                                                     BLOCK_C=CAST_BLOCK_C, num_warps=CAST_WARPS)
+                                                     FP8_MAX=torch.finfo(dtype).max, RECORD_AMAX=record_amax,
+                                                     BLOCK_R=CAST_BLOCK_R, BLOCK_C=CAST_BLOCK_C, num_warps=CAST_WARPS)
         return out, out_t, amax
 
 
