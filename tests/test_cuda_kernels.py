@@ -84,16 +84,18 @@ def test_grouped_gemm_experts_match_the_loop_in_bf16_forward_and_backward():
         torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("shape", [(256, 512, 384), (37, 40, 24)], ids=["aligned", "padded"])
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
-def test_fp8_scaled_mm_matches_the_emulation(rowwise):
+def test_fp8_scaled_mm_matches_the_emulation(rowwise, shape):
     from nanotron.nn.fp8 import E5M2, FP8Matmul, FP8Recipe
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     torch.manual_seed(0)
-    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16) * 0.05
-    g = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+    tokens, features_in, features_out = shape  # "padded": no dimension a multiple of 16, as MoE experts' tokens
+    x = torch.randn(tokens, features_in, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(features_out, features_in, device="cuda", dtype=torch.bfloat16) * 0.05
+    g = torch.randn(tokens, features_out, device="cuda", dtype=torch.bfloat16)
     matmul = FP8Matmul(FP8Recipe(E5M2, rowwise))
     results = []
     # Eager and compiled on CUDA (the compiler builds the Triton cast kernels itself, with its own argument types);

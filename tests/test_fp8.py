@@ -90,6 +90,82 @@ def test_rowwise_scaling_is_closer_than_tensorwise_on_outlier_rows():
     assert errors[True] < 0.1 < errors[False]
 
 
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, rowwise):
+    """An MoE expert's token count is rarely a multiple of 16, which ``torch._scaled_mm`` requires of every
+    dimension. A stand-in for it that checks its documented demands (dimensions, a row-major, b column-major, scale
+    shapes) and multiplies as the emulation does: the padded products equal the emulation's."""
+    from nanotron.nn import fp8
+
+    calls = []
+
+    def strict_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        calls.append(a.shape)
+        assert all(d % 16 == 0 for d in (*a.shape, *b.shape)), (a.shape, b.shape)
+        assert a.is_contiguous() and b.t().is_contiguous()
+        assert scale_a.shape in ((), (a.shape[0], 1)) and scale_b.shape in ((), (1, b.shape[1]))
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    torch.manual_seed(0)
+    x, w, g = torch.randn(37, 40), torch.randn(24, 40) * 0.1, torch.randn(37, 24)  # no dimension a multiple of 16
+    results = []
+    for fast in (False, True):
+        if fast:
+            monkeypatch.setattr(fp8, "_has_fp8_matmuls", lambda device: True)
+            monkeypatch.setattr(torch, "_scaled_mm", strict_scaled_mm, raising=False)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = FP8Matmul(FP8Recipe(E5M2, rowwise))(xi, wi)
+        y.backward(g)
+        results.append((y.detach(), xi.grad, wi.grad))
+    assert len(calls) == 3  # the output and both gradients, none left to the emulation
+    for padded, emulated in zip(*reversed(results)):
+        assert padded.shape == emulated.shape
+        torch.testing.assert_close(padded, emulated, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeypatch):
+    """Under torch.compile an expert's token count is symbolic; a product that tested it for ``torch._scaled_mm``'s
+    alignment would guard the graph on it, and every new pattern of aligned and unaligned experts would compile
+    again (on an H200 the mixtral shape hit the recompile limit), as would experts without tokens. The experts
+    align their groups instead: after the first shapes, new counts (aligned, unaligned or zero) compile nothing,
+    and the products equal the eager emulation's."""
+    from torch._dynamo.utils import counters
+
+    from nanotron.models.moe import GroupedExperts
+    from nanotron.nn import fp8
+
+    def aligned_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        torch._check(all(d % 16 == 0 for d in (*a.shape, *b.shape)))
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 16)
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    experts.expert_matmul = FP8Matmul(FP8Recipe(E5M2))
+    compiled = torch.compile(experts)
+    torch._dynamo.reset()
+    # The first two patterns differ in every padded count, so that the compiler makes each of them symbolic.
+    patterns = [[5, 19, 30, 9], [20, 40, 3, 41], [16, 7, 32, 3], [33, 0, 2, 21], [64, 16, 5, 11], [0, 10, 0, 12]]
+    for step, counts in enumerate(patterns):
+        if step == 2:
+            compiles = counters["stats"]["unique_graphs"]
+        counts = torch.tensor(counts)
+        x = torch.randn(int(counts.sum()), 32)
+        with monkeypatch.context() as patched:
+            patched.setattr(fp8, "_has_fp8_matmuls", lambda device: True)
+            patched.setattr(torch, "_scaled_mm", aligned_scaled_mm, raising=False)
+            fast_x = x.clone().requires_grad_()
+            fast = compiled(fast_x, counts)
+            fast.sum().backward()
+        eager_x = x.clone().requires_grad_()
+        eager = experts(eager_x, counts)
+        eager.sum().backward()
+        torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast_x.grad, eager_x.grad, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == compiles
+
+
 def check_cast_both_layouts(device: str = "cpu") -> None:
     """``quantize_both_layouts`` (the Triton kernel on CUDA, or under Triton's interpreter on the CPU) against the
     plain-torch cast, bit for bit, in both formats: on a shape that is not a multiple of the kernel's tile, with

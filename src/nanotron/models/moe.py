@@ -120,7 +120,8 @@ class GroupedExperts(nn.Module):
     On CUDA in bf16 the experts run as two grouped GEMMs (``torch._grouped_mm``, where the torch build has it) over
     the expert offsets, with no host sync; elsewhere a loop over experts is the reference. ``grouped_mm`` forces
     one or the other (tests compare them). ``expert_matmul``, set per instance by a module converter (FP8), is a
-    ``F.linear``-like product that the loop then uses for each expert's two matmuls.
+    ``F.linear``-like product that the loop then uses for each expert's two matmuls; if it has a ``token_alignment``,
+    each expert's tokens are padded with zero rows to a multiple of it.
     """
 
     grouped_mm: bool | None = None  # None: grouped GEMMs where they are supported
@@ -144,11 +145,37 @@ class GroupedExperts(nn.Module):
             hidden = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(swiglu(hidden), self.down_proj.transpose(-2, -1), offs=offsets)
         matmul = self.expert_matmul or F.linear
+        alignment = getattr(matmul, "token_alignment", 1)
+        if alignment > 1:
+            x, rows, counts = _aligned_groups(x, tokens_per_expert, alignment)
+        else:
+            counts = tokens_per_expert.tolist()
         outputs = []
-        for expert, chunk in enumerate(x.split(tokens_per_expert.tolist())):
+        for expert, chunk in enumerate(x.split(counts)):
             hidden = swiglu(matmul(chunk, self.gate_up_proj[expert]))
             outputs.append(matmul(hidden, self.down_proj[expert]))
-        return torch.cat(outputs)
+        out = torch.cat(outputs)
+        return out if alignment == 1 else out.index_select(0, rows)
+
+
+def _aligned_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, alignment: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``x``'s expert groups each padded with zero rows to a multiple of ``alignment`` (at least one: an expert
+    without tokens gets ``alignment`` zero rows): the padded tokens, the row of every token among them, and the
+    padded counts.
+
+    A matmul that needs aligned token counts (FP8's ``torch._scaled_mm``) could pad each product itself, but under
+    torch.compile the counts are symbolic, and testing their alignment guards the graph on it: one graph per pattern
+    of aligned and unaligned experts, past the recompile limit. Counts that are multiples by construction pass
+    that test every time. The compiler also specialises a count of zero (and the product tests for an empty
+    input), so no count is zero either."""
+    padded = ((tokens_per_expert + alignment - 1) // alignment * alignment).clamp(min=alignment)
+    ends = tokens_per_expert.cumsum(0)
+    shift = (padded.cumsum(0) - padded) - (ends - tokens_per_expert)  # each group's start, padded minus unpadded
+    token = torch.arange(x.shape[0], device=x.device)
+    rows = token + shift[torch.searchsorted(ends, token, right=True)]
+    counts = padded.tolist()
+    return x.new_zeros(sum(counts), x.shape[1]).index_copy(0, rows, x), rows, counts
 
 
 class MoEFeedForward(nn.Module):

@@ -24,7 +24,7 @@ as shares of all cast values after every step.
 On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torch._scaled_mm``. Elsewhere an
 emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
 dequantised values in fp32, so the CPU tests exercise the numerics of the GPU path. ``torch._scaled_mm`` needs
-every dimension to be a multiple of 16; a product that is not falls back to the emulation.
+every dimension to be a multiple of 16; other products (MoE experts' token counts) are padded with zeros.
 """
 
 from __future__ import annotations
@@ -242,24 +242,46 @@ if triton is not None:
         return out, out_t, amax
 
 
-def _scaled_mm_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not (a.is_cuda and hasattr(torch, "_scaled_mm")):
-        return False
-    if torch.cuda.get_device_capability(a.device) < (8, 9):
-        return False
-    return all(n % 16 == 0 for n in (*a.shape, b.shape[1]))
+def _has_fp8_matmuls(device: torch.device) -> bool:
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+SCALED_MM_ALIGNMENT = 16  # torch._scaled_mm's requirement on the dimensions of its operands
+
+
+def _padded(x: torch.Tensor, rows: int, columns: int, value: float = 0.0) -> torch.Tensor:
+    """A 2-D ``x`` padded at its end to [rows, columns] with ``value`` (FP8 tensors with zeros, through a byte view:
+    the float8 dtypes have no padding kernels, and zero is the all-zero byte in both formats)."""
+    pad = (0, columns - x.shape[1], 0, rows - x.shape[0])
+    if not any(pad):
+        return x
+    if x.dtype in (E4M3, E5M2):
+        return nn.functional.pad(x.view(torch.uint8), pad).view(x.dtype)
+    return nn.functional.pad(x, pad, value=value)
 
 
 def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
            out_dtype: torch.dtype, fast_accumulation: bool = False) -> torch.Tensor:
     """``(a / a_scale) @ (b / b_scale)`` for FP8 ``a`` [M, K] and ``b`` [K, N] with scales of shape [] or [M, 1]
     and [] or [1, N]. ``fast_accumulation`` lets the GPU accumulate in lower precision (the forward product only,
-    as is usual: gradients keep the full fp32 accumulation)."""
-    if _scaled_mm_supported(a, b):
-        # _scaled_mm takes a row-major and b column-major, and the dequantising (inverse) scales.
-        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
-                                scale_b=b_scale.reciprocal(), out_dtype=out_dtype, use_fast_accum=fast_accumulation)
-    return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
+    as is usual: gradients keep the full fp32 accumulation).
+
+    ``torch._scaled_mm`` wants every dimension a multiple of 16; other operands are padded with zeros (their scales
+    with ones), which adds nothing to the product, and the result is cut back to [M, N]. (MoE experts align their
+    token groups before the products: ``FP8Matmul.token_alignment``.)"""
+    if not _has_fp8_matmuls(a.device):
+        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
+    (m, k), n = a.shape, b.shape[1]
+    rows, inner, columns = (-(-d // SCALED_MM_ALIGNMENT) * SCALED_MM_ALIGNMENT for d in (m, k, n))
+    # _scaled_mm takes a row-major and b column-major, and the dequantising (inverse) scales.
+    a = _padded(a.contiguous(), rows, inner)
+    b = _padded(b.t().contiguous(), columns, inner).t()
+    a_scale = _padded(a_scale, rows, 1, 1.0) if a_scale.dim() else a_scale
+    b_scale = _padded(b_scale, 1, columns, 1.0) if b_scale.dim() else b_scale
+    out = torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
+                           use_fast_accum=fast_accumulation)
+    return out[:m, :n].contiguous()
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -316,7 +338,10 @@ class _FP8Linear(torch.autograd.Function):
 
 class FP8Matmul:
     """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside; ``amaxes`` for delayed scaling,
-    ``ranges`` to count the casts' saturated and flushed values."""
+    ``ranges`` to count the casts' saturated and flushed values. ``token_alignment`` asks MoE experts to pad each
+    expert's tokens to a multiple of ``torch._scaled_mm``'s alignment (``GroupedExperts``)."""
+
+    token_alignment = SCALED_MM_ALIGNMENT
 
     def __init__(self, recipe: FP8Recipe, amaxes: AmaxHistory | None = None, ranges: FP8RangeCounts | None = None):
         self.recipe, self.amaxes, self.ranges = recipe, amaxes, ranges
