@@ -41,8 +41,7 @@ def tiled(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int, int]):
     block_r, block_c, warps = tile
     grid = (triton.cdiv(rows, block_r), triton.cdiv(columns, block_c))
     _cast_both_layouts_kernel[grid](x, scale, out, out_t, amax, rows, columns, FP8_MAX=E5M2_MAX, RECORD_AMAX=True,
-                                    BLOCK_R=block_r,
-                                    BLOCK_C=block_c, num_warps=warps)
+                                    BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
     return out, out_t
 
 
