@@ -10,9 +10,10 @@ eagerly; ``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan'
 ``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``, none. Step times are
 measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU,
 TFLOP/s/GPU, MFU (FLOPs per token in Megatron-LM's convention, from nanotron's model family: the LM head counted, the
-input-embedding lookup not; for a mixture of experts the parameters a token uses), peak memory (the largest over ranks, and each rank's), and how
-much of the peak the weights, gradients and optimizer state take (``state_memory_gb``: what is allocated when a step
-starts, plus the gradients a loop frees after each update) and the rest, the activations.
+input-embedding lookup not; for a mixture of experts the parameters a token uses), peak memory (the largest over
+ranks, and each rank's), and how much of the peak the weights, gradients and optimizer state take
+(``state_memory_gb``: what is allocated when a step starts, plus the gradients a loop frees after each update) and
+the rest, the activations (``activation_memory_gb``).
 
 ``--versus`` and ``--versus-override`` train a second nanotron run in the same command, another preset (a Llama of
 the Mamba's size) or the same one with other overrides (FP8 against bf16); ``--torchao`` also trains the compiled
