@@ -314,6 +314,7 @@ def free_memory() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     arguments = sys.argv[1:] if argv is None else argv
+    environment = dict(os.environ)  # as launched: the compiler sets variables of its own later
     args = parse_args(arguments)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     problem = argument_problem(args, world)
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu=torch.cuda.get_device_name(), world_size=world, commit=commit[0], dirty=commit[1],
         torch_version=torch.__version__,
         versions=installed_versions(LIBRARIES),
-        command=command_line([Path(__file__).resolve().relative_to(ROOT).as_posix(), *arguments], dict(os.environ)),
+        command=command_line([Path(__file__).resolve().relative_to(ROOT).as_posix(), *arguments], environment),
         sequence_length=args.sequence_length, micro_batch_size=args.micro_batch_size, accumulation=args.accumulation,
         steps=args.steps, warmup=args.warmup, systems=systems, reference=first_name)
     path = write_record(record, args.results_dir, args.name or args.preset)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -68,8 +69,11 @@ def fake_systems(monkeypatch):
     monkeypatch.setattr(benchmark, "library_problem", lambda peer: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for variable in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", *benchmark_record.RECORDED_ENVIRONMENT):
+        monkeypatch.delenv(variable, raising=False)
+    for variable in list(os.environ):
+        if variable.startswith(benchmark_record.RECORDED_ENVIRONMENT_PREFIXES):  # e.g. set by an earlier compile
+            monkeypatch.delenv(variable)
     return calls
 
 
