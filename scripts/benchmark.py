@@ -1,35 +1,48 @@
-"""Training throughput of nanotron, side by side with a plain Hugging Face ``transformers`` loop, on CUDA.
+"""Training throughput of nanotron, side by side with what a user would train the same model with instead, on CUDA.
 
-    python scripts/benchmark.py --data work/data/tokenized --output bench.json [--preset llama1b] [--steps 20]
-    torchrun --nproc_per_node=2 scripts/benchmark.py --data ... --output ... --override parallelism.dp=2
+    python scripts/benchmark.py --data work/data/tokenized [--preset llama1b] [--peer hf liger torchtitan] [--steps 20]
+    torchrun --nproc_per_node=2 scripts/benchmark.py --data ... --override parallelism.dp=2
 
-Both systems train the same model shape on the same batches (bf16 weights; nanotron with fp32 master weights and
-fp32 gradient accumulation, Hugging Face with fused AdamW and SDPA attention). Step times are measured with CUDA
-events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU, TFLOP/s/GPU, MFU
-(FLOPs/token from the model family: for Llama 6·parameters + 6·layers·hidden·sequence, for a mixture of experts
-the parameters a token uses) and peak memory (the largest over ranks, and each rank's).
-The Hugging Face loop runs only on a single process, eagerly unless ``--hf-compile``; for Mamba presets
-``--mamba-ssm`` trains the authors' model with its CUDA kernels instead. ``--versus`` and ``--versus-override``
-train a second nanotron run in the same command, another preset (a Llama of the Mamba's size) or the same one with
-other overrides (FP8 against bf16), and report the tokens/s ratio; ``--torchao`` trains the compiled Hugging Face
-loop twice, in bf16 and with torchao's float8 training, as the peer of nanotron's FP8. Results go to ``--output``
-(JSON) and markdown rows are printed.
+Every system trains the same model shape on the same batches: nanotron (fp32 master weights and fp32 gradient
+accumulation) and, on a single process, the peers of ``--peer`` (``scripts/benchmark_peers.py``): by default the
+Hugging Face ``transformers`` loop with its decoder layers and loss compiled (``hf``); ``hf-eager``, the same loop
+eagerly; ``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan's own Llama 3 training (Llama presets);
+``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``, none. Step times are
+measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU,
+TFLOP/s/GPU, MFU (FLOPs per token in Megatron-LM's convention, from nanotron's model family: the LM head counted, the
+input-embedding lookup not; for a mixture of experts the parameters a token uses), peak memory (the largest over
+ranks, and each rank's), and how much of the peak the weights, gradients and optimizer state take
+(``state_memory_gb``: what is allocated when a step starts, plus the gradients a loop frees after each update) and
+the rest, the activations (``activation_memory_gb``).
 
-    python scripts/benchmark.py --data ... --output fp8.json --override fp8.enabled=true \
+``--versus`` and ``--versus-override`` train a second nanotron run in the same command, another preset (a Llama of
+the Mamba's size) or the same one with other overrides (FP8 against bf16); ``--torchao`` also trains the compiled
+Hugging Face loop with torchao's float8 training, the peer of nanotron's FP8. Every run writes its record to
+``benchmarks/results/<date>-<gpu>-<name>.json`` (``scripts/benchmark_record.py``; ``--output`` writes a copy) and
+prints its rows; ``scripts/benchmark_table.py`` writes the README's table from the records.
+
+    python scripts/benchmark.py --data ... --name fp8-torchao --override fp8.enabled=true \
       --versus-override fp8.enabled=false --torchao tensorwise
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from benchmark_peers import LIBRARIES, PEERS, build_peer, library_problem, peer_problem
+from benchmark_record import (RESULTS, build_record, command_line, git_commit, installed_versions, memory_fields,
+                              nanotron_names, write_record)
+from benchmark_table import HEADER, record_label, record_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {
@@ -51,14 +64,16 @@ PRESETS = {
     "llama1.4b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
                   "num_key_value_heads": 16, "vocab_size": 50280, "tie_word_embeddings": True},
 }
-# nanotron config keys -> transformers config keys where they differ; the markers have no counterpart.
-HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None}
 
 
-def timed(step_fn, steps: int, warmup: int) -> list[float]:
-    """Seconds per step, measured with CUDA events, warm-up excluded."""
-    times = []
+def timed(step_fn, steps: int, warmup: int) -> tuple[list[float], int]:
+    """Seconds per step, measured with CUDA events, warm-up excluded; and the bytes allocated when the first timed
+    step starts (the optimizer state exists by then: ``--warmup`` is at least 1)."""
+    times, step_start = [], 0
     for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            step_start = torch.cuda.memory_allocated()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step_fn(i)
@@ -66,7 +81,7 @@ def timed(step_fn, steps: int, warmup: int) -> list[float]:
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(end) / 1e3)
-    return times
+    return times, step_start
 
 
 def summary(times: list[float], tokens_per_step: int, world: int, flops_per_token: float, peak: float | None) -> dict:
@@ -74,8 +89,35 @@ def summary(times: list[float], tokens_per_step: int, world: int, flops_per_toke
     per_gpu = tokens_per_step / step / world
     tflops = per_gpu * flops_per_token / 1e12
     return {"step_time_s": step, "tokens_per_sec": tokens_per_step / step, "tokens_per_sec_per_gpu": per_gpu,
-            "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / peak if peak else None,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+            "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / peak if peak else None}
+
+
+def measured_memory(step_start: int, baseline: int, freed_gradient_bytes: int) -> dict:
+    """Peak, state and activation memory of the run just timed, on this rank and over all ranks (the largest)."""
+    mine = {"peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+    mine |= memory_fields(torch.cuda.max_memory_allocated(), step_start, baseline, freed_gradient_bytes)
+    result = {}
+    for key, value in mine.items():
+        ranks = per_rank(value)
+        result |= {key: max(ranks), f"{key}_per_rank": ranks}
+    return result
+
+
+def per_rank(value: float) -> list[float]:
+    """``value`` of every rank, in rank order (pipeline stages and shards differ)."""
+    if not dist.is_initialized():
+        return [value]
+    mine = torch.tensor([value], device="cuda", dtype=torch.float64)
+    values = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, mine)
+    return [v.item() for v in values]
+
+
+def precision(config) -> str:
+    """``fp8`` for FP8 linears, else the model dtype (``bf16``, ``fp32``)."""
+    if config.fp8 is not None and config.fp8.enabled:
+        return "fp8"
+    return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.model.dtype, config.model.dtype)
 
 
 def nanotron_config(args, preset: str, overrides: list[str]):
@@ -107,6 +149,7 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
     from nanotron.optim.lr_schedule import learning_rate_at
     from nanotron.trainer import Trainer
 
+    baseline = torch.cuda.memory_allocated()
     trainer = Trainer(nanotron_config(args, preset, overrides))
     config = trainer.config
     loader = trainer._loader(config.data_stages[0])
@@ -117,15 +160,35 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
     def step(i):
         trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
 
-    times = timed(step, args.steps, args.warmup)
+    times, step_start = timed(step, args.steps, args.warmup)
+    memory = measured_memory(step_start, baseline, freed_gradient_bytes=0)  # gradient buckets outlive the step
     if profile:
         write_profile(step, profile)
     saves = time_saves(trainer) if args.save_to else None
-    result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token, trainer.peak_flops)
-    per_rank = peak_memory_per_rank()
-    return result | {"peak_memory_gb": max(per_rank), "peak_memory_gb_per_rank": per_rank,
-                     "parameters": trainer.num_parameters, "flops_per_token": trainer.flops_per_token,
-                     "layout": trainer.pc.sizes, "saves": saves}, batches[0]
+    result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token,
+                     trainer.peak_flops)
+    fp8 = config.fp8.recipe if precision(config) == "fp8" else None
+    return result | memory | {"preset": preset, "overrides": overrides, "precision": precision(config),
+                              "fp8_recipe": fp8, "parameters": trainer.num_parameters,
+                              "flops_per_token": trainer.flops_per_token, "layout": trainer.pc.sizes,
+                              "saves": saves}, batches[0]
+
+
+def run_peer(args, peer: str, micro_batches: list[dict], flops_per_token: float, peak: float | None,
+             float8_recipe: str | None = None) -> dict:
+    """A peer on one GPU on nanotron's first batch: the same tokens per step, FLOPs per token and peak FLOP/s."""
+    baseline = torch.cuda.memory_allocated()
+    loop = build_peer(peer, PRESETS[args.preset], args.sequence_length, "cuda", args.hf_experts, float8_recipe)
+    try:
+        batches = [{key: mb[key].cuda() for key in ("input_ids", "labels")} for mb in micro_batches]
+        freed = {}
+        torch.cuda.reset_peak_memory_stats()
+        times, step_start = timed(loop.step_function(batches, freed), args.steps, args.warmup)
+        memory = measured_memory(step_start, baseline, freed["gradient_bytes"])
+    finally:
+        loop.restore()
+    tokens = sum(mb["input_ids"].numel() for mb in batches)
+    return summary(times, tokens, 1, flops_per_token, peak) | memory | {"layout": "1 GPU"}
 
 
 def time_saves(trainer, repeats: int = 2) -> dict:
@@ -147,16 +210,6 @@ def time_saves(trainer, repeats: int = 2) -> dict:
             total.append(time.perf_counter() - start)
         result[label] = {"blocking_s": blocking, "total_s": total}
     return result
-
-
-def peak_memory_per_rank() -> list[float]:
-    """Every rank's peak allocated memory in GB, in rank order (pipeline stages and shards differ)."""
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device="cuda")
-    if not dist.is_initialized():
-        return [peak.item()]
-    peaks = [torch.empty_like(peak) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, peak)
-    return [p.item() for p in peaks]
 
 
 def write_profile(step_fn, path: Path, steps: int = 3) -> None:
@@ -203,80 +256,15 @@ def idle_gaps(profiler, steps: int, shown: int = 25) -> str:
     return "\n".join(lines)
 
 
-def run_hf(args, micro_batches: list[dict], flops_per_token: float, peak: float | None,
-           float8_recipe: str | None = None) -> dict:
-    """The ``transformers`` model of the preset in a plain loop; with ``float8_recipe``, its decoder layers' linears
-    converted to torchao's float8 training (the LM head stays bf16, as nanotron's FP8 keeps it)."""
-    import transformers
-
-    preset = {HF_NAMES.get(key, key): value for key, value in PRESETS[args.preset].items()}
-    preset.pop(None, None)
-    family = "Mixtral" if "num_local_experts" in preset else "Llama"
-    experts = {"experts_implementation": args.hf_experts} if family == "Mixtral" else {}
-    config = getattr(transformers, f"{family}Config")(**preset, max_position_embeddings=args.sequence_length,
-                                                      attn_implementation="sdpa", dtype=torch.bfloat16, **experts)
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{family}ForCausalLM")(config).to("cuda", torch.bfloat16).train()
-    if float8_recipe is not None:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8_recipe),
-                                   module_filter_fn=lambda module, name: name.startswith("model.layers."))
-    layers = model.model.layers if args.hf_compile else None
-    return train_peer(args, model, lambda input_ids: model(input_ids=input_ids).logits, layers, micro_batches,
-                      flops_per_token, peak)
-
-
-def run_mamba_ssm(args, micro_batches: list[dict], flops_per_token: float, peak: float | None) -> dict:
-    """The authors' ``mamba_ssm`` model (its CUDA selective scan, causal-conv1d and fused add-norm kernels)."""
-    from mamba_ssm.models.config_mamba import MambaConfig
-    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-
-    preset = PRESETS[args.preset]
-    config = MambaConfig(d_model=preset["d_model"], n_layer=preset["num_hidden_layers"],
-                         vocab_size=preset["vocab_size"], ssm_cfg={"layer": "Mamba1", **preset["ssm_cfg"]},
-                         rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8,
-                         tie_embeddings=preset["tie_word_embeddings"])
-    torch.manual_seed(0)
-    model = MambaLMHeadModel(config, device="cuda", dtype=torch.bfloat16).train()
-    return train_peer(args, model, lambda input_ids: model(input_ids).logits, None, micro_batches, flops_per_token,
-                      peak)
-
-
-def train_peer(args, model, logits_of, compiled_layers, micro_batches: list[dict], flops_per_token: float,
-               peak: float | None) -> dict:
-    """A plain loop on one GPU: bf16 weights, fused AdamW, the same batches, clipping and accumulation."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    batches = [{k: v.cuda() for k, v in mb.items()} for mb in micro_batches]
-
-    def loss_of(logits, labels):
-        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-    if compiled_layers is not None:  # as nanotron's model.compile: every decoder layer and the loss
-        # Each Hugging Face layer holds its own layer_idx, so each compiles once: allow one graph per layer.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(compiled_layers))
-        for layer in compiled_layers:
-            layer.compile()
-        loss_of = torch.compile(loss_of)
-    torch.cuda.reset_peak_memory_stats()
-
-    def step(_):
-        for mb in batches:
-            loss = loss_of(logits_of(mb["input_ids"]), mb["labels"])
-            (loss / len(batches)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    tokens = sum(mb["input_ids"].numel() for mb in batches)
-    return summary(timed(step, args.steps, args.warmup), tokens, 1, flops_per_token, peak)
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, required=True, help="a preprocessed folder (token ids < the vocabulary)")
-    parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
+    parser.add_argument("--peer", nargs="+", choices=sorted(PEERS), default=["hf"],
+                        help="systems trained beside nanotron on one GPU (default: hf, the compiled transformers "
+                             "loop): hf, hf-eager, liger (transformers + Liger kernels), torchtitan (Llama presets), "
+                             "mamba-ssm (Mamba presets)")
+    parser.add_argument("--no-peers", "--no-hf", dest="no_peers", action="store_true", help="train nanotron only")
     parser.add_argument("--versus", choices=sorted(PRESETS),
                         help="also train this nanotron preset on the same batches and report the tokens/s ratio")
     parser.add_argument("--versus-override", nargs="*", default=[],
@@ -286,75 +274,92 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face loop")
-    parser.add_argument("--hf-compile", action="store_true",
-                        help="compile the Hugging Face decoder layers and loss (by default its loop runs eagerly)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (at least 1)")
     parser.add_argument("--hf-experts", default="grouped_mm",
                         help="transformers' experts implementation for MoE presets (grouped_mm, batched_mm, eager)")
     parser.add_argument("--torchao", choices=("tensorwise", "rowwise"),
-                        help="train the compiled Hugging Face loop in bf16, then with torchao's float8 training of "
-                             "this recipe, and report its ratio (install torchao first)")
-    parser.add_argument("--mamba-ssm", action="store_true",
-                        help="for a Mamba preset, train mamba_ssm's model (its CUDA kernels) instead of transformers'")
+                        help="also train the compiled Hugging Face loop with torchao's float8 training of this "
+                             "recipe (needs --peer hf, its bf16 counterpart; install torchao first)")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
     parser.add_argument("--save-to", type=Path, help="also time checkpoint saves (foreground, background) into here")
-    args = parser.parse_args()
+    parser.add_argument("--name", help="the record's name: benchmarks/results/<date>-<gpu>-<name>.json (default: "
+                                       "the preset)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where records go")
+    parser.add_argument("--output", type=Path, help="also write the record here")
+    parser.add_argument("--commit", help="the measured code's commit, for a copy of the tree without git metadata")
+    args = parser.parse_args(argv)
+    args.peer = [] if args.no_peers else list(dict.fromkeys(args.peer))
+    return args
+
+
+def argument_problem(args: argparse.Namespace, world_size: int) -> str | None:
+    """What is wrong with the command, found before anything is allocated."""
+    if args.warmup < 1:
+        return "--warmup must be at least 1: the memory split is read once the optimizer state exists"
+    if args.torchao and "hf" not in args.peer:
+        return "--torchao compares torchao's float8 with the compiled Hugging Face loop: keep --peer hf"
+    if world_size > 1:
+        return None  # peers run on one process only
+    problems = [peer_problem(peer, args.preset, PRESETS[args.preset]) for peer in args.peer]
+    if args.torchao:
+        problems.append(library_problem("torchao"))
+    return next((problem for problem in problems if problem is not None), None)
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    arguments = sys.argv[1:] if argv is None else argv
+    environment = dict(os.environ)  # as launched: the compiler sets variables of its own later
+    args = parse_args(arguments)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = argument_problem(args, world)
+    if problem is not None:
+        sys.exit(f"error: {problem}")
+    commit = (args.commit, False) if args.commit else git_commit(ROOT)
+    if commit is None:
+        sys.exit(f"error: {ROOT} is not a git checkout: pass --commit with the measured code's commit")
     if not torch.cuda.is_available():
         sys.exit("error: the benchmark needs a CUDA device")
-    mamba = bool(PRESETS[args.preset].get("is_mamba_config"))
-    if args.mamba_ssm and not mamba:
-        sys.exit(f"error: --mamba-ssm needs a Mamba preset, not {args.preset}")
-    if mamba and not (args.mamba_ssm or args.no_hf):
-        sys.exit(f"error: {args.preset} has no transformers loop here; pass --mamba-ssm (the authors' kernels) "
-                 "or --no-hf")
-    if args.torchao and (mamba or args.no_hf):
-        sys.exit("error: --torchao trains the Hugging Face loop: drop --no-hf, and use a transformer preset")
-    args.hf_compile = args.hf_compile or bool(args.torchao)  # float8 pays only compiled
 
-    nanotron, micro_batches = run_nanotron(args, args.preset, args.override, args.profile)
-    results = {"preset": args.preset, "sequence_length": args.sequence_length, "micro_batch_size": args.micro_batch_size,
-               "accumulation": args.accumulation, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "hf_compiled": args.hf_compile, "nanotron": nanotron}
-    rows, ratios = [(" ".join([args.preset, *args.override]), nanotron)], []
+    first, micro_batches = run_nanotron(args, args.preset, args.override, args.profile)
+    second = None
     if args.versus or args.versus_override:
-        gc.collect()
-        torch.cuda.empty_cache()
-        preset = args.versus or args.preset
-        second = run_nanotron(args, preset, args.override + args.versus_override)[0]
-        label = " ".join([preset, *args.versus_override])
-        results["versus"] = {"preset": preset, "overrides": args.versus_override, "nanotron": second,
-                             "ratio": nanotron["tokens_per_sec"] / second["tokens_per_sec"]}
-        rows.append((label, second))
-        ratios.append((rows[0][0], label, results["versus"]["ratio"]))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 and (args.mamba_ssm or not args.no_hf):
+        free_memory()
+        second = run_nanotron(args, args.versus or args.preset, args.override + args.versus_override)[0]
+    first_name, second_name = nanotron_names(first, second)
+    systems = {first_name: first} | ({second_name: second} if second is not None else {})
+    if world == 1:
         from nanotron.metrics import peak_flops
 
         peak = peak_flops(torch.device("cuda"), torch.bfloat16)
-        peers = [("mamba_ssm", run_mamba_ssm, {})] if args.mamba_ssm else [("hf", run_hf, {})]
+        runs = [(PEERS[peer], peer, None) for peer in args.peer]
         if args.torchao:
-            peers.append((f"hf_torchao_{args.torchao}", run_hf, {"float8_recipe": args.torchao}))
-        for name, run_peer, options in peers:
-            gc.collect()
-            torch.cuda.empty_cache()
-            results[name] = run_peer(args, micro_batches, nanotron["flops_per_token"], peak, **options)
-            rows.append((name, results[name] | {"layout": "1 GPU"}))
-        first = peers[0][0]
-        results["speedup"] = nanotron["tokens_per_sec"] / results[first]["tokens_per_sec"]
-        ratios.append((rows[0][0], first, results["speedup"]))
-        for name, _, _ in peers[1:]:  # torchao's float8 against the same loop in bf16
-            results[f"{name}_ratio"] = results[name]["tokens_per_sec"] / results[first]["tokens_per_sec"]
-            ratios.append((name, first, results[f"{name}_ratio"]))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        args.output.write_text(json.dumps(results, indent=2))
-        print("| run | layout | tokens/s | tokens/s/GPU | MFU | peak memory (GB) |")
-        for label, row in rows:
-            print(f"| {label} | {row['layout']} | {row['tokens_per_sec']:,.0f} | {row['tokens_per_sec_per_gpu']:,.0f} "
-                  f"| {row['mfu'] or 0:.1%} | {row['peak_memory_gb']:.1f} |")
-        for numerator, denominator, ratio in ratios:
-            print(f"{numerator} / {denominator}: {ratio:.2f}x tokens/s")
+            runs.append((f"torchao-float8-{args.torchao}", "hf", args.torchao))
+        for name, peer, recipe in runs:
+            free_memory()
+            systems[name] = run_peer(args, peer, micro_batches, first["flops_per_token"], peak, recipe)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if world > 1 and args.peer:
+        print(f"peers ({', '.join(args.peer)}) train on one process only: not run with {world} processes")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = build_record(
+        date=datetime.date.today().isoformat(), recorded_at=now.isoformat(timespec="seconds"), preset=args.preset,
+        gpu=torch.cuda.get_device_name(), world_size=world, commit=commit[0], dirty=commit[1],
+        torch_version=torch.__version__,
+        versions=installed_versions(LIBRARIES),
+        command=command_line([Path(__file__).resolve().relative_to(ROOT).as_posix(), *arguments], environment),
+        sequence_length=args.sequence_length, micro_batch_size=args.micro_batch_size, accumulation=args.accumulation,
+        steps=args.steps, warmup=args.warmup, systems=systems, reference=first_name)
+    path = write_record(record, args.results_dir, args.name or args.preset)
+    if args.output:
+        args.output.write_text(json.dumps(record, indent=2) + "\n")
+    print("\n".join([HEADER, *record_rows(record, record_label(record)), f"record: {path}"]))
 
 
 if __name__ == "__main__":

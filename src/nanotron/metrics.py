@@ -1,7 +1,8 @@
 """Throughput and utilisation figures, defined once so every report uses the same formulas.
 
-FLOPs per token come from the model family (``ModelSpec.costs``; for Llama ``6 * parameters + 6 * layers * hidden *
-sequence``, the causal count of attention). MFU divides the achieved FLOP/s by the device's dense peak for the
+FLOPs per token come from the model family (``ModelSpec.costs``), in Megatron-LM's convention: 6 per weight a token
+uses (forward and backward), the LM head included and the input-embedding lookup not, plus ``6 * layers * hidden *
+sequence`` for causal attention. MFU divides the achieved FLOP/s by the device's dense peak for the
 training dtype; on a device missing from the table no MFU is reported rather than a wrong one. MFU counts only the
 model's FLOPs, however the run computes them; the hardware figure adds the work done on top of them (recomputed
 layers): it tells how busy the devices were rather than how fast the model trains.

@@ -201,20 +201,22 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
 
     6 FLOPs per used weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
     weighted sum cost 4 * hidden * s FLOPs per token and layer in the forward over a full s x s matrix, half of that
-    with the causal mask, so 6 * hidden * s per token and layer for forward and backward. The embedding counts
-    with its parameters (as the tied LM head matmul, or the lookup), as in the 6N convention; so do the q|k|v
-    biases (a negligible overcount of their additions)."""
+    with the causal mask, so 6 * hidden * s per token and layer for forward and backward. As in Megatron-LM's count,
+    the LM head's matmul counts and the input-embedding lookup (a gather) does not: a tied matrix counts once, as the
+    LM head, and an untied embedding adds parameters but no FLOPs. The norms' weights and the q|k|v biases count
+    like weights (a negligible overcount of their multiplications and additions)."""
     qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     attention = c.hidden_size * qkv_width + (qkv_width if c.attention_bias else 0)
     attention += c.num_attention_heads * c.head_dim * c.hidden_size
     other = attention + 2 * c.hidden_size  # attention and the two norms
-    embeddings = padded_vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    lm_head = padded_vocab_size * c.hidden_size
+    embeddings = lm_head * (1 if c.tie_word_embeddings else 2)
     parameters = sum(other + total for total, _ in feed_forward) + embeddings + c.hidden_size
-    active = sum(other + used for _, used in feed_forward) + embeddings + c.hidden_size
+    active = sum(other + used for _, used in feed_forward) + c.hidden_size + lm_head  # not the lookup
     attention_flops = 6.0 * c.hidden_size * sequence_length
     return ModelCosts(
         parameters=parameters,
         layer_flops=tuple(6.0 * (other + used) + attention_flops for _, used in feed_forward),
-        head_flops=6.0 * padded_vocab_size * c.hidden_size,
+        head_flops=6.0 * lm_head,
         flops_per_token=6.0 * active + c.num_hidden_layers * attention_flops,
     )

@@ -1,0 +1,269 @@
+"""The systems ``scripts/benchmark.py`` trains beside nanotron: what a user would train the same model with instead.
+
+Each peer is built as a ``TrainingLoop`` on one device at the preset's shape (a nanotron model-config dict) and
+trained on nanotron's own batches, the micro-batch losses averaged, gradients clipped at 1.0:
+
+- ``hf``: the ``transformers`` model in bf16 with fused AdamW, each decoder layer and the loss compiled (as
+  nanotron's ``model.compile``); ``hf-eager``: the same loop eagerly; with a torchao recipe, its decoder layers'
+  linears in torchao's float8 training (the LM head stays bf16, as nanotron's FP8 keeps it).
+- ``liger``: that model with Liger's kernels (RoPE, RMSNorm, SwiGLU, the fused linear cross-entropy that never
+  builds the logits), eager, as Liger is used (compiled it is slower: its kernels break the graphs).
+- ``torchtitan``: torchtitan's own Llama 3 at the preset's shape, its ``parallelize_llama`` (each block compiled,
+  no activation checkpointing), its loss and AdamW, fp32 parameters under bf16 autocast as it trains on one GPU.
+  Llama presets only.
+- ``mamba-ssm``: the authors' Mamba with its CUDA kernels (Mamba presets).
+
+``peer_problem`` says, before anything is allocated, why a peer cannot run (another model family, a library that
+does not import).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from benchmark_record import tensor_bytes
+
+# --peer name -> the system's name in the record.
+PEERS = {"hf": "hf-compiled", "hf-eager": "hf-eager", "liger": "liger", "torchtitan": "torchtitan",
+         "mamba-ssm": "mamba-ssm"}
+# What each peer imports, and how to get it.
+REQUIREMENTS = {
+    "hf": (("transformers",), "transformers (pip install -e '.[hf]')"),
+    "hf-eager": (("transformers",), "transformers (pip install -e '.[hf]')"),
+    "liger": (("transformers", "liger_kernel.transformers"),
+              "liger-kernel 0.8.5 (scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
+    "torchtitan": (("torchtitan.models.llama3",), "torchtitan 0.2.2 and what it imports "
+                   "(scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
+    "mamba-ssm": (("mamba_ssm.models.mixer_seq_simple",), "mamba-ssm and causal-conv1d (built for the GPU)"),
+    "torchao": (("transformers", "torchao.float8"), "torchao (pip install torchao)"),
+}
+# The libraries whose versions a record keeps.
+LIBRARIES = ("transformers", "liger-kernel", "torchtitan", "torchao", "mamba-ssm", "triton")
+# nanotron config keys -> transformers config keys where they differ; the markers have no counterpart.
+HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None}
+
+
+def family(preset: dict) -> str:
+    if preset.get("is_mamba_config"):
+        return "mamba"
+    return "mixtral" if preset.get("is_llamoe_config") else "llama"
+
+
+def peer_problem(peer: str, preset_name: str, preset: dict) -> str | None:
+    """Why ``peer`` cannot train ``preset`` here (its family, or its library does not import), else None."""
+    kind = family(preset)
+    if peer == "torchtitan" and kind != "llama":
+        described = {"mixtral": "mixture-of-experts", "mamba": "Mamba"}[kind]
+        return f"--peer torchtitan trains torchtitan's Llama 3 only; {preset_name} is a {described} preset"
+    if peer == "mamba-ssm" and kind != "mamba":
+        return f"--peer mamba-ssm needs a Mamba preset, not {preset_name}"
+    if peer != "mamba-ssm" and kind == "mamba":
+        return (f"{preset_name} has no --peer {peer} here; use --peer mamba-ssm (the authors' kernels) or "
+                "--no-peers")
+    return library_problem(peer)
+
+
+def library_problem(peer: str) -> str | None:
+    """Why the libraries ``peer`` (or ``torchao``) trains with do not import here, else None."""
+    modules, install = REQUIREMENTS[peer]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            flag = "--torchao" if peer == "torchao" else f"--peer {peer}"
+            return f"{flag} needs {install}: importing {module} failed ({error})"
+    return None
+
+
+@dataclass
+class TrainingLoop:
+    """A peer ready to train: ``loss_of`` maps a micro-batch (``input_ids``, ``labels``) to its mean loss;
+    ``restore`` undoes what building it changed outside the model."""
+
+    parameters: list[torch.nn.Parameter]
+    optimizer: Any  # step(), zero_grad(set_to_none=True)
+    loss_of: Callable[[dict], torch.Tensor]
+    clip: Callable[[list[torch.nn.Parameter]], Any] = field(
+        default=lambda parameters: torch.nn.utils.clip_grad_norm_(parameters, 1.0))
+    restore: Callable[[], None] = field(default=lambda: None)
+
+    def step_function(self, micro_batches: list[dict], freed: dict) -> Callable[[int], None]:
+        """One training step per call; the first records in ``freed["gradient_bytes"]`` the gradients' bytes, which
+        the loop frees after every update (``zero_grad(set_to_none=True)``)."""
+
+        def step(i: int) -> None:
+            for micro_batch in micro_batches:
+                (self.loss_of(micro_batch) / len(micro_batches)).backward()
+            if i == 0:
+                freed["gradient_bytes"] = tensor_bytes(p.grad for p in self.parameters if p.grad is not None)
+            self.clip(self.parameters)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+
+def build_peer(peer: str, preset: dict, sequence_length: int, device: str, hf_experts: str = "grouped_mm",
+               float8_recipe: str | None = None) -> TrainingLoop:
+    if peer in ("hf", "hf-eager"):
+        return build_hf(preset, sequence_length, device, compiled=peer == "hf", hf_experts=hf_experts,
+                        float8_recipe=float8_recipe)
+    if peer == "liger":
+        return build_liger(preset, sequence_length, device, hf_experts)
+    if peer == "torchtitan":
+        return build_torchtitan(preset, sequence_length, device, compiled=True)
+    if peer == "mamba-ssm":
+        return build_mamba_ssm(preset, device)
+    raise ValueError(f"unknown peer {peer!r}")
+
+
+def hf_model(preset: dict, sequence_length: int, device: str, hf_experts: str) -> torch.nn.Module:
+    """The ``transformers`` model of the preset, bf16, SDPA attention, seeded."""
+    import transformers
+
+    fields = {HF_NAMES.get(key, key): value for key, value in preset.items()}
+    fields.pop(None, None)
+    name = "Mixtral" if family(preset) == "mixtral" else "Llama"
+    experts = {"experts_implementation": hf_experts} if name == "Mixtral" else {}
+    config = getattr(transformers, f"{name}Config")(**fields, max_position_embeddings=sequence_length,
+                                                    attn_implementation="sdpa", dtype=torch.bfloat16, **experts)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(config).to(device, torch.bfloat16).train()
+
+
+def fused_adamw(parameters: list[torch.nn.Parameter], device: str) -> torch.optim.AdamW:
+    return torch.optim.AdamW(parameters, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device == "cuda")
+
+
+def build_hf(preset: dict, sequence_length: int, device: str, compiled: bool, hf_experts: str = "grouped_mm",
+             float8_recipe: str | None = None) -> TrainingLoop:
+    """The plain ``transformers`` loop; compiled as nanotron's ``model.compile``: every decoder layer and the loss."""
+    model = hf_model(preset, sequence_length, device, hf_experts)
+    if float8_recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8_recipe),
+                                   module_filter_fn=lambda module, name: name.startswith("model.layers."))
+
+    def loss_of(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    if compiled:
+        layers = model.model.layers
+        # Each Hugging Face layer holds its own layer_idx, so each compiles once: allow one graph per layer.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(layers))
+        for layer in layers:
+            layer.compile()
+        loss_of = torch.compile(loss_of)
+    parameters = list(model.parameters())
+    return TrainingLoop(parameters, fused_adamw(parameters, device),
+                        lambda micro_batch: loss_of(model(input_ids=micro_batch["input_ids"]).logits,
+                                                    micro_batch["labels"]))
+
+
+def build_liger(preset: dict, sequence_length: int, device: str, hf_experts: str = "grouped_mm") -> TrainingLoop:
+    """The ``transformers`` model patched by ``apply_liger_kernel_to_llama`` (or ``_mixtral``), eager. The loss comes
+    from the model's forward (the fused linear cross-entropy), given the labels already shifted."""
+    import liger_kernel.transformers as liger
+
+    kind = family(preset)
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    saved = dict(vars(module))
+    model = hf_model(preset, sequence_length, device, hf_experts)
+    getattr(liger, f"apply_liger_kernel_to_{kind}")(model=model)
+
+    def restore() -> None:
+        """Liger also replaces the module's RoPE function and norm and MLP classes, for every model built later."""
+        for name, value in saved.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+
+    parameters = list(model.parameters())
+    return TrainingLoop(parameters, fused_adamw(parameters, device),
+                        lambda micro_batch: model(input_ids=micro_batch["input_ids"],
+                                                  shift_labels=micro_batch["labels"]).loss,
+                        restore=restore)
+
+
+def torchtitan_feed_forward(dim: int, intermediate_size: int) -> dict:
+    """``TransformerModelArgs`` fields giving SwiGLU width ``intermediate_size``: torchtitan derives the width from
+    ``dim`` (int(2 · 4 · dim / 3), times ``ffn_dim_multiplier``, rounded up to ``multiple_of``); rounding up to the
+    width itself gives it exactly, from any start in (0, width]."""
+    start = int(2 * 4 * dim / 3)
+    return {"multiple_of": intermediate_size,
+            "ffn_dim_multiplier": None if start <= intermediate_size else intermediate_size / start}
+
+
+def torchtitan_job(sequence_length: int, compiled: bool):
+    """torchtitan's job config for one device: per-block compile of the model and the loss, no activation
+    checkpointing (its default is selective), fp32 parameters under bf16 autocast, its default fused AdamW."""
+    from torchtitan.config import JobConfig
+
+    job = JobConfig()
+    job.training.seq_len = sequence_length
+    job.compile.enable = compiled
+    job.activation_checkpoint.mode = "none"
+    return job
+
+
+def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: bool) -> TrainingLoop:
+    """torchtitan's Llama 3 trained its way on one device, driven from here rather than from its CLI and TOML so that
+    it reads the same batches; a tied preset shares the LM head's matrix with the embedding."""
+    from torchtitan.components.loss import build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import clip_grad_norm_, maybe_enable_amp
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
+
+    job = torchtitan_job(sequence_length, compiled)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    args = TransformerModelArgs(
+        dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
+        n_kv_heads=preset["num_key_value_heads"], vocab_size=preset["vocab_size"],
+        rope_theta=preset.get("rope_theta", 10000.0),
+        **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"]))
+    args.update_from_config(job)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = parallelize_llama(model, dims, job)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    if preset.get("tie_word_embeddings"):
+        model.tok_embeddings.weight = model.output.weight
+    model.train()
+    loss_sum = build_cross_entropy_loss(job)
+    autocast = maybe_enable_amp(dims, job.training.mixed_precision_param, device)
+
+    def loss_of(micro_batch):
+        with autocast:
+            return loss_sum(model(micro_batch["input_ids"]), micro_batch["labels"]) / micro_batch["labels"].numel()
+
+    parameters = list(model.parameters())
+    return TrainingLoop(parameters, build_optimizers([model], job.optimizer, dims), loss_of,
+                        clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True))
+
+
+def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:
+    """The authors' ``mamba_ssm`` model (its CUDA selective scan, causal-conv1d and fused add-norm kernels)."""
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    config = MambaConfig(d_model=preset["d_model"], n_layer=preset["num_hidden_layers"],
+                         vocab_size=preset["vocab_size"], ssm_cfg={"layer": "Mamba1", **preset["ssm_cfg"]},
+                         rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=8,
+                         tie_embeddings=preset["tie_word_embeddings"])
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(config, device=device, dtype=torch.bfloat16).train()
+
+    def loss_of(micro_batch):
+        logits = model(micro_batch["input_ids"]).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), micro_batch["labels"].flatten())
+
+    parameters = list(model.parameters())
+    return TrainingLoop(parameters, fused_adamw(parameters, device), loss_of)

@@ -1,0 +1,129 @@
+"""Writes the README's performance table from the benchmark records, so that the README shows the measured figures.
+
+    python scripts/benchmark_table.py            # rewrite the table between the markers in README.md
+    python scripts/benchmark_table.py --check    # exit 1 if README.md is not what the records give
+
+The table holds the newest record of each comparison (preset, GPU, GPU count, shape and the set of systems) in
+``benchmarks/results/*.json``, one row per system, each with its tokens/s ratio to the record's reference system
+(nanotron) measured in the same call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmark_record import MFU_CONVENTION, RESULTS, ROOT, gpu_label, record_problems
+
+BEGIN = "<!-- performance table: written by scripts/benchmark_table.py from benchmarks/results; do not edit -->"
+END = "<!-- end of performance table -->"
+HEADER = ("| record | system | tokens/s | tokens/s/GPU | MFU | peak memory (GB) | activations (GB) | "
+          "first row ÷ system |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+OLD_CONVENTION_NOTE = ("† MFU counted 6 FLOPs per parameter including the input-embedding lookup (the convention "
+                       "before Megatron-LM's);\nfor an untied model it reads higher than in Megatron-LM's count.")
+
+
+class RecordError(ValueError):
+    pass
+
+
+def load_records(folder: Path) -> list[tuple[Path, dict]]:
+    """Every record in ``folder``; an unreadable or incomplete one is an error."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except ValueError as error:
+            raise RecordError(f"{path}: not JSON ({error})") from None
+        problems = record_problems(record)
+        if problems:
+            raise RecordError(f"{path}: {'; '.join(problems)}")
+        records.append((path, record))
+    return records
+
+
+def newest_comparisons(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """The newest record (by date, then UTC time where recorded) of each comparison, by preset, oldest first."""
+    newest = {}
+    for path, record in sorted(records, key=lambda item: (item[1]["date"], item[1].get("recorded_at", ""))):
+        key = (record["preset"], record["gpu"], record.get("world_size", 1), record["sequence_length"],
+               record["micro_batch_size"], tuple(sorted(record["systems"])))
+        newest[key] = (path, record)
+    return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["date"], item[0].name))
+
+
+def _number(value, form: str) -> str:
+    return "—" if value is None else format(value, form)
+
+
+def record_label(record: dict) -> str:
+    """Date, GPUs, preset and shape (sequence length × micro-batch size) of a record."""
+    gpus = record.get("world_size", 1)
+    devices = f"{gpus} × {gpu_label(record['gpu'])}" if gpus > 1 else gpu_label(record["gpu"])
+    shape = f"{record['sequence_length']} × {record['micro_batch_size']}"
+    return f"{record['date']}, {devices}, {record['preset']}, {shape}"
+
+
+def record_rows(record: dict, label: str) -> list[str]:
+    """One markdown row per system, the reference first; ``label`` fills the first cell of the first row."""
+    dagger = "" if record["convention"] == MFU_CONVENTION else "†"
+    names = [record["reference"]] + [name for name in record["systems"] if name != record["reference"]]
+    rows = []
+    for name in names:
+        system = record["systems"][name]
+        mfu = "—" if system["mfu"] is None else f"{system['mfu']:.1%}{dagger}"
+        ratio = "—" if name == record["reference"] else f"{record['ratios'][name]:.2f}×"
+        rows.append(f"| {label if not rows else ''} | {name} | {system['tokens_per_sec']:,.0f} | "
+                    f"{_number(system.get('tokens_per_sec_per_gpu'), ',.0f')} | {mfu} | "
+                    f"{system['peak_memory_gb']:.1f} | {_number(system.get('activation_memory_gb'), '.1f')} | "
+                    f"{ratio} |")
+    return rows
+
+
+def render(records: list[tuple[Path, dict]], root: Path = ROOT) -> str:
+    """The table (header, rows of the newest comparisons, the convention note when a row needs it)."""
+    shown = newest_comparisons(records)
+    lines = [HEADER]
+    for path, record in shown:
+        relative = path.resolve().relative_to(root.resolve()).as_posix()
+        lines += record_rows(record, f"[{record_label(record)}]({relative})")
+    if any(record["convention"] != MFU_CONVENTION for _, record in shown):
+        lines += ["", OLD_CONVENTION_NOTE]
+    return "\n".join(lines)
+
+
+def replace_table(text: str, table: str) -> str:
+    """``text`` with what lies between the markers replaced by ``table``."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise RecordError(f"README.md needs the markers {BEGIN!r} and {END!r}, once each, in that order")
+    before, rest = text.split(BEGIN)
+    after = rest.split(END)[1]
+    return f"{before}{BEGIN}\n{table}\n{END}{after}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the records")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    try:
+        text = args.readme.read_text()
+        updated = replace_table(text, render(load_records(args.results), args.readme.parent))
+    except (OSError, RecordError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.check:
+        if updated != text:
+            print(f"error: the performance table in {args.readme} differs from {args.results}; run "
+                  "python scripts/benchmark_table.py", file=sys.stderr)
+            return 1
+        return 0
+    args.readme.write_text(updated)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

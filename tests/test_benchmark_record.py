@@ -1,0 +1,412 @@
+"""The benchmark as the record: the JSON a run writes (from a run whose timed systems are stand-ins, on the CPU), the
+README table written from the records and its ``--check``, the peers' training loops where their libraries import,
+and MFU's FLOPs per token in Megatron-LM's convention, computed by hand."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import benchmark  # noqa: E402
+import benchmark_peers  # noqa: E402
+import benchmark_record  # noqa: E402
+import benchmark_table  # noqa: E402
+
+TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": True, "rope_theta": 10000.0}
+
+
+# --- the record of a run ----------------------------------------------------------------------------------------------
+
+def _fp8_enabled(overrides: list[str]) -> bool:
+    values = [o.split("=", 1)[1] for o in overrides if o.startswith("fp8.enabled=")]
+    return bool(values) and values[-1] == "true"
+
+
+@pytest.fixture
+def fake_systems(monkeypatch):
+    """``benchmark.main`` on the CPU: a CUDA device named H200, and stand-ins for the timed nanotron runs and peers
+    (their arguments recorded); everything else (arguments, names, ratios, the record, its file) is the script's."""
+    calls = {"nanotron": [], "peers": []}
+
+    def run_nanotron(args, preset, overrides, profile=None):
+        calls["nanotron"].append((preset, list(overrides)))
+        fp8 = _fp8_enabled(overrides)
+        speed = 80_000.0 if fp8 else 64_000.0
+        result = {"tokens_per_sec": speed, "tokens_per_sec_per_gpu": speed, "mfu": speed * 8.2e9 / 989e12,
+                  "peak_memory_gb": 50.0, "state_memory_gb": 19.8, "activation_memory_gb": 30.2,
+                  "flops_per_token": 8.2e9 if preset == "llama1b" else 1.0e9, "preset": preset,
+                  "overrides": list(overrides), "precision": "fp8" if fp8 else "bf16"}
+        return result, [{"input_ids": torch.zeros(1, 8, dtype=torch.long)}]
+
+    speeds = {("hf", None): 66_000.0, ("hf-eager", None): 49_000.0, ("liger", None): 61_600.0,
+              ("torchtitan", None): 59_600.0, ("hf", "tensorwise"): 74_000.0}
+
+    def run_peer(args, peer, micro_batches, flops_per_token, peak, float8_recipe=None):
+        calls["peers"].append((peer, float8_recipe, flops_per_token, peak))
+        speed = speeds[(peer, float8_recipe)]
+        return {"tokens_per_sec": speed, "tokens_per_sec_per_gpu": speed, "mfu": speed * flops_per_token / peak,
+                "peak_memory_gb": 36.0, "state_memory_gb": 9.9, "activation_memory_gb": 26.1, "layout": "1 GPU"}
+
+    monkeypatch.setattr(benchmark, "run_nanotron", run_nanotron)
+    monkeypatch.setattr(benchmark, "run_peer", run_peer)
+    monkeypatch.setattr(benchmark, "peer_problem", lambda peer, name, preset: None)  # libraries not needed here
+    monkeypatch.setattr(benchmark, "library_problem", lambda peer: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    for variable in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", *benchmark_record.RECORDED_ENVIRONMENT):
+        monkeypatch.delenv(variable, raising=False)
+    for variable in list(os.environ):
+        if variable.startswith(benchmark_record.RECORDED_ENVIRONMENT_PREFIXES):  # e.g. set by an earlier compile
+            monkeypatch.delenv(variable)
+    return calls
+
+
+def test_a_run_writes_its_record_with_every_system_and_ratio(tmp_path, fake_systems, capsys):
+    results = tmp_path / "results"
+    arguments = ["--data", str(tmp_path / "data"), "--results-dir", str(results), "--commit", "abc1234",
+                 "--name", "fp8-peers", "--peer", "hf", "hf-eager", "liger", "torchtitan", "--steps", "3",
+                 "--override", "fp8.enabled=true", "--versus-override", "fp8.enabled=false", "--torchao", "tensorwise"]
+    benchmark.main(arguments)
+
+    today = datetime.date.today().isoformat()
+    path = results / f"{today}-h200-fp8-peers.json"
+    assert sorted(p.name for p in results.iterdir()) == [path.name]
+    record = json.loads(path.read_text())
+    assert benchmark_record.record_problems(record) == []
+    assert {key: record[key] for key in ("date", "preset", "gpu", "commit", "torch", "sequence_length",
+                                         "micro_batch_size", "world_size", "steps", "convention", "reference")} == {
+        "date": today, "preset": "llama1b", "gpu": "NVIDIA H200", "commit": "abc1234", "torch": torch.__version__,
+        "sequence_length": 4096, "micro_batch_size": 4, "world_size": 1, "steps": 3, "convention": "megatron",
+        "reference": "nanotron-fp8"}
+    assert record["command"] == "python scripts/benchmark.py " + " ".join(arguments)
+    systems = record["systems"]
+    assert list(systems) == ["nanotron-fp8", "nanotron-bf16", "hf-compiled", "hf-eager", "liger", "torchtitan",
+                             "torchao-float8-tensorwise"]
+    for system in systems.values():
+        assert {"tokens_per_sec", "mfu", "peak_memory_gb", "state_memory_gb", "activation_memory_gb"} <= set(system)
+    assert record["ratios"] == {name: pytest.approx(80_000.0 / systems[name]["tokens_per_sec"])
+                                for name in systems if name != "nanotron-fp8"}
+    assert record["ratios"]["nanotron-bf16"] == pytest.approx(1.25)
+    # The second nanotron run adds --versus-override to --override; every peer shares the first run's FLOPs and the
+    # H200's bf16 peak.
+    assert fake_systems["nanotron"] == [("llama1b", ["fp8.enabled=true"]),
+                                        ("llama1b", ["fp8.enabled=true", "fp8.enabled=false"])]
+    assert [call[:2] for call in fake_systems["peers"]] == [("hf", None), ("hf-eager", None), ("liger", None),
+                                                            ("torchtitan", None), ("hf", "tensorwise")]
+    assert {call[2:] for call in fake_systems["peers"]} == {(8.2e9, 989e12)}
+    printed = capsys.readouterr().out
+    assert benchmark_table.HEADER in printed and "| torchtitan | 59,600 |" in printed and str(path) in printed
+
+    benchmark.main(arguments)  # a second run keeps its own file
+    assert {p.name for p in results.iterdir()} == {path.name, f"{today}-h200-fp8-peers-2.json"}
+
+
+def test_default_peer_is_the_compiled_transformers_loop_and_no_peers_trains_nanotron_alone(tmp_path, fake_systems):
+    results = tmp_path / "results"
+    benchmark.main(["--data", "d", "--results-dir", str(results), "--commit", "c"])
+    benchmark.main(["--data", "d", "--results-dir", str(results), "--commit", "c", "--no-peers", "--name", "alone"])
+    alone, default = (json.loads(p.read_text()) for p in sorted(results.iterdir()))  # -alone, -llama1b
+    assert list(default["systems"]) == ["nanotron", "hf-compiled"] and list(alone["systems"]) == ["nanotron"]
+    assert alone["ratios"] == {} and default["ratios"]["hf-compiled"] == pytest.approx(64_000 / 66_000)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--preset", "mixtral", "--peer", "torchtitan"], "--peer torchtitan trains torchtitan's Llama 3 only; mixtral"),
+    (["--preset", "mamba130m"], "mamba130m has no --peer hf here; use --peer mamba-ssm"),
+    (["--peer", "mamba-ssm"], "--peer mamba-ssm needs a Mamba preset, not llama1b"),
+    (["--peer", "liger", "--torchao", "tensorwise"], "--torchao compares torchao's float8 with the compiled"),
+    (["--warmup", "0"], "--warmup must be at least 1"),
+])
+def test_bad_commands_stop_with_one_error_line_before_anything_runs(tmp_path, arguments, message, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        benchmark.main(["--data", str(tmp_path), "--results-dir", str(tmp_path / "results"), *arguments])
+    assert str(stop.value).startswith(f"error: {message}"), stop.value
+    assert "\n" not in str(stop.value) and not (tmp_path / "results").exists()
+
+
+def test_a_missing_peer_library_is_named_with_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(benchmark_peers.REQUIREMENTS, "liger", (("no_such_module_here",), "liger-kernel 0.8.5 (x)"))
+    problem = benchmark_peers.peer_problem("liger", "llama1b", benchmark.PRESETS["llama1b"])
+    assert problem.startswith("--peer liger needs liger-kernel 0.8.5 (x): importing no_such_module_here failed")
+
+
+def test_system_names_of_nanotron_runs():
+    bf16, fp8 = {"preset": "llama1b", "precision": "bf16"}, {"preset": "llama1b", "precision": "fp8"}
+    assert benchmark_record.nanotron_names(bf16, None) == ("nanotron", None)
+    assert benchmark_record.nanotron_names(fp8, bf16) == ("nanotron-fp8", "nanotron-bf16")
+    assert benchmark_record.nanotron_names({"preset": "mamba130m", "precision": "bf16"},
+                                           {"preset": "llama130m", "precision": "bf16"}) == ("nanotron",
+                                                                                              "nanotron-llama130m")
+    assert benchmark_record.nanotron_names(bf16, dict(bf16)) == ("nanotron", "nanotron-versus")
+
+
+def test_recorded_command_names_the_launcher_and_the_settings_that_matter():
+    argv = ["scripts/benchmark.py", "--data", "my data", "--override", "parallelism.dp=2"]
+    assert benchmark_record.command_line(argv, {"HOME": "/root"}) == (
+        "python scripts/benchmark.py --data 'my data' --override parallelism.dp=2")
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1"}
+    assert benchmark_record.command_line(argv, torchrun) == (
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 "
+        "torchrun --nproc_per_node=2 scripts/benchmark.py --data 'my data' --override parallelism.dp=2")
+
+
+def test_commit_of_the_checkout(tmp_path):
+    commit, dirty = benchmark_record.git_commit(ROOT)
+    assert re.fullmatch(r"[0-9a-f]{40}", commit) and isinstance(dirty, bool)
+    assert benchmark_record.git_commit(tmp_path) is None  # then the script asks for --commit
+
+
+def test_file_names():
+    assert benchmark_record.gpu_slug("NVIDIA H200") == "h200"
+    assert benchmark_record.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+
+
+def test_memory_split_from_what_was_allocated():
+    """A run that found 1 GB left by an earlier one, started its steps at 6 GB (weights, optimizer state), freed
+    2 GB of gradients after each update and peaked at 10 GB: 7 GB of state, 2 GB of activations."""
+    fields = benchmark_record.memory_fields(10 * 10**9, 6 * 10**9, 10**9, 2 * 10**9)
+    assert fields == {"state_memory_gb": pytest.approx(7.0), "activation_memory_gb": pytest.approx(2.0)}
+
+
+def test_tensor_bytes_counts_a_shared_buffer_once():
+    flat = torch.zeros(100)
+    assert benchmark_record.tensor_bytes([flat[:50], flat[50:], flat, torch.zeros(10, dtype=torch.bfloat16)]) == 420
+
+
+def test_a_record_without_the_required_fields_is_refused():
+    with pytest.raises(ValueError, match="lack fields"):
+        benchmark_record.build_record(
+            date="d", recorded_at="t", preset="p", gpu="g", world_size=1, commit="c", dirty=False, torch_version="t",
+            versions={},
+            command="x", sequence_length=1, micro_batch_size=1, accumulation=1, steps=1, warmup=1,
+            systems={"nanotron": {"tokens_per_sec": 1.0}}, reference="nanotron")
+
+
+# --- the peers' loops, on the CPU where their libraries import --------------------------------------------------------
+
+def _batches(vocab: int, count: int = 2) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (count, 2, 17), generator=generator)
+    return [{"input_ids": row[:, :-1], "labels": row[:, 1:]} for row in ids]
+
+
+def _train_two_steps(loop, batches) -> dict:
+    freed = {}
+    step = loop.step_function(batches, freed)
+    before = [p.detach().clone() for p in loop.parameters]
+    step(0)
+    step(1)
+    assert all(p.grad is None for p in loop.parameters)  # freed after every update, as measured
+    assert all(not torch.equal(a, p) for a, p in zip(before, loop.parameters) if a.dim() == 2)
+    return freed
+
+
+def test_transformers_loop_trains_and_measures_the_gradients_it_frees():
+    pytest.importorskip("transformers")
+    loop = benchmark_peers.build_hf(TINY_LLAMA, 16, "cpu", compiled=False)
+    freed = _train_two_steps(loop, _batches(TINY_LLAMA["vocab_size"]))
+    assert freed["gradient_bytes"] == sum(2 * p.numel() for p in loop.parameters)  # bf16, the tied matrix once
+
+
+def test_liger_patches_its_model_and_restores_the_transformers_module():
+    pytest.importorskip("liger_kernel.transformers")
+    from transformers.models.llama import modeling_llama
+
+    original = dict(vars(modeling_llama))
+    loop = benchmark_peers.build_liger(TINY_LLAMA, 16, "cpu")
+    assert modeling_llama.apply_rotary_pos_emb is not original["apply_rotary_pos_emb"]  # Liger's RoPE, for all
+    model = next(cell.cell_contents for cell in loop.loss_of.__closure__
+                 if isinstance(cell.cell_contents, torch.nn.Module))  # the model its loss calls
+    assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.llama"
+    assert model.model.norm._get_name() == "LigerRMSNorm"
+    loop.restore()
+    assert all(vars(modeling_llama)[name] is value for name, value in original.items())
+
+
+@pytest.mark.parametrize("preset", ["llama1b", "llama8b", "llama130m", "llama1.4b"])
+def test_torchtitan_feed_forward_has_the_presets_width(preset):
+    pytest.importorskip("torchtitan.models.llama3")
+    from torchtitan.models.llama3.model.model import FeedForward
+
+    shape = benchmark.PRESETS[preset]
+    with torch.device("meta"):
+        block = FeedForward(shape["hidden_size"], 4 * shape["hidden_size"],
+                            **benchmark_peers.torchtitan_feed_forward(shape["hidden_size"], shape["intermediate_size"]))
+    assert block.w1.out_features == shape["intermediate_size"]
+
+
+def test_torchtitan_loop_trains_its_llama_at_the_presets_shape():
+    pytest.importorskip("torchtitan.models.llama3")
+    loop = benchmark_peers.build_torchtitan(TINY_LLAMA, 16, "cpu", compiled=False)
+    assert all(p.dtype == torch.float32 for p in loop.parameters)  # fp32 parameters under bf16 autocast
+    tied = 128 * 32
+    layer = 32 * (4 + 2 * 2) * 8 + 4 * 8 * 32 + 3 * 32 * 64 + 2 * 32
+    assert sum(p.numel() for p in loop.parameters) == 2 * layer + tied + 32
+    freed = _train_two_steps(loop, _batches(TINY_LLAMA["vocab_size"]))
+    assert freed["gradient_bytes"] == sum(4 * p.numel() for p in loop.parameters)
+
+
+# --- the README table -------------------------------------------------------------------------------------------------
+
+def _record(date: str, tokens: float, preset: str = "llama1b", convention: str = "megatron") -> dict:
+    systems = {"nanotron": {"tokens_per_sec": tokens, "tokens_per_sec_per_gpu": tokens, "mfu": 0.5,
+                            "peak_memory_gb": 52.3, "activation_memory_gb": 30.0},
+               "hf-compiled": {"tokens_per_sec": 50_000.0, "mfu": None, "peak_memory_gb": 36.1}}
+    return benchmark_record.build_record(
+        date=date, recorded_at=f"{date}T12:00:00+00:00", preset=preset, gpu="NVIDIA H200", world_size=1, commit="abc",
+        dirty=False, torch_version="2.11",
+        versions={}, command="python scripts/benchmark.py --data d", sequence_length=4096, micro_batch_size=4,
+        accumulation=1, steps=20, warmup=5, systems=systems, reference="nanotron") | {"convention": convention}
+
+
+def _readme(folder: Path) -> Path:
+    readme = folder / "README.md"
+    readme.write_text(f"# Project\n\nBefore.\n\n{benchmark_table.BEGIN}\nstale\n{benchmark_table.END}\n\nAfter.\n")
+    return readme
+
+
+def test_table_shows_the_newest_record_of_each_comparison_and_check_catches_drift(tmp_path, capsys):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    readme = _readme(tmp_path)
+    (results / "2026-12-01-h200-llama1b.json").write_text(json.dumps(_record("2026-12-01", 60_000.0)))
+    (results / "2026-12-03-h200-llama1b.json").write_text(json.dumps(_record("2026-12-03", 65_000.0)))
+    old = _record("2026-11-30", 54_000.0, preset="mixtral", convention="6N incl. embedding lookup")
+    (results / "2026-11-30-h200-mixtral.json").write_text(json.dumps(old))
+    options = ["--readme", str(readme), "--results", str(results)]
+
+    assert benchmark_table.main([*options, "--check"]) == 1
+    assert "differs from" in capsys.readouterr().err
+    assert benchmark_table.main(options) == 0
+    text = readme.read_text()
+    assert text.startswith("# Project\n\nBefore.\n\n") and text.endswith(f"{benchmark_table.END}\n\nAfter.\n")
+    table = text.split(benchmark_table.BEGIN + "\n")[1].split("\n" + benchmark_table.END)[0]
+    assert table.splitlines()[:2] == benchmark_table.HEADER.splitlines()
+    rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
+    assert rows == [
+        "| [2026-12-03, H200, llama1b, 4096 × 4](benchmarks/results/2026-12-03-h200-llama1b.json) | nanotron | "
+        "65,000 | 65,000 | 50.0% | 52.3 | 30.0 | — |",
+        "|  | hf-compiled | 50,000 | — | — | 36.1 | — | 1.30× |",
+        "| [2026-11-30, H200, mixtral, 4096 × 4](benchmarks/results/2026-11-30-h200-mixtral.json) | nanotron | "
+        "54,000 | 54,000 | 50.0%† | 52.3 | 30.0 | — |",
+        "|  | hf-compiled | 50,000 | — | — | 36.1 | — | 1.08× |",
+    ]  # the 2026-12-01 record of the same comparison is older: not shown
+    assert table.endswith(benchmark_table.OLD_CONVENTION_NOTE)
+    assert benchmark_table.main([*options, "--check"]) == 0
+
+    (results / "2026-12-04-h200-llama1b.json").write_text(json.dumps(_record("2026-12-04", 66_000.0)))
+    assert benchmark_table.main([*options, "--check"]) == 1
+
+
+def test_table_refuses_a_broken_record_or_a_readme_without_markers(tmp_path, capsys):
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = _readme(tmp_path)
+    broken = _record("2026-12-01", 1.0)
+    del broken["commit"], broken["systems"]["hf-compiled"]["mfu"]
+    (results / "2026-12-01-h200-x.json").write_text(json.dumps(broken))
+    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 2
+    error = capsys.readouterr().err
+    assert "2026-12-01-h200-x.json: no 'commit'; systems.hf-compiled has no 'mfu'" in error
+    (results / "2026-12-01-h200-x.json").unlink()
+    readme.write_text("# no markers\n")
+    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 2
+    assert "needs the markers" in capsys.readouterr().err
+
+
+def test_readme_table_matches_the_recorded_results():
+    """The README's performance table is what benchmarks/results gives (run the script to update it)."""
+    check = subprocess.run([sys.executable, str(SCRIPTS / "benchmark_table.py"), "--check"], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stderr
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        record = json.loads(path.read_text())
+        assert path.name.startswith(f"{record['date']}-{benchmark_record.gpu_slug(record['gpu'])}-")
+        assert record["convention"] in ("megatron", "6N incl. embedding lookup")
+
+
+# --- MFU: FLOPs per token in Megatron-LM's convention -----------------------------------------------------------------
+
+def test_flops_count_the_lm_head_and_not_the_embedding_lookup():
+    """Vocabulary 104 (padded), hidden 16, ffn 32, 4 layers, 2 query heads and 1 key-value head of 8, sequence 32.
+    A layer: q|k|v 16·32 = 512, o 256, gate|up|down 3·16·32 = 1536, two norms 32: 2336 weights. The FLOPs: 6 per
+    weight of the layers (4 · 2336), the final norm (16) and the LM head (104 · 16 = 1664), plus causal attention
+    6 · 16 · 32 per layer: 6 · 11,024 + 12,288 = 78,432 per token, tied or not: an untied model's embedding
+    matrix adds parameters, not FLOPs (its lookup is a gather)."""
+    from nanotron.config import LlamaConfig
+    from nanotron.models.llama import llama_costs
+
+    shape = dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1)
+    tied = llama_costs(LlamaConfig(**shape, tie_word_embeddings=True), padded_vocab_size=104, sequence_length=32)
+    untied = llama_costs(LlamaConfig(**shape, tie_word_embeddings=False), padded_vocab_size=104, sequence_length=32)
+    assert (tied.parameters, untied.parameters) == (11_024, 12_688)
+    assert tied.flops_per_token == untied.flops_per_token == 78_432
+    assert tied.head_flops == untied.head_flops == 6 * 1664
+
+
+def test_mixture_of_experts_flops_count_the_routed_experts_and_the_lm_head():
+    """The same shape with 4 experts of ffn 32, top-2, untied: a layer uses attention and norms (800), the router
+    (16 · 4 = 64) and 2 of its experts (2 · 1536): 3936 weights; 6 · (4 · 3936 + 16 + 1664) + 12,288 = 116,832."""
+    from nanotron.config import LlaMoEConfig
+    from nanotron.models.moe import moe_costs
+
+    config = LlaMoEConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, moe_num_experts=4,
+                          num_experts_per_tok=2)
+    costs = moe_costs(config, padded_vocab_size=104, sequence_length=32)
+    assert costs.flops_per_token == 116_832
+    assert costs.parameters == 4 * (800 + 4 * 1536 + 64) + 2 * 1664 + 16
+
+
+def test_mamba_flops_count_the_lm_head_and_not_the_embedding_lookup():
+    """d_model 16, 2 layers, d_state 4, expand 2 (d_inner 32, dt_rank 1), conv 4: a layer holds in_proj 1024, conv
+    128 + 32, x_proj 288, dt_proj 32 + 32, A_log 128, D 32, out_proj 512 and its norm 16: 2224 weights, and its scan
+    costs 21 · 32 · 4 = 2688. 2 · (6 · 2224 + 2688) + 6 · (16 + 104 · 16) = 42,144 per token, tied or not."""
+    from nanotron.config import MambaConfig
+    from nanotron.config.schema import MambaSSMArgs
+    from nanotron.models.mamba import mamba_costs
+
+    for tie in (True, False):
+        config = MambaConfig(d_model=16, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=tie,
+                             ssm_cfg=MambaSSMArgs(d_state=4, d_conv=4, expand=2))
+        costs = mamba_costs(config, padded_vocab_size=104, sequence_length=32)
+        assert costs.flops_per_token == 42_144
+        assert costs.parameters == 2 * 2224 + 16 + 1664 * (1 if tie else 2)
+
+
+def test_training_log_reports_tflops_from_the_megatron_count(tiny_data, tmp_path):
+    """The tiny untied Llama (vocab 384, hidden 64, ffn 128, 2 layers, 4/2 heads of 16, sequence 32): a layer holds
+    8192 + 4096 + 24,576 + 128 = 36,992 weights; 6 · (2 · 36,992 + 64 + 384 · 64) + 6 · 2 · 64 · 32 = 616,320 FLOPs
+    per token, which the logged TFLOP/s divide back to."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 1}, checkpoints={
+        "checkpoints_path": str(tmp_path / "run"), "checkpoint_interval": 1000, "save_final_state": False})
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    config["model"]["model_config"]["tie_word_embeddings"] = False
+    trainer = Trainer(config_from_dict(config))
+    assert trainer.model.padded_vocab_size == 384
+    trainer.train()
+    record = json.loads(trainer.config.resolved_metrics_path().read_text().splitlines()[-1])
+    assert trainer.flops_per_token == 616_320
+    assert record["tflops_per_gpu"] * 1e12 / record["tokens_per_sec_per_gpu"] == pytest.approx(616_320, rel=1e-9)
