@@ -166,9 +166,12 @@ STEPS = 4
 
 def layout_config(tiny_data, folder, chunk: int, *, model: dict | None = None, model_config: dict | None = None,
                   **parallelism) -> dict:
+    """The tiny Llama (or ``model_config``) at a layout; 2 micro-batches of 128 tokens per step, so chunks of 48
+    tokens split each into 48, 48 and 32."""
     base = tiny_config_dict(tiny_data, folder)["model"]
-    model = base | {"loss_chunk_tokens": chunk, "model_config": base["model_config"] | (model_config or {})} | (
-        model or {})
+    model = base | {"loss_chunk_tokens": chunk} | (model or {})
+    if model_config is not None:
+        model["model_config"] = model_config
     return tiny_config_dict(tiny_data, folder, model=model, parallelism=parallelism, tokens={"train_steps": STEPS})
 
 
@@ -192,42 +195,48 @@ def _train(config: dict, converters: tuple = ()) -> dict:
 
 
 def assert_same_steps(fused_ranks: list[dict], unfused_ranks: list[dict], what: str) -> None:
+    """The fused run used the fused loss on its last stage, and logged the unfused run's losses and norms."""
     assert [r["fused"] for r in fused_ranks] == [r["last_stage"] for r in fused_ranks], what
     assert not any(r["fused"] for r in unfused_ranks), what
     fused_metrics, unfused_metrics = fused_ranks[0]["metrics"], unfused_ranks[0]["metrics"]
     assert len(fused_metrics) == len(unfused_metrics) == STEPS, what
     for got, expected in zip(fused_metrics, unfused_metrics):
-        for key in ("lm_loss", "grad_norm"):
+        for key in ("lm_loss", "grad_norm") + tuple(k for k in expected if k.startswith("moe_") and "loss" in k):
             assert got[key] == pytest.approx(expected[key], rel=1e-5), (what, got["step"], key)
 
 
-def test_training_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
-    """Tied head, gradient accumulation: 2 micro-batches of 128 tokens, each in chunks of 48, 48 and 32."""
-    results = run_distributed_each(_train, 1, [
-        {"config": layout_config(tiny_data, tmp_path / name, chunk)} for name, chunk in (("fused", 48), ("plain", 0))
-    ])
-    assert_same_steps(results[0], results[1], "tp=1")
+def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
+    """The tied Llama, a mixture of experts (auxiliary losses) and Mamba, fused and not; and a head given
+    another matmul, which keeps the unfused loss."""
+    from test_mamba import MAMBA
+    from test_moe import MOE
+
+    llama = tiny_config_dict(tiny_data, tmp_path)["model"]["model_config"]
+    families = {"llama": None, "llamoe": {k: v for k, v in llama.items() if k != "is_llama_config"} | MOE,
+                "mamba": MAMBA}
+    calls = [{"config": layout_config(tiny_data, tmp_path / f"{name}-{chunk}", chunk, model_config=model_config)}
+             for name, model_config in families.items() for chunk in (48, 0)]
+    calls.append({"config": layout_config(tiny_data, tmp_path / "converted", 48), "converters": (head_matmul,)})
+    *results, converted = run_distributed_each(_train, 1, calls)
+    for name, fused_run, unfused_run in zip(families, results[::2], results[1::2]):
+        assert_same_steps(fused_run, unfused_run, name)
+    assert_same_steps(results[0], converted, "a head with another matmul")
 
 
-@pytest.mark.parametrize("name, changes", [
-    ("tp=2 sequence parallel, padded vocabulary", {"parallelism": {"tp": 2, "tp_mode": "REDUCE_SCATTER"},
-                                                   "model": {"make_vocab_size_divisible_by": 100}}),
-    ("pp=2, untied head", {"parallelism": {"pp": 2}, "model_config": {"tie_word_embeddings": False}}),
-])
-def test_training_at_tp_2_and_pp_2_matches_the_unfused_loss(tiny_data, tmp_path, name, changes):
-    parallelism = changes.get("parallelism", {})
-    results = run_distributed_each(_train, 2, [
-        {"config": layout_config(tiny_data, tmp_path / str(chunk), chunk, model=changes.get("model"),
-                                 model_config=changes.get("model_config"), **parallelism)}
-        for chunk in (48, 0)
-    ])
-    assert_same_steps(results[0], results[1], name)
-
-
-def test_a_head_with_another_matmul_keeps_the_logits(tiny_data, tmp_path):
-    (result,) = run_distributed(_train, 1, config=layout_config(tiny_data, tmp_path / "run", 48),
-                                converters=(head_matmul,))
-    assert not result["fused"] and len(result["metrics"]) == STEPS
+def test_training_at_tp_2_and_pp_2_matches_the_unfused_loss(tiny_data, tmp_path):
+    """Sequence-parallel TP with vocabulary padding (100 · tp = 200 divides 400: 16 padding columns on rank 1), and
+    a pipeline of two stages with an untied head."""
+    untied = tiny_config_dict(tiny_data, tmp_path)["model"]["model_config"] | {"tie_word_embeddings": False}
+    layouts = {
+        "tp=2 sequence parallel, padded vocabulary": {"tp": 2, "tp_mode": "REDUCE_SCATTER",
+                                                      "model": {"make_vocab_size_divisible_by": 100}},
+        "pp=2, untied head": {"pp": 2, "model_config": untied},
+    }
+    calls = [{"config": layout_config(tiny_data, tmp_path / f"{i}-{chunk}", chunk, **layout)}
+             for i, layout in enumerate(layouts.values()) for chunk in (48, 0)]
+    results = run_distributed_each(_train, 2, calls)
+    for name, fused_run, unfused_run in zip(layouts, results[::2], results[1::2]):
+        assert_same_steps(fused_run, unfused_run, name)
 
 
 def test_a_negative_chunk_size_is_refused_naming_the_key(tiny_data, tmp_path):
