@@ -246,3 +246,36 @@ def test_a_negative_chunk_size_is_refused_naming_the_key(tiny_data, tmp_path):
     with pytest.raises(ConfigError) as info:
         validate_config(config_from_dict(config), world_size=1)
     assert "model.loss_chunk_tokens must be >= 0 (got -1)" in info.value.problems
+
+
+# --- the memory planner ----------------------------------------------------------------------------------------
+
+def test_the_memory_planner_counts_the_kept_gradients_and_one_chunk():
+    """The tiny example by hand (hidden 128, vocabulary 4096, fp32, micro-batch 16 x 128 = 2048 tokens): the fused
+    loss keeps the gradients of the head's input and weight; its forward holds a chunk's logits and what its passes
+    add, and from the second chunk on an fp32 weight-gradient sum. At the 1B shape it lowers the estimated peak."""
+    from pathlib import Path
+
+    from nanotron.config import load_config
+    from nanotron.memory import estimate_memory, logits_bytes
+
+    root = Path(__file__).resolve().parents[1]
+    hidden, vocab, tokens, d = 128, 4096, 2048, 4
+    kept = tokens * hidden * d + vocab * hidden * d
+
+    def bytes_of(*overrides: str) -> tuple[int, int]:
+        return logits_bytes(load_config(root / "examples" / "config_tiny_llama.yaml", list(overrides)), 16)
+
+    assert bytes_of() == (kept, tokens * vocab * (d + 13))  # the default 4096 tokens: one chunk, eager
+    chunk = 512 * vocab
+    assert bytes_of("model.loss_chunk_tokens=512") == (kept, max(chunk * (d + 13) + 4 * vocab * hidden,
+                                                                 chunk * d + vocab * hidden * (4 + 2 * d)))
+    assert bytes_of("model.loss_chunk_tokens=512", "model.compile=true") == (
+        kept, max(chunk * 2 * d + 4 * vocab * hidden, chunk * d + vocab * hidden * (4 + 2 * d)))
+
+    def peak(chunk_tokens: int) -> float:
+        config = load_config(root / "examples" / "config_llama1b_bench.yaml",
+                             [f"model.loss_chunk_tokens={chunk_tokens}"])
+        return estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak / 1e9
+
+    assert peak(4096) < peak(0) - 4  # the 4.2 GB of bf16 logits of 4 x 4096 tokens, and more
