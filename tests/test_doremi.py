@@ -109,7 +109,10 @@ def proxies(tiny_data, domains, reference, tmp_path_factory) -> dict:
     def config(name, **layout):
         return doremi_config(tiny_data, domains, root / name, reference=reference, **layout)
 
-    out = {"one": run_distributed(_proxy, 1, config=config("one"))[0]}
+    plain = config("plain")
+    plain["model"]["loss_chunk_tokens"] = 0  # the logits in full, not the fused LM head + loss
+    one, unfused = run_distributed_each(_proxy, 1, [{"config": config("one")}, {"config": plain}])
+    out = {"one": one[0], "plain": unfused[0]}
     calls = {"dp2_acc2": config("dp2_acc2", dp=2, accumulation=2), "pp2": config("pp2", pp=2),
              "tp2": config("tp2", tp=2)}
     for name, ranks in zip(calls, run_distributed_each(_proxy, 2, [{"config": c} for c in calls.values()])):
@@ -143,6 +146,16 @@ def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
         assert b == pytest.approx(a, abs=1e-6), (layout, step)
     for a, b in zip(proxies["one"]["metrics"], proxies[layout]["metrics"], strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], abs=1e-4), layout
+
+
+def test_the_fused_loss_weighs_the_domains_as_the_unfused_one(proxies):
+    """The default fused LM head + loss takes DoReMi's per-domain token weights: the same trajectory, losses and
+    gradient norms as the loss on full logits."""
+    for step, (a, b) in enumerate(zip(_trajectory(proxies["plain"]), _trajectory(proxies["one"]), strict=True), 1):
+        assert b == pytest.approx(a, abs=1e-6), step
+    for a, b in zip(proxies["plain"]["metrics"], proxies["one"]["metrics"], strict=True):
+        for key in ("lm_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
 
 
 def test_resume_continues_the_same_trajectory(proxies):

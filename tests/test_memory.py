@@ -14,6 +14,8 @@ from nanotron.models.registry import spec_for_config
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
+# The hand counts and the measured peaks are of the loss on full logits (test_fused_loss.py counts the fused one).
+LOGITS_IN_FULL = ["model.loss_chunk_tokens=0"]
 
 # The tiny example by hand: hidden 128, ffn 384, 4 layers, 4 heads of 32 (q width 128), 2 kv heads (kv width 64),
 # vocabulary 4096 tied, fp32, eager, micro-batch 16 x 128 tokens.
@@ -32,7 +34,7 @@ LOG_SOFTMAX = TOKENS * VOCAB * 4  # fp32 log-softmax kept by the eager loss; its
 
 
 def tiny(*overrides: str):
-    return load_config(TINY, list(overrides))
+    return load_config(TINY, list(overrides) + LOGITS_IN_FULL)
 
 
 def test_every_part_matches_the_hand_count_of_the_tiny_llama():
@@ -169,7 +171,7 @@ MEASURED_PEAKS = {  # docs/benchmarks.md: peak allocated GB per rank, one per pi
 @pytest.mark.parametrize("layout", MEASURED_PEAKS)
 def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
     overrides, measured = MEASURED_PEAKS[layout]
-    estimate = estimate_memory(load_config(BENCH, overrides), gpu_memory_gb=150.1)
+    estimate = estimate_memory(load_config(BENCH, overrides + LOGITS_IN_FULL), gpu_memory_gb=150.1)
     peaks = [stage.peak / 1e9 for stage in estimate.stages]
     assert len(peaks) == len(measured)
     for peak, expected in zip(peaks, measured):
@@ -181,7 +183,7 @@ def test_fp8_with_recomputed_layers_counts_the_fp8_weights_the_forward_keeps():
     recomputed forward keeps FP8 copies of the weights. The estimate counts a byte per weight element of every
     converted linear, so it stays above the measured peak."""
     def peak(overrides):
-        return estimate_memory(load_config(BENCH, overrides), gpu_memory_gb=150.1).stages[0].peak
+        return estimate_memory(load_config(BENCH, overrides + LOGITS_IN_FULL), gpu_memory_gb=150.1).stages[0].peak
 
     bf16, fp8 = (peak(LLAMA_8B_ONE_GPU + [f"fp8.enabled={on}"]) for on in ("false", "true"))
     linears = 32 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 14336)  # q|k|v, o, gate|up, down of each layer
@@ -231,6 +233,6 @@ def test_compiled_mamba_estimates_are_within_10_percent_of_the_peaks_measured_on
     raw["model"]["model_config"] = {"is_mamba_config": True, "vocab_size": 50280, "tie_word_embeddings": True,
                                     "ssm_cfg": {"d_state": 16, "d_conv": 4, "expand": 2}, **MAMBA_PRESETS[shape]}
     raw["tokens"]["sequence_length"] = 2048
-    config = config_from_dict(apply_overrides(raw, overrides))
+    config = config_from_dict(apply_overrides(raw, overrides + LOGITS_IN_FULL))
     peak = estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak / 1e9
     assert abs(peak - measured) / measured < 0.10, (run, peak, measured)

@@ -28,7 +28,8 @@ How each part is computed, and why:
   less than bf16, since the backward recomputes the cast inputs (45.8 against 52.3 GB at the 1B shape); that is
   not modeled, so the estimate is then an upper bound.
 - **logits**: the LM head's output and the loss buffers of the last stage (``logits_bytes``), per micro-batch in
-  flight and during the loss's backward.
+  flight and during the loss's backward; with the fused head and loss (``model.loss_chunk_tokens``), the gradients
+  it computes in the forward and keeps, and one chunk's logits (``fused_loss_bytes``).
 - **workspace**: cuBLAS workspaces and the step's small buffers, allocated by the first step.
 
 Their sum is the **peak** the PyTorch allocator reports. The device needs more: the CUDA context, the libraries'
@@ -431,6 +432,7 @@ def final_norm_bytes(config: Config, micro_batch_size: int) -> int:
 
 def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
     """(kept, transient): what the loss keeps per micro-batch in flight, and what its forward or backward adds.
+    ``fused_loss_bytes`` with ``model.loss_chunk_tokens``; without it, as follows.
 
     Logits span the padded vocabulary split over tp, for every token of the micro-batch (the LM head gathers the
     sequence). With one TP rank the loss is ``F.cross_entropy`` on the logits cast to fp32: compiled, it keeps the
@@ -439,6 +441,8 @@ def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
     ranks the vocabulary-parallel cross-entropy keeps the fp32 softmax, next to the model-dtype logits in the
     forward and their gradient in the backward; eager, its forward also holds the fp32 copy of the logits.
     """
+    if config.model.loss_chunk_tokens:
+        return fused_loss_bytes(config, micro_batch_size)
     tp, d = config.parallelism.tp, config.model.torch_dtype().itemsize
     vocab = padded_vocab_size(config.model.model_config.vocab_size, config.model.make_vocab_size_divisible_by, tp)
     elements = micro_batch_size * config.tokens.sequence_length * vocab // tp
@@ -447,6 +451,33 @@ def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
     if tp == 1:
         return (logits, logits) if compiled else (fp32, 2 * fp32)
     return (fp32, logits) if compiled else (fp32, logits + fp32)
+
+
+# Bytes per element of a chunk's logits that the two passes of the fused loss hold at most, beyond the logits
+# themselves: compiled, the gradient in the model dtype (added below); eager, the fp32 intermediates of
+# ``loss_and_logit_gradient`` (softmax, the boolean target mask, softmax - 1, the selection, its weighted copy).
+FUSED_EAGER_PASS_BYTES = 4 + 1 + 4 + 4
+
+
+def fused_loss_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
+    """(kept, transient) of the fused LM head and loss (``parallel/linear_cross_entropy.py``), from its code (not yet
+    checked against a measured peak).
+
+    It keeps, per micro-batch in flight, the gradients it computed in the forward: the head input's (the whole
+    sequence, gathered over TP) and the weight shard's, in the model dtype. Its forward holds one chunk's logits
+    and their gradient (compiled) or fp32 intermediates (eager); from the second chunk on the weight gradient is
+    summed in fp32 (at the second, next to the first chunk's product and the new one).
+    """
+    c, tp, d = config.model.model_config, config.parallelism.tp, config.model.torch_dtype().itemsize
+    vocab = padded_vocab_size(c.vocab_size, config.model.make_vocab_size_divisible_by, tp) // tp
+    tokens = micro_batch_size * config.tokens.sequence_length
+    weight = vocab * c.hidden_size
+    chunk = min(config.model.loss_chunk_tokens, tokens) * vocab
+    passes = chunk * (2 * d if config.model.compile else d + FUSED_EAGER_PASS_BYTES)
+    kept = tokens * c.hidden_size * d + weight * d
+    if chunk == tokens * vocab:  # one chunk: its product is the weight gradient
+        return kept, passes
+    return kept, max(passes + 4 * weight, chunk * d + weight * (4 + 2 * d))
 
 
 def _in_flight(config: Config, stage: int) -> int:

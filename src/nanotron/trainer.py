@@ -63,6 +63,7 @@ from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
+from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
 from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.parallel.statistics import Statistics, max_over_ranks, sum_over_all_ranks, sum_over_replicas
@@ -152,6 +153,7 @@ class Trainer:
         self.schedule = self._pipeline_schedule()
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
         self._loss = torch.compile(micro_batch_loss) if config.model.compile else micro_batch_loss
+        self.head_loss = self._fused_head_loss()
         self.progress = TrainingProgress()
         self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
         self.protected_checkpoints: set[str] = set()  # the newest checkpoint from before a bad step
@@ -324,6 +326,19 @@ class Trainer:
         p2p = P2P(self.pc, shape, dtype, p.pp_timeout_s)
         return PipelineSchedule(self.pc, p.pp_engine, p2p, self._stage_forward, self._before_last_backward)
 
+    def _fused_head_loss(self) -> LinearCrossEntropy | None:
+        """The LM head and the loss in one, chunk by chunk (``model.loss_chunk_tokens``), on the last stage; None:
+        the model returns the logits and ``_loss`` takes them."""
+        chunk_tokens = self.config.model.loss_chunk_tokens
+        if chunk_tokens == 0 or not self.pc.is_last_stage:
+            return None
+        if not fusable_head(self.model.lm_head):
+            logger.warning("model.loss_chunk_tokens is ignored: a converter gave the LM head another matmul (or it "
+                           "has a bias), which the fused loss would bypass; the logits are computed in full")
+            return None
+        return LinearCrossEntropy(self.pc.groups["tp"], self.config.model.model_config.vocab_size, chunk_tokens,
+                                  compiled=self.config.model.compile)
+
     def _before_last_backward(self) -> None:
         """Gradients of the last micro-batch complete the step: buckets may now be reduced as they fill up."""
         self.buckets.final_micro_batch = True
@@ -352,18 +367,33 @@ class Trainer:
 
     def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> StageOutput:
         """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
+        logits = self.head_loss is None  # else the last stage returns the head's input, for the fused loss
         if self.pc.is_first_stage:
-            output = self.model(input_ids=micro_batch["input_ids"])
+            output = self.model(input_ids=micro_batch["input_ids"], head=logits)
         else:
-            output = self.model(hidden_states=hidden_states)
+            output = self.model(hidden_states=hidden_states, head=logits)
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
         if not self.pc.is_last_stage:
             return StageOutput(output, statistics, auxiliary_loss)
-        loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
-                                           self.config.model.model_config.vocab_size, self._num_domains)
+        if logits:
+            loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
+                                               self.config.model.model_config.vocab_size, self._num_domains)
+        else:
+            loss, losses = self.head_loss(self.model.lm_head, output, micro_batch["labels"],
+                                          self._token_weights(micro_batch))
+            loss_statistics = self._loss_statistics(losses, micro_batch)
         return StageOutput(loss, statistics | loss_statistics, auxiliary_loss)
+
+    def _token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each token's weight in the objective, ``sum(weights * token losses)``, for the fused loss: the label mask
+        over the step's token count, so the objective is ``micro_batch_loss``'s."""
+        return micro_batch["label_mask"] / micro_batch["token_count"]
+
+    def _loss_statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> Statistics:
+        """The statistics of a micro-batch from its per-token losses."""
+        return loss_and_statistics(losses, micro_batch, self._num_domains)[1]
 
     def _statistics_template(self) -> dict[str, tuple[int, ...]]:
         template = {"lm_loss": (), "domain_loss_sum": (self._num_domains,), "domain_tokens": (self._num_domains,)}

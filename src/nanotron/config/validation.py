@@ -120,6 +120,7 @@ def _model(model: ModelArgs) -> Iterator[str]:
         yield f"model.dtype must be one of {choices} (got {model.dtype!r})"
     yield from _at_least("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by, 1)
     yield from _at_least("model.ddp_bucket_cap_mb", model.ddp_bucket_cap_mb, 1)
+    yield from _at_least("model.loss_chunk_tokens", model.loss_chunk_tokens, 0)
     if isinstance(model.init_method, RandomInit):
         yield from _positive("model.init_method.std", model.init_method.std)
     if isinstance(model.model_config, MambaConfig):

@@ -33,7 +33,7 @@ from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
-from nanotron.trainer import StepResult, Trainer, loss_and_statistics, per_domain_sums
+from nanotron.trainer import StepResult, Trainer, per_domain_sums
 
 
 def reference_checkpoint(config: Config) -> Path:
@@ -119,13 +119,22 @@ class DoReMiTrainer(Trainer):
 
     def _weighted_loss(self, logits, micro_batch, tp_group, vocab_size: int, num_domains: int):
         losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
-        _, statistics = loss_and_statistics(losses, micro_batch, num_domains)
+        per_sample = torch.where(micro_batch["label_mask"], losses, 0.0).sum(-1)
+        loss = (per_sample * micro_batch["domain_token_weights"][micro_batch["domain_ids"]]).sum()
+        return loss, self._loss_statistics(losses, micro_batch)
+
+    def _token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The fused loss's token weights: ``_weighted_loss``'s, each token weighing its domain's weight."""
+        domain_weights = micro_batch["domain_token_weights"][micro_batch["domain_ids"]]
+        return torch.where(micro_batch["label_mask"], domain_weights[:, None], 0.0)
+
+    def _loss_statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> Statistics:
+        """The plain statistics, and each domain's sum of the token losses' excess over the reference's."""
+        statistics = super()._loss_statistics(losses, micro_batch)
         mask, domains = micro_batch["label_mask"], micro_batch["domain_ids"]
-        per_sample = torch.where(mask, losses, 0.0).sum(-1)
-        loss = (per_sample * micro_batch["domain_token_weights"][domains]).sum()
         excess = torch.where(mask, (losses - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
-        statistics["excess_loss_sum"] = per_domain_sums(excess.detach(), domains, num_domains)
-        return loss, statistics
+        statistics["excess_loss_sum"] = per_domain_sums(excess.detach(), domains, self._num_domains)
+        return statistics
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
         """The step with this step's weights, then the weights of the next one."""

@@ -150,8 +150,10 @@ class LlamaForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         caches: dict[str, KVCache] | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
-        """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that.
+        """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that;
+        ``head=False`` stops before the LM head (see ``CausalLM.forward``).
 
         ``caches`` maps layer indices to their KV caches during generation. Without ``position_ids`` the sequence
         starts at position 0; a later pipeline stage may see it split over tensor-parallel ranks, so its tables
@@ -170,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
             hidden_states = layer(hidden_states, rotary, attention_mask, cache)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        if self.lm_head is not None:
+        if self.lm_head is not None and head:
             hidden_states = self.lm_head(hidden_states)
         return hidden_states
 

@@ -113,9 +113,10 @@ class MambaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                caches: dict[str, MambaCache] | None = None) -> torch.Tensor:
+                caches: dict[str, MambaCache] | None = None, head: bool = True) -> torch.Tensor:
         """``attention_mask`` (generation's [batch, 1, queries, keys]) only tells which fed tokens are real: those
-        the last query, always a real token, may see."""
+        the last query, always a real token, may see. ``head=False`` returns the LM head's input instead of the
+        logits (see ``CausalLM.forward``)."""
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         valid = None
@@ -125,7 +126,7 @@ class MambaForCausalLM(nn.Module):
             hidden_states = layer(hidden_states, valid, None if caches is None else caches[index])
         if self.norm is not None:
             hidden_states = self.norm(hidden_states.to(self.norm.weight.dtype))
-        if self.lm_head is not None:
+        if self.lm_head is not None and head:
             hidden_states = self.lm_head(hidden_states)
         return hidden_states
 

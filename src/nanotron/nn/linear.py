@@ -22,5 +22,10 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.output_chunks = chunks or (out_features,)
 
+    def operands(self, x):
+        """The (input, weight, bias) that ``matmul`` receives: what a loss that applies the layer itself (the fused LM
+        head and cross-entropy, ``parallel/linear_cross_entropy.py``) multiplies."""
+        return x, self.weight, self.bias
+
     def forward(self, x):
-        return self.matmul(x, self.weight, self.bias)
+        return self.matmul(*self.operands(x))

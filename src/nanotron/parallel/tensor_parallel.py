@@ -148,13 +148,19 @@ class ColumnParallelLinear(nn.Module):
             return tensor
         return _SumOverSharingRanks.apply(tensor, self.shared_rows, self.shared_buffer_rows, self.group)
 
+    def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The (input, weight, bias) of the local matmul: the whole sequence (gathered in sequence-parallel mode,
+        whose backward reduce-scatters the gradient; all-reduced over TP in the backward otherwise) and this rank's
+        rows. A loss that applies the layer itself (``linear_cross_entropy.py``) takes these."""
+        x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
+        return x, self._shared(self.weight), self._shared(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self._shared(self.weight), self._shared(self.bias)
         if self.overlap and self.matmul is F.linear:
+            weight, bias = self._shared(self.weight), self._shared(self.bias)
             y = _OverlappedSequenceColumnLinear.apply(x, weight, self.group)
             return y if bias is None else y + bias
-        x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
-        return self.matmul(x, weight, bias)
+        return self.matmul(*self.operands(x))
 
 
 class RowParallelLinear(nn.Module):
@@ -214,8 +220,8 @@ class _GradientSummedLinear(Linear):
         super().__init__(in_features, out_features, bias=False)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, copy_to_tp(self.weight, self.group), None)
+    def operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return x, copy_to_tp(self.weight, self.group), None
 
 
 class TensorParallelMoE(MoEFeedForward):

@@ -1,0 +1,176 @@
+"""The LM head's matmul fused with the cross-entropy, chunk by chunk over tokens: the logits never exist in full.
+
+At the Llama 1B shape (vocabulary 128256, 4 sequences of 4096 tokens) the logits of one micro-batch are 4.2 GB in
+bf16, and the unfused loss keeps them (or their fp32 softmax) from the forward to the backward. Here, as in
+Liger-Kernel's fused linear cross-entropy, each chunk of tokens is taken through the head, the loss and the gradients
+at once, in the forward. With ``h`` the head's input (after the final norm and the head's tensor-parallel gather),
+``W`` this rank's rows of the head, and ``w`` the per-token weights of the objective ``sum(w * token_loss)``:
+
+    z = h W^T                                             [chunk, vocab / tp], model dtype (fp32 accumulation)
+    m, s, t = max z, sum exp(z - m), z[target] (0 when the target is on another rank)        per token, fp32
+    all-gather (m, s, t) over TP;   lse = M + log(sum_r s_r exp(m_r - M)) with M = max_r m_r
+    loss = lse - sum_r t_r
+    g = w * (softmax(z) - onehot(target))                 the gradient of sum(w * loss) with respect to z
+    grad_h[chunk] = g W,   grad_W += g^T h                (grad_W summed over chunks in fp32)
+
+The weights are known in the forward (the label mask over the step's token count, or DoReMi's per-domain weights),
+so the backward only scales the saved ``grad_h`` and ``grad_W`` by the incoming gradient of the scalar. One
+all-gather of three fp32 numbers per token combines the vocabulary shards (the log-sum-exp of the shards' own
+log-sum-exps), where ``cross_entropy.py`` needs three all-reduces. Columns past ``vocab_size`` (padding that
+makes the vocabulary split evenly) are excluded from the softmax and get no gradient, as there.
+
+Each chunk's elementwise work is two plain-torch passes, ``softmax_statistics`` and ``loss_and_logit_gradient``;
+compiled (``model.compile``) each is one kernel that reads the model-dtype logits, and the second writes ``g`` in
+the model dtype: no fp32 copy of a chunk's logits is stored. A z-loss (``c * lse**2`` per token) would add
+``c * lse**2`` to the losses and ``2 * c * lse * w * softmax(z)`` to ``g`` in the second pass, where ``lse`` is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _real_columns(z: torch.Tensor, valid_columns: int) -> torch.Tensor:
+    """``z`` with the padding columns (this rank's columns from ``valid_columns`` on) at -inf."""
+    if valid_columns == z.shape[-1]:
+        return z
+    return z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= valid_columns, float("-inf"))
+
+
+def softmax_statistics(logits: torch.Tensor, local_labels: torch.Tensor, valid_columns: int) -> torch.Tensor:
+    """[3, tokens] fp32: each token's largest logit on this rank, its sum of ``exp(z - max)``, and its target logit
+    (0 where ``local_labels`` is -1: the target is on another rank). A rank holding only padding columns reports a
+    maximum of -inf and a sum of 0, which the combination ignores."""
+    z = _real_columns(logits.float(), valid_columns)
+    maximum = z.amax(dim=-1)
+    shift = maximum.masked_fill(maximum == float("-inf"), 0.0)
+    sum_exp = torch.exp(z - shift[:, None]).sum(dim=-1)
+    target = z.gather(-1, local_labels.clamp(min=0)[:, None]).squeeze(-1)
+    return torch.stack([maximum, sum_exp, torch.where(local_labels >= 0, target, 0.0)])
+
+
+def loss_and_logit_gradient(logits: torch.Tensor, statistics: torch.Tensor, local_labels: torch.Tensor,
+                            token_weights: torch.Tensor, valid_columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``sum(token_weights * loss)`` with respect to this rank's logits (model dtype) and the
+    per-token losses (fp32), from every rank's ``softmax_statistics`` ([ranks, 3, tokens])."""
+    maximum, sum_exp, target = statistics.unbind(1)
+    top = maximum.amax(dim=0)
+    log_sum_exp = top + torch.log((sum_exp * torch.exp(maximum - top)).sum(dim=0))
+    losses = log_sum_exp - target.sum(dim=0)
+    softmax = torch.exp(_real_columns(logits.float(), valid_columns) - log_sum_exp[:, None])
+    is_target = torch.arange(logits.shape[-1], device=logits.device) == local_labels[:, None]
+    gradient = token_weights[:, None] * torch.where(is_target, softmax - 1.0, softmax)
+    return gradient.to(logits.dtype), losses
+
+
+@dataclass(frozen=True)
+class ChunkPasses:
+    """The two elementwise passes over a chunk's logits, plain or compiled."""
+
+    statistics: Callable = softmax_statistics
+    gradient: Callable = loss_and_logit_gradient
+
+    @classmethod
+    def compiled(cls) -> ChunkPasses:
+        # Static shapes: a micro-batch has at most two chunk sizes (full chunks and the rest), each its own kernel.
+        return cls(torch.compile(softmax_statistics, dynamic=False),
+                   torch.compile(loss_and_logit_gradient, dynamic=False))
+
+
+def _through_chunk(h: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, token_weights: torch.Tensor,
+                   group: dist.ProcessGroup, valid_columns: int, passes: ChunkPasses,
+                   grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: its token losses and its share of ``grad_W`` (``g^T h``, model dtype), ``g W`` written into
+    ``grad_h``. The chunk's logits and ``g`` die when it returns."""
+    ranks = dist.get_world_size(group)
+    logits = h @ weight.t()
+    statistics = passes.statistics(logits, local_labels, valid_columns)
+    if ranks > 1:
+        gathered = statistics.new_empty((ranks * statistics.shape[0], statistics.shape[1]))
+        dist.all_gather_into_tensor(gathered, statistics, group=group)
+        statistics = gathered
+    grad_logits, losses = passes.gradient(logits, statistics.view(ranks, 3, -1), local_labels, token_weights,
+                                          valid_columns)
+    del logits
+    torch.mm(grad_logits, weight, out=grad_h)
+    return losses, grad_logits.t() @ h
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """(sum of weighted token losses, per-token losses) from the head's input [tokens, hidden] and weight shard
+    [vocab / tp, hidden]; the per-token losses carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
+                group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int,
+                passes: ChunkPasses) -> tuple[torch.Tensor, torch.Tensor]:
+        local_vocab = weight.shape[0]
+        start = dist.get_rank(group) * local_vocab
+        valid_columns = min(max(vocab_size - start, 0), local_vocab)
+        in_slice = (labels >= start) & (labels < start + valid_columns)
+        local_labels = torch.where(in_slice, labels - start, -1)
+
+        token_losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = None
+        for begin in range(0, hidden.shape[0], chunk_tokens):
+            chunk = slice(begin, begin + chunk_tokens)
+            token_losses[chunk], partial = _through_chunk(hidden[chunk], weight, local_labels[chunk],
+                                                          token_weights[chunk], group, valid_columns, passes,
+                                                          grad_hidden[chunk])
+            # The first chunk's product as it is (one chunk: no fp32 copy); later ones summed in fp32.
+            grad_weight = partial if grad_weight is None else grad_weight.float().add_(partial)
+            del partial
+        ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight.to(weight.dtype)
+        ctx.mark_non_differentiable(token_losses)
+        return (token_weights * token_losses).sum(), token_losses
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _: torch.Tensor):
+        # Scaled in place and released: the gradients are this function's outputs, used once.
+        grad_hidden, grad_weight = ctx.grad_hidden.mul_(grad_loss), ctx.grad_weight.mul_(grad_loss)
+        del ctx.grad_hidden, ctx.grad_weight
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         token_weights: torch.Tensor, group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int,
+                         passes: ChunkPasses = ChunkPasses()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(token_weights * losses), losses)`` of the logits ``hidden @ weight.T``, never materialised beyond
+    ``chunk_tokens`` tokens at a time. ``hidden`` [..., hidden size]; ``weight`` [padded vocab / tp, hidden size],
+    the rank's contiguous vocabulary slice in ``group``; ``labels`` and ``token_weights`` shaped like ``hidden``
+    without its last dimension. ``losses`` (fp32, no gradient) is the per-token cross-entropy over the first
+    ``vocab_size`` columns of the logical vocabulary; the scalar backpropagates into ``hidden`` and ``weight``."""
+    loss, losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                             token_weights.reshape(-1).float(), group, vocab_size, chunk_tokens,
+                                             passes)
+    return loss, losses.view(labels.shape)
+
+
+def fusable_head(head: nn.Module) -> bool:
+    """Whether the head computes plain ``F.linear`` without a bias (a converter may have given it another
+    matmul, which the fused loss would bypass)."""
+    return head.matmul is F.linear and head.bias is None
+
+
+class LinearCrossEntropy:
+    """The last stage's LM head and loss in one, configured once: ``(head, head input, labels, token weights)`` ->
+    ``(sum(token_weights * losses), losses)``. The head (``nn.linear.Linear`` or a column-parallel one) supplies the
+    operands of its matmul, its tensor-parallel gather included, so the hidden states' gradient flows back through
+    that gather's backward."""
+
+    def __init__(self, group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int, compiled: bool):
+        self.group, self.vocab_size, self.chunk_tokens = group, vocab_size, chunk_tokens
+        self.passes = ChunkPasses.compiled() if compiled else ChunkPasses()
+
+    def __call__(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                 token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight, _ = head.operands(hidden)
+        return linear_cross_entropy(x, weight, labels, token_weights, self.group, self.vocab_size,
+                                    self.chunk_tokens, self.passes)
