@@ -8,7 +8,8 @@ snapshot, so it can run in the foreground (``Trainer.save``) or in a background 
 (``async_saving.py``). Either way the files go to ``.tmp-<step>``, each flushed to disk with its checksum recorded;
 only when every rank has written does rank 0 write checkpoint.json, rename the folder and update ``latest.txt``. A
 crash at any moment leaves the previous checkpoint intact; a failed write (a full disk, also inside safetensors) is
-removed on every rank and reported as one error.
+removed on every rank and reported as one error. Pruning old checkpoints comes after the new one is complete, and
+never fails a save.
 """
 
 from __future__ import annotations
@@ -163,7 +164,6 @@ def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group:
     if is_main and problem is None:
         try:
             _complete(tmp, final, snapshot, {name: entry for files in all_written for name, entry in files.items()})
-            prune(root, snapshot.config.checkpoints.keep_last_n, keep={final.name, *protected})
         except OSError as error:
             problem = _save_failure(error, tmp, snapshot)
     problem = first_problem(problem if is_main else None, parallel_context.world_size, group)
@@ -173,6 +173,8 @@ def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group:
         dist.barrier(group=group)
         raise CheckpointError(problem)
     logger.info(f"saved checkpoint {final}")
+    if is_main:  # the new checkpoint is complete: an old one that cannot be deleted is only a warning
+        prune(root, snapshot.config.checkpoints.keep_last_n, keep={final.name, *protected})
     return final
 
 
