@@ -106,6 +106,8 @@ class _Payload:
 
 
 def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
+    from nanotron.checkpoint.manager import write_metadata
+
     rng = saved["checkpoint"] / "rng"
     marker = tmp_path / "executed"
     for file in rng.iterdir():  # a format-1 style rng file with a payload, and no other rng state
@@ -113,7 +115,7 @@ def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
     (rng / "rank-00000.pt").write_bytes(pickle.dumps({"coords": {}, "state": _Payload(marker)}))
     metadata = json.loads((saved["checkpoint"] / "checkpoint.json").read_text())
     metadata["files"] = {name: entry for name, entry in metadata["files"].items() if not name.startswith("rng/")}
-    (saved["checkpoint"] / "checkpoint.json").write_text(json.dumps(metadata))
+    write_metadata(saved["checkpoint"], metadata)
     resume = _config(tiny_data, tmp_path / "resumed", 3,
                      checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
     outcome = train(resume, tmp_path / "resume.yaml")

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from nanotron.files import atomic_write_safetensors
 
-FORMAT_VERSION = 2  # 2: checkpoint.json names the model family (model.type); 1 held Llama models only
+FORMAT_VERSION = 3  # 3: checkpoint.json carries manifest_sha256; 2: it names the model family; 1 held Llama only
 METADATA_KEY = "nanotron"
 
 
