@@ -50,7 +50,8 @@ def _steps(run: Path) -> list[str]:
 
 
 def _eval(run: Path, tiny_data) -> Outcome:
-    return cli("eval", "--ckpt-path", run, "--data", tiny_data["tokenized"], "--sequence-length", 16, "--max-windows", 2)
+    return cli("eval", "--ckpt-path", run, "--data", tiny_data["tokenized"], "--sequence-length", 16,
+               "--max-windows", 2)
 
 
 def _resume(run: Path, tiny_data, tmp_path: Path) -> Outcome:
@@ -219,7 +220,8 @@ def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_ru
     config = _config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"})
     outcome = full(run, ["train", "--config-file", write_config(tmp_path / "config.yaml", config)])
     assert_user_error(outcome, f"while saving checkpoint 3 (writing {run / '.tmp-3' / MODEL_FILE})",
-                      "(the size of the previous checkpoint)", "are free", "checkpoint 2 is intact and still the latest")
+                      "(the size of the previous checkpoint)", "are free",
+                      "checkpoint 2 is intact and still the latest")
     assert sorted(p.name for p in run.iterdir()) == ["2", "latest.txt", "metrics.jsonl"]  # no partial save
     assert not [p for p in run.rglob(".*")]  # nor any temporary file
     assert (run / "latest.txt").read_text().strip() == "2" and cli("checkpoint", "verify", run).code == 0
