@@ -9,8 +9,13 @@ durable before ``latest.txt`` names them.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 
 def fsync_path(path: Path) -> None:
@@ -39,3 +44,20 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written through ``atomic_write``.
+
+    safetensors reports a failed write (a full disk, a file-size limit) as a ``SafetensorError`` whose text holds
+    the OS error ("... (os error 28)"; older versions "code: 28"). It becomes the ``OSError`` a Python write would
+    raise, naming ``path``, so that callers handle a full disk the same whoever wrote the bytes.
+    """
+    try:
+        atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
+    except SafetensorError as error:
+        code = re.search(r"os error (\d+)|code: (\d+)", str(error))
+        if code is None:
+            raise
+        number = int(code.group(1) or code.group(2))
+        raise OSError(number, os.strerror(number), str(path)) from error

@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from nanotron.files import atomic_write
+from nanotron.files import atomic_write_safetensors
 
 
 def seed_everything(seed: int) -> None:
@@ -40,7 +39,7 @@ def rng_state(device: torch.device, coords: dict[str, int]) -> tuple[dict[str, t
 
 def write_rng_state(path: Path, tensors: dict[str, torch.Tensor], info: dict) -> None:
     """Write what ``rng_state`` took to ``path``, atomically."""
-    atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata={"rng": json.dumps(info)}))
+    atomic_write_safetensors(path, tensors, {"rng": json.dumps(info)})
 
 
 def load_rng_state(path: Path, device: torch.device, coords: dict[str, int]) -> bool:

@@ -1,5 +1,9 @@
 """Checking a checkpoint before anything is loaded from it: its metadata, and every file's size and checksum.
 
+checkpoint.json itself carries a checksum of its own content (``manifest_sha256``, from format 3): a hand edit of the
+step, the data position or the model config would otherwise be taken as the truth by every loader. Its file list may
+name only regular files inside the checkpoint folder, so that a load reads nothing but what the save wrote.
+
 Each file's CRC-32 is recorded in checkpoint.json when it is saved (computed from the page cache right after the
 write, at about 2 GB/s: a small part of a save). A loader compares sizes (free) and checksums (a read of every file)
 before it builds anything, so a corrupt file is named instead of loading as a NaN loss, empty generations or a
@@ -8,7 +12,10 @@ before it builds anything, so a corrupt file is named instead of loading as a Na
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
 import zlib
 from pathlib import Path
 
@@ -18,6 +25,20 @@ from nanotron.checkpoint.run_folder import METADATA
 CHUNK_BYTES = 16 * 2**20
 REQUIRED = {"format_version": int, "step": int, "optimizer_step": int, "lr_schedule_start_step": int,
             "consumed_samples": dict, "layout": dict, "model": dict, "files": dict}
+MANIFEST_CHECKSUM = "manifest_sha256"
+FIRST_SEALED_FORMAT = 3  # older checkpoints have no manifest checksum and load unchecked
+
+
+def manifest_checksum(metadata: dict) -> str:
+    """sha256 of checkpoint.json's canonical content: every key but the checksum, sorted, as compact JSON."""
+    content = {key: value for key, value in metadata.items() if key != MANIFEST_CHECKSUM}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(metadata: dict) -> dict:
+    """``metadata`` as JSON reads it back, with its ``manifest_sha256``: what checkpoint.json holds."""
+    content = json.loads(json.dumps({key: value for key, value in metadata.items() if key != MANIFEST_CHECKSUM}))
+    return content | {MANIFEST_CHECKSUM: manifest_checksum(content)}
 
 
 def file_checksum(path: Path) -> str:
@@ -55,13 +76,42 @@ def read_metadata(checkpoint: Path) -> dict:
     if metadata["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {metadata['format_version']}; "
                               f"this version reads formats up to {FORMAT_VERSION}): upgrade nanotron to load it")
+    _check_manifest_checksum(path, metadata)
     for name, entry in metadata["files"].items():
-        file, (size, _) = checkpoint / name, _expected(entry)
-        if not file.exists():
-            raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {file} has {file.stat().st_size} bytes, expected {size}: corrupt")
+        status, (size, _) = _regular_file_inside(checkpoint, name), _expected(entry)
+        if status.st_size != size:
+            raise CheckpointError(f"checkpoint file {checkpoint / name} has {status.st_size} bytes, expected {size}: "
+                                  "corrupt")
     return metadata
+
+
+def _check_manifest_checksum(path: Path, metadata: dict) -> None:
+    recorded = metadata.get(MANIFEST_CHECKSUM)
+    if recorded is None and metadata["format_version"] < FIRST_SEALED_FORMAT:
+        return
+    if recorded != manifest_checksum(metadata):
+        found = "has no" if recorded is None else "does not match its"
+        raise CheckpointError(f"{path} was modified after it was saved (it {found} {MANIFEST_CHECKSUM}): loading it "
+                              "would use edited values (step, data position, model config); restore the original "
+                              "file or load another checkpoint, and change values through the config instead")
+
+
+def _regular_file_inside(checkpoint: Path, name: str) -> os.stat_result:
+    """The status of the file ``name`` of checkpoint.json, which must be a regular file inside ``checkpoint``: no path
+    elsewhere (``../x``, ``/dev/zero``), no symbolic link, no device or pipe (reading one never ends)."""
+    file = checkpoint / name
+    if not file.resolve().is_relative_to(checkpoint.resolve()):
+        problem = f"it resolves to {file.resolve()}, outside the checkpoint folder"
+    else:
+        try:
+            status = os.lstat(file)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {file} is missing; the checkpoint is incomplete") from None
+        if stat.S_ISREG(status.st_mode):
+            return status
+        problem = "it is a symbolic link" if stat.S_ISLNK(status.st_mode) else "it is not a regular file"
+    raise CheckpointError(f"{checkpoint / METADATA} lists {name!r}, which is not a regular file inside {checkpoint} "
+                          f"({problem}); a checkpoint holds only the files its save wrote: the checkpoint is corrupt")
 
 
 def verify_checksums(checkpoint: Path, metadata: dict, rank: int = 0, world: int = 1) -> str | None:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from nanotron.files import atomic_write
+from nanotron.files import atomic_write_safetensors
 
-FORMAT_VERSION = 2  # 2: checkpoint.json names the model family (model.type); 1 held Llama models only
+FORMAT_VERSION = 3  # 3: checkpoint.json carries manifest_sha256; 2: it names the model family; 1 held Llama only
 METADATA_KEY = "nanotron"
 
 
@@ -47,7 +46,7 @@ def write_boxes(path: Path, boxes: list[tuple[str, tuple[int, ...], tuple[slice,
             "offsets": [s.start for s in logical_slices],
         }
     metadata = {METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, "entries": entries})}
-    atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
+    atomic_write_safetensors(path, tensors, metadata)
 
 
 class LogicalTensorReader:

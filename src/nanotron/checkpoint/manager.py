@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron.checkpoint.integrity import verify_checksums
+from nanotron.checkpoint.integrity import sealed, verify_checksums
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader
 from nanotron.checkpoint.run_folder import METADATA
 from nanotron.files import atomic_write_text
@@ -68,7 +68,8 @@ def checkpoint_metadata(*, step: int, optimizer_step: int, lr_schedule_start_ste
 
 
 def write_metadata(folder: Path, metadata: dict) -> None:
-    atomic_write_text(folder / METADATA, json.dumps(metadata, indent=2, sort_keys=True))
+    """checkpoint.json, with the checksum of its content that every loader checks."""
+    atomic_write_text(folder / METADATA, json.dumps(sealed(metadata), indent=2, sort_keys=True))
 
 
 def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, object]:

@@ -45,12 +45,22 @@ def write_latest(root: Path, name: str) -> None:
 
 
 def prune(root: Path, keep_last_n: int | None, keep: set[str]) -> None:
-    """Delete all but the ``keep_last_n`` most recently saved checkpoints, never one named in ``keep``."""
+    """Delete all but the ``keep_last_n`` most recently saved checkpoints, never one named in ``keep``.
+
+    checkpoint.json goes first: a folder whose deletion stops halfway is no longer taken for a complete checkpoint. A
+    folder that cannot be deleted (read-only, busy) is kept with a warning: a run never stops over old checkpoints.
+    """
     if keep_last_n is None:
         return
     for folder in complete_checkpoints(root)[:-keep_last_n]:
-        if folder.name not in keep:
+        if folder.name in keep:
+            continue
+        try:
+            (folder / METADATA).unlink()
             shutil.rmtree(folder)
+        except OSError as error:
+            logger.warning(f"checkpoints.keep_last_n: could not delete the old checkpoint {folder} "
+                           f"({error.strerror or error}: {error.filename}); training goes on, delete it by hand")
 
 
 def remove_partial_saves(root: Path) -> None:

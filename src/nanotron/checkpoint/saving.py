@@ -7,8 +7,9 @@ overlap); a foreground one into transient host tensors, so that it holds no host
 snapshot, so it can run in the foreground (``Trainer.save``) or in a background thread while training goes on
 (``async_saving.py``). Either way the files go to ``.tmp-<step>``, each flushed to disk with its checksum recorded;
 only when every rank has written does rank 0 write checkpoint.json, rename the folder and update ``latest.txt``. A
-crash at any moment leaves the previous checkpoint intact; a failed write (a full disk) is removed on every rank and
-reported as one error.
+crash at any moment leaves the previous checkpoint intact; a failed write (a full disk, also inside safetensors) is
+removed on every rank and reported as one error. Pruning old checkpoints comes after the new one is complete, and
+never fails a save.
 """
 
 from __future__ import annotations
@@ -163,9 +164,8 @@ def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group:
     if is_main and problem is None:
         try:
             _complete(tmp, final, snapshot, {name: entry for files in all_written for name, entry in files.items()})
-            prune(root, snapshot.config.checkpoints.keep_last_n, keep={final.name, *protected})
         except OSError as error:
-            problem = _save_failure(error, tmp)
+            problem = _save_failure(error, tmp, snapshot)
     problem = first_problem(problem if is_main else None, parallel_context.world_size, group)
     if problem is not None:
         if is_main:
@@ -173,6 +173,8 @@ def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group:
         dist.barrier(group=group)
         raise CheckpointError(problem)
     logger.info(f"saved checkpoint {final}")
+    if is_main:  # the new checkpoint is complete: an old one that cannot be deleted is only a warning
+        prune(root, snapshot.config.checkpoints.keep_last_n, keep={final.name, *protected})
     return final
 
 
@@ -186,20 +188,39 @@ def _write_files(tmp: Path, snapshot: Snapshot) -> tuple[dict[str, dict], str | 
         write_rng_state(tmp / snapshot.rng_file, *snapshot.rng)
         written[snapshot.rng_file] = file_entry(tmp / snapshot.rng_file)
     except OSError as error:
-        return written, _save_failure(error, tmp)
+        return written, _save_failure(error, tmp, snapshot)
     return written, None
 
 
-def _save_failure(error: OSError, tmp: Path) -> str:
-    root = tmp.parent
-    if error.errno == errno.ENOSPC:
-        previous = complete_checkpoints(root)
-        needed = (f"about {sum(f.stat().st_size for f in previous[-1].rglob('*') if f.is_file()) / 1e9:.2f} GB (the "
-                  "size of the previous checkpoint)" if previous else "more space")
-        return (f"no space left on the device of {root} while saving {tmp.name.removeprefix(PARTIAL_PREFIX)}: a "
-                f"checkpoint needs {needed}, {shutil.disk_usage(root).free / 1e9:.2f} GB are free. The partial save "
-                "was removed and the previous checkpoint is intact; free space or change checkpoints.checkpoints_path")
-    return f"cannot write checkpoint file {error.filename or tmp}: {error.strerror or error}; the partial save was removed"
+# A save that fails for want of room: what happened, and the fix.
+ELSEWHERE = "change checkpoints.checkpoints_path"
+OUT_OF_SPACE = {errno.ENOSPC: ("no space left on the device of {root}", f"free space or {ELSEWHERE}"),
+                errno.EDQUOT: ("the disk quota is exceeded on the device of {root}", f"free space or {ELSEWHERE}"),
+                errno.EFBIG: ("a file is over the file-size limit (ulimit -f, or the largest file the filesystem of "
+                              "{root} holds)", f"raise the limit or {ELSEWHERE}")}
+
+
+def _save_failure(error: OSError, tmp: Path, snapshot: Snapshot) -> str:
+    """One line for a failed write: which file, and for a lack of room, how much a checkpoint needs."""
+    root, file = tmp.parent, error.filename or tmp
+    if error.errno not in OUT_OF_SPACE:
+        return f"cannot write checkpoint file {file}: {error.strerror or error}; the partial save was removed"
+    previous = complete_checkpoints(root)
+    if previous:
+        size = sum(path.stat().st_size for path in previous[-1].rglob("*") if path.is_file())
+        needed = f"about {_size(size)} (the size of the previous checkpoint)"
+        kept = f"checkpoint {previous[-1].name} is intact and still the latest"
+    else:
+        size = sum(box[3].nbytes for boxes in snapshot.files.values() for box in boxes)
+        needed, kept = f"more than {_size(size)} (this rank's files)", "no earlier checkpoint exists"
+    what, fix = OUT_OF_SPACE[error.errno]
+    return (f"{what.format(root=root)} while saving checkpoint {snapshot.step} (writing {file}): a checkpoint needs "
+            f"{needed}, {_size(shutil.disk_usage(root).free)} are free. The partial save was removed and {kept}; "
+            f"{fix}, then resume with checkpoints.resume_checkpoint_path: auto")
+
+
+def _size(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e7 else f"{size / 1e6:.2f} MB"
 
 
 def _complete(tmp: Path, final: Path, snapshot: Snapshot, files: dict[str, dict]) -> None:
