@@ -114,6 +114,7 @@ def test_the_lock_is_held_from_set_up_to_close_and_released_when_set_up_fails(ti
 
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"
     config = _config(tiny_data, run, 2)
+    environment = dict(os.environ)  # a world of one sets RANK, MASTER_PORT...: later subprocesses must not inherit them
     trainer = Trainer(config_from_dict(config))
     try:
         owner = json.loads(lock.read_text())
@@ -121,6 +122,8 @@ def test_the_lock_is_held_from_set_up_to_close_and_released_when_set_up_fails(ti
         trainer.train()
     finally:
         trainer.close()
+        os.environ.clear()
+        os.environ.update(environment)
     assert not lock.exists()
     again = cli("train", "--config-file", write_config(tmp_path / "again.yaml", config))  # refused after the lock
     assert_user_error(again, f"checkpoints.checkpoints_path {run} already holds a run")
