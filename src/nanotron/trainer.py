@@ -39,7 +39,13 @@ from nanotron.checkpoint.manager import (
 )
 from nanotron.checkpoint.async_saving import AsyncCheckpointer
 from nanotron.checkpoint.saving import take_snapshot, write_snapshot
-from nanotron.checkpoint.run_folder import check_writable, describe_existing_run, remove_partial_saves, resolve_checkpoint
+from nanotron.checkpoint.run_folder import (
+    check_metrics_file,
+    describe_existing_run,
+    remove_partial_saves,
+    resolve_checkpoint,
+)
+from nanotron.checkpoint.run_lock import RunLock
 from nanotron.config import Config, ConfigError, ExistingCheckpointInit, expand_run_name, validate_config
 from nanotron.data.dataset import DataError, PretrainDataset
 from nanotron.divergence import BadStepGuard
@@ -124,10 +130,11 @@ class Trainer:
         self.config = expand_run_name(config)
         p = config.parallelism
         self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size)
+        self.run_lock: RunLock | None = None  # rank 0's, taken by ``_prepare_run_folder``
         try:
             self._set_up(converters)
         except BaseException:
-            self.pc.destroy()  # a failed set-up leaves no process group behind (in-process callers, tests)
+            self.close()  # a failed set-up leaves no lock or process group behind (in-process callers, tests)
             raise
 
     def _set_up(self, converters: tuple[ModuleConverter, ...]) -> None:
@@ -141,6 +148,7 @@ class Trainer:
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         self.initial_checkpoint = self._initial_checkpoint()
+        self._check_metrics_file()
         if config.fp8 is not None and config.fp8.enabled:
             converters = (*converters, fp8_converter(config.fp8))
         self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
@@ -221,34 +229,52 @@ class Trainer:
         return weights
 
     def _prepare_run_folder(self) -> Path | None:
-        """Check the run folder before anything is built; the checkpoint to resume from, if any.
+        """Lock and check the run folder before anything is built; the checkpoint to resume from, if any.
 
-        Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is refused
-        unless the config resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a checkpoint). Rank 0
-        also removes what interrupted saves left and checks that it can write; every rank gets its verdict.
+        Rank 0 first takes the folder's lock (``run_lock.py``), before the folder is read: a second run on it is
+        refused. Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is
+        refused unless the config resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a
+        checkpoint). Rank 0 also removes what interrupted saves left; every rank gets its verdict, and only then
+        looks at the folder itself.
         """
-        checkpoints = self.config.checkpoints
-        root = Path(checkpoints.checkpoints_path)
-        resume = checkpoints.resume_checkpoint_path
-        if checkpoints.resumes_if_present:
-            resume = root if describe_existing_run(root) is not None else None
+        root = Path(self.config.checkpoints.checkpoints_path)
         problem = None
         if self.pc.rank == 0:
             try:
+                self.run_lock = RunLock.take(root)
                 existing = describe_existing_run(root)
-                if resume is None and existing is not None:
+                if self._resume_choice(root) is None and existing is not None:
                     raise ConfigError(
                         f"checkpoints.checkpoints_path {root} already holds a run ({existing}); continue it with "
                         "checkpoints.resume_checkpoint_path: auto (or its path), or start over in another "
                         "checkpoints_path")
                 remove_partial_saves(root)
-                check_writable(root)
             except (ConfigError, CheckpointError) as error:
                 problem = str(error)
         problem = first_problem(problem, self.pc.world_size)
         if problem is not None:
             raise ConfigError(problem)
-        return resume
+        return self._resume_choice(root)
+
+    def _resume_choice(self, root: Path) -> Path | None:
+        checkpoints = self.config.checkpoints
+        if checkpoints.resumes_if_present:
+            return root if describe_existing_run(root) is not None else None
+        return checkpoints.resume_checkpoint_path
+
+    def _check_metrics_file(self) -> None:
+        """Refuse, on every rank, a ``logging.metrics_path`` that holds another run's metrics (rank 0 writes it)."""
+        problem = None
+        if self.pc.rank == 0:
+            resumed = self.initial_checkpoint[0] if self.resume_from is not None else None
+            try:
+                check_metrics_file(self.config.resolved_metrics_path(), Path(self.config.checkpoints.checkpoints_path),
+                                   resumed)
+            except ConfigError as error:
+                problem = str(error)
+        problem = first_problem(problem, self.pc.world_size)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _initial_checkpoint(self) -> tuple[Path, dict] | None:
         """The checkpoint to resume from or to take the initial weights from, checked before the model exists:
@@ -614,4 +640,9 @@ class Trainer:
             self.async_saver.wait()
 
     def close(self) -> None:
-        self.pc.destroy()
+        """Leave no process group and no lock behind; the lock goes even if the process group cannot."""
+        try:
+            self.pc.destroy()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()

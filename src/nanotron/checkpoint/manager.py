@@ -3,6 +3,7 @@
 Layout of ``<checkpoints_path>``::
 
     latest.txt                      name of the newest complete checkpoint (written last, atomically)
+    run.lock                        host, pid and start of the run using the folder (``run_lock.py``)
     <step>/checkpoint.json          step, consumed samples per data stage, layout, vocab, files and their sizes
     <step>/config.yaml              the run's config
     <step>/model/*.safetensors      boxes of logical weights (see logical_tensors.py)
@@ -10,7 +11,7 @@ Layout of ``<checkpoints_path>``::
     <step>/rng/rank-<rank>.safetensors  every rank's random generators (world rank, 5 digits; no pickle)
 
 Saving is ``saving.py`` (and ``async_saving.py`` in the background); loading starts with the integrity checks of
-``integrity.py``; the folder's bookkeeping (latest, pruning, partial saves) is ``run_folder.py``.
+``integrity.py``; the folder's bookkeeping (latest, pruning, partial saves) is ``run_folder.py``, its lock ``run_lock.py``.
 """
 
 from __future__ import annotations

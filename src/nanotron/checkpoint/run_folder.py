@@ -5,23 +5,29 @@ the folder is renamed to its step). ``latest.txt`` names the checkpoint to resum
 most recently saved complete checkpoint is taken instead. "Recent" is the save order recorded in checkpoint.json
 (``saved_at``), not the step number: after a rollback (resuming from an older checkpoint into the same folder) the
 new checkpoints have lower steps than the abandoned ones, and they are the ones to keep.
+
+The run's metrics file belongs to the run too: an existing one is continued only by a run that resumes the run that
+wrote it (``check_metrics_file``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
+import yaml
+
 from nanotron.checkpoint.logical_tensors import CheckpointError
+from nanotron.config import ConfigError
 from nanotron.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest.txt"
 METADATA = "checkpoint.json"
+METRICS = "metrics.jsonl"  # the default logging.metrics_path, in the run folder
 PARTIAL_PREFIX = ".tmp-"
 
 
@@ -71,18 +77,6 @@ def remove_partial_saves(root: Path) -> None:
             logger.warning(f"removed {partial}, left by an interrupted save")
 
 
-def check_writable(root: Path) -> None:
-    """Fail before training if checkpoints could not be saved into ``root``."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise CheckpointError(f"checkpoints.checkpoints_path {root} is not writable ({error.strerror}); "
-                              "choose a folder this user can write to") from error
-
-
 def describe_existing_run(root: Path) -> str | None:
     """What an earlier run left in ``root`` (its latest checkpoint), or None when there is none to lose."""
     if (root / LATEST).exists():
@@ -117,3 +111,31 @@ def resolve_checkpoint(path: Path) -> Path:
         f"no checkpoint at {path} (expected {LATEST} or {METADATA}); fix checkpoints.resume_checkpoint_path "
         "or set it to null to start from scratch"
     )
+
+
+def metrics_file_of(checkpoint: Path) -> Path:
+    """The metrics file of the run that saved ``checkpoint``: ``logging.metrics_path`` of the config saved with it,
+    else (null) the metrics file of the run folder holding it, wherever that folder has been moved."""
+    try:
+        saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+        path = saved["logging"]["metrics_path"]
+    except (OSError, yaml.YAMLError, TypeError, KeyError):
+        path = None
+    return Path(path) if path else checkpoint.parent / METRICS
+
+
+def check_metrics_file(metrics: Path, root: Path, resumed: Path | None) -> None:
+    """Refuse to write over another run's metrics file (``metrics``, which holds records).
+
+    It is continued when this run resumes (from checkpoint ``resumed``) the run that wrote it, and started over when
+    it is the run folder's own file and nothing is resumed (the folder holds no checkpoint then, or the run would
+    have been refused: a run that stopped before its first save starts again). Anything else is another run's file.
+    """
+    if not metrics.exists() or not metrics.read_text(errors="replace").strip():
+        return
+    owner = metrics_file_of(resumed) if resumed is not None else root / METRICS
+    if metrics.resolve() == owner.resolve():
+        return
+    whose = f"the checkpoint {resumed} logs to {owner}" if resumed is not None else "this run resumes no checkpoint"
+    raise ConfigError(f"logging.metrics_path {metrics} already holds another run's metrics ({whose}); point "
+                      "logging.metrics_path at a new file (or delete this one), or resume the run that wrote it")

@@ -66,7 +66,7 @@ class DoReMiTrainer(Trainer):
             self.reference, _ = load_model(reference, self.pc)
             self.reference.requires_grad_(False)
         except BaseException:
-            self.pc.destroy()
+            self.close()
             raise
         self._loss = self._weighted_loss
         domains = len(self.config.data_stages[0].data.dataset.dataset_folder)
