@@ -167,3 +167,9 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-4, atol=1e-5)
     for name, grad in reference[1].items():
         torch.testing.assert_close(fast[1][name], grad, rtol=1e-3, atol=1e-3 * grad.abs().max().item(), msg=name)
+
+
+def test_compiled_fused_loss_passes_match_the_plain_ones_on_cuda():
+    from test_fused_loss import check_compiled_passes
+
+    check_compiled_passes("cuda")

@@ -146,17 +146,48 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("chunk", [4, 20])
+@pytest.mark.parametrize("chunk", [10, 20])
 def test_no_tensor_spans_more_tokens_than_a_chunk(group, chunk):
     """Forward and backward never create a [tokens, vocab] tensor beyond one chunk (the shapes keep every other
-    tensor smaller: hidden and weight-sized ones have fewer elements than a chunk of 4 tokens' logits)."""
-    assert max(TOKENS * HIDDEN, PADDED * HIDDEN) < 4 * PADDED
+    tensor smaller: hidden and weight-sized ones have fewer elements than a chunk of 10 tokens' logits)."""
+    assert max(TOKENS * HIDDEN, PADDED * HIDDEN) < 10 * PADDED
     with LargestTensor() as unfused:
         reference(*inputs())
     assert unfused.largest == TOKENS * PADDED  # the probe sees the logits of the unfused loss
     with LargestTensor() as chunked:
         fused(*inputs(), group, chunk)
     assert chunked.largest == chunk * PADDED
+
+
+def check_compiled_passes(device: str) -> None:
+    """The compiled passes give the plain ones' losses and gradients (bf16, a padded vocabulary, a chunk size that
+    does not divide the tokens): run on CUDA by test_cuda_kernels.py, where the compiler writes Triton kernels."""
+    from nanotron.parallel.linear_cross_entropy import ChunkPasses, linear_cross_entropy
+
+    generator = torch.Generator(device).manual_seed(0)
+    tokens, hidden_size, padded, vocab_size = 3000, 256, 5008, 5000
+    hidden = torch.randn(tokens, hidden_size, device=device, generator=generator).bfloat16()
+    weight = (torch.randn(padded, hidden_size, device=device, generator=generator) * 0.05).bfloat16()
+    labels = torch.randint(0, vocab_size, (tokens,), device=device, generator=generator)
+    mask = torch.rand(tokens, device=device, generator=generator) > 0.1
+    initialized = dist.is_initialized()
+    if not initialized:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = []
+        for passes in (ChunkPasses(), ChunkPasses.compiled()):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            loss, losses = linear_cross_entropy(h, w, labels, mask / mask.sum(), dist.group.WORLD, vocab_size, 1024,
+                                                passes)
+            loss.backward()
+            results.append((loss, losses, h.grad, w.grad))
+    finally:
+        if not initialized:
+            dist.destroy_process_group()
+    for name, compiled, plain, tolerance in zip(("loss", "token losses", "grad hidden", "grad weight"), results[1],
+                                                results[0], (1e-6, 1e-6, 2 ** -8, 2 ** -8)):
+        assert compiled.dtype == plain.dtype, name
+        assert relative_error(compiled, plain) < tolerance, name
 
 
 # --- training: the fused loss against the unfused one ---------------------------------------------------------
