@@ -158,6 +158,20 @@ def test_broken_config_json_is_one_error_line_and_writes_nothing(family, damage,
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("damage, names", [
+    (lambda hf: (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:100]),
+     ["model.safetensors", "the file is corrupt"]),
+    (lambda hf: shutil.copy(hf / "model.safetensors", hf / "model-copy.safetensors"),
+     ["is stored in both", "model-copy.safetensors", "keep one of them"]),
+], ids=["truncated", "duplicated"])
+def test_broken_weight_files_are_one_error_line_and_write_nothing(damage, names, hf_model, tmp_path):
+    shutil.copytree(hf_model("llama"), tmp_path / "hf")
+    damage(tmp_path / "hf")
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", tmp_path / "hf", "--save-path", tmp_path / "ckpt")
+    assert_user_error(outcome, *names)
+    assert_nothing_written(tmp_path)
+
+
 def test_python_m_nanotron_convert_reports_a_lying_config_json_in_one_line(hf_model, tmp_path):
     hf = damaged_copy(hf_model("llama"), tmp_path / "hf", _set(vocab_size=400))
     result = subprocess.run([sys.executable, "-m", "nanotron", "convert", "hf-to-nanotron", "--hf-path", str(hf),

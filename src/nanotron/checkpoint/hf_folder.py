@@ -19,8 +19,7 @@ import torch
 from safetensors import safe_open
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import ConfigError
-from nanotron.config.loading import model_config_from_dict
+from nanotron.config import ConfigError, model_config_from_dict
 from nanotron.models.registry import check_model_config, spec_for_hf_model_type
 from nanotron.models.spec import ModelSpec
 
@@ -29,7 +28,8 @@ _MAX_PARAMETERS = 2**61
 
 
 def read_hf_config(hf_path: Path) -> tuple[ModelSpec, object]:
-    """The family and nanotron model config that ``hf_path/config.json`` describes; ConfigError names the problem."""
+    """The family and nanotron model config that ``hf_path/config.json`` describes, or one error (ConfigError,
+    CheckpointError for what nanotron does not build) naming the problem."""
     config_file = hf_path / "config.json"
     try:
         hf_config = json.loads(config_file.read_text(encoding="utf-8"))
