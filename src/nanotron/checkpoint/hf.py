@@ -2,9 +2,10 @@
 
 The family is detected from ``config.json``'s ``model_type`` (Hugging Face → nanotron) or from checkpoint.json's
 ``model.type`` (nanotron → Hugging Face); its ``HFAdapter`` maps configs and tensor names, this module does the
-reading and writing. nanotron may pad the vocabulary (``make_vocab_size_divisible_by`` × tp); exports keep the first
-``vocab_size`` rows. Only ``safetensors`` and JSON are needed; ``transformers`` itself is used by the tests, never
-here.
+reading and writing (a Hugging Face folder is read through ``hf_folder``, which checks its config.json and weights
+against each other first). nanotron may pad the vocabulary (``make_vocab_size_divisible_by`` × tp); exports keep
+the first ``vocab_size`` rows. Only ``safetensors`` and JSON are needed; ``transformers`` itself is used by the
+tests, never here.
 """
 
 from __future__ import annotations
@@ -17,27 +18,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nanotron.checkpoint.hf_folder import check_weights_fit, read_hf_config, read_weights, stored_shapes
 from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_checkpoint
 from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
 from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.files import atomic_write_text
-from nanotron.models.registry import check_model_config, spec_for_hf_model_type
+from nanotron.models.registry import check_model_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def _read_hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no .safetensors weights in {folder} (save the model with safe_serialization)")
-    tensors = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
-    return tensors
 
 
 def _copy_tokenizer(source: Path, target: Path) -> bool:
@@ -52,16 +42,11 @@ def _copy_tokenizer(source: Path, target: Path) -> bool:
 def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
     """Write a nanotron checkpoint (weights only, step 0) from a Hugging Face model folder; returns its folder."""
     hf_path, save_path = Path(hf_path), Path(save_path)
-    config_file = hf_path / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{config_file} does not exist: --hf-path must be a Hugging Face model folder")
     if save_path.exists():
         raise CheckpointError(f"{save_path} already exists; choose another --save-path or delete it")
-    hf_config = json.loads(config_file.read_text())
-    spec = spec_for_hf_model_type(hf_config.get("model_type"), config_file)
-    config = spec.hf_adapter.config_from_hf(hf_config)
-    check_model_config(config, 1, config_file, key=None)
-    tensors = spec.hf_adapter.weights_from_hf(_read_hf_tensors(hf_path), config)
+    spec, config = read_hf_config(hf_path)
+    check_weights_fit(spec, config, stored_shapes(hf_path), hf_path)
+    tensors = spec.hf_adapter.weights_from_hf(read_weights(hf_path), config)
 
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     tmp = save_path.with_name(save_path.name + ".tmp")

@@ -18,7 +18,7 @@ Layouts (nanotron ← → Hugging Face):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -28,24 +28,28 @@ from nanotron.config.schema import ROPE_SCALING_KEYS
 
 
 def _first(token_id):
-    return token_id[0] if isinstance(token_id, list) else token_id
+    return token_id[0] if isinstance(token_id, list) and token_id else token_id
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
-    """RoPE theta and nanotron's ``rope_scaling`` (its keys only; their values are validated with the config)."""
+def _rope_from_hf(hf: dict) -> dict:
+    """``rope_theta`` and nanotron's ``rope_scaling`` (its keys only; their values are checked with the config)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return {"rope_scaling": rope}  # the config's type check names what it must be
+    theta = hf["rope_theta"] if hf.get("rope_theta") is not None else rope.get("rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0))
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     if rope_type == "default":
-        return theta, None
-    if rope_type not in ROPE_SCALING_KEYS:
+        return {"rope_theta": theta, "rope_scaling": None}
+    if not isinstance(rope_type, str) or rope_type not in ROPE_SCALING_KEYS:
         raise CheckpointError(f"rope type {rope_type!r} (RoPE scaling) is not supported; supported: default, "
                               f"{', '.join(ROPE_SCALING_KEYS)}")
     # transformers' own default for a llama3 config that leaves the pretraining context out
     rope = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}
-    return theta, {"rope_type": rope_type, **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type] if key in rope}}
+    return {"rope_theta": theta,
+            "rope_scaling": {"rope_type": rope_type, **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type]
+                                                        if key in rope}}}
 
 
 class LlamaHFAdapter:
@@ -63,22 +67,24 @@ class LlamaHFAdapter:
                                   "supported; only q/k/v biases are (Qwen2)")
         return {"attention_bias": qwen2}
 
-    def config_from_hf(self, hf: dict) -> LlamaConfig:
-        heads = hf["num_attention_heads"]
-        if (hf.get("head_dim") or hf["hidden_size"] // heads) != hf["hidden_size"] // heads:  # Mixtral writes null
-            raise CheckpointError("head_dim must equal hidden_size / num_attention_heads")
-        variant = self._check_family(hf)
-        rope_theta, rope_scaling = _rope_from_hf(hf)
-        return self.config_class(
-            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta, rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"), **variant,
-        )
+    def config_fields_from_hf(self, hf: dict) -> dict:
+        return {
+            "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+            "intermediate_size": hf["intermediate_size"], "num_hidden_layers": hf["num_hidden_layers"],
+            "num_attention_heads": hf["num_attention_heads"], "num_key_value_heads": hf.get("num_key_value_heads"),
+            "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), **_rope_from_hf(hf),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+            "bos_token_id": hf.get("bos_token_id"), "eos_token_id": _first(hf.get("eos_token_id")),
+            "pad_token_id": hf.get("pad_token_id"), **self._check_family(hf),
+        }
+
+    def derived_key_problems(self, hf: dict, config: LlamaConfig) -> list[str]:
+        head_dim = hf.get("head_dim")  # Mixtral writes null
+        if head_dim is None or head_dim == config.head_dim:
+            return []
+        return [f"head_dim ({head_dim!r}) must equal hidden_size / num_attention_heads = {config.hidden_size} / "
+                f"{config.num_attention_heads} = {config.head_dim}: nanotron builds heads of that size only"]
 
     def _family_to_hf(self, config: LlamaConfig) -> dict:
         if config.attention_bias:
@@ -100,7 +106,7 @@ class LlamaHFAdapter:
             "pad_token_id": config.pad_token_id, "torch_dtype": dtype,
         }
 
-    def _mlp_from_hf(self, hf: dict[str, torch.Tensor], prefix: str, ours: str, config: LlamaConfig,
+    def _mlp_from_hf(self, hf: Mapping[str, torch.Tensor], prefix: str, ours: str, config: LlamaConfig,
                      index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s feed-forward tensors (``prefix`` is ``model.layers.i.``, ``ours`` is ``layers.i.``)."""
         mlp = prefix + "mlp."
@@ -113,7 +119,7 @@ class LlamaHFAdapter:
         return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": read(ours + "mlp.down_proj.weight")}
 
-    def weights_from_hf(self, hf: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    def weights_from_hf(self, hf: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
         tensors = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
         fused = ("weight", "bias") if config.attention_bias else ("weight",)
         for i in range(config.num_hidden_layers):

@@ -8,40 +8,49 @@ kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import MambaConfig, MambaSSMArgs
+from nanotron.config import MambaConfig
 
 _MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
           "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")
 
 
 def _first(token_id):
-    return token_id[0] if isinstance(token_id, list) else token_id
+    return token_id[0] if isinstance(token_id, list) and token_id else token_id
 
 
 class MambaHFAdapter:
     model_types = ("mamba",)
 
-    def config_from_hf(self, hf: dict) -> MambaConfig:
+    def config_fields_from_hf(self, hf: dict) -> dict:
         if hf.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"Mamba models with hidden_act {hf['hidden_act']!r} are not supported (only silu)")
-        ssm = MambaSSMArgs(
-            d_state=hf.get("state_size", 16), d_conv=hf.get("conv_kernel", 4), expand=hf.get("expand", 2),
-            dt_rank=hf.get("time_step_rank", "auto"), dt_min=hf.get("time_step_min", 0.001),
-            dt_max=hf.get("time_step_max", 0.1), dt_init=hf.get("time_step_init_scheme", "random"),
-            dt_scale=hf.get("time_step_scale", 1.0), dt_init_floor=hf.get("time_step_floor", 1e-4),
-            conv_bias=bool(hf.get("use_conv_bias", True)), bias=bool(hf.get("use_bias", False)))
-        return MambaConfig(
-            d_model=hf["hidden_size"], num_hidden_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
-            ssm_cfg=ssm, rms_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            residual_in_fp32=bool(hf.get("residual_in_fp32", True)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-            pad_token_id=hf.get("pad_token_id"))
+        ssm = {
+            "d_state": hf.get("state_size", 16), "d_conv": hf.get("conv_kernel", 4), "expand": hf.get("expand", 2),
+            "dt_rank": hf.get("time_step_rank", "auto"), "dt_min": hf.get("time_step_min", 0.001),
+            "dt_max": hf.get("time_step_max", 0.1), "dt_init": hf.get("time_step_init_scheme", "random"),
+            "dt_scale": hf.get("time_step_scale", 1.0), "dt_init_floor": hf.get("time_step_floor", 1e-4),
+            "conv_bias": hf.get("use_conv_bias", True), "bias": hf.get("use_bias", False),
+        }
+        return {
+            "d_model": hf["hidden_size"], "num_hidden_layers": hf["num_hidden_layers"], "vocab_size": hf["vocab_size"],
+            "ssm_cfg": ssm, "rms_norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            "residual_in_fp32": hf.get("residual_in_fp32", True),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+            "bos_token_id": hf.get("bos_token_id"), "eos_token_id": _first(hf.get("eos_token_id")),
+            "pad_token_id": hf.get("pad_token_id"),
+        }
+
+    def derived_key_problems(self, hf: dict, config: MambaConfig) -> list[str]:
+        channels = hf.get("intermediate_size")  # transformers sizes the mixer by it, nanotron by expand
+        if channels is None or channels == config.d_inner:
+            return []
+        return [f"intermediate_size ({channels!r}) must equal expand x hidden_size = {config.ssm_cfg.expand} x "
+                f"{config.d_model} = {config.d_inner}: nanotron sizes the mixer by expand"]
 
     def config_to_hf(self, config: MambaConfig, dtype: str) -> dict:
         ssm = config.ssm_cfg
@@ -57,16 +66,16 @@ class MambaHFAdapter:
             "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id, "torch_dtype": dtype,
         }
 
-    def _pairs(self, config: MambaConfig, present: Callable[[str], bool]) -> list[tuple[str, str]]:
-        """(Hugging Face name, nanotron name) of every tensor the model has."""
-        pairs = [("backbone.embeddings.weight", "embed_tokens.weight"), ("backbone.norm_f.weight", "norm.weight")]
+    def _pairs(self, config: MambaConfig, present: Callable[[str], bool]) -> Iterator[tuple[str, str]]:
+        """(Hugging Face name, nanotron name) of every tensor the model has, layer after layer (a config.json that
+        declares more layers than are stored stops at the first missing one, whatever number it declares)."""
+        yield from (("backbone.embeddings.weight", "embed_tokens.weight"), ("backbone.norm_f.weight", "norm.weight"))
         for i in range(config.num_hidden_layers):
-            pairs.append((f"backbone.layers.{i}.norm.weight", f"layers.{i}.norm.weight"))
-            pairs += [(f"backbone.layers.{i}.mixer.{name}", f"layers.{i}.mixer.{name}") for name in _MIXER
-                      if present(f"layers.{i}.mixer.{name}")]
+            yield f"backbone.layers.{i}.norm.weight", f"layers.{i}.norm.weight"
+            yield from ((f"backbone.layers.{i}.mixer.{name}", f"layers.{i}.mixer.{name}") for name in _MIXER
+                        if present(f"layers.{i}.mixer.{name}"))
         if not config.tie_word_embeddings:
-            pairs.append(("lm_head.weight", "lm_head.weight"))
-        return pairs
+            yield "lm_head.weight", "lm_head.weight"
 
     @staticmethod
     def _has(config: MambaConfig) -> Callable[[str], bool]:
@@ -74,7 +83,7 @@ class MambaHFAdapter:
         return lambda name: not ((name.endswith(("in_proj.bias", "out_proj.bias")) and not ssm.bias)
                                  or (name.endswith("conv1d.bias") and not ssm.conv_bias))
 
-    def weights_from_hf(self, hf: dict[str, torch.Tensor], config: MambaConfig) -> dict[str, torch.Tensor]:
+    def weights_from_hf(self, hf: Mapping[str, torch.Tensor], config: MambaConfig) -> dict[str, torch.Tensor]:
         return {ours: hf[theirs] for theirs, ours in self._pairs(config, self._has(config))}
 
     def weights_to_hf(self, read: Callable[[str], torch.Tensor], config: MambaConfig) -> dict[str, torch.Tensor]:

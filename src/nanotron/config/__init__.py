@@ -11,6 +11,7 @@ from nanotron.config.loading import (
     config_to_dict,
     expand_run_name,
     load_config,
+    model_config_from_dict,
     save_config,
 )
 from nanotron.config.schema import (
@@ -77,6 +78,7 @@ __all__ = [
     "config_to_dict",
     "expand_run_name",
     "load_config",
+    "model_config_from_dict",
     "save_config",
     "validate_config",
 ]

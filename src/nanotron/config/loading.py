@@ -267,6 +267,17 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
+def model_config_from_dict(config_class: type, raw: dict, source: str | Path | None = None) -> Any:
+    """A model config of ``config_class`` from plain data that is not a YAML config (a Hugging Face config.json
+    mapped to nanotron's fields), type-checked like ``model.model_config`` in a YAML file; ConfigError lists every
+    problem. The values are checked by the family's rules afterwards (``ModelSpec.config_problems``)."""
+    reader = _Reader()
+    config = reader.dataclass(config_class, raw, "")
+    if reader.problems:
+        raise ConfigError(*reader.problems, source=source)
+    return config
+
+
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     """Set ``section.key=value`` entries (values parsed as YAML) on plain config data, e.g. ``parallelism.tp=2``.
 

@@ -210,7 +210,7 @@ def _mixture_of_experts(c: LlaMoEConfig, k: str) -> Iterator[str]:
         yield from _positive(f"{k}moe_capacity_factor", c.moe_capacity_factor)
     yield from _at_least(f"{k}moe_aux_loss_coef", c.moe_aux_loss_coef, 0)
     yield from _at_least(f"{k}moe_z_loss_coef", c.moe_z_loss_coef, 0)
-    if not 0 <= c.moe_first_dense_layers < c.num_hidden_layers:
+    if c.num_hidden_layers >= 1 and not 0 <= c.moe_first_dense_layers < c.num_hidden_layers:
         yield (f"{k}moe_first_dense_layers ({c.moe_first_dense_layers}) must be in [0, {k}num_hidden_layers) = "
                f"[0, {c.num_hidden_layers}): at least the last layer is a mixture of experts")
 

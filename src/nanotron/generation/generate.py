@@ -20,6 +20,7 @@ from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.manager import checkpoint_model, load_weights, verify_on_all_ranks
 from nanotron.checkpoint.run_folder import resolve_checkpoint
+from nanotron.config import ConfigError
 from nanotron.models.build import BuildOptions, build_model
 from nanotron.models.registry import check_model_config, spec_for_config
 from nanotron.models.spec import CausalLM
@@ -86,6 +87,20 @@ def check_checkpoint_layout(ckpt_path: Path, tp: int, **keys) -> None:
     checked_model_config(checkpoint, read_metadata(checkpoint), tp, **keys)
 
 
+def check_within_context(model_config, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse to generate past the positions the model was trained for (``max_position_embeddings``, where the
+    family has one): beyond them it runs silently on positions it never saw."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        fix = (f"pass --max-new-tokens {limit - prompt_tokens} or less" if prompt_tokens < limit
+               else "shorten the prompt")
+        raise ConfigError(f"the longest prompt ({prompt_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) is "
+                          f"{prompt_tokens + max_new_tokens} positions, more than the {limit} the model was trained "
+                          f"for (max_position_embeddings); {fix}")
+
+
 def _attention_mask(valid: torch.Tensor, queries: int) -> torch.Tensor:
     """[batch, 1, queries, keys]: causal over the last ``queries`` positions, padding keys hidden.
 
@@ -107,6 +122,7 @@ def generate(model: CausalLM, parallel_context: ParallelContext, prompts: list[l
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     longest = max(len(p) for p in prompts)
+    check_within_context(model.config, longest, max_new_tokens)
     tokens = torch.full((len(prompts), longest), pad_token_id, dtype=torch.long, device=device)
     valid = torch.zeros_like(tokens, dtype=torch.bool)
     for row, prompt in enumerate(prompts):

@@ -8,7 +8,7 @@ to a model through :class:`CausalLM` and its spec, so adding a family means addi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -77,11 +77,18 @@ class HFAdapter(Protocol):
 
     model_types: tuple[str, ...]  # the config.json ``model_type`` values this adapter reads
 
-    def config_from_hf(self, hf_config: dict) -> Any: ...
+    def config_fields_from_hf(self, hf_config: dict) -> dict:
+        """nanotron's model-config fields for config.json's values, as found (the config loader checks their types,
+        the family's rules their values); a missing key that every such config.json has raises KeyError."""
+
+    def derived_key_problems(self, hf_config: dict, config: Any) -> list[str]:
+        """One line per config.json key nanotron derives instead of reading (Llama's head_dim) that disagrees with
+        ``config``, which passed the family's rules."""
 
     def config_to_hf(self, config: Any, dtype: str) -> dict: ...
 
-    def weights_from_hf(self, tensors: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]: ...
+    def weights_from_hf(self, tensors: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+        """Takes each tensor it maps by indexing ``tensors`` (which may hold shapes only, on the meta device)."""
 
     def weights_to_hf(self, read: Callable[[str], torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         """``read(name)`` returns the full logical tensor ``name`` (the real vocabulary rows only)."""
