@@ -1,8 +1,9 @@
 """Hostile inputs that used to pass or to hang: YAML alias bombs, DoReMi weights resumed onto renamed or reordered
 domains, initial weights trained with another tokenizer, and token ids outside the vocabulary in a shard.
 
-Each is refused by the real entry point (``run_train.py`` or ``nanotron`` in a subprocess) with exit status 2 and
-one ``error:`` line naming the key or file, and no traceback.
+Refusals go through the real entry points: ``run_train.py`` or ``python -m nanotron`` in a subprocess, or the same
+``nanotron`` command in this process where a test needs it fast or repeatedly; each is exit status 2, one
+``error:`` line naming the key or file, and no traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from conftest import write_config, write_corpus
 from test_bad_inputs import ROOT, Outcome, _config, assert_user_error, cli
+from test_doremi import DOMAINS, doremi_config, domains, reference  # noqa: F401  (fixtures)
 
 
 def run_process(*args) -> Outcome:
@@ -42,11 +44,11 @@ def _nested_aliases(levels: int) -> str:
     ("data_stages: {laughs}\n", "data_stages[5]"),
 ], ids=["general.project", "data_stages"])
 def test_nested_yaml_aliases_are_refused_at_once(tmp_path, document, key):
+    import nanotron.trainer  # noqa: F401  (imported by the command before it reads the config: not timed)
+
     config = tmp_path / "laughs.yaml"
     config.write_text(document.format(laughs=_nested_aliases(7)))  # 9**7 = 4.8M values from 300 bytes
     fragments = (str(config), f"'{key}' holds more than 100,000 values once its YAML aliases", "write the values out")
-    import nanotron.trainer  # noqa: F401  (imported by the command before it reads the config: not timed)
-
     start = time.perf_counter()
     outcome = cli("train", "--config-file", config)
     assert time.perf_counter() - start < 0.5
@@ -119,3 +121,78 @@ def test_a_shard_is_checked_once_when_opened_not_when_read(tiny_data, tmp_path):
         TokenShards(tmp_path / "data")
     # The copy a data-loading worker opens (ids already checked) reads without scanning the tokens again.
     assert TokenShards(tmp_path / "data", ids_checked=True).read(position, 1).tolist() == [value]
+
+
+# --- DoReMi weights resumed onto other domains ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def proxy_run(tiny_data, domains, reference, tmp_path_factory) -> Path:
+    """A DoReMi proxy over the domains animals, colours, rivers, stopped with a checkpoint at step 3."""
+    run = tmp_path_factory.mktemp("proxy") / "run"
+    config = doremi_config(tiny_data, domains, run, reference=reference, steps=3)
+    assert cli("doremi", "train", "--config-file", write_config(run.parent / "proxy.yaml", config)).code == 0
+    return run
+
+
+def _resume_proxy(tiny_data, folders, reference, checkpoint: Path, run: Path, **doremi) -> Outcome:
+    """One more step (4) of the proxy from ``checkpoint``, written to ``run``, by ``nanotron doremi train``."""
+    config = doremi_config(tiny_data, folders, run, reference=reference, resume=checkpoint, steps=4, **doremi)
+    return cli("doremi", "train", "--config-file", write_config(run.parent / f"{run.name}.yaml", config))
+
+
+def _first_weights(run: Path) -> dict[str, float]:
+    """The weights the first resumed step trained with, by domain: those the checkpoint saved."""
+    (record,) = [json.loads(line) for line in (run / "domain_weights.jsonl").read_text().splitlines()]
+    assert record["step"] == 4
+    return record["weights"]
+
+
+def _as_written_before(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of ``checkpoint`` holding its weights as checkpoints did before they were keyed by name: a list in the
+    order of the domains of its config."""
+    copy = tmp_path / "old"
+    shutil.copytree(checkpoint, copy)
+    metadata = json.loads((copy / "checkpoint.json").read_text())
+    weights = metadata["domain_weights"]
+    if isinstance(weights, dict):  # (a checkpoint of the code before the change already holds a list)
+        metadata["domain_weights"] = [weights[name] for name in DOMAINS]
+    (copy / "checkpoint.json").write_text(json.dumps(metadata))
+    return copy
+
+
+@pytest.mark.parametrize("written", ["by-name", "as-a-list-before"])
+def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reordered(
+        tiny_data, domains, reference, proxy_run, tmp_path, written):
+    checkpoint = proxy_run / "3"
+    if written == "as-a-list-before":
+        checkpoint = _as_written_before(checkpoint, tmp_path)
+    assert _resume_proxy(tiny_data, domains, reference, checkpoint, tmp_path / "same").code == 0
+    assert _resume_proxy(tiny_data, domains[::-1], reference, checkpoint, tmp_path / "reversed").code == 0
+    expected = _first_weights(tmp_path / "same")
+    assert len(set(expected.values())) == len(DOMAINS)  # the weights moved apart: a swap would show
+    assert _first_weights(tmp_path / "reversed") == expected
+
+
+@pytest.mark.parametrize("written, change, fragments", [
+    ("by-name", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
+    ("by-name", {"folders": 2}, ("gone: rivers",)),
+    ("as-a-list-before", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
+], ids=["renamed", "removed", "renamed-as-a-list-before"])
+def test_resuming_domain_weights_onto_other_domains_is_refused(
+        tiny_data, domains, reference, proxy_run, tmp_path, written, change, fragments):
+    checkpoint = proxy_run / "3"
+    if written == "as-a-list-before":
+        checkpoint = _as_written_before(checkpoint, tmp_path)
+    config = doremi_config(tiny_data, domains[:change.get("folders", 3)], tmp_path / "run", reference=reference,
+                           resume=checkpoint, steps=4, domain_names=change.get("domain_names"))
+    outcome = run_process("-m", "nanotron", "doremi", "train", "--config-file",
+                          write_config(tmp_path / "resume.yaml", config))
+    assert_user_error(outcome, str(checkpoint), "data_stages[0].data.dataset.dataset_folder", *fragments)
+    assert not (tmp_path / "run" / "domain_weights.jsonl").exists()
+
+
+def test_domains_of_the_same_name_are_refused(tiny_data, domains, reference, tmp_path):
+    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference,
+                           domain_names=["animals", "colours", "animals"])
+    assert_user_error(cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config)),
+                      "'animals' names several domains", "give each its own name in doremi.domain_names")

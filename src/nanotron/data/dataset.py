@@ -24,27 +24,32 @@ import torch
 from nanotron.data.permutation import permute
 from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, DataError
 
-__all__ = ["BLEND_PERIOD", "DataError", "PretrainDataset", "TokenShards"]
+__all__ = ["BLEND_PERIOD", "DataError", "PretrainDataset", "TokenShards", "domain_name"]
 
 BLEND_PERIOD = 4096
 # Permutation streams of different domains must not collide for any realistic number of epochs.
 _STREAMS_PER_DOMAIN = 2**20
 _REBUILD = "re-run `nanotron preprocess` to rebuild the folder"
-_IDS_CHECKED_PER_READ = 1 << 24  # tokens: bounds the memory of checking a shard's ids, whatever its size
+_IDS_CHECKED_AT_ONCE = 1 << 24  # tokens: bounds the memory of checking a shard's ids, whatever its size
+
+
+def domain_name(folder: str | Path) -> str:
+    """The name of a folder's domain (in metrics, and DoReMi's weights): its own name, also when given as ``.``."""
+    return Path(os.path.abspath(folder)).name
 
 
 class TokenShards:
     """One preprocessed folder, memory-mapped read-only, seen as a single token stream.
 
     Every token id is checked against the folder's vocabulary once, when the folder is opened (one pass over its
-    shards, as fast as the disk reads them), so that reading samples costs nothing more and a corrupt or foreign
+    shards, a few GB/s from the page cache), so that reading samples costs nothing more and a corrupt or foreign
     shard is named before training starts, in the training process rather than in a data-loading worker.
     ``ids_checked`` skips that pass for a folder already checked by this run (the copy a worker opens).
     """
 
     def __init__(self, folder: Path, ids_checked: bool = False):
         self.folder = Path(folder)
-        self.name = Path(os.path.abspath(self.folder)).name
+        self.name = domain_name(self.folder)
         metadata_file = self.folder / METADATA_FILE_NAME
         metadata = _read_metadata(metadata_file)
         try:
@@ -88,8 +93,8 @@ class TokenShards:
     def _check_ids(self, path: Path, tokens: np.ndarray) -> None:
         """Refuse a shard holding an id outside ``[0, vocab_size)``: it would index past the embedding (an
         IndexError, or a device-side assert on a GPU) far from its cause."""
-        for start in range(0, len(tokens), _IDS_CHECKED_PER_READ):
-            chunk = tokens[start:start + _IDS_CHECKED_PER_READ]
+        for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
+            chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
             if chunk.max() < self.vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
                 continue
             position = int(np.flatnonzero((chunk < 0) | (chunk >= self.vocab_size))[0])
