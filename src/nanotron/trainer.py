@@ -291,17 +291,17 @@ class Trainer:
         metadata = read_metadata(checkpoint)
         verify_on_all_ranks(checkpoint, metadata, self.pc)
         check_same_model(checkpoint, metadata, self.config.model.model_config)
-        if self.resume_from is not None:
-            if metadata["step"] >= self.config.tokens.train_steps:
-                raise ConfigError(
-                    f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
-                    f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
-                )
-            self._check_same_tokenizer(checkpoint, metadata.get("tokenizer_fingerprint"))
+        if self.resume_from is not None and metadata["step"] >= self.config.tokens.train_steps:
+            raise ConfigError(
+                f"the checkpoint {checkpoint} is at step {metadata['step']} and tokens.train_steps is "
+                f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
+            )
+        self._check_same_tokenizer(checkpoint, metadata.get("tokenizer_fingerprint"))
         return checkpoint, metadata
 
     def _check_same_tokenizer(self, checkpoint: Path, trained_with: str | None) -> None:
-        """Token ids only mean something with their tokenizer: resuming on data from another one is refused."""
+        """Token ids only mean something with their tokenizer: training weights further (resumed, or taken by
+        ``model.init_method.path``) on data from another one is refused, whatever its vocabulary size."""
         if trained_with is None or self.config.checkpoints.allow_tokenizer_change:
             return
         for stage in self.config.data_stages:
@@ -311,7 +311,7 @@ class Trainer:
                     raise DataError(
                         f"{folder} was tokenized with another tokenizer than the one {checkpoint} was trained on "
                         "(tokenizer fingerprints differ); use data tokenized with the checkpoint's tokenizer (its "
-                        "tokenizer/ folder), or set checkpoints.allow_tokenizer_change: true to continue on purpose")
+                        "tokenizer/ folder), or set checkpoints.allow_tokenizer_change: true to train on it on purpose")
 
     def _load_initial_state(self) -> None:
         checkpoints = self.config.checkpoints

@@ -44,7 +44,7 @@ class TrainingProgress:
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
     lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
-    domain_weights: list[float] | None = None  # learned during training (DoReMi's proxy), one per domain
+    domain_weights: dict[str, float] | None = None  # learned during training (DoReMi's proxy), by domain name
 
     @property
     def total_consumed_samples(self) -> int:

@@ -69,8 +69,9 @@ class LegacyKeyWarning(UserWarning):
     """A nanotron v0.4 key that is accepted for compatibility but has no effect."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise resolve silently to the last one."""
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise resolve silently to the last one, and
+    documents that expand past MAX_YAML_VALUES values through aliases (see `_check_expansion`)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -82,6 +83,68 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, "", {}, set())
+        return self.construct_document(node)
+
+
+# Values (scalars, lists, mappings) a YAML document may hold once its aliases are expanded. A config holds a few
+# hundred, a blend of thousands of folders a few ten thousand; nested aliases ("billion laughs") reach billions
+# in a few lines, and every later step (type checks, error messages) walks the expanded values.
+MAX_YAML_VALUES = 100_000
+
+
+class _YAMLExpansionError(Exception):
+    """Raised by `_check_expansion` inside PyYAML's loader; `_read_yaml` turns it into a ConfigError."""
+
+
+def _check_expansion(node: yaml.Node, key: str, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """The number of values under `node` once aliases are expanded (an alias counts the values it stands for
+    again). Raises at the first key whose values pass MAX_YAML_VALUES, or whose alias refers to a value that
+    contains it, before PyYAML builds anything: the composed nodes share what aliases refer to, so counting
+    takes one visit per distinct node."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    where = f"'{key}'" if key else "the document"
+    if id(node) in open_nodes:
+        raise _YAMLExpansionError(f"{where} is an alias of a value that contains it; write the value out")
+    if isinstance(node, yaml.MappingNode):  # keys are values too (and may be aliases)
+        children = [(_join(key, name.value if isinstance(name, yaml.ScalarNode) else "?"), part)
+                    for name, value in node.value for part in (name, value)]
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(f"{key}[{i}]", item) for i, item in enumerate(node.value)]
+    else:
+        children = []
+    open_nodes.add(id(node))
+    total = 1
+    for child_key, child in children:
+        total += _check_expansion(child, child_key, sizes, open_nodes)
+        if total > MAX_YAML_VALUES:
+            raise _YAMLExpansionError(
+                f"{where} holds more than {MAX_YAML_VALUES:,} values once its YAML aliases (*name) are expanded; "
+                "write the values out instead of nesting aliases")
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def _read_yaml(text: str) -> Any:
+    """Plain data from YAML text; raises ConfigError (without the file name) on invalid, duplicate-key or
+    exploding documents."""
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{where}invalid YAML: {e.problem}") from None
+    except _YAMLExpansionError as e:
+        raise ConfigError(str(e)) from None
+    except RecursionError:
+        raise ConfigError("the YAML is nested too deeply to read; a config is a few levels deep") from None
 
 
 _INVALID = object()  # returned (after recording a problem) where a value could not be read
@@ -298,10 +361,14 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
             if node.get(part) is None:
                 node[part] = {}
             node = node[part]
+        try:
+            parsed = _read_yaml(value)
+        except ConfigError as e:
+            raise ConfigError(f"override {override!r}: {e}") from None
         if isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
-            node[int(leaf)] = yaml.safe_load(value)
+            node[int(leaf)] = parsed
         elif isinstance(node, dict):
-            node[leaf] = yaml.safe_load(value)
+            node[leaf] = parsed
         else:
             raise ConfigError(f"override {override!r}: '{leaf}' is not inside a section")
     return raw
@@ -320,12 +387,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file '{path}': {e}; pass a readable UTF-8 YAML file") from None
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ConfigError(f"{where}invalid YAML: {e.problem}", source=path) from None
-    try:
+        raw = _read_yaml(text)
         return config_from_dict(apply_overrides(raw, overrides) if overrides else raw)
     except ConfigError as e:
         raise ConfigError(*e.problems, source=path) from None

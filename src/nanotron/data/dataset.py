@@ -24,20 +24,32 @@ import torch
 from nanotron.data.permutation import permute
 from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, DataError
 
-__all__ = ["BLEND_PERIOD", "DataError", "PretrainDataset", "TokenShards"]
+__all__ = ["BLEND_PERIOD", "DataError", "PretrainDataset", "TokenShards", "domain_name"]
 
 BLEND_PERIOD = 4096
 # Permutation streams of different domains must not collide for any realistic number of epochs.
 _STREAMS_PER_DOMAIN = 2**20
 _REBUILD = "re-run `nanotron preprocess` to rebuild the folder"
+_IDS_CHECKED_AT_ONCE = 1 << 24  # tokens: bounds the memory of checking a shard's ids, whatever its size
+
+
+def domain_name(folder: str | Path) -> str:
+    """The name of a folder's domain (in metrics, and DoReMi's weights): its own name, also when given as ``.``."""
+    return Path(os.path.abspath(folder)).name
 
 
 class TokenShards:
-    """One preprocessed folder, memory-mapped read-only, seen as a single token stream."""
+    """One preprocessed folder, memory-mapped read-only, seen as a single token stream.
 
-    def __init__(self, folder: Path):
+    Every token id is checked against the folder's vocabulary once, when the folder is opened (one pass over its
+    shards, a few GB/s from the page cache), so that reading samples costs nothing more and a corrupt or foreign
+    shard is named before training starts, in the training process rather than in a data-loading worker.
+    ``ids_checked`` skips that pass for a folder already checked by this run (the copy a worker opens).
+    """
+
+    def __init__(self, folder: Path, ids_checked: bool = False):
         self.folder = Path(folder)
-        self.name = Path(os.path.abspath(self.folder)).name
+        self.name = domain_name(self.folder)
         metadata_file = self.folder / METADATA_FILE_NAME
         metadata = _read_metadata(metadata_file)
         try:
@@ -47,6 +59,8 @@ class TokenShards:
             self.tokenizer_fingerprint = str(tokenizer["fingerprint"])
             self.num_tokens = int(metadata["num_tokens"])
             dtype = np.dtype(metadata["dtype"])
+            if dtype.kind not in "iu":
+                raise ValueError(f"dtype {dtype} is not an integer type")
             shards = [(shard["tokens"], int(shard["num_tokens"]), shard["documents"], int(shard["num_documents"]))
                       for shard in metadata["shards"]]
         except (KeyError, TypeError, ValueError) as error:
@@ -55,6 +69,8 @@ class TokenShards:
         self._tokens = []
         for tokens_file, num_tokens, documents_file, num_documents in shards:
             self._tokens.append(self._open_array(tokens_file, dtype, num_tokens))
+            if not ids_checked:
+                self._check_ids(self.folder / tokens_file, self._tokens[-1])
             self._open_array(documents_file, np.dtype(np.int64), num_documents)
         if sum(len(tokens) for tokens in self._tokens) != self.num_tokens:
             raise DataError(f"{metadata_file} records {self.num_tokens} tokens but its shards hold "
@@ -74,12 +90,20 @@ class TokenShards:
                             f"{dtype}[{length}]; {_REBUILD}")
         return array
 
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the folder's stream (crossing shard boundaries), as int64.
+    def _check_ids(self, path: Path, tokens: np.ndarray) -> None:
+        """Refuse a shard holding an id outside ``[0, vocab_size)``: it would index past the embedding (an
+        IndexError, or a device-side assert on a GPU) far from its cause."""
+        for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
+            chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
+            if chunk.max() < self.vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
+                continue
+            position = int(np.flatnonzero((chunk < 0) | (chunk >= self.vocab_size))[0])
+            raise DataError(f"shard {path} holds token id {chunk[position]} at token {start + position}, outside "
+                            f"the vocabulary of its tokenizer ({self.vocab_size} ids): the folder is corrupt; "
+                            f"{_REBUILD}")
 
-        Every id is checked against the folder's vocabulary as it is read (a max over the window, next to nothing):
-        a corrupt or foreign shard fails here, naming the folder, rather than as a device assert in the embedding.
-        """
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the folder's stream (crossing shard boundaries), as int64."""
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) are outside {self.folder}, which holds "
                              f"{self.num_tokens} tokens")
@@ -92,15 +116,12 @@ class TokenShards:
             out[filled:filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
-        if length and out.max() >= self.vocab_size:
-            position = start + int(out.argmax())
-            raise DataError(f"{self.folder} holds token id {out.max()} at token {position}, outside the vocabulary of "
-                            f"its tokenizer ({self.vocab_size} ids): the folder is corrupt; {_REBUILD}")
         return out
 
     def __reduce__(self):
-        # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens.
-        return TokenShards, (self.folder,)
+        # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens;
+        # their ids were checked when this copy opened them.
+        return TokenShards, (self.folder, True)
 
 
 def _read_metadata(metadata_file: Path) -> dict:

@@ -15,20 +15,24 @@ Every step, on the same global batch at any layout:
 4. the per-domain sums of ``max(ℓ - ℓ_ref, 0)`` and token counts travel as step statistics (summed over
    micro-batches, stages and data-parallel ranks), and update ``α`` for the next step.
 
-The weights are saved in every checkpoint (``domain_weights``), so a resumed run continues the same trajectory;
-the weights of every step go to ``domain_weights.jsonl`` in ``checkpoints_path`` and to metrics.jsonl.
+The weights are saved in every checkpoint (``domain_weights``, by domain name), so a resumed run continues the
+same trajectory, each domain with its own weight whatever the order of its folders now; the weights of every step
+go to ``domain_weights.jsonl`` in ``checkpoints_path`` and to metrics.jsonl.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import read_metadata
+from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.run_folder import resolve_checkpoint
-from nanotron.config import Config, ConfigError
+from nanotron.config import Config, ConfigError, load_config
+from nanotron.data.dataset import domain_name
 from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
@@ -56,11 +60,62 @@ def reference_checkpoint(config: Config) -> Path:
     return checkpoint
 
 
+_DOMAIN_NAMING = "named by doremi.domain_names, else by the folders of data_stages[0].data.dataset.dataset_folder"
+
+
+def domain_names(config: Config) -> list[str]:
+    """The names of a DoReMi run's domains, which key its weights: ``doremi.domain_names``, else the names of the
+    folders of its data stage; two domains of the same name are refused."""
+    doremi, folders = config.doremi, config.data_stages[0].data.dataset.dataset_folder
+    names = list(doremi.domain_names) if doremi is not None and doremi.domain_names is not None else [
+        domain_name(folder) for folder in folders]
+    repeated = [name for name, count in Counter(names).items() if count > 1]
+    if repeated:
+        raise ConfigError(f"DoReMi keys its weights by domain name, and {', '.join(map(repr, repeated))} names "
+                          f"several domains ({_DOMAIN_NAMING}); give each its own name in doremi.domain_names")
+    return names
+
+
+def saved_weights(checkpoint: Path, metadata: dict, names: list[str]) -> list[float] | None:
+    """The weights a proxy checkpoint saved, in the order of this run's domains ``names`` (None if it has none).
+
+    They are saved by domain name; a checkpoint written before that holds a list in the order of its own domains,
+    which its config.yaml names. Either way, a domain added, removed or renamed since is refused: a weight is never
+    carried over to another domain.
+    """
+    saved = metadata.get("domain_weights")
+    if saved is None:
+        return None
+    if isinstance(saved, list):
+        try:
+            saved_names = domain_names(load_config(checkpoint / "config.yaml"))
+        except ConfigError as error:
+            raise CheckpointError(f"{checkpoint} holds its DoReMi weights as a list, in the order of the domains of "
+                                  f"its config.yaml, which does not tell them: {error}") from None
+        if len(saved_names) != len(saved):
+            raise CheckpointError(f"{checkpoint} holds {len(saved)} DoReMi weights but its config.yaml names "
+                                  f"{len(saved_names)} domains; the checkpoint is inconsistent")
+        saved = dict(zip(saved_names, saved))
+    if not (isinstance(saved, dict) and all(isinstance(weight, (int, float)) for weight in saved.values())):
+        raise CheckpointError(f"{checkpoint}: domain_weights in checkpoint.json is not a mapping of domain names to "
+                              f"numbers (got {str(saved)[:80]})")
+    if set(saved) != set(names):
+        new, gone = [name for name in names if name not in saved], [name for name in saved if name not in names]
+        raise ConfigError(
+            f"{checkpoint} holds DoReMi weights for the domains {', '.join(saved)} but this run has "
+            f"{', '.join(names)} ({_DOMAIN_NAMING})" + (f"; new: {', '.join(new)}" if new else "")
+            + (f"; gone: {', '.join(gone)}" if gone else "") + ". The weights follow the domain names: resume on "
+            "the same domains (in any order), or start the proxy over in another checkpoints.checkpoints_path")
+    return [float(saved[name]) for name in names]
+
+
 class DoReMiTrainer(Trainer):
     """Trains the proxy model of a DoReMi run (``doremi`` section with a reference checkpoint)."""
 
     def __init__(self, config: Config, converters=()):
         reference = reference_checkpoint(config)
+        names = domain_names(config)
+        self._resumed_weights = None  # set by _initial_checkpoint when resuming from a proxy checkpoint
         super().__init__(config, converters)
         try:
             self.reference, _ = load_model(reference, self.pc)
@@ -69,18 +124,25 @@ class DoReMiTrainer(Trainer):
             self.close()
             raise
         self._loss = self._weighted_loss
-        domains = len(self.config.data_stages[0].data.dataset.dataset_folder)
-        saved, doremi = self.progress.domain_weights, self.config.doremi
-        if saved is not None:
-            self.weights = list(saved)
+        doremi = self.config.doremi
+        if self._resumed_weights is not None:
+            self.weights = self._resumed_weights
         elif doremi.domain_weights is not None:
             self.weights = list(doremi.domain_weights)
         else:
-            self.weights = [1.0 / domains] * domains
+            self.weights = [1.0 / len(names)] * len(names)
+        self.progress.domain_weights = dict(zip(names, self.weights))
         self.history = None
         if self.pc.rank == 0:
             self.history = WeightHistory(Path(self.config.checkpoints.checkpoints_path) / HISTORY_FILE,
                                          self.progress.step)
+
+    def _initial_checkpoint(self) -> tuple[Path, dict] | None:
+        """Also checks, before the model is built, that a proxy checkpoint's weights are for this run's domains."""
+        initial = super()._initial_checkpoint()
+        if initial is not None and self.resume_from is not None:
+            self._resumed_weights = saved_weights(*initial, domain_names(self.config))
+        return initial
 
     def _sampling_weights(self, stage) -> list[float]:
         """Uniform over the domains unless ``dataset_weights`` say otherwise: ``doremi.domain_weights`` are the
@@ -144,7 +206,7 @@ class DoReMiTrainer(Trainer):
             self.weights = updated_weights(used, statistics["excess_loss_sum"].tolist(),
                                            statistics["domain_tokens"].tolist(), doremi.step_size,
                                            doremi.smoothing_param)
-        self.progress.domain_weights = self.weights
+        self.progress.domain_weights = dict(zip(self._domain_names, self.weights))
         result.model_metrics = result.model_metrics | {"domain_weights": dict(zip(self._domain_names, used))}
         if self.history is not None:
             self.history.write(self.progress.step + 1, self._domain_names, used)
