@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny learnable text corpus, its tokenizer and tokenized shards, config factories, and the
-test tiers.
+"""Shared fixtures: a tiny learnable text corpus, its tokenizer and tokenized shards, config factories, training runs
+in subprocesses with their process trees (to signal or kill), and the test tiers.
 
 Tiers: the default run trains every layout-parity comparison for a few steps (``parity_steps()``) on top of the exact
 first-step gradient checks; ``NANOTRON_TEST_TIER=full`` trains them for the full 20 steps and also runs the tests
@@ -9,9 +9,11 @@ checkpoint-resharding pairs). Every mechanism, and every layout of the parity te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+ROOT = Path(__file__).resolve().parents[1]
 TIER_VARIABLE = "NANOTRON_TEST_TIER"
 TIERS = ("default", "full")
 FULL_TIER_REASON = f"full tier only; run it with {TIER_VARIABLE}=full bash scripts/run_tests.sh"
@@ -154,3 +157,54 @@ def tiny_config_dict(tiny_data: dict[str, Path], checkpoint_dir: Path, **overrid
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_json(run: Path) -> dict:
+    return json.loads((run / (run / "latest.txt").read_text().strip() / "checkpoint.json").read_text())
+
+
+def start_training(config_path: Path, launcher: list[str], log: Path | None = None) -> subprocess.Popen:
+    """Start a training run; its output goes to ``log`` (a file: a pipe nobody reads while the test waits would
+    stall the run once full)."""
+    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    with open(log or os.devnull, "w") as output:
+        return subprocess.Popen(launcher + [str(ROOT / "run_train.py"), "--config-file", str(config_path)],
+                                stdout=output, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def children(pid: int) -> list[int]:
+    listing = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(child) for child in listing.split()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process started by ``pid``, depth first (a child, then what it started)."""
+    return [d for child in children(pid) for d in (child, *descendants(child))]
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def kill_with_descendants(processes: list[subprocess.Popen]) -> None:
+    """Those still running, with everything they started: torchrun's workers run in sessions of their own and
+    would outlive their agent (or the script that started it) if only that were killed."""
+    for process in processes:
+        if process.poll() is None:
+            signal_all([*descendants(process.pid), process.pid], signal.SIGKILL)
+            process.wait()
+
+
+@contextlib.contextmanager
+def killed_on_failure(processes: list[subprocess.Popen]):
+    try:
+        yield
+    except BaseException:
+        kill_with_descendants(processes)
+        raise

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import tiny_config_dict, write_config
+from conftest import ROOT, checkpoint_json, metrics, tiny_config_dict, write_config
 from distributed import run_distributed
 
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION
 from nanotron.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -83,14 +81,6 @@ def train(config: dict, path: Path) -> Outcome:
     outcome = cli("train", "--config-file", write_config(path, config))
     assert outcome.code == 0, outcome.stderr[-3000:]
     return outcome
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def checkpoint_json(run: Path) -> dict:
-    return json.loads((run / (run / "latest.txt").read_text().strip() / "checkpoint.json").read_text())
 
 
 def _config(tiny_data, run: Path, train_steps: int, **overrides) -> dict:

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_reference_trains, parity_steps, write_config
-from test_bad_inputs import ROOT, _config, checkpoint_json, metrics
+from conftest import (ROOT, assert_reference_trains, checkpoint_json, descendants, kill_with_descendants,
+                      killed_on_failure, metrics, parity_steps, signal_all, write_config)
+from test_bad_inputs import _config
 
 TIMEOUT_S = 240
 ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
@@ -37,42 +38,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _descendants(pid: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [d for child in map(int, children) for d in (child, *_descendants(child))]
-
-
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
-def _kill(processes: list[subprocess.Popen]) -> None:
-    """Those still running, with everything they started: torchrun's workers run in sessions of their own and
-    would outlive their agent (or the script that started it) if only that were killed."""
-    for process in processes:
-        if process.poll() is None:
-            _signal_all([*_descendants(process.pid), process.pid], signal.SIGKILL)
-            process.wait()
-
-
 def _kill_orphans(pids: list[int], marker: str) -> None:
     """Those of ``pids`` still running a command that names ``marker``: workers whose agent died, reparented and so
-    out of reach of ``_kill``."""
+    out of reach of ``kill_with_descendants``."""
     for pid in pids:
         with contextlib.suppress(OSError):
             if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
                 os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def _killed_on_failure(processes: list[subprocess.Popen]):
-    try:
-        yield
-    except BaseException:
-        _kill(processes)
-        raise
 
 
 def _wait(processes: list[subprocess.Popen], logs: list[Path]) -> None:
@@ -83,7 +55,7 @@ def _wait(processes: list[subprocess.Popen], logs: list[Path]) -> None:
             assert time.monotonic() < deadline, f"still running after {TIMEOUT_S} s"
             time.sleep(0.2)
     finally:
-        _kill(processes)
+        kill_with_descendants(processes)
     for process, log in zip(processes, logs):
         assert process.returncode == 0, log.read_text()[-4000:]
 
@@ -164,15 +136,15 @@ def test_the_slurm_script_stops_every_node_with_a_checkpoint_on_its_signal(tiny_
         batch = subprocess.Popen(["bash", str(ROOT / "examples/slurm/train.sbatch"), str(config_path)],
                                  cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + TIMEOUT_S
-    with _killed_on_failure([batch]):
+    with killed_on_failure([batch]):
         while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= 3):
             assert batch.poll() is None, batch_log.read_text()[-4000:]
             assert time.monotonic() < deadline, "no training steps"
             time.sleep(0.2)
         # What --signal=USR1@120 does: every process of the job step gets it (the agents and their workers); not
         # the batch shell, nor srun, which runs in the batch step.
-        _srun, *step_processes = _descendants(batch.pid)
-        _signal_all(step_processes, signal.SIGUSR1)
+        _srun, *step_processes = descendants(batch.pid)
+        signal_all(step_processes, signal.SIGUSR1)
     try:
         _wait([batch], [batch_log])
     finally:

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import write_config, write_corpus
-from test_bad_inputs import ROOT, _config, assert_user_error, checkpoint_json, cli, metrics, train
+from conftest import ROOT, checkpoint_json, children, metrics, start_training, write_config, write_corpus
+from test_bad_inputs import _config, assert_user_error, cli, train
 
 
 def _steps(run: Path) -> list[str]:
@@ -139,20 +139,6 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-def _train_process(config_path: Path, launcher: list[str], log: Path | None = None) -> subprocess.Popen:
-    """Start a training run; its output goes to ``log`` (a file: a pipe nobody reads while the test waits would
-    stall the run once full)."""
-    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    with open(log or os.devnull, "w") as output:
-        return subprocess.Popen(launcher + [str(ROOT / "run_train.py"), "--config-file", str(config_path)],
-                                stdout=output, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _workers(process: subprocess.Popen) -> list[int]:
-    listing = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout
-    return [int(pid) for pid in listing.split()]
-
-
 @pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM), ("torchrun", signal.SIGUSR1)])
 def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
     run, log = tmp_path / "run", tmp_path / "train.log"
@@ -162,17 +148,17 @@ def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, t
     config["checkpoints"]["checkpoint_interval"] = 100_000
     launcher = [sys.executable] if launch == "python" else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    process = _train_process(write_config(tmp_path / "config.yaml", config), launcher, log)
+    process = start_training(write_config(tmp_path / "config.yaml", config), launcher, log)
     deadline = time.monotonic() + 120
     while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= 3) and time.monotonic() < deadline:
         time.sleep(0.2)
     # Slurm's --signal reaches every task: under torchrun, every worker process of the agent
-    for pid in [process.pid] if launch == "python" else _workers(process):
+    for pid in [process.pid] if launch == "python" else children(process.pid):
         os.kill(pid, signum)
     try:
         process.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        for pid in _workers(process) + [process.pid]:
+        for pid in children(process.pid) + [process.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait()
@@ -388,7 +374,7 @@ def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tin
     run, rng, kills = tmp_path / "killed", random.Random(0), 0
     path = write_config(tmp_path / "killed.yaml", config(run))
     for target in sorted(rng.sample(range(2, steps - 2), 3)):
-        process = _train_process(path, [sys.executable])
+        process = start_training(path, [sys.executable])
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None and not (
                 (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= target):

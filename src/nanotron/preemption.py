@@ -3,7 +3,8 @@
 Instead of dying mid-step and losing up to a checkpoint interval of work, the run finishes the step in progress,
 saves a checkpoint and exits with status 0. Under torchrun every rank gets the signal, though not necessarily
 during the same step; after each step the ranks take the maximum of their flags (one tiny all-reduce), so all of
-them stop after the same step and save together.
+them stop after the same step and save together. Data loader workers, which schedulers and torchrun signal with
+their rank, ignore these signals (``data/loader.py``): one dying of them would crash the step before the save.
 """
 
 from __future__ import annotations

@@ -8,13 +8,28 @@ needs nothing but ``s``.
 """
 
 import itertools
+import multiprocessing
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.preemption import STOP_SIGNALS
+
+# Signals meant for the training process that reach its loader workers too: schedulers signal every process of a job
+# (Slurm's scancel and --signal) or a process group (a terminal's Ctrl-C), and torchrun signals each rank's group.
+TRAINER_SIGNALS = (*STOP_SIGNALS, signal.SIGINT)
+# How long a failed read waits for a worker to be seen dead: a killed worker's pipes close before it can be reaped.
+DEATH_NOTICE_S = 2.0
+
+
+class LoaderWorkerError(DataError):
+    """A data loader worker process died (the out-of-memory killer, say): its rank cannot go on."""
 
 
 def global_batch_indices(step: int, first_sample: int, global_batch_size: int) -> range:
@@ -71,6 +86,19 @@ class _RankMicroBatches(Dataset):
         return _to_micro_batch(self.dataset.samples(micro_batches[micro]))
 
 
+def _leave_trainer_signals_to_the_trainer(worker_id: int) -> None:
+    """Loader workers ignore the trainer's signals: one dying of a stop signal would crash its rank in the step the
+    rank finishes before saving. The rank ends its workers when its loader goes (end of a data stage or of the
+    process); a worker whose rank died notices and exits."""
+    for number in TRAINER_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+def _how_it_ended(worker: multiprocessing.Process) -> str:
+    code = worker.exitcode
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
 class MicroBatchLoader:
     """This data-parallel rank's micro-batches, step after step, from ``start_step`` of a data stage on.
 
@@ -93,15 +121,40 @@ class MicroBatchLoader:
         micro_batches = _RankMicroBatches(dataset, first_sample, start_step, micro_batch_size, accumulation,
                                           dp_rank, dp_size)
         self._iterator: Iterator[dict[str, torch.Tensor]]
+        self._workers: list[multiprocessing.Process] = []
         if num_workers == 0:
             self._iterator = map(micro_batches.__getitem__, itertools.count())
         else:
+            before, sigchld = set(multiprocessing.active_children()), signal.getsignal(signal.SIGCHLD)
             # batch_size=None: every item already is a micro-batch; the sampler just counts k = 0, 1, 2, ...
             self._iterator = iter(DataLoader(micro_batches, batch_size=None, sampler=range(sys.maxsize),
-                                             num_workers=num_workers, prefetch_factor=2))
+                                             num_workers=num_workers, prefetch_factor=2,
+                                             worker_init_fn=_leave_trainer_signals_to_the_trainer))
+            self._workers = [p for p in multiprocessing.active_children() if p not in before]
+            # torch's SIGCHLD handler raises a dead worker's error wherever the process is (in a collective, a save,
+            # the report of another error); without it, next_step notices the death when it reads, and names it.
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGCHLD, sigchld)
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """The ``accumulation`` micro-batches of the next step."""
-        micro_batches = [next(self._iterator) for _ in range(self.accumulation)]
+        try:
+            micro_batches = [next(self._iterator) for _ in range(self.accumulation)]
+        except Exception:
+            dead = self._dead_worker()
+            if dead is None:
+                raise
+            raise LoaderWorkerError(
+                f"data loader worker (pid {dead.pid}) {_how_it_ended(dead)}; the run stopped without saving this "
+                "step. If the system ran out of memory, lower data_stages[].data.num_loading_workers (0 loads in the "
+                "training process); continue with checkpoints.resume_checkpoint_path: auto") from None
         self.step += 1
         return micro_batches
+
+    def _dead_worker(self) -> multiprocessing.Process | None:
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while True:
+            dead = next((worker for worker in self._workers if worker.exitcode is not None), None)
+            if dead is not None or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)

@@ -1,0 +1,130 @@
+"""Preemption under torchrun with data loader workers: whoever gets the stop signal (torchrun's agent, which passes it
+on to each rank's process group; every process of the job, as Slurm's scancel and --signal do; or one rank), every
+rank finishes its step, saves the same step and exits 0 without a traceback, and the resumed run trains exactly as an
+uninterrupted one. A loader worker that dies anyway (the out-of-memory killer) ends its rank with one error line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (checkpoint_json, children, descendants, killed_on_failure, metrics, signal_all, start_training,
+                      tiny_config_dict, write_config)
+
+TIMEOUT_S = 120
+
+# Runs a rank and writes its output and exit status to files in the folder given as $0: torchrun does not report its
+# ranks' statuses when it is itself signalled. torchrun signals each rank's process group, so this shell, the process
+# it starts, gets the signal with its rank; a trapped signal waits until the rank has exited, and a trap with a
+# command, unlike an ignored signal, does not change how the rank handles it.
+RANK_RECORDER = 'trap : INT TERM USR1; "$@" > "$0/rank-$RANK.log" 2>&1; echo $? > "$0/rank-$RANK.status"'
+# As examples/slurm/train.sbatch starts the agent: ignoring Slurm's --signal=USR1, which every process of the job gets.
+SLURM_AGENT = ["bash", "-c", 'trap "" USR1; exec "$@"', "agent"]
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+
+
+def _config(tiny_data, run: Path, ranks: int, train_steps: int, **checkpoints) -> dict:
+    """The tiny model with one loader worker per rank. The learning rate depends on the step alone (warmup and decay
+    of fixed lengths), not on train_steps, so that runs of different lengths train alike."""
+    config = tiny_config_dict(tiny_data, run, parallelism={"dp": ranks, "pp": 1, "tp": 1},
+                              tokens={"micro_batch_size": 4 // ranks, "train_steps": train_steps},
+                              checkpoints={"checkpoint_interval": 100_000, **checkpoints})
+    config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 10}
+    config["data_stages"][0]["data"]["num_loading_workers"] = 1
+    return config
+
+
+def _wait(process: subprocess.Popen, log: Path) -> None:
+    try:
+        process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+def _wait_for_steps(process: subprocess.Popen, run: Path, steps: int, log: Path) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= steps):
+        assert process.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"fewer than {steps} steps after {TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def _train(config: dict, ranks: int, path: Path) -> None:
+    log = path.with_suffix(".log")
+    process = start_training(write_config(path, config), _torchrun(ranks), log)
+    with killed_on_failure([process]):
+        _wait(process, log)
+    assert process.returncode == 0, log.read_text()[-4000:]
+
+
+def _curve(run: Path) -> list[tuple]:
+    return [(r["step"], r["lm_loss"], r["grad_norm"], r["lr"]) for r in metrics(run)]
+
+
+@pytest.mark.parametrize("ranks, signum, receivers", [
+    pytest.param(2, signal.SIGTERM, "every process", id="2-ranks-SIGTERM-to-every-process"),
+    pytest.param(2, signal.SIGTERM, "torchrun", id="2-ranks-SIGTERM-to-torchrun", marks=pytest.mark.full_tier),
+    pytest.param(2, signal.SIGTERM, "one rank", id="2-ranks-SIGTERM-to-one-rank", marks=pytest.mark.full_tier),
+    pytest.param(1, signal.SIGTERM, "every process", id="1-rank-SIGTERM-to-every-process",
+                 marks=pytest.mark.full_tier),
+    pytest.param(1, signal.SIGTERM, "torchrun", id="1-rank-SIGTERM-to-torchrun", marks=pytest.mark.full_tier),
+    pytest.param(2, signal.SIGUSR1, "slurm", id="2-ranks-slurm-SIGUSR1-to-every-process", marks=pytest.mark.full_tier),
+])
+def test_a_preempted_run_with_loader_workers_saves_on_every_rank_and_resumes_exactly(tiny_data, tmp_path, ranks,
+                                                                                      signum, receivers):
+    run, rank_logs, agent_log = tmp_path / "run", tmp_path / "ranks", tmp_path / "agent.log"
+    rank_logs.mkdir()
+    launcher = ((SLURM_AGENT if receivers == "slurm" else []) + _torchrun(ranks)
+                + ["--no-python", "bash", "-c", RANK_RECORDER, str(rank_logs), sys.executable])
+    agent = start_training(write_config(tmp_path / "config.yaml", _config(tiny_data, run, ranks, 100_000)), launcher,
+                           agent_log)
+    with killed_on_failure([agent]):
+        _wait_for_steps(agent, run, 3, agent_log)
+        rank_processes = [rank for recorder in children(agent.pid) for rank in children(recorder)]
+        loader_workers = [worker for rank in rank_processes for worker in children(rank)]
+        assert len(rank_processes) == len(loader_workers) == ranks
+        targets = {"torchrun": [agent.pid], "one rank": rank_processes[-1:]}.get(
+            receivers, [agent.pid, *descendants(agent.pid)])
+        signal_all(targets, signum)
+        _wait(agent, agent_log)
+
+    outputs = [(rank_logs / f"rank-{rank}.log").read_text() for rank in range(ranks)]
+    for rank, output in enumerate(outputs):
+        status = rank_logs / f"rank-{rank}.status"  # missing: the rank was killed, with its shell
+        assert status.exists() and status.read_text().strip() == "0", output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+    if agent.pid not in targets:  # torchrun's own status when it is signalled is torchrun's
+        assert agent.returncode == 0 and "Traceback" not in agent_log.read_text(), agent_log.read_text()[-4000:]
+    step = checkpoint_json(run)["step"]
+    assert step >= 3 and metrics(run)[-1]["step"] == step
+    assert {f"rng/rank-{rank:05d}.safetensors" for rank in range(ranks)} <= set(checkpoint_json(run)["files"])
+    for output in outputs:
+        assert f"{signal.Signals(signum).name} received: stopped after step {step} with a checkpoint" in output
+
+    _train(_config(tiny_data, run, ranks, step + 2, resume_checkpoint_path="auto"), ranks, tmp_path / "resume.yaml")
+    _train(_config(tiny_data, tmp_path / "straight", ranks, step + 2), ranks, tmp_path / "straight.yaml")
+    assert _curve(run) == _curve(tmp_path / "straight")
+
+
+def test_a_loader_worker_that_dies_ends_the_run_with_one_error_line(tiny_data, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    process = start_training(write_config(tmp_path / "config.yaml", _config(tiny_data, run, 1, 100_000)),
+                             [sys.executable], log)
+    with killed_on_failure([process]):
+        _wait_for_steps(process, run, 2, log)
+        [worker] = children(process.pid)
+        os.kill(worker, signal.SIGKILL)  # what the out-of-memory killer does
+        _wait(process, log)
+    output = log.read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert process.returncode == 2 and "Traceback" not in output and len(errors) == 1, output[-4000:]
+    assert f"data loader worker (pid {worker}) was killed by SIGKILL" in errors[0], errors[0]
+    assert "num_loading_workers" in errors[0] and "resume_checkpoint_path: auto" in errors[0], errors[0]
