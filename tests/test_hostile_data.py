@@ -156,6 +156,9 @@ def _as_written_before(checkpoint: Path, tmp_path: Path) -> Path:
     weights = metadata["domain_weights"]
     if isinstance(weights, dict):  # (a checkpoint of the code before the change already holds a list)
         metadata["domain_weights"] = [weights[name] for name in DOMAINS]
+    # Those checkpoints were of format 2, which carried no manifest checksum.
+    metadata.pop("manifest_sha256", None)
+    metadata["format_version"] = 2
     (copy / "checkpoint.json").write_text(json.dumps(metadata))
     return copy
 
