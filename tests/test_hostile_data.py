@@ -21,6 +21,7 @@ import pytest
 from conftest import write_config, write_corpus
 from test_bad_inputs import ROOT, Outcome, _config, assert_user_error, cli
 from test_doremi import DOMAINS, doremi_config, domains, reference  # noqa: F401  (fixtures)
+from test_shard_id_range import without_id_ranges
 
 
 def run_process(*args) -> Outcome:
@@ -92,8 +93,9 @@ def test_initial_weights_trained_with_another_tokenizer_of_the_same_size_are_ref
 
 def _damaged_copy(tiny_data, folder: Path, bad_id: str) -> tuple[Path, int, int]:
     """A copy of the tiny folder whose first shard, rewritten as int32, holds an id outside the vocabulary in every
-    training window: the vocabulary size (``bad_id="past"``) or -1 (``"negative"``). Returns the shard, the id and
-    its first position."""
+    training window: the vocabulary size (``bad_id="past"``) or -1 (``"negative"``). Its metadata records no id
+    range, as a folder edited by hand or written by an earlier version, so the shard is read. Returns the shard, the
+    id and its first position."""
     shutil.copytree(tiny_data["tokenized"], folder)
     metadata = json.loads((folder / "metadata.json").read_text())
     shard = folder / metadata["shards"][0]["tokens"]
@@ -101,7 +103,7 @@ def _damaged_copy(tiny_data, folder: Path, bad_id: str) -> tuple[Path, int, int]
     value, position = metadata["tokenizer"]["vocab_size"] if bad_id == "past" else -1, 7
     tokens[position::16] = value
     np.save(shard, tokens)
-    (folder / "metadata.json").write_text(json.dumps(metadata | {"dtype": "int32"}))
+    (folder / "metadata.json").write_text(json.dumps(without_id_ranges(metadata) | {"dtype": "int32"}))
     return shard, value, position
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, checkpoint_json, children, metrics, start_training, write_config, write_corpus
 from test_bad_inputs import _config, assert_user_error, cli, train
+from test_shard_id_range import without_id_ranges
 
 
 def _steps(run: Path) -> list[str]:
@@ -241,6 +242,7 @@ def test_out_of_vocabulary_ids_in_a_shard_are_one_error(tiny_data, tmp_path):
     tokens = np.load(shard, mmap_mode="r+")
     tokens[::16] = vocab  # one id past the vocabulary in every training window
     tokens.flush()
+    (data / "metadata.json").write_text(json.dumps(without_id_ranges(metadata)))  # edited: the shard is read
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(data)]}}}
     config = _config(tiny_data, tmp_path / "run", 4, data_stages=[stage])

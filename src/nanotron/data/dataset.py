@@ -41,10 +41,11 @@ def domain_name(folder: str | Path) -> str:
 class TokenShards:
     """One preprocessed folder, memory-mapped read-only, seen as a single token stream.
 
-    Every token id is checked against the folder's vocabulary once, when the folder is opened (one pass over its
-    shards, a few GB/s from the page cache), so that reading samples costs nothing more and a corrupt or foreign
-    shard is named before training starts, in the training process rather than in a data-loading worker.
-    ``ids_checked`` skips that pass for a folder already checked by this run (the copy a worker opens).
+    Every token id is checked against the folder's vocabulary once, when the folder is opened, so that reading
+    samples costs nothing more and a corrupt or foreign shard is named before training starts, in the training
+    process rather than in a data-loading worker. The check compares the id range that ``nanotron preprocess``
+    recorded for each shard with the vocabulary; only a shard without one is read (a few GB/s from the page cache).
+    ``ids_checked`` skips the check for a folder already checked by this run (the copy a worker opens).
     """
 
     def __init__(self, folder: Path, ids_checked: bool = False):
@@ -61,16 +62,16 @@ class TokenShards:
             dtype = np.dtype(metadata["dtype"])
             if dtype.kind not in "iu":
                 raise ValueError(f"dtype {dtype} is not an integer type")
-            shards = [(shard["tokens"], int(shard["num_tokens"]), shard["documents"], int(shard["num_documents"]))
-                      for shard in metadata["shards"]]
+            shards = [(shard["tokens"], int(shard["num_tokens"]), shard["documents"], int(shard["num_documents"]),
+                       _recorded_id_range(shard)) for shard in metadata["shards"]]
         except (KeyError, TypeError, ValueError) as error:
             raise DataError(f"{metadata_file} is malformed ({type(error).__name__}: {error}); {_REBUILD}") from None
 
         self._tokens = []
-        for tokens_file, num_tokens, documents_file, num_documents in shards:
+        for tokens_file, num_tokens, documents_file, num_documents, id_range in shards:
             self._tokens.append(self._open_array(tokens_file, dtype, num_tokens))
             if not ids_checked:
-                self._check_ids(self.folder / tokens_file, self._tokens[-1])
+                self._check_ids(self.folder / tokens_file, self._tokens[-1], id_range)
             self._open_array(documents_file, np.dtype(np.int64), num_documents)
         if sum(len(tokens) for tokens in self._tokens) != self.num_tokens:
             raise DataError(f"{metadata_file} records {self.num_tokens} tokens but its shards hold "
@@ -90,9 +91,28 @@ class TokenShards:
                             f"{dtype}[{length}]; {_REBUILD}")
         return array
 
-    def _check_ids(self, path: Path, tokens: np.ndarray) -> None:
+    def _check_ids(self, path: Path, tokens: np.ndarray, recorded_range: tuple[int, int] | None) -> None:
         """Refuse a shard holding an id outside ``[0, vocab_size)``: it would index past the embedding (an
-        IndexError, or a device-side assert on a GPU) far from its cause."""
+        IndexError, or a device-side assert on a GPU) far from its cause.
+
+        The ids are bounded by the shard's dtype, which cannot lie, and by the range its metadata records: when
+        these bounds fit the vocabulary the shard is not read, which would cost every rank of every run a pass over
+        the whole dataset (minutes from a network file system). Only a shard without a recorded range whose dtype
+        does not fit the vocabulary is read.
+        """
+        lowest, highest = np.iinfo(tokens.dtype).min, np.iinfo(tokens.dtype).max
+        if recorded_range is not None:
+            lowest, highest = max(lowest, recorded_range[0]), min(highest, recorded_range[1])
+        if lowest >= 0 and highest < self.vocab_size:
+            return
+        if recorded_range is not None:
+            raise DataError(f"shard {path} holds token ids {recorded_range[0]} to {recorded_range[1]} as recorded "
+                            f"in {METADATA_FILE_NAME}, outside the vocabulary of its tokenizer ({self.vocab_size} "
+                            f"ids): the folder is corrupt; {_REBUILD}")
+        self._check_ids_by_reading(path, tokens)
+
+    def _check_ids_by_reading(self, path: Path, tokens: np.ndarray) -> None:
+        """The check of a shard whose metadata records no id range, in chunks of bounded memory."""
         for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
             chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
             if chunk.max() < self.vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
@@ -122,6 +142,14 @@ class TokenShards:
         # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens;
         # their ids were checked when this copy opened them.
         return TokenShards, (self.folder, True)
+
+
+def _recorded_id_range(shard: dict) -> tuple[int, int] | None:
+    """The smallest and largest id of a shard, as ``nanotron preprocess`` records them; None for a folder written
+    before it recorded them (its ids are checked by reading the shard)."""
+    if "min_token_id" not in shard and "max_token_id" not in shard:
+        return None
+    return int(shard["min_token_id"]), int(shard["max_token_id"])
 
 
 def _read_metadata(metadata_file: Path) -> dict:

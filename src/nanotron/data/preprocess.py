@@ -7,7 +7,8 @@ many worker processes tokenized them, so a folder can always be rebuilt bit for 
 
 Layout of ``<output_folder>``::
 
-    metadata.json          format version, tokenizer identity, dtype, token/document counts, shard list, inputs
+    metadata.json          format version, tokenizer identity, dtype, token/document counts, shard list (with
+                           each shard's smallest and largest id), inputs
     tokens-00000.npy       token ids (uint16 if the vocabulary fits, else uint32); all shards but the last hold
     tokens-00001.npy       exactly ``tokens_per_shard`` tokens, so documents may continue into the next shard
     documents-00000.npy    int64 end offsets, counted from the start of the whole stream, of the documents
@@ -158,9 +159,12 @@ class _ShardWriter:
         document_ends = np.concatenate(self._unwritten_document_ends)
         inside = document_ends <= shard_end
         self._unwritten_document_ends = [document_ends[~inside]]
+        tokens = self._buffer[:self._filled]
+        # The id range lets training check the shard against the vocabulary without reading it (dataset.TokenShards).
         shard = {"tokens": f"tokens-{index:05d}.npy", "documents": f"documents-{index:05d}.npy",
-                 "num_tokens": self._filled, "num_documents": int(inside.sum())}
-        np.save(self._folder / shard["tokens"], self._buffer[:self._filled])
+                 "num_tokens": self._filled, "num_documents": int(inside.sum()),
+                 "min_token_id": int(tokens.min()), "max_token_id": int(tokens.max())}
+        np.save(self._folder / shard["tokens"], tokens)
         np.save(self._folder / shard["documents"], document_ends[inside])
         self.shards.append(shard)
         self._written = shard_end

@@ -1,0 +1,144 @@
+"""The ids of a preprocessed folder are checked against its vocabulary from the id range that ``nanotron preprocess``
+records for each shard, without reading the shards (which would cost every rank of every run a pass over the
+dataset); a folder without recorded ranges is still checked by reading it, once.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_config
+from test_bad_inputs import _config, assert_user_error, cli
+
+from nanotron.data.dataset import DataError, TokenShards
+from nanotron.data.preprocess import preprocess
+
+_TOKENS_PER_SHARD = 4096
+
+
+def without_id_ranges(metadata: dict) -> dict:
+    """``metadata`` as a version of ``nanotron preprocess`` that recorded no id range would have written it."""
+    return metadata | {"shards": [{key: value for key, value in shard.items()
+                                   if key not in ("min_token_id", "max_token_id")} for shard in metadata["shards"]]}
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_data, tmp_path_factory) -> Path:
+    """The tiny corpus preprocessed into several shards."""
+    folder = tmp_path_factory.mktemp("sharded") / "data"
+    preprocess([tiny_data["corpus"]], tiny_data["tokenizer"], folder, num_workers=1,
+               tokens_per_shard=_TOKENS_PER_SHARD)
+    return folder
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[Path]:
+    """The shards whose ids TokenShards checks by reading them, in order."""
+    read = TokenShards._check_ids_by_reading
+    paths = []
+
+    def recorded(self, path, tokens):
+        paths.append(path)
+        return read(self, path, tokens)
+
+    monkeypatch.setattr(TokenShards, "_check_ids_by_reading", recorded)
+    return paths
+
+
+def _edited_copy(source: Path, folder: Path, edit) -> tuple[Path, dict]:
+    """A copy of ``source`` whose metadata is ``edit(folder, metadata)``; returns the folder and its new metadata."""
+    shutil.copytree(source, folder)
+    metadata = edit(folder, json.loads((folder / "metadata.json").read_text()))
+    (folder / "metadata.json").write_text(json.dumps(metadata))
+    return folder, metadata
+
+
+def _as_int32(folder: Path, metadata: dict) -> dict:
+    """The shards rewritten as int32, whose ids could be negative as far as the dtype says."""
+    for shard in metadata["shards"]:
+        np.save(folder / shard["tokens"], np.load(folder / shard["tokens"]).astype(np.int32))
+    return metadata | {"dtype": "int32"}
+
+
+def test_preprocess_records_the_smallest_and_largest_id_of_each_shard(sharded):
+    shards = json.loads((sharded / "metadata.json").read_text())["shards"]
+    assert len(shards) >= 3
+    for shard in shards:
+        tokens = np.load(sharded / shard["tokens"])
+        assert (shard["min_token_id"], shard["max_token_id"]) == (int(tokens.min()), int(tokens.max()))
+
+
+def test_a_folder_from_preprocess_is_checked_without_reading_its_shards(sharded, reads):
+    shards = TokenShards(sharded)
+    assert reads == []
+    assert shards.read(0, 8).tolist() == np.load(sharded / "tokens-00000.npy")[:8].tolist()
+
+
+def test_a_shard_altered_after_preprocessing_is_judged_by_its_recorded_range(sharded, tmp_path):
+    """The proof, without instrumenting the code, that the shard is not read: an id written past the vocabulary
+    after ``nanotron preprocess`` goes unseen while the metadata keeps its range (docs/data.md says so: a shard
+    edited by hand needs its range updated or removed)."""
+    folder, metadata = _edited_copy(sharded, tmp_path / "data", lambda _, metadata: metadata)
+    tokens = np.load(folder / metadata["shards"][0]["tokens"], mmap_mode="r+")
+    tokens[5] = metadata["tokenizer"]["vocab_size"]
+    tokens.flush()
+    assert TokenShards(folder).read(5, 1).tolist() == [metadata["tokenizer"]["vocab_size"]]
+
+
+def test_a_signed_shard_with_a_recorded_range_inside_the_vocabulary_is_not_read(sharded, tmp_path, reads):
+    TokenShards(_edited_copy(sharded, tmp_path / "data", _as_int32)[0])
+    assert reads == []
+
+
+def test_a_folder_without_recorded_ranges_is_checked_by_reading_each_shard_once(sharded, tmp_path, reads):
+    folder, metadata = _edited_copy(sharded, tmp_path / "data", lambda _, metadata: without_id_ranges(metadata))
+    opened = TokenShards(folder)
+    assert reads == [folder / shard["tokens"] for shard in metadata["shards"]]
+    pickle.loads(pickle.dumps(opened))  # the copy a data-loading worker opens
+    assert len(reads) == len(metadata["shards"])
+
+
+def test_a_uint16_shard_is_not_read_when_the_vocabulary_holds_every_uint16_id(sharded, tmp_path, reads):
+    def without_ranges_of_a_larger_vocabulary(_, metadata: dict) -> dict:
+        return without_id_ranges(metadata) | {"tokenizer": metadata["tokenizer"] | {"vocab_size": 1 << 16}}
+
+    folder, metadata = _edited_copy(sharded, tmp_path / "data", without_ranges_of_a_larger_vocabulary)
+    assert metadata["dtype"] == "uint16"
+    TokenShards(folder)
+    assert reads == []
+
+
+@pytest.mark.parametrize("bound", ["max_token_id", "min_token_id"])
+def test_a_recorded_range_outside_the_vocabulary_is_refused_naming_the_shard(tiny_data, sharded, tmp_path, reads,
+                                                                           bound):
+    def past_the_vocabulary(folder: Path, metadata: dict) -> dict:
+        if bound == "min_token_id":
+            metadata = _as_int32(folder, metadata)  # a uint16 shard holds no negative id, whatever it records
+        metadata["shards"][1][bound] = metadata["tokenizer"]["vocab_size"] if bound == "max_token_id" else -1
+        return metadata
+
+    folder, metadata = _edited_copy(sharded, tmp_path / "data", past_the_vocabulary)
+    shard, vocab = metadata["shards"][1], metadata["tokenizer"]["vocab_size"]
+    stage = {"name": "main", "start_training_step": 1,
+             "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(folder)]}}}
+    config = _config(tiny_data, tmp_path / "run", 2, data_stages=[stage])
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
+                      f"shard {folder / shard['tokens']} holds token ids {shard['min_token_id']} to "
+                      f"{shard['max_token_id']} as recorded in metadata.json",
+                      f"outside the vocabulary of its tokenizer ({vocab} ids)", "re-run `nanotron preprocess`")
+    assert reads == []
+
+
+def test_half_a_recorded_range_is_malformed_metadata(sharded, tmp_path):
+    def without_a_largest_id(_, metadata: dict) -> dict:
+        del metadata["shards"][0]["max_token_id"]
+        return metadata
+
+    folder, _ = _edited_copy(sharded, tmp_path / "data", without_a_largest_id)
+    with pytest.raises(DataError, match=r"metadata.json is malformed \(KeyError: 'max_token_id'\)"):
+        TokenShards(folder)
