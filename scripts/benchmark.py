@@ -45,6 +45,7 @@ from benchmark_record import (RESULTS, build_record, command_line, git_commit, i
 from benchmark_table import HEADER, record_label, record_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+NANOTRON_RUNS: list[str] = []  # the presets of the nanotron runs this process has built, in order
 PRESETS = {
     "llama1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
                 "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "rope_theta": 500000.0},
@@ -139,9 +140,12 @@ def nanotron_config(args, preset: str, overrides: list[str]):
         f"data_stages.0.data.dataset.dataset_folder={args.data}", "checkpoints.save_final_state=false",
         "checkpoints.checkpoint_interval=100000", "parallelism.replica_check_interval=null",
     ] + overrides
+    # Each run of the process is a run of its own, with its own folder (and run lock), the same on every rank.
+    NANOTRON_RUNS.append(preset)
+    folder = args.save_to or f"{raw['checkpoints']['checkpoints_path']}-run{len(NANOTRON_RUNS)}"
+    overrides += [f"checkpoints.checkpoints_path={folder}"]
     if args.save_to:
-        overrides += [f"checkpoints.checkpoints_path={args.save_to}", "checkpoints.async_save=true",
-                      "checkpoints.keep_last_n=1"]
+        overrides += ["checkpoints.async_save=true", "checkpoints.keep_last_n=1"]
     return config_from_dict(apply_overrides(raw, overrides))
 
 

@@ -243,7 +243,7 @@ class ModelArgs:
     ddp_bucket_cap_mb: int = 25
     compile: bool = False  # torch.compile every decoder layer (fuses norms, rotary and SwiGLU on GPUs)
     # Tokens per chunk of the fused LM head + cross-entropy (parallel/linear_cross_entropy.py); 0: logits in full
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: int = 8192
 
     def __post_init__(self) -> None:
         dtype = self.dtype.lower()
