@@ -66,6 +66,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return (magnitudes.amax(dim=-1) if x.dim() > 1 else magnitudes).amax()
 
 
+AMAX_HISTORY_SUFFIX = "fp8_amaxes.history"  # how the checkpoint key of every linear's history ends
+
+
 class AmaxHistory(nn.Module):
     """One linear's amaxes of its input, weight and output gradient: over the last optimizer steps (``history``,
     newest first, saved) and over the micro-batches of the current step (``current``). ``filled`` says, per operand,
