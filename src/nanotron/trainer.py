@@ -352,10 +352,8 @@ class Trainer:
 
     def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> StageOutput:
         """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
-        if self.pc.is_first_stage:
-            output = self.model(input_ids=micro_batch["input_ids"])
-        else:
-            output = self.model(hidden_states=hidden_states)
+        # A later stage takes the ids too, for the sequence's length (its rotary tables), not for their values.
+        output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states)
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
