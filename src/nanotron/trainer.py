@@ -119,6 +119,10 @@ class Trainer:
     """Trains the model that ``config`` describes; ``converters`` change its modules before weights exist (e.g.
     swap linears for other implementations)."""
 
+    # A micro-batch's loss and statistics from the last stage's logits, compiled with the model (model.compile):
+    # a subclass that trains on another loss sets its own here.
+    loss_function = staticmethod(micro_batch_loss)
+
     def __init__(self, config: Config, converters: tuple[ModuleConverter, ...] = ()):
         self.config = expand_run_name(config)
         p = config.parallelism
@@ -151,7 +155,7 @@ class Trainer:
         self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         self.schedule = self._pipeline_schedule()
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
-        self._loss = torch.compile(micro_batch_loss) if config.model.compile else micro_batch_loss
+        self._loss = torch.compile(self.loss_function) if config.model.compile else self.loss_function
         self.progress = TrainingProgress()
         self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
         self.protected_checkpoints: set[str] = set()  # the newest checkpoint from before a bad step

@@ -56,8 +56,25 @@ def reference_checkpoint(config: Config) -> Path:
     return checkpoint
 
 
+def weighted_micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor],
+                              tp_group: dist.ProcessGroup, vocab_size: int,
+                              num_domains: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The proxy's loss, ``Σ_i α_i · mean loss of domain i`` (each token weighted by its domain's
+    ``domain_token_weights``), with the step statistics and each domain's excess loss over the reference."""
+    losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
+    _, statistics = loss_and_statistics(losses, micro_batch, num_domains)
+    mask, domains = micro_batch["label_mask"], micro_batch["domain_ids"]
+    per_sample = torch.where(mask, losses, 0.0).sum(-1)
+    loss = (per_sample * micro_batch["domain_token_weights"][domains]).sum()
+    excess = torch.where(mask, (losses - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
+    statistics["excess_loss_sum"] = per_domain_sums(excess.detach(), domains, num_domains)
+    return loss, statistics
+
+
 class DoReMiTrainer(Trainer):
     """Trains the proxy model of a DoReMi run (``doremi`` section with a reference checkpoint)."""
+
+    loss_function = staticmethod(weighted_micro_batch_loss)
 
     def __init__(self, config: Config, converters=()):
         reference = reference_checkpoint(config)
@@ -68,7 +85,6 @@ class DoReMiTrainer(Trainer):
         except BaseException:
             self.pc.destroy()
             raise
-        self._loss = self._weighted_loss
         domains = len(self.config.data_stages[0].data.dataset.dataset_folder)
         saved, doremi = self.progress.domain_weights, self.config.doremi
         if saved is not None:
@@ -116,16 +132,6 @@ class DoReMiTrainer(Trainer):
                 mb["reference_losses"] = reference
         self._step_statistics = super().forward_backward(batches)
         return self._step_statistics
-
-    def _weighted_loss(self, logits, micro_batch, tp_group, vocab_size: int, num_domains: int):
-        losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
-        _, statistics = loss_and_statistics(losses, micro_batch, num_domains)
-        mask, domains = micro_batch["label_mask"], micro_batch["domain_ids"]
-        per_sample = torch.where(mask, losses, 0.0).sum(-1)
-        loss = (per_sample * micro_batch["domain_token_weights"][domains]).sum()
-        excess = torch.where(mask, (losses - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
-        statistics["excess_loss_sum"] = per_domain_sums(excess.detach(), domains, num_domains)
-        return loss, statistics
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
         """The step with this step's weights, then the weights of the next one."""
