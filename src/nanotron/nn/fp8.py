@@ -36,12 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the plain-torch cast is used
-    triton = None
+from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -196,7 +191,7 @@ def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tenso
     the weight gradient's product needs the tokens contiguous), the scale, and ``x``'s own amax (to record when the
     scale came from a history). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
     it, where the compiler's kernel with a transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
-    if triton is not None and x.is_cuda:
+    if available(x.device):
         from_history = amax is not None  # else the amax is reduced first, and the kernel need not record it again
         if not from_history:
             amax = tensor_amax(x).float()
