@@ -56,6 +56,7 @@ from nanotron.nn.fp8 import (
     fp8_converter,
     refresh_filled_histories,
     report_range_counts,
+    warn_if_emulated,
 )
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
@@ -145,6 +146,7 @@ class Trainer:
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         self.initial_checkpoint = self._initial_checkpoint()
         if config.fp8 is not None and config.fp8.enabled:
+            warn_if_emulated(self.pc.device)
             converters = (*converters, fp8_converter(config.fp8))
         self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
         self.params = logical_parameters(self.model)

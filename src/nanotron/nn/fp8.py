@@ -29,6 +29,7 @@ every dimension to be a multiple of 16; other products (MoE experts' token count
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ import torch
 from torch import nn
 
 from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
+
+logger = logging.getLogger(__name__)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -243,6 +246,16 @@ if triton is not None:
 def _has_fp8_matmuls(device: torch.device) -> bool:
     return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
             and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def warn_if_emulated(device: torch.device) -> None:
+    """On a GPU without FP8 matmuls the products run the fp32 emulation: slower than the model dtype and without
+    its memory saving, so the user is told. CPUs run the emulation by design (tests, debugging): nothing to say."""
+    if device.type == "cuda" and not _has_fp8_matmuls(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        logger.warning(f"fp8.enabled on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}), "
+                       "which has no FP8 matmuls (8.9+ needed): FP8 is emulated in fp32, slower than model.dtype; "
+                       "set fp8.enabled: false on this GPU")
 
 
 SCALED_MM_ALIGNMENT = 16  # torch._scaled_mm's requirement on the dimensions of its operands
