@@ -280,9 +280,12 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
 
     ``torch._scaled_mm`` wants every dimension a multiple of 16; other operands are padded with zeros (their scales
     with ones), which adds nothing to the product, and the result is cut back to [M, N]. (MoE experts align their
-    token groups before the products: ``FP8Matmul.token_alignment``.)"""
+    token groups before the products: ``FP8Matmul.token_alignment``.) With per-row scales it takes only a bf16
+    output on Ada and sm_100+ GPUs (an fp32 one only on sm_90, from cuBLAS 12.9): those products are made in bf16
+    and upcast to ``out_dtype``, on every device, the emulation included."""
+    product_dtype = torch.bfloat16 if a_scale.dim() or b_scale.dim() else out_dtype
     if not _has_fp8_matmuls(a.device):
-        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
+        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(product_dtype).to(out_dtype)
     (m, k), n = a.shape, b.shape[1]
     rows, inner, columns = (-(-d // SCALED_MM_ALIGNMENT) * SCALED_MM_ALIGNMENT for d in (m, k, n))
     # _scaled_mm takes a row-major and b column-major, and the dequantising (inverse) scales.
@@ -290,9 +293,9 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
     b = _padded(b.t().contiguous(), columns, inner).t()
     a_scale = _padded(a_scale, rows, 1, 1.0) if a_scale.dim() else a_scale
     b_scale = _padded(b_scale, 1, columns, 1.0) if b_scale.dim() else b_scale
-    out = torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
-                           use_fast_accum=fast_accumulation)
-    return out[:m, :n].contiguous()
+    out = torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                           out_dtype=product_dtype, use_fast_accum=fast_accumulation)
+    return out[:m, :n].to(out_dtype).contiguous()
 
 
 class _FP8Linear(torch.autograd.Function):
