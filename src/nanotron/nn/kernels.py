@@ -3,9 +3,9 @@
 
 Each of them defines its kernels only when Triton loaded (``triton`` is not None) and runs them where ``available``
 says so; everywhere else it runs its plain-torch reference. The kernels need Triton and a torch with
-``torch.library.triton_op`` (2.6 or newer), where nanotron itself runs on torch 2.4. On a CUDA device a reference
-run for want of the kernels is correct but slower, so the first such call reports, once, what could not be loaded
-and why. CPUs run the references by design: nothing to report.
+``torch.library.triton_op`` (2.6 or newer), above nanotron's floor of torch 2.4. On a CUDA device a reference run
+for want of the kernels is correct but slower, so the first such call reports, once, what could not be loaded and
+why. CPUs run the references by design: nothing to report.
 """
 
 from __future__ import annotations
