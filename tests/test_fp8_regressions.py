@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from conftest import parity_steps, tiny_config_dict, write_config
 from test_bad_inputs import _config, assert_user_error, cli, train

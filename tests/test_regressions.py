@@ -10,6 +10,7 @@ import json
 import logging
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,10 +88,10 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
     from nanotron.config import config_from_dict
     from nanotron.doremi.trainer import DoReMiTrainer
 
-    compiled, compile = {}, torch.compile
+    compiled, real_compile = {}, torch.compile
 
     def recording_compile(function, *args, **kwargs):
-        result = compile(function, *args, **kwargs)
+        result = real_compile(function, *args, **kwargs)
         compiled[id(result)] = function
         return result
 
@@ -98,13 +99,13 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
     try:
         trainer = DoReMiTrainer(config_from_dict(config))
     finally:
-        torch.compile = compile
-    vocab, domains = trainer.model.padded_vocab_size, 3
+        torch.compile = real_compile
+    vocab, num_domains = trainer.model.padded_vocab_size, 3
     micro_batch = {"labels": torch.randint(0, 384, (2, 8)), "label_mask": torch.ones(2, 8, dtype=torch.bool),
                    "domain_ids": torch.tensor([0, 2]), "domain_token_weights": torch.tensor([0.1, 0.2, 0.3]),
                    "reference_losses": torch.full((2, 8), 5.0), "token_count": torch.tensor(16.0)}
     logits = torch.randn(2, 8, vocab)
-    arguments = (logits, micro_batch, trainer.pc.groups["tp"], 384, domains)
+    arguments = (logits, micro_batch, trainer.pc.groups["tp"], 384, num_domains)
     loss = trainer._loss(*arguments)[0]
     source = compiled.get(id(trainer._loss))
     eager = (source or trainer._loss)(*arguments)[0]
@@ -172,8 +173,8 @@ def test_a_failed_export_to_hugging_face_leaves_the_earlier_export_whole(trained
     earlier["config.json"] = (target / "config.json").read_bytes()
 
     def copy_until_full(source, destination):
-        data = open(source, "rb").read()
-        open(destination, "wb").write(data[: len(data) // 2])
+        data = Path(source).read_bytes()
+        Path(destination).write_bytes(data[: len(data) // 2])
         raise OSError(errno.EFBIG, "File too large", str(destination))
 
     with monkeypatch.context() as patched:
