@@ -90,29 +90,36 @@ def test_rowwise_scaling_is_closer_than_tensorwise_on_outlier_rows():
     assert errors[True] < 0.1 < errors[False]
 
 
-@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
-def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, rowwise):
-    """An MoE expert's token count is rarely a multiple of 16, which ``torch._scaled_mm`` requires of every
-    dimension. A stand-in for it that checks its documented demands (dimensions, a row-major, b column-major, scale
-    shapes) and multiplies as the emulation does: the padded products equal the emulation's."""
-    from nanotron.nn import fp8
-
-    calls = []
-
-    def strict_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+def strict_scaled_mm(calls: list):
+    """A stand-in for ``torch._scaled_mm`` that checks the demands every FP8 GPU makes (dimensions multiples of 16,
+    a row-major, b column-major, scale shapes, and a bf16 output with per-row scales: Ada and sm_100+ GPUs refuse
+    fp32 there) and multiplies as the emulation does; each call appends a's shape to ``calls``."""
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
         calls.append(a.shape)
         assert all(d % 16 == 0 for d in (*a.shape, *b.shape)), (a.shape, b.shape)
         assert a.is_contiguous() and b.t().is_contiguous()
         assert scale_a.shape in ((), (a.shape[0], 1)) and scale_b.shape in ((), (1, b.shape[1]))
+        assert not (scale_a.dim() or scale_b.dim()) or out_dtype == torch.bfloat16, f"rowwise with {out_dtype} out"
         return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
+    return scaled_mm
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, rowwise):
+    """An MoE expert's token count is rarely a multiple of 16, which ``torch._scaled_mm`` requires of every
+    dimension. A stand-in for it that checks its documented demands (``strict_scaled_mm``) and multiplies as the
+    emulation does: the padded products equal the emulation's."""
+    from nanotron.nn import fp8
+
+    calls = []
     torch.manual_seed(0)
     x, w, g = torch.randn(37, 40), torch.randn(24, 40) * 0.1, torch.randn(37, 24)  # no dimension a multiple of 16
     results = []
     for fast in (False, True):
         if fast:
             monkeypatch.setattr(fp8, "_has_fp8_matmuls", lambda device: True)
-            monkeypatch.setattr(torch, "_scaled_mm", strict_scaled_mm, raising=False)
+            monkeypatch.setattr(torch, "_scaled_mm", strict_scaled_mm(calls), raising=False)
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = FP8Matmul(FP8Recipe(E5M2, rowwise))(xi, wi)
         y.backward(g)
@@ -316,7 +323,7 @@ def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
     for ranks in run_distributed_each(_train, 2, [{"config": config("tp2", 2)},
                                                   {"config": config("tp2_sp", 2, "REDUCE_SCATTER")}]):
         for a, b in zip(reference["records"], ranks[0]["records"], strict=True):
-            # Each TP rank scales its own shards (amax over its slice): close, not bit-identical.
+            # Every rank scales its slices as the whole tensors, but sums in another order: close, not identical.
             assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=2e-3), a["step"]
             # The range shares are summed over both ranks' casts: present, and no saturation without a history.
             assert b["fp8_saturated"] == 0 and 0 <= b["fp8_flushed"] < 0.5

@@ -62,6 +62,7 @@ from nanotron.nn.fp8 import (
     fp8_converter,
     refresh_filled_histories,
     report_range_counts,
+    warn_if_emulated,
 )
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
@@ -126,6 +127,10 @@ class Trainer:
     """Trains the model that ``config`` describes; ``converters`` change its modules before weights exist (e.g.
     swap linears for other implementations)."""
 
+    # A micro-batch's loss and statistics from the last stage's logits, compiled with the model (model.compile):
+    # a subclass that trains on another loss sets its own here.
+    loss_function = staticmethod(micro_batch_loss)
+
     def __init__(self, config: Config, converters: tuple[ModuleConverter, ...] = ()):
         self.config = expand_run_name(config)
         p = config.parallelism
@@ -150,6 +155,7 @@ class Trainer:
         self.initial_checkpoint = self._initial_checkpoint()
         self._check_metrics_file()
         if config.fp8 is not None and config.fp8.enabled:
+            warn_if_emulated(self.pc.device)
             converters = (*converters, fp8_converter(config.fp8))
         self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
         self.params = logical_parameters(self.model)
@@ -160,7 +166,7 @@ class Trainer:
         self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         self.schedule = self._pipeline_schedule()
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
-        self._loss = torch.compile(micro_batch_loss) if config.model.compile else micro_batch_loss
+        self._loss = torch.compile(self.loss_function) if config.model.compile else self.loss_function
         self.head_loss = self._fused_head_loss()
         self.progress = TrainingProgress()
         self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
@@ -394,10 +400,8 @@ class Trainer:
     def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> StageOutput:
         """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
         logits = self.head_loss is None  # else the last stage returns the head's input, for the fused loss
-        if self.pc.is_first_stage:
-            output = self.model(input_ids=micro_batch["input_ids"], head=logits)
-        else:
-            output = self.model(hidden_states=hidden_states, head=logits)
+        # A later stage takes the ids too, for the sequence's length (its rotary tables), not for their values.
+        output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits)
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)

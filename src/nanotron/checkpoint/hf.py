@@ -11,6 +11,7 @@ tests, never here.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,8 +24,8 @@ from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_chec
 from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
 from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
-from nanotron.files import atomic_write_text
-from nanotron.models.registry import check_model_config
+from nanotron.files import atomic_write_text, fsync_path
+from nanotron.models.registry import check_model_config, spec_for_hf_model_type
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -68,7 +69,10 @@ def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
 
 
 def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
-    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer) from a nanotron checkpoint."""
+    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer) from a nanotron checkpoint: built
+    beside ``save_path`` and renamed to it when complete, so that a failed export leaves an earlier one whole."""
+    save_path = Path(save_path)
+    _check_replaceable_export(save_path)
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     metadata = read_metadata(checkpoint)
     verify_checkpoint(checkpoint, metadata)
@@ -84,13 +88,52 @@ def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
         return out[:vocab] if shape[0] == padded and padded != vocab else out
 
     hf = spec.hf_adapter.weights_to_hf(read, config)
-    save_path = Path(save_path)
-    save_path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(save_path / "model.safetensors"), metadata={"format": "pt"})
-    hf_config = spec.hf_adapter.config_to_hf(config, metadata["model"]["dtype"])
-    atomic_write_text(save_path / "config.json", json.dumps(hf_config, indent=2))
-    _copy_tokenizer(checkpoint / "tokenizer", save_path)
+    save_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = save_path.with_name(f".{save_path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)  # left over by a killed export that had the same process id
+    staging.mkdir()
+    try:
+        save_file({k: v.contiguous() for k, v in hf.items()}, str(staging / "model.safetensors"),
+                  metadata={"format": "pt"})
+        hf_config = spec.hf_adapter.config_to_hf(config, metadata["model"]["dtype"])
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+        _copy_tokenizer(checkpoint / "tokenizer", staging)
+        _replace_folder(staging, save_path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return save_path
+
+
+EXPORT_FILES = ("model.safetensors", "config.json", *TOKENIZER_FILES)
+
+
+def _check_replaceable_export(save_path: Path) -> None:
+    """An export replaces its whole target folder: refuse one that holds anything else than an earlier export."""
+    if not save_path.exists():
+        return
+    if not save_path.is_dir():
+        raise CheckpointError(f"--save-path {save_path} is a file; choose a new or empty folder")
+    others = sorted(p.name for p in save_path.iterdir() if p.name not in EXPORT_FILES)
+    if others:
+        raise CheckpointError(f"--save-path {save_path} holds other files than a Hugging Face export "
+                              f"({', '.join(others[:5])}); choose a new or empty folder")
+
+
+def _replace_folder(staging: Path, target: Path) -> None:
+    """Rename the complete ``staging`` folder to ``target``: an earlier export there stays whole until the rename
+    (moved aside just before it, deleted after it), and a failed export leaves it untouched."""
+    for path in staging.iterdir():
+        fsync_path(path)
+    if target.exists() and any(target.iterdir()):
+        earlier = target.with_name(f".{target.name}.{os.getpid()}.old")
+        shutil.rmtree(earlier, ignore_errors=True)
+        os.replace(target, earlier)
+        os.replace(staging, target)
+        shutil.rmtree(earlier)
+    else:
+        os.replace(staging, target)  # replaces an empty folder too
+    fsync_path(target.parent)
 
 
 def _stored_dtype(reader: LogicalTensorReader, name: str) -> torch.dtype:

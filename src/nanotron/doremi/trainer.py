@@ -37,7 +37,7 @@ from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
-from nanotron.trainer import StepResult, Trainer, per_domain_sums
+from nanotron.trainer import StepResult, Trainer, loss_and_statistics, per_domain_sums
 
 
 def reference_checkpoint(config: Config) -> Path:
@@ -109,8 +109,31 @@ def saved_weights(checkpoint: Path, metadata: dict, names: list[str]) -> list[fl
     return [float(saved[name]) for name in names]
 
 
+def excess_loss_sums(losses: torch.Tensor, micro_batch: dict[str, torch.Tensor], num_domains: int) -> torch.Tensor:
+    """Each domain's sum of the token losses' excess over the reference model's (clamped at 0, masked tokens out)."""
+    mask, domains = micro_batch["label_mask"], micro_batch["domain_ids"]
+    excess = torch.where(mask, (losses.detach() - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
+    return per_domain_sums(excess, domains, num_domains)
+
+
+def weighted_micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor],
+                              tp_group: dist.ProcessGroup, vocab_size: int,
+                              num_domains: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The proxy's loss, ``Σ_i α_i · mean loss of domain i`` (each token weighted by its domain's
+    ``domain_token_weights``), with the step statistics and each domain's excess loss over the reference; a module
+    function, so that the trainer compiles it with the model."""
+    losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
+    _, statistics = loss_and_statistics(losses, micro_batch, num_domains)
+    per_sample = torch.where(micro_batch["label_mask"], losses, 0.0).sum(-1)
+    loss = (per_sample * micro_batch["domain_token_weights"][micro_batch["domain_ids"]]).sum()
+    statistics["excess_loss_sum"] = excess_loss_sums(losses, micro_batch, num_domains)
+    return loss, statistics
+
+
 class DoReMiTrainer(Trainer):
     """Trains the proxy model of a DoReMi run (``doremi`` section with a reference checkpoint)."""
+
+    loss_function = staticmethod(weighted_micro_batch_loss)
 
     def __init__(self, config: Config, converters=()):
         reference = reference_checkpoint(config)
@@ -123,7 +146,6 @@ class DoReMiTrainer(Trainer):
         except BaseException:
             self.close()
             raise
-        self._loss = self._weighted_loss
         doremi = self.config.doremi
         if self._resumed_weights is not None:
             self.weights = self._resumed_weights
@@ -179,23 +201,15 @@ class DoReMiTrainer(Trainer):
         self._step_statistics = super().forward_backward(batches)
         return self._step_statistics
 
-    def _weighted_loss(self, logits, micro_batch, tp_group, vocab_size: int, num_domains: int):
-        losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
-        per_sample = torch.where(micro_batch["label_mask"], losses, 0.0).sum(-1)
-        loss = (per_sample * micro_batch["domain_token_weights"][micro_batch["domain_ids"]]).sum()
-        return loss, self._loss_statistics(losses, micro_batch)
-
     def _token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The fused loss's token weights: ``_weighted_loss``'s, each token weighing its domain's weight."""
+        """The fused loss's token weights: ``weighted_micro_batch_loss``'s, each token weighing its domain's weight."""
         domain_weights = micro_batch["domain_token_weights"][micro_batch["domain_ids"]]
         return torch.where(micro_batch["label_mask"], domain_weights[:, None], 0.0)
 
     def _loss_statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> Statistics:
         """The plain statistics, and each domain's sum of the token losses' excess over the reference's."""
         statistics = super()._loss_statistics(losses, micro_batch)
-        mask, domains = micro_batch["label_mask"], micro_batch["domain_ids"]
-        excess = torch.where(mask, (losses - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
-        statistics["excess_loss_sum"] = per_domain_sums(excess.detach(), domains, self._num_domains)
+        statistics["excess_loss_sum"] = excess_loss_sums(losses, micro_batch, self._num_domains)
         return statistics
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:

@@ -172,8 +172,7 @@ def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, posi
     dtype = spec_for_config(model.config).activation_dtype(model.config, next(model.parameters()).dtype)
     p2p = P2P(pc, (ids.shape[0], ids.shape[1], hidden_size), dtype, timeout_s=600.0)
     hidden = None if pc.is_first_stage else p2p.recv_forward()
-    out = model(input_ids=ids if pc.is_first_stage else None, hidden_states=hidden, position_ids=positions,
-                attention_mask=mask, caches=caches)
+    out = model(input_ids=ids, hidden_states=hidden, position_ids=positions, attention_mask=mask, caches=caches)
     if not pc.is_last_stage:
         p2p.send_forward(out)
         return None

@@ -156,15 +156,18 @@ class LlamaForCausalLM(nn.Module):
         ``head=False`` stops before the LM head (see ``CausalLM.forward``).
 
         ``caches`` maps layer indices to their KV caches during generation. Without ``position_ids`` the sequence
-        starts at position 0; a later pipeline stage may see it split over tensor-parallel ranks, so its tables
-        cover ``max_position_embeddings`` positions and each layer takes the first ones it needs.
+        starts at position 0 and its tables are computed once per length (``RotaryEmbedding.first_positions``).
+        Its length is the ids': a later pipeline stage, whose hidden states sequence parallelism may split, is
+        handed the ids for it; without them its tables cover ``max_position_embeddings`` positions and each layer
+        takes the first ones it needs.
         """
         if position_ids is None:
             length = input_ids.shape[1] if input_ids is not None else max(
                 self.config.max_position_embeddings, hidden_states.shape[1])
             device = input_ids.device if input_ids is not None else hidden_states.device
-            position_ids = torch.arange(length, device=device)
-        rotary = self.rotary(position_ids)
+            rotary = self.rotary.first_positions(length, device)
+        else:
+            rotary = self.rotary(position_ids)
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         for index, layer in self.layers.items():

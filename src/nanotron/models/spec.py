@@ -38,10 +38,10 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 caches: dict[str, Any] | None = None, head: bool = True) -> torch.Tensor:
-        """The parts this stage holds: ids (first stage) or hidden states in, hidden states or logits out.
-        ``caches`` maps layer indices to their inference caches (generation). ``head=False`` leaves the LM head
-        out: the last stage returns the final norm's output, for a loss that applies the head itself chunk by
-        chunk (``parallel/linear_cross_entropy.py``)."""
+        """The parts this stage holds: ids (first stage) or hidden states in, hidden states or logits out; a later
+        stage may be handed the ids too, for the sequence's length only. ``caches`` maps layer indices to their
+        inference caches (generation). ``head=False`` leaves the LM head out: the last stage returns the final norm's
+        output, for a loss that applies the head itself chunk by chunk (``parallel/linear_cross_entropy.py``)."""
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head where the config ties them (again after modules are swapped)."""

@@ -20,12 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the reference is used
-    triton = None
+from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
 
 
 class CausalConv1d(nn.Module):
@@ -49,7 +44,7 @@ class CausalConv1d(nn.Module):
 def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        earlier: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels on CUDA when nothing is carried, the reference otherwise."""
-    if triton is not None and x.is_cuda and earlier is None:
+    if available(x.device) and earlier is None:
         return conv_forward(x, weight, bias)
     return causal_conv1d_silu_reference(x, weight, bias, earlier)
 

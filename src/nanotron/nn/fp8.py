@@ -16,6 +16,13 @@ the current amax is used. Which operands have one is known on the host (``AmaxHi
 from the history does not depend on the tensor it scales: the compiler then casts in one pass over the tensor,
 recording its amax on the way, where a current amax needs a reduction before the cast can start.
 
+Under tensor parallelism a linear's operands are split over ranks (the weight along one feature dimension, the
+input or the output gradient along the other). An amax taken along a split dimension (any, for a per-tensor scale;
+the reduced one, for a per-row scale) is maximised over those ranks before it scales (``SplitFeatures``, one small
+all-reduce per such cast), so that each rank scales its slice exactly as tp=1 scales the whole tensor. Scaled by
+its own slice's amax, each rank would round its slice to other FP8 values than tp=1 does, and tp=2 would drift from
+tp=1 by FP8's rounding error (2^-4 relative in e4m3) rather than by the reduction order's.
+
 With ``fp8.log_out_of_range`` each converted linear also counts, per operand, the values its casts saturated (beyond
 the format's largest finite value: only scales from a history can meet that) and flushed to zero (at most half the
 format's smallest subnormal: small values next to a large amax), in ``FP8RangeCounts``; the trainer reports them
@@ -29,6 +36,7 @@ every dimension to be a multiple of 16; other products (MoE experts' token count
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,12 +44,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the plain-torch cast is used
-    triton = None
+from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
+
+logger = logging.getLogger(__name__)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -56,6 +61,25 @@ class FP8Recipe:
 
 INPUT, WEIGHT, GRADIENT = range(3)  # the rows of an AmaxHistory and of FP8RangeCounts
 OPERANDS = ("input", "weight", "gradient")
+# The dimensions of the 2-D operands: x [tokens, in], W [out, in], the output gradient g [tokens, out].
+OPERAND_DIMS = {INPUT: ("tokens", "in"), WEIGHT: ("out", "in"), GRADIENT: ("tokens", "out")}
+
+
+@dataclass(frozen=True)
+class SplitFeatures:
+    """The feature dimension that tensor parallelism splits a linear's operands along: ``"out"`` (column-parallel:
+    the weight's rows, the output gradient's columns) or ``"in"`` (row-parallel: the input's and the weight's
+    columns); ``max_over_ranks`` maximises an amax over the ranks holding the other slices, in place (a collective
+    from ``parallel/``). An amax taken along a split dimension is maximised over them, so that every rank scales its
+    slice as the whole tensor is scaled at tp=1 (see the module's docstring)."""
+
+    features: str
+    max_over_ranks: Callable[[torch.Tensor], torch.Tensor]
+
+    def splits(self, operand: int, dim: int | None = None) -> bool:
+        """Whether ``operand``'s amax, over the whole tensor (``dim`` None) or along ``dim``, spans the split."""
+        dims = OPERAND_DIMS[operand]
+        return self.features in (dims if dim is None else (dims[dim],))
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +88,9 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     made the amax of SwiGLU's output take 0.34 ms, three times a read of its input)."""
     magnitudes = x.abs()
     return (magnitudes.amax(dim=-1) if x.dim() > 1 else magnitudes).amax()
+
+
+AMAX_HISTORY_SUFFIX = "fp8_amaxes.history"  # how the checkpoint key of every linear's history ends
 
 
 class AmaxHistory(nn.Module):
@@ -77,13 +104,15 @@ class AmaxHistory(nn.Module):
         self.register_buffer("current", torch.zeros(3), persistent=False)
         self.filled = (False, False, False)
 
-    def amax(self, row: int, x: torch.Tensor) -> torch.Tensor:
-        """The amax to scale ``x`` by: the history's largest, or ``x``'s own before there is one; ``x``'s is
-        recorded for this step."""
+    def amax(self, row: int, x: torch.Tensor, split: SplitFeatures | None = None) -> torch.Tensor:
+        """The amax to scale ``x`` by: the history's largest, or before there is one ``x``'s own (maximised over the
+        ranks that ``split`` shares the tensor with); ``x``'s own is recorded for this step."""
         current = tensor_amax(x).float()
         self.record(row, current)
         recorded = self.recorded_amax(row)
-        return current if recorded is None else recorded
+        if recorded is not None:
+            return recorded
+        return current if split is None or not split.splits(row) else split.max_over_ranks(current.clone())
 
     def recorded_amax(self, row: int) -> torch.Tensor | None:
         """The history's largest amax, or None while it holds none."""
@@ -191,9 +220,9 @@ def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tenso
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize`` per tensor of a 2-D ``x``, in both layouts: returns the FP8 tensor, the same transposed (row-major:
     the weight gradient's product needs the tokens contiguous), the scale, and ``x``'s own amax (to record when the
-    scale came from a history). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
+    scale came from a given ``amax``: a history's, or one maximised over tensor-parallel ranks). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
     it, where the compiler's kernel with a transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
-    if triton is not None and x.is_cuda:
+    if available(x.device):
         from_history = amax is not None  # else the amax is reduced first, and the kernel need not record it again
         if not from_history:
             amax = tensor_amax(x).float()
@@ -247,6 +276,16 @@ def _has_fp8_matmuls(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+def warn_if_emulated(device: torch.device) -> None:
+    """On a GPU without FP8 matmuls the products run the fp32 emulation: slower than the model dtype and without
+    its memory saving, so the user is told. CPUs run the emulation by design (tests, debugging): nothing to say."""
+    if device.type == "cuda" and not _has_fp8_matmuls(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        logger.warning(f"fp8.enabled on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}), "
+                       "which has no FP8 matmuls (8.9+ needed): FP8 is emulated in fp32, slower than model.dtype; "
+                       "set fp8.enabled: false on this GPU")
+
+
 SCALED_MM_ALIGNMENT = 16  # torch._scaled_mm's requirement on the dimensions of its operands
 
 
@@ -269,9 +308,12 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
 
     ``torch._scaled_mm`` wants every dimension a multiple of 16; other operands are padded with zeros (their scales
     with ones), which adds nothing to the product, and the result is cut back to [M, N]. (MoE experts align their
-    token groups before the products: ``FP8Matmul.token_alignment``.)"""
+    token groups before the products: ``FP8Matmul.token_alignment``.) With per-row scales it takes only a bf16
+    output on Ada and sm_100+ GPUs (an fp32 one only on sm_90, from cuBLAS 12.9): those products are made in bf16
+    and upcast to ``out_dtype``, on every device, the emulation included."""
+    product_dtype = torch.bfloat16 if a_scale.dim() or b_scale.dim() else out_dtype
     if not _has_fp8_matmuls(a.device):
-        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
+        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(product_dtype).to(out_dtype)
     (m, k), n = a.shape, b.shape[1]
     rows, inner, columns = (-(-d // SCALED_MM_ALIGNMENT) * SCALED_MM_ALIGNMENT for d in (m, k, n))
     # _scaled_mm takes a row-major and b column-major, and the dequantising (inverse) scales.
@@ -279,22 +321,34 @@ def fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
     b = _padded(b.t().contiguous(), columns, inner).t()
     a_scale = _padded(a_scale, rows, 1, 1.0) if a_scale.dim() else a_scale
     b_scale = _padded(b_scale, 1, columns, 1.0) if b_scale.dim() else b_scale
-    out = torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(), out_dtype=out_dtype,
-                           use_fast_accum=fast_accumulation)
-    return out[:m, :n].contiguous()
+    out = torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                           out_dtype=product_dtype, use_fast_accum=fast_accumulation)
+    return out[:m, :n].to(out_dtype).contiguous()
+
+
+def _scaling_amax(x: torch.Tensor, operand: int, dim: int | None, amaxes: AmaxHistory | None,
+                  split: SplitFeatures | None) -> torch.Tensor | None:
+    """The amax to scale ``x`` (the ``operand``, per tensor or along ``dim``) by; None where ``quantize`` may take
+    ``x``'s own: the history's (``amaxes``, per tensor), or ``x``'s own maximised over the ranks ``split`` shares
+    the tensor with when it spans the split."""
+    if amaxes is not None:
+        return amaxes.amax(operand, x, split)
+    if split is None or not split.splits(operand, dim):
+        return None
+    own = tensor_amax(x) if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return split.max_over_ranks(own.float())
 
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
-                amaxes: AmaxHistory | None, ranges: FP8RangeCounts | None):
+                amaxes: AmaxHistory | None, ranges: FP8RangeCounts | None, split: SplitFeatures | None):
         ctx.recipe, ctx.has_bias, ctx.input_shape, ctx.amaxes = recipe, bias is not None, x.shape, amaxes
-        ctx.ranges = ranges
+        ctx.ranges, ctx.split = ranges, split
         x2 = x.reshape(-1, x.shape[-1])
         dim = -1 if recipe.rowwise else None
-        xq, x_scale = quantize(x2, E4M3, dim, None if amaxes is None else amaxes.amax(INPUT, x2), ranges, INPUT)
-        wq, w_scale = quantize(weight, E4M3, dim, None if amaxes is None else amaxes.amax(WEIGHT, weight), ranges,
-                               WEIGHT)
+        xq, x_scale = quantize(x2, E4M3, dim, _scaling_amax(x2, INPUT, dim, amaxes, split), ranges, INPUT)
+        wq, w_scale = quantize(weight, E4M3, dim, _scaling_amax(weight, WEIGHT, dim, amaxes, split), ranges, WEIGHT)
         y = fp8_mm(xq, x_scale, wq.t(), w_scale.t(), x.dtype, fast_accumulation=True)
         if recipe.rowwise:  # the backward products reduce over other dims: quantise again from these
             ctx.save_for_backward(x2, weight)
@@ -306,50 +360,58 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        recipe, ranges = ctx.recipe, ctx.ranges
+        recipe, ranges, split = ctx.recipe, ctx.ranges, ctx.split
         g2 = grad.reshape(-1, grad.shape[-1])
         if recipe.rowwise:
             x2, weight = ctx.saved_tensors
+
+            def along(t: torch.Tensor, dtype: torch.dtype, dim: int, operand: int):
+                return quantize(t, dtype, dim, _scaling_amax(t, operand, dim, None, split), ranges, operand)
+
             # dx = g W: reduce over out features
-            g_rows, g_row_scale = quantize(g2, recipe.gradient_dtype, -1, None, ranges, GRADIENT)
-            w_cols, w_col_scale = quantize(weight, E4M3, 0, None, ranges, WEIGHT)
+            g_rows, g_row_scale = along(g2, recipe.gradient_dtype, -1, GRADIENT)
+            w_cols, w_col_scale = along(weight, E4M3, 0, WEIGHT)
             grad_input = fp8_mm(g_rows, g_row_scale, w_cols, w_col_scale, grad.dtype)
             # dW = gᵀ x: reduce over tokens
-            g_cols, g_col_scale = quantize(g2, recipe.gradient_dtype, 0, None, ranges, GRADIENT)
-            x_cols, x_col_scale = quantize(x2, E4M3, 0, None, ranges, INPUT)
+            g_cols, g_col_scale = along(g2, recipe.gradient_dtype, 0, GRADIENT)
+            x_cols, x_col_scale = along(x2, E4M3, 0, INPUT)
             grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
             amaxes = ctx.amaxes
             if ranges is None:  # both layouts in one pass (counting the cast's range needs the scaled tensor)
-                recorded = None if amaxes is None else amaxes.recorded_amax(GRADIENT)
-                gq, gq_t, g_scale, seen = quantize_both_layouts(g2, recipe.gradient_dtype, recorded)
+                amax = None if amaxes is None else amaxes.recorded_amax(GRADIENT)
+                if amax is None:
+                    amax = _scaling_amax(g2, GRADIENT, None, None, split)
+                gq, gq_t, g_scale, seen = quantize_both_layouts(g2, recipe.gradient_dtype, amax)
                 if amaxes is not None:
                     amaxes.record(GRADIENT, seen)
             else:
-                amax = None if amaxes is None else amaxes.amax(GRADIENT, g2)
+                amax = _scaling_amax(g2, GRADIENT, None, amaxes, split)
                 gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, ranges, GRADIENT)
                 gq_t = gq.t()
             grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
             grad_weight = fp8_mm(gq_t, g_scale, xq, x_scale, grad.dtype)
         grad_bias = g2.sum(0) if ctx.has_bias else None
-        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None, None
+        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None, None, None
 
 
 class FP8Matmul:
     """A ``Linear.matmul``: ``F.linear``'s signature, FP8 products inside; ``amaxes`` for delayed scaling,
-    ``ranges`` to count the casts' saturated and flushed values. ``token_alignment`` asks MoE experts to pad each
-    expert's tokens to a multiple of ``torch._scaled_mm``'s alignment (``GroupedExperts``)."""
+    ``ranges`` to count the casts' saturated and flushed values, ``split`` for a tensor-parallel linear's slices.
+    ``token_alignment`` asks MoE experts to pad each expert's tokens to a multiple of ``torch._scaled_mm``'s
+    alignment (``GroupedExperts``)."""
 
     token_alignment = SCALED_MM_ALIGNMENT
 
-    def __init__(self, recipe: FP8Recipe, amaxes: AmaxHistory | None = None, ranges: FP8RangeCounts | None = None):
-        self.recipe, self.amaxes, self.ranges = recipe, amaxes, ranges
+    def __init__(self, recipe: FP8Recipe, amaxes: AmaxHistory | None = None, ranges: FP8RangeCounts | None = None,
+                 split: SplitFeatures | None = None):
+        self.recipe, self.amaxes, self.ranges, self.split = recipe, amaxes, ranges, split
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() == 0:  # an expert without tokens: nothing to scale
             return torch.nn.functional.linear(x, weight, bias)
-        return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes, self.ranges)
+        return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes, self.ranges, self.split)
 
 
 def fp8_converter(args):
@@ -359,7 +421,8 @@ def fp8_converter(args):
     choose experts: small, and sensitive) and the names matching ``fp8.exclude_modules``; so are MoE experts (their
     ``expert_matmul``: per-expert FP8 products, each expert's weights and tokens scaled on their own, from the
     current amax even with the delayed recipe). The embedding and the LM head are outside the decoder layers and
-    stay in the model dtype.
+    stay in the model dtype. A tensor-parallel linear scales each operand as the whole tensor is scaled
+    (``SplitFeatures``); MoE experts split over tensor-parallel ranks still scale each rank's slices on their own.
     """
     import re
 
@@ -382,6 +445,10 @@ def fp8_converter(args):
             elif hasattr(module, "matmul") and not name.endswith(".router"):
                 if recipe.delayed:  # a child module: its history is model state, saved and loaded by name
                     module.fp8_amaxes = AmaxHistory(args.amax_history_length)
-                module.matmul = FP8Matmul(recipe, module.fp8_amaxes if recipe.delayed else None, range_counts(module))
+                split = None
+                if hasattr(module, "split_features"):  # a tensor-parallel linear (parallel/tensor_parallel.py)
+                    split = SplitFeatures(module.split_features, module.max_over_ranks)
+                module.matmul = FP8Matmul(recipe, module.fp8_amaxes if recipe.delayed else None, range_counts(module),
+                                          split)
 
     return convert

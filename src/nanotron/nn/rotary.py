@@ -34,7 +34,8 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes the cos/sin tables for given positions; holds no trainable state."""
+    """Computes the cos/sin tables for given positions; holds no trainable state. The tables of a sequence that
+    starts at position 0 (every training step's) are kept per length and device (``first_positions``)."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: dict | None = None):
         super().__init__()
@@ -43,6 +44,17 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
+        self._first_positions: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def first_positions(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of positions 0 .. ``length`` - 1, computed on the first call for this length and device and
+        kept: every training forward asks for the same ones. Made outside inference mode, so that a table first
+        asked for by an evaluation can serve a training step's autograd."""
+        key = (length, torch.device(device))
+        if key not in self._first_positions:
+            with torch.inference_mode(False), torch.no_grad():
+                self._first_positions[key] = self(torch.arange(length, device=device))
+        return self._first_positions[key]
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin of shape [batch, seq, head_dim] (or [seq, head_dim] for 1-D positions)."""

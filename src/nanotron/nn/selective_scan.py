@@ -23,12 +23,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the reference scan is used
-    triton = None
+from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
 
 
 def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -37,7 +32,7 @@ def selective_scan(x: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     (training, and the prompt in generation), the reference otherwise. Shapes as ``selective_scan_reference``; the
     chunked scan's ``C · s`` term is rounded to x's dtype (as the authors' CUDA scan does) before ``D x`` is added
     in fp32."""
-    if triton is not None and x.is_cuda and state is None:
+    if available(x.device) and state is None:
         y, last = chunked_selective_scan(x, delta, A, B, C)
         return y + x * D.float(), last
     return selective_scan_reference(x, delta, A, B, C, D, state)

@@ -12,12 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-except ImportError:  # no Triton (CPU builds of torch) or a torch older than 2.6: the reference backward is used
-    triton = None
+from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -46,7 +41,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (gate_up,) = ctx.saved_tensors
-        if triton is not None and gate_up.is_cuda:
+        if available(gate_up.device):
             return swiglu_backward_fused(gate_up.contiguous(), grad.contiguous())
         return swiglu_backward_reference(gate_up, grad)
 

@@ -28,8 +28,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         local_vocab = logits.shape[-1]
         start = dist.get_rank(group) * local_vocab
-        padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
-        logits = logits.float().masked_fill(padding, float("-inf")) if padding.any() else logits.float()
+        logits = logits.float()
+        if start + local_vocab > vocab_size:  # known on the host: testing the mask's values would sync with the GPU
+            padding = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
+            logits = logits.masked_fill(padding, float("-inf"))
 
         maximum = logits.max(dim=-1).values
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)

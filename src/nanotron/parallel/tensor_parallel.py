@@ -109,7 +109,20 @@ def _shared_rows(shard: Shard, logical_size: int, group: dist.ProcessGroup) -> t
     return tuple(rows), buffer_rows
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """A linear whose features are split over the ranks of ``group`` along ``split_features`` (``"out"`` or
+    ``"in"``); a matmul that scales its operands by their amax (FP8) maximises it over those ranks with
+    ``max_over_ranks``, so that each slice is scaled as the whole tensor."""
+
+    split_features: str
+    group: dist.ProcessGroup
+
+    def max_over_ranks(self, amax: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return amax
+
+
+class ColumnParallelLinear(_SplitLinear):
     """``y = x W^T + b`` with W (and the optional bias b) split along the output features; the output stays sharded
     on features.
 
@@ -123,6 +136,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     matmul = staticmethod(F.linear)
+    split_features = "out"
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str,
                  chunks: tuple[int, ...] | None = None, overlap: bool = False, bias: bool = False,
@@ -163,10 +177,11 @@ class ColumnParallelLinear(nn.Module):
         return self.matmul(*self.operands(x))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """``y = x W^T`` with W split along its input features; partial outputs are summed over TP."""
 
     matmul = staticmethod(F.linear)
+    split_features = "in"
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str):
         super().__init__()
