@@ -7,86 +7,20 @@ Commands run in this process through ``nanotron.cli.main`` (fast: no interpreter
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from conftest import ROOT, checkpoint_json, metrics, tiny_config_dict, write_config
-from distributed import run_distributed
 
+from distributed import run_distributed
+from helpers import ROOT, Outcome, _config, assert_user_error, checkpoint_json, cli, metrics, train, write_config
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION
 from nanotron.cli import main
-
-
-@dataclass
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def error_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
-
-
-def cli(*args) -> Outcome:
-    """``nanotron ARGS`` in this process; its exit status, stdout and stderr.
-
-    Undoes what a command leaves behind in the process (the variables ParallelContext sets for a world of one, the
-    ``nanotron`` log handler bound to the captured stream, a process group left by a failed start-up), so that
-    every call starts as a fresh ``nanotron`` process would.
-    """
-    environment = dict(os.environ)
-    logger = logging.getLogger("nanotron")
-    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main([str(arg) for arg in args])
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environment)
-        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
-    return Outcome(code, out.getvalue(), err.getvalue())
-
-
-def assert_user_error(outcome: Outcome, *fragments: str) -> str:
-    """Exit status 2, exactly one `error:` line containing every fragment, no traceback; returns the line."""
-    assert outcome.code == 2, outcome.stderr[-3000:]
-    assert len(outcome.error_lines) == 1, outcome.stderr[-3000:]
-    assert "Traceback" not in outcome.stderr, outcome.stderr[-3000:]
-    line = outcome.error_lines[0]
-    for fragment in fragments:
-        assert fragment in line, line
-    return line
-
-
-def train(config: dict, path: Path) -> Outcome:
-    outcome = cli("train", "--config-file", write_config(path, config))
-    assert outcome.code == 0, outcome.stderr[-3000:]
-    return outcome
-
-
-def _config(tiny_data, run: Path, train_steps: int, **overrides) -> dict:
-    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": train_steps}, **overrides)
-    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
-    return config
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
-from conftest import run_with_triton_interpreter, tiny_config_dict
 
 from distributed import run_distributed, run_distributed_each
-
+from helpers import run_with_triton_interpreter, tiny_config_dict
 from nanotron.nn.fp8 import (
     E4M3,
     E5M2,
@@ -166,37 +165,9 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
     assert counters["stats"]["unique_graphs"] == compiles
 
 
-def check_cast_both_layouts(device: str = "cpu") -> None:
-    """``quantize_both_layouts`` (the Triton kernel on CUDA, or under Triton's interpreter on the CPU) against the
-    plain-torch cast, bit for bit, in both formats: on a shape that is not a multiple of the kernel's tile, with
-    values beyond the format's range (saturated). Off CUDA the inputs are grid points of the format times a power of
-    two, so that no rounding happens: the interpreter rounds some values at the top of a binade down a whole binade
-    (31.49 to 16 in e5m2), so rounding is left to the CUDA run, where the values are random."""
-    from nanotron.nn.fp8 import CAST_BLOCK_C, CAST_BLOCK_R, cast_both_layouts
-
-    generator = torch.Generator().manual_seed(0)
-    rows, columns = CAST_BLOCK_R + 7, CAST_BLOCK_C + 9
-    for dtype in (E4M3, E5M2):
-        finfo = torch.finfo(dtype)
-        values = torch.randn(rows, columns, generator=generator) * 8
-        if device == "cpu":
-            values = values.to(dtype).float()  # grid points
-        x = (values / 4).to(torch.bfloat16)
-        x[0, 0], x[-1, -1] = finfo.max, -finfo.max  # four times the format's range at a scale of 4
-        x = x.to(device)
-        scale = torch.tensor(4.0, device=device)
-        expected = (x.float() * scale).clamp(finfo.min, finfo.max).to(dtype)
-        for record_amax in (True, False):
-            out, out_t, amax = cast_both_layouts(x, scale, dtype, record_amax)
-            assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), dtype
-            assert torch.equal(out_t.view(torch.uint8), expected.t().contiguous().view(torch.uint8)), dtype
-            assert amax.item() == (x.float().abs().max().item() if record_amax else 0)
-            assert out[0, 0].float().item() == finfo.max
-
-
 def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():
     """The FP8 gradient cast's Triton kernel, run by Triton's interpreter on the CPU."""
-    run_with_triton_interpreter("from test_fp8 import check_cast_both_layouts; check_cast_both_layouts()")
+    run_with_triton_interpreter("from helpers import check_cast_both_layouts; check_cast_both_layouts()")
 
 
 def test_delayed_scaling_scales_from_the_history_and_records_each_step():
@@ -379,7 +350,7 @@ def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny
 def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
     """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
     follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""
-    from test_moe import moe_config
+    from helpers import moe_config
 
     def config(name, fp8=True, ep=1):
         return moe_config(tiny_data, tmp_path / name, ep=ep) | {"fp8": {"enabled": fp8, "log_out_of_range": fp8}}

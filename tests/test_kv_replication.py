@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict
-from test_checkpoint_resharding import _train
-from test_hf_interop import _nanotron
-from test_tensor_parallel import _run, assemble
 
 from distributed import run_distributed
+from helpers import _nanotron, _run, _train, assemble, assert_reference_trains, parity_steps, tiny_config_dict
 
 STEPS = parity_steps()
 

@@ -1,17 +1,16 @@
 """The memory planner: every part against a hand count for the tiny Llama, how layouts change the parts, the
 command, and the estimates against the peaks measured on H200s (docs/benchmarks.md)."""
 
-from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import ROOT
 from nanotron.cli import main
 from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
 from nanotron.memory import CUDA_RUNTIME_BYTES, STEP_WORKSPACE_BYTES, estimate_memory, memory_summary
 from nanotron.models.registry import spec_for_config
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
 # The hand counts and the measured peaks are of the loss on full logits (test_fused_loss.py counts the fused one).

@@ -6,40 +6,27 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict, write_config
-from test_bad_inputs import assert_user_error, cli
-from test_tensor_parallel import assemble, first_step_gradients
 
 from distributed import run_distributed, run_distributed_each
+from helpers import (
+    MOE_GLOBAL_BATCH,
+    assemble,
+    assert_reference_trains,
+    assert_user_error,
+    cli,
+    first_step_gradients,
+    moe_config,
+    parity_steps,
+    tiny_config_dict,
+    write_config,
+)
 
 STEPS = parity_steps()
 SAVED_AT = STEPS // 2
-# Layer 0 dense, layers 1-2 mixtures of 4 experts, top-2: a pipeline split [1, 2] leaves stage 0 without experts.
-MOE = {"is_llamoe_config": True, "num_hidden_layers": 3, "moe_num_experts": 4, "num_experts_per_tok": 2,
-       "moe_first_dense_layers": 1, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
-GLOBAL_BATCH = 16
-
-
-def moe_config(tiny_data, folder: Path, *, dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-               resume_from: Path | None = None, **model_changes) -> dict:
-    base = tiny_config_dict(tiny_data, folder)
-    llama = {k: v for k, v in base["model"]["model_config"].items() if k != "is_llama_config"}
-    model = base["model"] | {"model_config": llama | MOE | model_changes}
-    parallelism = {"dp": dp, "tp": tp, "pp": pp, "expert_parallel_size": ep, "tp_mode": "REDUCE_SCATTER"}
-    if pp > 1:
-        parallelism["pp_stage_layers"] = [1, 2]
-    return tiny_config_dict(
-        tiny_data, folder, model=model, parallelism=parallelism,
-        tokens={"train_steps": STEPS, "micro_batch_size": 4,
-                "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep)},
-        optimizer=base["optimizer"] | {"zero_stage": zero},
-        checkpoints={"checkpoint_interval": SAVED_AT, "save_final_state": False,
-                     "resume_checkpoint_path": None if resume_from is None else str(resume_from)},
-    )
+GLOBAL_BATCH = MOE_GLOBAL_BATCH
 
 
 def _metrics(trainer) -> list[dict]:

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict
-from test_tensor_parallel import assemble, first_step_gradients
 
 from distributed import run_distributed, run_distributed_each
+from helpers import assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
 from nanotron.parallel.pipeline_partition import PartitionError, balanced_partition, stage_layers
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both

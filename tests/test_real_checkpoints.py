@@ -12,14 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_dict, write_config
 from safetensors.torch import load_file
-from test_tensor_parallel import _run, assemble, check_against_reference, tp_config
 
 from distributed import run_distributed, run_distributed_each
+from helpers import PROMPTS, ROOT, _run, assemble, check_against_reference, tiny_config_dict, tp_config, write_config
 
-ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 NEW_TOKENS = 24
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # a short pretraining context: every band of head_dim 16 is hit

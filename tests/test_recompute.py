@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config_dict, write_config
 from torch import nn
 
 from distributed import run_distributed_each
+from helpers import tiny_config_dict, write_config
 
 STEPS = 6
 

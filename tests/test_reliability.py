@@ -16,8 +16,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, checkpoint_json, children, metrics, start_training, write_config, write_corpus
-from test_bad_inputs import _config, assert_user_error, cli, train
+
+from helpers import (
+    ROOT,
+    _config,
+    assert_user_error,
+    checkpoint_json,
+    children,
+    cli,
+    metrics,
+    start_training,
+    train,
+    write_config,
+    write_corpus,
+)
 
 
 def _steps(run: Path) -> list[str]:

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_dict, write_corpus
-from test_checkpoint_resharding import _train
 
 from distributed import run_distributed, run_distributed_each
+from helpers import _train, tiny_config_dict, write_corpus
 
 # --- registry -------------------------------------------------------------------------------------------------------
 

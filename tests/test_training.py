@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config_dict, write_config
 
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, tiny_config_dict, write_config
 
 
 def train(config_path: Path, *, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -146,8 +144,8 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data,
 
 
 def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
-    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.checkpoint.integrity import read_metadata
+    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.checkpoint.run_folder import resolve_checkpoint
     from nanotron.config import LRSchedulerArgs
     from nanotron.optim.lr_schedule import learning_rate_at
