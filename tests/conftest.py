@@ -1,10 +1,13 @@
 """The fixtures shared by the test files (a tiny learnable corpus with its tokenizer and tokenized shards, DoReMi's
 domains and reference run) and the hooks that pick the test tier; the plain helpers are in ``helpers.py``.
 
-Tiers: the default run trains every layout-parity comparison for a few steps (``parity_steps()``) on top of the exact
-first-step gradient checks; ``NANOTRON_TEST_TIER=full`` trains them for the full 20 steps and also runs the tests
-marked ``full_tier`` (extra layout pairs of mechanisms the default run already covers, e.g. most of the
-checkpoint-resharding pairs). Every mechanism, and every layout of the parity tests, is tested in both tiers.
+Tiers (``NANOTRON_TEST_TIER``): the default run trains every layout-parity comparison for a few steps
+(``parity_steps()``) on top of the exact first-step gradient checks; ``full`` trains them for the full 20 steps and
+also runs the tests marked ``full_tier`` (extra layout pairs of mechanisms the default run already covers, e.g. most of
+the checkpoint-resharding pairs); ``quick``, the inner loop (a few minutes on two cores), is the default tier less the
+tests marked ``slow``: a test runs in every tier unless marked, so a new test is never dropped silently, and a test
+is marked ``slow`` only where a quicker test in the quick tier touches the same mechanism. Every mechanism is tested
+in every tier, and every layout of the parity tests in the default and full tiers.
 """
 
 from __future__ import annotations
@@ -16,21 +19,38 @@ from pathlib import Path
 import pytest
 
 from distributed import run_distributed
-from helpers import DOMAINS, FULL_TIER_REASON, TIER_VARIABLE, _train, doremi_config, full_tier, tier_name, write_corpus
+from helpers import (
+    DOMAINS,
+    FULL_TIER_REASON,
+    TIER_VARIABLE,
+    _train,
+    doremi_config,
+    full_tier,
+    quick_tier,
+    tier_name,
+    write_corpus,
+)
 
 
 def pytest_configure(config) -> None:
     tier_name()  # a misspelt tier fails the run at once instead of silently running the default tier
     config.addinivalue_line("markers", f"full_tier: runs only in the full tier ({FULL_TIER_REASON})")
+    config.addinivalue_line("markers", f"slow: left out of the quick tier ({TIER_VARIABLE}=quick); a quicker test "
+                                       "there touches the same mechanism")
 
 
 def pytest_report_header(config) -> str:
-    return f"nanotron test tier: {tier_name()} ({TIER_VARIABLE}=full for the long tier)"
+    return f"nanotron test tier: {tier_name()} ({TIER_VARIABLE}=quick for the inner loop, =full for the long tier)"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     if full_tier():
         return
+    if quick_tier():
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     skip = pytest.mark.skip(reason=FULL_TIER_REASON)
     for item in items:
         if "full_tier" in item.keywords:

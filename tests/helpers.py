@@ -24,12 +24,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TIER_VARIABLE = "NANOTRON_TEST_TIER"
-TIERS = ("default", "full")
+TIERS = ("quick", "default", "full")
 FULL_TIER_REASON = f"full tier only; run it with {TIER_VARIABLE}=full bash scripts/run_tests.sh"
 
 
 def tier_name() -> str:
-    """``default`` or ``full``, from the environment (unset or empty means ``default``)."""
+    """``quick``, ``default`` or ``full``, from the environment (unset or empty means ``default``)."""
     tier = os.environ.get(TIER_VARIABLE, "").strip().lower() or "default"
     if tier not in TIERS:
         raise pytest.UsageError(f"{TIER_VARIABLE}={os.environ[TIER_VARIABLE]!r}: expected one of {', '.join(TIERS)}")
@@ -38,6 +38,10 @@ def tier_name() -> str:
 
 def full_tier() -> bool:
     return tier_name() == "full"
+
+
+def quick_tier() -> bool:
+    return tier_name() == "quick"
 
 
 def parity_steps(short: int = 6, full: int = 20) -> int:

@@ -53,7 +53,7 @@ def straight_runs(tiny_data, tmp_path_factory):
 # The default tier keeps one pair per mechanism: the 3D (2,2,2) ZeRO-1 state saved, and one process's state loaded
 # into ZeRO-1 shards over dp, into tp shards and into pp stages. The other pairs run under NANOTRON_TEST_TIER=full.
 PAIRS = [
-    ((2, 2, 2, 1), (1, 1, 1, 0)),
+    pytest.param((2, 2, 2, 1), (1, 1, 1, 0), marks=pytest.mark.slow),
     pytest.param((1, 1, 1, 0), (2, 2, 2, 1), marks=pytest.mark.full_tier),
     pytest.param((2, 2, 2, 1), (1, 2, 2, 0), marks=pytest.mark.full_tier),
     pytest.param((2, 2, 2, 1), (1, 2, 1, 0), marks=pytest.mark.full_tier),

@@ -75,6 +75,7 @@ def _trajectory(result: dict) -> list[list[float]]:
     return [[record["weights"][name] for name in DOMAINS] for record in result["history"]]
 
 
+@pytest.mark.slow
 def test_the_proxy_moves_the_weights_and_logs_them(proxies):
     one = proxies["one"]
     trajectory = _trajectory(one)
@@ -86,6 +87,7 @@ def test_the_proxy_moves_the_weights_and_logs_them(proxies):
     assert all(set(m["domain_losses"]) <= set(DOMAINS) for m in one["metrics"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2_acc2", "pp2", "tp2"])
 def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
     expected, got = _trajectory(proxies["one"]), _trajectory(proxies[layout])
@@ -95,6 +97,7 @@ def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], abs=1e-4), layout
 
 
+@pytest.mark.slow
 def test_the_fused_loss_weighs_the_domains_as_the_unfused_one(proxies):
     """The default fused LM head + loss takes DoReMi's per-domain token weights: the same trajectory, losses and
     gradient norms as the loss on full logits."""
@@ -105,6 +108,7 @@ def test_the_fused_loss_weighs_the_domains_as_the_unfused_one(proxies):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_trajectory(proxies):
     assert proxies["resumed"]["history"] == proxies["one"]["history"]  # lines of steps 1-3 kept, 4-6 appended
     straight = {m["step"]: m["lm_loss"] for m in proxies["one"]["metrics"]}

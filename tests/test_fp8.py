@@ -122,6 +122,7 @@ def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, row
         torch.testing.assert_close(padded, emulated, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeypatch):
     """Under torch.compile an expert's token count is symbolic; a product that tested it for ``torch._scaled_mm``'s
     alignment would guard the graph on it, and every new pattern of aligned and unaligned experts would compile
@@ -238,6 +239,7 @@ def _train(config: dict) -> dict:
             "histories": histories}
 
 
+@pytest.mark.slow
 def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tmp_path):
     steps = 100
     configs = [tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": steps}, fp8=fp8)
@@ -259,6 +261,7 @@ def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tm
         assert all(0 <= r["fp8_flushed"] < 0.5 for r in run["records"])
 
 
+@pytest.mark.slow
 def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_data, tmp_path):
     """model.compile on the CPU (the layers and the loss, as on GPUs): the buffers FP8 writes in the forward and the
     backward (amax histories, range counts) come out as in eager mode, and so do the losses."""
@@ -322,6 +325,7 @@ def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, 
     assert [step for step, _ in losses(plain)] == [4] and plain["converted"] == 0
 
 
+@pytest.mark.slow
 def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny_data, tmp_path):
     """pp=2 (1F1B) × dp=2 with ZeRO-1 trains in FP8 like one process accumulating the same two micro-batches: each
     micro-batch is cast with the same scales in both (its own amax on the first step, then the histories, whose
@@ -347,6 +351,7 @@ def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny
             torch.testing.assert_close(history, reference["histories"][name], rtol=1e-4, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
     """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
     follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""

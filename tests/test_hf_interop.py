@@ -51,6 +51,7 @@ def hf_logits_and_greedy(hf_path: Path) -> tuple[torch.Tensor, list[list[int]]]:
     return logits, out[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_logits_and_generation_match_transformers_at_every_layout(converted):
     hf_path, ckpt = converted
     reference_logits, reference_greedy = hf_logits_and_greedy(hf_path)

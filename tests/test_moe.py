@@ -123,6 +123,7 @@ def _assert_same_steps(reference: list[dict], other: list[dict], steps: range, w
                                                                                   ref[key])
 
 
+@pytest.mark.slow
 def test_the_reference_learns_and_reports_its_routing(runs):
     metrics = runs["reference"]["metrics"]
     assert_reference_trains(metrics, STEPS)
@@ -134,6 +135,7 @@ def test_the_reference_learns_and_reports_its_routing(runs):
         assert "moe_dropped_fraction" not in record  # dropless
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep2", "ep2_tp2", "ep2_pp2", "dp2_ep2_zero1"])
 def test_expert_parallel_layouts_match_one_process(runs, layout):
     reference = runs["reference"]
@@ -147,6 +149,7 @@ def test_expert_parallel_layouts_match_one_process(runs, layout):
     _assert_same_steps(reference["metrics"], _rank0_metrics(ranks), range(1, STEPS + 1), layout)
 
 
+@pytest.mark.slow
 def test_resume_across_expert_parallel_sizes_continues_the_curve(runs):
     after = range(SAVED_AT + 1, STEPS + 1)
     at_ep4 = _rank0_metrics(runs["reference_at_ep4"])
@@ -157,6 +160,7 @@ def test_resume_across_expert_parallel_sizes_continues_the_curve(runs):
     _assert_same_steps(_rank0_metrics(runs["ep2_tp2"]), at_ep1, after, "ep2 x tp2 -> ep1")
 
 
+@pytest.mark.slow
 def test_eval_reads_an_expert_parallel_checkpoint(runs, tiny_data):
     outcome = cli("eval", "--ckpt-path", runs["root"] / "ep2_tp2", "--data", tiny_data["tokenized"],
                   "--sequence-length", "32", "--max-windows", "8")
@@ -165,6 +169,7 @@ def test_eval_reads_an_expert_parallel_checkpoint(runs, tiny_data):
     assert 3.0 < loss < _rank0_metrics(runs["ep2_tp2"])[0]["lm_loss"]  # trained: below the first step's loss
 
 
+@pytest.mark.slow
 def test_all_to_all_loses_and_duplicates_no_token(runs):
     assert [rank["failures"] for rank in runs["exchange"]] == [[], []]
 

@@ -126,6 +126,7 @@ exit $status
 """
 
 
+@pytest.mark.slow
 def test_the_slurm_script_stops_every_node_with_a_checkpoint_on_its_signal(tiny_data, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

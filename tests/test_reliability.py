@@ -151,7 +151,8 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-@pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM), ("torchrun", signal.SIGUSR1)])
+@pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM),
+                                            pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.slow)])
 def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
     run, log = tmp_path / "run", tmp_path / "train.log"
     parallelism = {"dp": 2} if launch == "torchrun" else {}
@@ -371,6 +372,7 @@ def test_a_loss_spike_is_skipped_then_stops_and_the_checkpoint_before_it_survive
     assert _steps(run) == ["30", "32"]  # 30 is protected; 32 holds the weights of step 30 (both updates skipped)
 
 
+@pytest.mark.slow
 def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tiny_data, tmp_path):
     """Fault injection: SIGKILL at random moments of a run that saves every step (so often inside a save), then the
     same command with resume_checkpoint_path: auto, until it finishes; the losses equal the uninterrupted run's."""

@@ -20,7 +20,7 @@ def reference(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("tp, variants", [
     (2, [("ALL_REDUCE", False), ("REDUCE_SCATTER", False), ("REDUCE_SCATTER", True)]),
-    (4, [("ALL_REDUCE", False), ("REDUCE_SCATTER", False)]),
+    pytest.param(4, [("ALL_REDUCE", False), ("REDUCE_SCATTER", False)], marks=pytest.mark.slow),
 ])
 def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, variants):
     calls = [{"config": tp_config(tiny_data, tmp_path, f"{mode}-{overlap}", tp, mode, overlap)} for mode, overlap in variants]
