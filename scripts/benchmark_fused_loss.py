@@ -34,7 +34,8 @@ def weighted_loss(logits, labels, token_weights, group):
 
 
 def full(compiled: bool):
-    """The head as the model applies it (eager), then the loss (compiled with ``model.compile``, as the trainer does)."""
+    """The head as the model applies it (eager), then the loss (compiled with ``model.compile``, as the trainer
+    does)."""
     loss = torch.compile(weighted_loss) if compiled else weighted_loss
     return lambda hidden, weight, labels, token_weights, group: loss(F.linear(hidden, weight), labels,
                                                                      token_weights, group)
@@ -97,7 +98,7 @@ def main() -> None:
         tokens = micro_batch * SEQUENCE
         h2, w2 = hidden.detach().view(tokens, HIDDEN), weight.detach()
         g = torch.randn(tokens, VOCAB, device="cuda", generator=generator).bfloat16()
-        floor, _ = timed(lambda: (h2 @ w2.t(), g @ w2, g.t() @ h2), args.repeats)
+        floor, _ = timed(lambda h2=h2, w2=w2, g=g: (h2 @ w2.t(), g @ w2, g.t() @ h2), args.repeats)
         del g
         results.append({"micro_batch": micro_batch, "variant": "floor", "ms": floor})
         print(f"mbs {micro_batch} {'floor':24s} {floor:7.2f} ms", flush=True)

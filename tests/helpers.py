@@ -110,7 +110,8 @@ def tiny_config_dict(tiny_data: dict[str, Path], checkpoint_dir: Path, **overrid
             },
         },
         "tokenizer": {"tokenizer_name_or_path": str(tiny_data["tokenizer"])},
-        "tokens": {"sequence_length": 32, "micro_batch_size": 4, "batch_accumulation_per_replica": 2, "train_steps": 20},
+        "tokens": {"sequence_length": 32, "micro_batch_size": 4, "batch_accumulation_per_replica": 2,
+                   "train_steps": 20},
         "optimizer": {
             "weight_decay": 0.01, "clip_grad": 1.0,
             "learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 4, "min_decay_lr": 3e-4},
@@ -270,7 +271,8 @@ def tp_config(tiny_data, tmp_path, name: str, tp: int, mode: str, overlap: bool 
     model = base["model"]
     model["model_config"] = model["model_config"] | {"num_attention_heads": 8, "num_key_value_heads": 4,
                                                      "intermediate_size": 128}
-    return tiny_config_dict(tiny_data, tmp_path / name, model=model, parallelism={"tp": tp, "tp_mode": mode, "tp_linear_async_communication": overlap},
+    return tiny_config_dict(tiny_data, tmp_path / name, model=model,
+                            parallelism={"tp": tp, "tp_mode": mode, "tp_linear_async_communication": overlap},
                             tokens={"train_steps": parity_steps()})
 
 
@@ -534,7 +536,7 @@ def check_causal_conv(device: str = "cpu") -> None:
     batch, length, channels = 2, BLOCK_T + 13, BLOCK_C + 5
     for bias in (True, False):
         for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):  # bf16: dpre is rounded to it
-            def random(*shape):
+            def random(*shape, dtype=dtype):
                 return torch.randn(*shape, device=device, generator=generator).to(dtype).requires_grad_()
             wide, weight = random(batch, length, 2 * channels), random(channels, 1, 4)
             inputs = [wide, weight] + ([random(channels)] if bias else [])

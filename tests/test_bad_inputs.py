@@ -183,7 +183,8 @@ def _assert_same_steps(reference: list[dict], records: list[dict], steps: range)
 def test_two_stage_reference_runs_switch_stage_and_agree(two_stage_runs):
     straight, saving = metrics(two_stage_runs["straight"]), metrics(two_stage_runs["saving"])
     _assert_same_steps(straight, saving, range(1, STEPS + 1))  # saving a checkpoint changes nothing
-    samples = {"main": (SECOND_STAGE_START - 1) * GLOBAL_BATCH, "second": (STEPS - SECOND_STAGE_START + 1) * GLOBAL_BATCH}
+    samples = {"main": (SECOND_STAGE_START - 1) * GLOBAL_BATCH,
+               "second": (STEPS - SECOND_STAGE_START + 1) * GLOBAL_BATCH}
     assert checkpoint_json(two_stage_runs["straight"])["consumed_samples"] == samples
 
 
@@ -197,7 +198,8 @@ def test_resume_across_a_data_stage_boundary_continues_exactly(tiny_data, two_st
     assert f"resumed from {two_stage_runs['saving'] / str(stop)} at step {stop}" in outcome.stderr
     _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(resumed), range(stop + 1, STEPS + 1))
     assert checkpoint_json(resumed)["step"] == STEPS
-    assert checkpoint_json(resumed)["consumed_samples"] == checkpoint_json(two_stage_runs["straight"])["consumed_samples"]
+    straight = checkpoint_json(two_stage_runs["straight"])
+    assert checkpoint_json(resumed)["consumed_samples"] == straight["consumed_samples"]
 
 
 def test_first_part_of_a_two_stage_run_then_resume_matches_straight(tiny_data, two_stage_runs, tmp_path):

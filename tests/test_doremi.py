@@ -66,7 +66,8 @@ def proxies(tiny_data, doremi_domains, doremi_reference, tmp_path_factory) -> di
         out[name] = ranks[0]
     half = doremi_config(tiny_data, doremi_domains, root / "resumed", reference=doremi_reference, steps=3)
     run_distributed(_proxy, 1, config=half)
-    rest = doremi_config(tiny_data, doremi_domains, root / "resumed", reference=doremi_reference, resume=root / "resumed")
+    rest = doremi_config(tiny_data, doremi_domains, root / "resumed", reference=doremi_reference,
+                         resume=root / "resumed")
     out["resumed"] = run_distributed(_proxy, 1, config=rest)[0]
     return out
 

@@ -86,7 +86,6 @@ def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     import json
 
     from helpers import write_config
-
     from nanotron.data.preprocess import preprocess
     from nanotron.data.tokenizer import train_tokenizer
 
@@ -101,7 +100,8 @@ def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     config["model"]["model_config"] |= {"vocab_size": 300}
     env = {**os.environ, "NANOTRON_DEVICE": "cpu"}
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
-                              str(write_config(tmp_path / "config.yaml", config))], capture_output=True, text=True, env=env)
+                              str(write_config(tmp_path / "config.yaml", config))],
+                             capture_output=True, text=True, env=env)
     assert trained.returncode == 0, trained.stderr[-3000:]
     generated = subprocess.run([sys.executable, str(ROOT / "run_generate.py"), "--ckpt-path", str(tmp_path / "ckpt"),
                                 "--prompt", "the quick brown fox", "--max-new-tokens", "12"],

@@ -182,8 +182,9 @@ def test_resuming_domain_weights_onto_other_domains_is_refused(
     checkpoint = proxy_run / "3"
     if written == "as-a-list-before":
         checkpoint = _as_written_before(checkpoint, tmp_path)
-    config = doremi_config(tiny_data, doremi_domains[:change.get("folders", 3)], tmp_path / "run", reference=doremi_reference,
-                           resume=checkpoint, steps=4, domain_names=change.get("domain_names"))
+    config = doremi_config(tiny_data, doremi_domains[:change.get("folders", 3)], tmp_path / "run",
+                           reference=doremi_reference, resume=checkpoint, steps=4,
+                           domain_names=change.get("domain_names"))
     outcome = run_process("-m", "nanotron", "doremi", "train", "--config-file",
                           write_config(tmp_path / "resume.yaml", config))
     assert_user_error(outcome, str(checkpoint), "data_stages[0].data.dataset.dataset_folder", *fragments)

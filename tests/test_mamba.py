@@ -181,7 +181,8 @@ def _nanotron(ckpt: str, tp: int = 1, pp: int = 1) -> dict:
     model, _ = load_model(Path(ckpt), pc)
     logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)
     greedy = SamplingArgs("greedy")
-    return {"logits": None if logits is None else logits[0, :, :112], "cached": generate(model, pc, PROMPTS, 16, greedy, None, 112),
+    return {"logits": None if logits is None else logits[0, :, :112],
+            "cached": generate(model, pc, PROMPTS, 16, greedy, None, 112),
             "uncached": generate(model, pc, PROMPTS, 16, greedy, None, 112, use_cache=False),
             "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
 

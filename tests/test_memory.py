@@ -196,8 +196,9 @@ TINY_MAMBA = ROOT / "examples" / "config_tiny_mamba.yaml"
 M_H, M_E, M_R, M_N, M_D = 128, 256, 8, 16, 4
 MAMBA_BLOCK_KEPT = TOKENS * (4 * M_H + M_D * M_H + 6 * M_D * M_E + 4 * M_E + 4 * M_N * M_E / 8
                              + M_D * (M_R + 4 * M_N)) + 4 * M_E * M_N
+# in_proj, conv (weight, bias), x_proj, dt_proj (+ bias), A_log, D, out_proj, norm
 MAMBA_BLOCK_PARAMETERS = (M_H * 2 * M_E + M_E * 4 + M_E + (M_R + 2 * M_N) * M_E + M_E * M_R + M_E + M_E * M_N + M_E
-                          + M_E * M_H + M_H)  # in_proj, conv (weight, bias), x_proj, dt_proj (+ bias), A_log, D, out_proj, norm
+                          + M_E * M_H + M_H)
 
 
 def test_a_compiled_mamba_block_matches_the_hand_count_and_tp_splits_its_channels():

@@ -97,7 +97,8 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         "ep2_tp2": {"ep": 2, "tp": 2}, "ep2_pp2": {"ep": 2, "pp": 2}, "dp2_ep2_zero1": {"dp": 2, "ep": 2, "zero": 1},
     }
     calls = [{"config": moe_config(tiny_data, root / name, **layout)} for name, layout in layouts.items()]
-    calls.append({"config": moe_config(tiny_data, root / "reference_at_ep4", ep=4, resume_from=root / "reference" / str(SAVED_AT)),
+    calls.append({"config": moe_config(tiny_data, root / "reference_at_ep4", ep=4,
+                                       resume_from=root / "reference" / str(SAVED_AT)),
                   "first_step": False})
     for name, ranks in zip([*layouts, "reference_at_ep4"], run_distributed_each(_run, 4, calls)):
         out[name] = ranks

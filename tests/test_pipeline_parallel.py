@@ -38,7 +38,8 @@ def test_balanced_partition_accounts_for_the_extras_of_the_first_and_last_stage(
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32}
 
 
-@pytest.mark.parametrize("shape, pp, expected", [({}, 2, [10, 6]), (LLAMA_8B, 2, [17, 15]), (LLAMA_8B, 4, [8, 9, 9, 6])])
+@pytest.mark.parametrize("shape, pp, expected",
+                         [({}, 2, [10, 6]), (LLAMA_8B, 2, [17, 15]), (LLAMA_8B, 4, [8, 9, 9, 6])])
 def test_default_split_gives_the_lm_head_stage_fewer_layers(shape, pp, expected):
     """The head's 128k-vocabulary matmul weighs as much as several decoder layers; [10, 6] measured 10% faster than
     [8, 8] for Llama 1B (the bench config's shape) at pp=2 on two H200s (docs/benchmarks.md)."""

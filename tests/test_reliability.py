@@ -219,7 +219,8 @@ def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, 
     other = train_tokenizer([corpus], 300, tmp_path / "other.json")
     preprocess([corpus], other, tmp_path / "other_data", num_workers=1)
     stage = {"name": "main", "start_training_step": 1,
-             "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(tmp_path / "other_data")]}}}
+             "data": {"seed": 3, "num_loading_workers": 0,
+                      "dataset": {"dataset_folder": [str(tmp_path / "other_data")]}}}
     checkpoints = {"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])}
     resume = _config(tiny_data, tmp_path / "resumed", 3, data_stages=[stage], checkpoints=checkpoints,
                      tokenizer={"tokenizer_name_or_path": None})
@@ -355,10 +356,9 @@ def test_a_loss_spike_is_skipped_then_stops_and_the_checkpoint_before_it_survive
     noise.write_text("".join(json.dumps({"text": "".join(rng.choice("QXZJ#@%&") for _ in range(400))}) + "\n"
                              for _ in range(200)))
     preprocess([noise], tiny_data["tokenizer"], tmp_path / "noise", num_workers=1)
-    stages = [{"name": "main", "start_training_step": 1, "data": {"seed": 3, "num_loading_workers": 0,
-                                                                  "dataset": {"dataset_folder": [str(tiny_data["tokenized"])]}}},
-              {"name": "noise", "start_training_step": 31, "data": {"seed": 3, "num_loading_workers": 0,
-                                                                   "dataset": {"dataset_folder": [str(tmp_path / "noise")]}}}]
+    stages = [{"name": name, "start_training_step": start,
+               "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(folder)]}}}
+              for name, start, folder in (("main", 1, tiny_data["tokenized"]), ("noise", 31, tmp_path / "noise"))]
     run = tmp_path / "run"
     config = _config(tiny_data, run, 40, data_stages=stages,
                      checkpoints={"checkpoint_interval": 2, "keep_last_n": 1})

@@ -23,7 +23,8 @@ def reference(tiny_data, tmp_path_factory):
     pytest.param(4, [("ALL_REDUCE", False), ("REDUCE_SCATTER", False)], marks=pytest.mark.slow),
 ])
 def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, variants):
-    calls = [{"config": tp_config(tiny_data, tmp_path, f"{mode}-{overlap}", tp, mode, overlap)} for mode, overlap in variants]
+    calls = [{"config": tp_config(tiny_data, tmp_path, f"{mode}-{overlap}", tp, mode, overlap)}
+             for mode, overlap in variants]
     for variant, results in zip(variants, run_distributed_each(_run, tp, calls)):
         check_against_reference(reference, results, tp, variant)
 

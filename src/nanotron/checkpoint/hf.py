@@ -86,7 +86,8 @@ def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
     hf = spec.hf_adapter.weights_to_hf(read, config)
     save_path = Path(save_path)
     save_path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(save_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(save_path / "model.safetensors"),
+              metadata={"format": "pt"})
     hf_config = spec.hf_adapter.config_to_hf(config, metadata["model"]["dtype"])
     atomic_write_text(save_path / "config.json", json.dumps(hf_config, indent=2))
     _copy_tokenizer(checkpoint / "tokenizer", save_path)
