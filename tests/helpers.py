@@ -1,7 +1,8 @@
 """Helpers shared by the test files (plain functions and constants; the fixtures are in ``conftest.py``): the test
 tiers, the tiny corpus and its configs, running the CLI in this process, training runs in subprocesses with their
 process trees, what the layout-parity tests compare, and the kernel checks run both on the CPU (through Triton's
-interpreter) and on a GPU. A test file imports from here, never from another test file."""
+interpreter) and on a GPU. A test file imports from here (and runs functions on several gloo ranks with
+``distributed.py``), never from another test file."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ PAIRS = [
     pytest.param((2, 2, 2, 1), (1, 1, 2, 1), marks=pytest.mark.full_tier),
     ((1, 1, 1, 0), (2, 1, 1, 1)),
     ((1, 1, 1, 0), (1, 2, 1, 0)),
-    ((1, 1, 1, 0), (1, 1, 2, 0)),
+    pytest.param((1, 1, 1, 0), (1, 1, 2, 0), marks=pytest.mark.slow),
 ]
 
 

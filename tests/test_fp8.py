@@ -296,6 +296,7 @@ def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
             assert b["fp8_saturated"] == 0 and 0 <= b["fp8_flushed"] < 0.5
 
 
+@pytest.mark.slow
 def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, tmp_path):
     """The step amaxes are maximised over TP ranks, so both ranks hold one history, the logical tensors' (as at
     tp=1); a resumed run continues bit for bit because the histories are saved; FP8 can be off when resuming."""

@@ -218,6 +218,7 @@ def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
     assert_same_steps(results[0], converted, "a head with another matmul")
 
 
+@pytest.mark.slow
 def test_training_at_tp_2_and_pp_2_matches_the_unfused_loss(tiny_data, tmp_path):
     """Sequence-parallel TP with vocabulary padding (100 · tp = 200 divides 400: 16 padding columns on rank 1), and
     a pipeline of two stages with an untied head."""

@@ -143,6 +143,7 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
     return result | {"manual": manual}
 
 
+@pytest.mark.slow
 def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
     from helpers import tiny_config_dict, write_config
 

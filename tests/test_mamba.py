@@ -262,6 +262,7 @@ def test_bad_mamba_config_is_one_error_line(tiny_data, tmp_path, change, fragmen
     assert_user_error(outcome, *fragments)
 
 
+@pytest.mark.slow
 def test_data_and_pipeline_parallelism_follow_one_process(tiny_data, tmp_path):
     """dp=2 with ZeRO-1, and pp=2 (one block per stage, the fp32 residual stream exchanged between them)."""
     def config(name, dp=1, pp=1, zero=0):

@@ -121,6 +121,7 @@ def check_pipeline_run(reference: dict, results: list[dict], tp: int, layout: tu
         assert torch.equal(first["embedding"], last["head"]), layout
 
 
+@pytest.mark.slow
 def test_accumulation_split_gives_the_same_gradients(tiny_data, tmp_path):
     many = pp_config(tiny_data, tmp_path, "many", pp=2, tokens={"micro_batch_size": 2,
                                                                 "batch_accumulation_per_replica": 4, "train_steps": 4})

@@ -161,6 +161,7 @@ def test_row_parallel_biases_are_refused():
         apply_tensor_parallel(holder, {"o_proj": Row()}, None, ALL_REDUCE)
 
 
+@pytest.mark.slow
 def test_training_with_qkv_biases_matches_at_tp_2(tiny_data, tmp_path):
     def config(name: str, tp: int, mode: str, overlap: bool = False) -> dict:
         cfg = tp_config(tiny_data, tmp_path, name, tp, mode, overlap)

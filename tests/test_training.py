@@ -119,6 +119,7 @@ def _error_line(tiny_data, tmp_path, **overrides) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
     missing = tmp_path / "nowhere"
     stage = {"name": "main", "start_training_step": 1, "data": {"dataset": {"dataset_folder": [str(missing)]}}}
