@@ -38,10 +38,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from benchmark_peers import LIBRARIES, PEERS, build_peer, library_problem, peer_problem
-from benchmark_record import (RESULTS, build_record, command_line, git_commit, installed_versions, memory_fields,
-                              nanotron_names, write_record)
+from benchmark_record import (
+    RESULTS,
+    build_record,
+    command_line,
+    git_commit,
+    installed_versions,
+    memory_fields,
+    nanotron_names,
+    write_record,
+)
 from benchmark_table import HEADER, record_label, record_rows
 
 ROOT = Path(__file__).resolve().parents[1]

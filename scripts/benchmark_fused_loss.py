@@ -34,7 +34,8 @@ def weighted_loss(logits, labels, token_weights, group):
 
 
 def full(compiled: bool):
-    """The head as the model applies it (eager), then the loss (compiled with ``model.compile``, as the trainer does)."""
+    """The head as the model applies it (eager), then the loss (compiled with ``model.compile``, as the trainer
+    does)."""
     loss = torch.compile(weighted_loss) if compiled else weighted_loss
     return lambda hidden, weight, labels, token_weights, group: loss(F.linear(hidden, weight), labels,
                                                                      token_weights, group)

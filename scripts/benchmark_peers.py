@@ -20,11 +20,11 @@ does not import).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 from benchmark_record import tensor_bytes
 
 # --peer name -> the system's name in the record.

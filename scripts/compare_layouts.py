@@ -74,7 +74,8 @@ def train(args, layout: Layout, accumulation: int, folder: Path, resume_from: Pa
     overrides = args.override + [  # the layout's own settings last: they win
         f"parallelism.dp={layout.dp}", f"parallelism.tp={layout.tp}", f"parallelism.pp={layout.pp}",
         f"optimizer.zero_stage={layout.zero_stage}", f"tokens.batch_accumulation_per_replica={accumulation}",
-        f"tokens.train_steps={args.steps}", f"checkpoints.checkpoints_path={folder}", "checkpoints.save_final_state=false",
+        f"tokens.train_steps={args.steps}", f"checkpoints.checkpoints_path={folder}",
+        "checkpoints.save_final_state=false",
         f"checkpoints.checkpoint_interval={save_at}", "logging.iteration_step_info_interval=1",
     ]
     if resume_from is not None:
@@ -109,7 +110,8 @@ def main() -> None:
     global_micro_batches = config.tokens.batch_accumulation_per_replica * config.parallelism.dp
     for layout in args.layouts:
         if global_micro_batches % layout.dp:
-            sys.exit(f"error: the config's {global_micro_batches} micro-batches per step do not split over dp={layout.dp}")
+            sys.exit(f"error: the config's {global_micro_batches} micro-batches per step do not split over "
+                     f"dp={layout.dp}")
 
     reference, *others = args.layouts
     reference_folder = args.work_dir / reference.name

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install nanotron with its test dependencies into a virtual environment (created if missing), then run pytest.
+# Install nanotron with its test dependencies into a virtual environment (created if missing), lint with ruff (the
+# rules are in pyproject.toml; a finding fails the run), then run pytest.
 # Extra arguments go to pytest, e.g. `bash scripts/run_tests.sh tests/test_model.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/pip" install -q "$TORCH_SPEC"
 "$VENV/bin/pip" install -q -e ".[test]"
+"$VENV/bin/ruff" check src tests scripts examples
 exec "$VENV/bin/python" -m pytest -q "$@"

@@ -7,86 +7,20 @@ Commands run in this process through ``nanotron.cli.main`` (fast: no interpreter
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from conftest import ROOT, checkpoint_json, metrics, tiny_config_dict, write_config
-from distributed import run_distributed
 
+from distributed import run_distributed
+from helpers import ROOT, Outcome, _config, assert_user_error, checkpoint_json, cli, metrics, train, write_config
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION
 from nanotron.cli import main
-
-
-@dataclass
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def error_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
-
-
-def cli(*args) -> Outcome:
-    """``nanotron ARGS`` in this process; its exit status, stdout and stderr.
-
-    Undoes what a command leaves behind in the process (the variables ParallelContext sets for a world of one, the
-    ``nanotron`` log handler bound to the captured stream, a process group left by a failed start-up), so that
-    every call starts as a fresh ``nanotron`` process would.
-    """
-    environment = dict(os.environ)
-    logger = logging.getLogger("nanotron")
-    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main([str(arg) for arg in args])
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environment)
-        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
-    return Outcome(code, out.getvalue(), err.getvalue())
-
-
-def assert_user_error(outcome: Outcome, *fragments: str) -> str:
-    """Exit status 2, exactly one `error:` line containing every fragment, no traceback; returns the line."""
-    assert outcome.code == 2, outcome.stderr[-3000:]
-    assert len(outcome.error_lines) == 1, outcome.stderr[-3000:]
-    assert "Traceback" not in outcome.stderr, outcome.stderr[-3000:]
-    line = outcome.error_lines[0]
-    for fragment in fragments:
-        assert fragment in line, line
-    return line
-
-
-def train(config: dict, path: Path) -> Outcome:
-    outcome = cli("train", "--config-file", write_config(path, config))
-    assert outcome.code == 0, outcome.stderr[-3000:]
-    return outcome
-
-
-def _config(tiny_data, run: Path, train_steps: int, **overrides) -> dict:
-    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": train_steps}, **overrides)
-    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +183,8 @@ def _assert_same_steps(reference: list[dict], records: list[dict], steps: range)
 def test_two_stage_reference_runs_switch_stage_and_agree(two_stage_runs):
     straight, saving = metrics(two_stage_runs["straight"]), metrics(two_stage_runs["saving"])
     _assert_same_steps(straight, saving, range(1, STEPS + 1))  # saving a checkpoint changes nothing
-    samples = {"main": (SECOND_STAGE_START - 1) * GLOBAL_BATCH, "second": (STEPS - SECOND_STAGE_START + 1) * GLOBAL_BATCH}
+    samples = {"main": (SECOND_STAGE_START - 1) * GLOBAL_BATCH,
+               "second": (STEPS - SECOND_STAGE_START + 1) * GLOBAL_BATCH}
     assert checkpoint_json(two_stage_runs["straight"])["consumed_samples"] == samples
 
 
@@ -263,7 +198,8 @@ def test_resume_across_a_data_stage_boundary_continues_exactly(tiny_data, two_st
     assert f"resumed from {two_stage_runs['saving'] / str(stop)} at step {stop}" in outcome.stderr
     _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(resumed), range(stop + 1, STEPS + 1))
     assert checkpoint_json(resumed)["step"] == STEPS
-    assert checkpoint_json(resumed)["consumed_samples"] == checkpoint_json(two_stage_runs["straight"])["consumed_samples"]
+    straight = checkpoint_json(two_stage_runs["straight"])
+    assert checkpoint_json(resumed)["consumed_samples"] == straight["consumed_samples"]
 
 
 def test_first_part_of_a_two_stage_run_then_resume_matches_straight(tiny_data, two_stage_runs, tmp_path):

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config_dict
+from helpers import ROOT, tiny_config_dict
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))

@@ -21,9 +21,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import write_config
-from test_bad_inputs import Outcome, _config, assert_user_error, checkpoint_json, cli, train
 
+from helpers import Outcome, _config, assert_user_error, checkpoint_json, cli, train, write_config
 from nanotron.checkpoint.integrity import file_entry
 from nanotron.checkpoint.manager import write_metadata
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import assert_reference_trains, full_tier, tiny_config_dict
 
 from distributed import run_distributed
+from helpers import _train, assert_reference_trains, full_tier, tiny_config_dict
 from nanotron.data.loader import global_batch_indices, rank_micro_batches
 
 # Save at SAVED_AT, compare every step after it: 3 of 6 steps, or 6 of 16 under NANOTRON_TEST_TIER=full.
@@ -29,17 +27,6 @@ def config_for(tiny_data, folder, layout: Layout, resume_from=None) -> dict:
             "learning_rate": 3e-3, "lr_warmup_steps": WARMUP, "lr_decay_steps": STEPS - WARMUP, "min_decay_lr": 3e-4}},
         checkpoints={"checkpoint_interval": SAVED_AT, "resume_checkpoint_path": resume_from, "save_final_state": False},
     )
-
-
-def _train(config: dict) -> list[dict]:
-    from nanotron.config import config_from_dict
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    trainer.train()
-    if not trainer.pc.rank == 0:
-        return []
-    return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
 
 
 def train(config: dict, layout: Layout) -> list[dict]:
@@ -66,7 +53,7 @@ def straight_runs(tiny_data, tmp_path_factory):
 # The default tier keeps one pair per mechanism: the 3D (2,2,2) ZeRO-1 state saved, and one process's state loaded
 # into ZeRO-1 shards over dp, into tp shards and into pp stages. The other pairs run under NANOTRON_TEST_TIER=full.
 PAIRS = [
-    ((2, 2, 2, 1), (1, 1, 1, 0)),
+    pytest.param((2, 2, 2, 1), (1, 1, 1, 0), marks=pytest.mark.slow),
     pytest.param((1, 1, 1, 0), (2, 2, 2, 1), marks=pytest.mark.full_tier),
     pytest.param((2, 2, 2, 1), (1, 2, 2, 0), marks=pytest.mark.full_tier),
     pytest.param((2, 2, 2, 1), (1, 2, 1, 0), marks=pytest.mark.full_tier),
@@ -74,7 +61,7 @@ PAIRS = [
     pytest.param((2, 2, 2, 1), (1, 1, 2, 1), marks=pytest.mark.full_tier),
     ((1, 1, 1, 0), (2, 1, 1, 1)),
     ((1, 1, 1, 0), (1, 2, 1, 0)),
-    ((1, 1, 1, 0), (1, 1, 2, 0)),
+    pytest.param((1, 1, 1, 0), (1, 1, 2, 0), marks=pytest.mark.slow),
 ]
 
 

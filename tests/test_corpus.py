@@ -57,7 +57,7 @@ def test_clean_text_squeezes_blank_lines_and_trailing_whitespace():
 
 
 def test_decoding_falls_back_to_latin1():
-    assert clean_text("café".encode("utf-8")) == "café"
+    assert clean_text("café".encode()) == "café"
     assert clean_text("café".encode("latin-1")) == "café"
     assert decode_text(b"\xff\xfe") == "\u00ff\u00fe"
 

@@ -32,8 +32,7 @@ def test_compiled_adamw_matches_the_reference():
 
 
 def test_fused_swiglu_backward_matches_the_reference_and_autograd():
-    from test_model import check_swiglu_kernel
-
+    from helpers import check_swiglu_kernel
     from nanotron.nn.swiglu import swiglu
 
     check_swiglu_kernel("cuda")
@@ -115,19 +114,19 @@ def test_fp8_scaled_mm_matches_the_emulation(rowwise, shape):
 
 
 def test_fp8_cast_kernel_matches_the_plain_cast_on_cuda():
-    from test_fp8 import check_cast_both_layouts
+    from helpers import check_cast_both_layouts
 
     check_cast_both_layouts("cuda")
 
 
 def test_chunked_selective_scan_matches_the_loop_on_cuda():
-    from test_mamba import check_chunked_scan
+    from helpers import check_chunked_scan
 
     check_chunked_scan("cuda")
 
 
 def test_causal_conv_kernels_match_the_reference_on_cuda():
-    from test_mamba import check_causal_conv
+    from helpers import check_causal_conv
 
     check_causal_conv("cuda")
 
@@ -170,6 +169,6 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
 
 
 def test_compiled_fused_loss_passes_match_the_plain_ones_on_cuda():
-    from test_fused_loss import check_compiled_passes
+    from helpers import check_compiled_passes
 
     check_compiled_passes("cuda")

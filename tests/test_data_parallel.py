@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict
-from test_tensor_parallel import _pieces, assemble, first_step_gradients
 
 from distributed import run_distributed, run_distributed_each
+from helpers import _pieces, assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both
 
@@ -60,7 +59,8 @@ def reference(tiny_data, tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])
+@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), *(pytest.param(*layout, marks=pytest.mark.slow)
+                                                  for layout in [(2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])])
 def test_layout_matches_single_process_with_zero_0_and_1(reference, tiny_data, tmp_path, dp, tp, pp):
     calls = [{"config": layout_config(tiny_data, tmp_path, f"zero{zero}", dp, tp, pp, zero)} for zero in (0, 1)]
     runs = dict(enumerate(run_distributed_each(_run, dp * tp * pp, calls)))
@@ -91,6 +91,7 @@ def _first_gradients(config: dict) -> dict:
     return {"grads": pieces}
 
 
+@pytest.mark.slow
 def test_fp32_accumulation_of_bf16_gradients_is_closer_to_fp32(tiny_data, tmp_path):
     accumulate = {"tokens": {"micro_batch_size": 1, "batch_accumulation_per_replica": 8}}
     fp32 = assemble(run_distributed(_first_gradients, 1, config=layout_config(

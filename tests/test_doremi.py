@@ -9,14 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import tiny_config_dict, write_config, write_corpus
-from test_bad_inputs import assert_user_error, cli
 
 from distributed import run_distributed, run_distributed_each
+from helpers import DOMAINS, DOREMI_STEPS, assert_user_error, cli, doremi_config, write_config, write_corpus
 
-STEPS = 6
-DOMAINS = ("animals", "colours", "rivers")
+STEPS = DOREMI_STEPS
 
 
 def test_weight_update_matches_a_hand_computation_and_survives_an_absent_domain():
@@ -29,49 +26,6 @@ def test_weight_update_matches_a_hand_computation_and_survives_an_absent_domain(
     got = updated_weights(weights, excess, tokens, step_size=0.5, smoothing=0.1)
     assert got == pytest.approx(expected, rel=1e-12) and sum(got) == pytest.approx(1.0)
     assert all(math.isfinite(w) and w > 0 for w in got)
-
-
-@pytest.fixture(scope="module")
-def domains(tiny_data, tmp_path_factory) -> list[Path]:
-    """Three domains tokenized with the tiny tokenizer: two corpora of the test grammar and a shuffled-word one."""
-    from nanotron.data.preprocess import preprocess
-
-    root = tmp_path_factory.mktemp("domains")
-    folders = []
-    for seed, name in enumerate(DOMAINS):
-        corpus = write_corpus(root / f"raw_{name}", documents=120, seed=seed + 1)
-        if name == "rivers":  # word salad: a domain the reference finds harder
-            lines = [json.loads(line) for line in corpus.read_text().splitlines()]
-            rng = __import__("random").Random(0)
-            for line in lines:
-                words = line["text"].split()
-                rng.shuffle(words)
-                line["text"] = " ".join(words)
-            corpus.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        preprocess([corpus], tiny_data["tokenizer"], root / name, num_workers=1)
-        folders.append(root / name)
-    return folders
-
-
-def doremi_config(tiny_data, folders, run: Path, *, dp=1, tp=1, pp=1, accumulation=4, reference=None,
-                  resume=None, steps=STEPS, **doremi) -> dict:
-    config = tiny_config_dict(
-        tiny_data, run, parallelism={"dp": dp, "tp": tp, "pp": pp},
-        tokens={"train_steps": steps, "micro_batch_size": 8 // (dp * accumulation),
-                "batch_accumulation_per_replica": accumulation},
-        checkpoints={"checkpoint_interval": 3, "save_final_state": False,
-                     "resume_checkpoint_path": None if resume is None else str(resume)},
-        data_stages=[{"name": "main", "start_training_step": 1,
-                      "data": {"seed": 3, "num_loading_workers": 0,
-                               "dataset": {"dataset_folder": [str(f) for f in folders]}}}],
-    )
-    # A schedule that does not depend on train_steps, so that a run stopped at step 3 resumes onto the same one.
-    config["optimizer"]["learning_rate_scheduler"] = {"learning_rate": 3e-3, "lr_warmup_steps": 1,
-                                                      "lr_decay_steps": STEPS - 1, "min_decay_lr": 3e-4}
-    config["doremi"] = {"step_size": 1.0, "smoothing_param": 1e-3, **doremi}
-    if reference is not None:
-        config["doremi"]["ref_model_resume_checkpoint_path"] = str(reference)
-    return config
 
 
 def _proxy(config: dict) -> dict:
@@ -96,18 +50,11 @@ def _train(config: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_data, domains, tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("reference") / "run"
-    run_distributed(_train, 1, config=doremi_config(tiny_data, domains, run, steps=12))
-    return run
-
-
-@pytest.fixture(scope="module")
-def proxies(tiny_data, domains, reference, tmp_path_factory) -> dict:
+def proxies(tiny_data, doremi_domains, doremi_reference, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("proxies")
 
     def config(name, **layout):
-        return doremi_config(tiny_data, domains, root / name, reference=reference, **layout)
+        return doremi_config(tiny_data, doremi_domains, root / name, reference=doremi_reference, **layout)
 
     plain = config("plain")
     plain["model"]["loss_chunk_tokens"] = 0  # the logits in full, not the fused LM head + loss
@@ -117,9 +64,10 @@ def proxies(tiny_data, domains, reference, tmp_path_factory) -> dict:
              "tp2": config("tp2", tp=2)}
     for name, ranks in zip(calls, run_distributed_each(_proxy, 2, [{"config": c} for c in calls.values()])):
         out[name] = ranks[0]
-    half = doremi_config(tiny_data, domains, root / "resumed", reference=reference, steps=3)
+    half = doremi_config(tiny_data, doremi_domains, root / "resumed", reference=doremi_reference, steps=3)
     run_distributed(_proxy, 1, config=half)
-    rest = doremi_config(tiny_data, domains, root / "resumed", reference=reference, resume=root / "resumed")
+    rest = doremi_config(tiny_data, doremi_domains, root / "resumed", reference=doremi_reference,
+                         resume=root / "resumed")
     out["resumed"] = run_distributed(_proxy, 1, config=rest)[0]
     return out
 
@@ -128,6 +76,7 @@ def _trajectory(result: dict) -> list[list[float]]:
     return [[record["weights"][name] for name in DOMAINS] for record in result["history"]]
 
 
+@pytest.mark.slow
 def test_the_proxy_moves_the_weights_and_logs_them(proxies):
     one = proxies["one"]
     trajectory = _trajectory(one)
@@ -139,6 +88,7 @@ def test_the_proxy_moves_the_weights_and_logs_them(proxies):
     assert all(set(m["domain_losses"]) <= set(DOMAINS) for m in one["metrics"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2_acc2", "pp2", "tp2"])
 def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
     expected, got = _trajectory(proxies["one"]), _trajectory(proxies[layout])
@@ -148,6 +98,7 @@ def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], abs=1e-4), layout
 
 
+@pytest.mark.slow
 def test_the_fused_loss_weighs_the_domains_as_the_unfused_one(proxies):
     """The default fused LM head + loss takes DoReMi's per-domain token weights: the same trajectory, losses and
     gradient norms as the loss on full logits."""
@@ -158,14 +109,15 @@ def test_the_fused_loss_weighs_the_domains_as_the_unfused_one(proxies):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_trajectory(proxies):
     assert proxies["resumed"]["history"] == proxies["one"]["history"]  # lines of steps 1-3 kept, 4-6 appended
     straight = {m["step"]: m["lm_loss"] for m in proxies["one"]["metrics"]}
     assert {m["step"]: m["lm_loss"] for m in proxies["resumed"]["metrics"]} == straight
 
 
-def test_a_domain_absent_from_every_batch_keeps_a_finite_weight(tiny_data, domains, reference, tmp_path):
-    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference, steps=3)
+def test_a_domain_absent_from_every_batch_keeps_a_finite_weight(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "run", reference=doremi_reference, steps=3)
     config["data_stages"][0]["data"]["dataset"]["dataset_weights"] = [0.998, 0.001, 0.001]  # 8 of 8 from domain 0
     (result,) = [r for r in run_distributed(_proxy, 1, config=config) if r]
     assert all(set(m["domain_losses"]) == {DOMAINS[0]} for m in result["metrics"])
@@ -201,14 +153,14 @@ def test_held_out_split_shares_no_document_with_training(tiny_data, tmp_path):
     ({"domain_weights": [0.5, 0.5]}, ("doremi.domain_weights has 2 entries", "3 dataset folders")),
     ({"ref_model_resume_checkpoint_path": "/nonexistent/ref"}, ("/nonexistent/ref", "does not exist")),
 ])
-def test_bad_doremi_input_is_one_error_line(tiny_data, domains, tmp_path, doremi, fragments):
-    config = doremi_config(tiny_data, domains, tmp_path / "run", **doremi)
+def test_bad_doremi_input_is_one_error_line(tiny_data, doremi_domains, tmp_path, doremi, fragments):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "run", **doremi)
     outcome = cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config))
     assert_user_error(outcome, *fragments)
 
 
-def test_a_reference_with_another_vocabulary_is_refused(tiny_data, domains, reference, tmp_path):
-    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference)
+def test_a_reference_with_another_vocabulary_is_refused(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "run", reference=doremi_reference)
     config["model"]["model_config"]["vocab_size"] = 512
     outcome = cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config))
     assert_user_error(outcome, "vocabulary of 384", "vocab_size is 512")

@@ -4,15 +4,13 @@ shapes with real upstream gradients, a tiny model training close to its bf16-fre
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from conftest import run_with_triton_interpreter, tiny_config_dict
 
 from distributed import run_distributed, run_distributed_each
-
+from helpers import run_with_triton_interpreter, strict_scaled_mm, tiny_config_dict, train_fp8_model
 from nanotron.nn.fp8 import (
     E4M3,
     E5M2,
@@ -90,21 +88,6 @@ def test_rowwise_scaling_is_closer_than_tensorwise_on_outlier_rows():
     assert errors[True] < 0.1 < errors[False]
 
 
-def strict_scaled_mm(calls: list):
-    """A stand-in for ``torch._scaled_mm`` that checks the demands every FP8 GPU makes (dimensions multiples of 16,
-    a row-major, b column-major, scale shapes, and a bf16 output with per-row scales: Ada and sm_100+ GPUs refuse
-    fp32 there) and multiplies as the emulation does; each call appends a's shape to ``calls``."""
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
-        calls.append(a.shape)
-        assert all(d % 16 == 0 for d in (*a.shape, *b.shape)), (a.shape, b.shape)
-        assert a.is_contiguous() and b.t().is_contiguous()
-        assert scale_a.shape in ((), (a.shape[0], 1)) and scale_b.shape in ((), (1, b.shape[1]))
-        assert not (scale_a.dim() or scale_b.dim()) or out_dtype == torch.bfloat16, f"rowwise with {out_dtype} out"
-        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
-
-    return scaled_mm
-
-
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
 def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, rowwise):
     """An MoE expert's token count is rarely a multiple of 16, which ``torch._scaled_mm`` requires of every
@@ -130,6 +113,7 @@ def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, row
         torch.testing.assert_close(padded, emulated, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeypatch):
     """Under torch.compile an expert's token count is symbolic; a product that tested it for ``torch._scaled_mm``'s
     alignment would guard the graph on it, and every new pattern of aligned and unaligned experts would compile
@@ -173,37 +157,9 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
     assert counters["stats"]["unique_graphs"] == compiles
 
 
-def check_cast_both_layouts(device: str = "cpu") -> None:
-    """``quantize_both_layouts`` (the Triton kernel on CUDA, or under Triton's interpreter on the CPU) against the
-    plain-torch cast, bit for bit, in both formats: on a shape that is not a multiple of the kernel's tile, with
-    values beyond the format's range (saturated). Off CUDA the inputs are grid points of the format times a power of
-    two, so that no rounding happens: the interpreter rounds some values at the top of a binade down a whole binade
-    (31.49 to 16 in e5m2), so rounding is left to the CUDA run, where the values are random."""
-    from nanotron.nn.fp8 import CAST_BLOCK_C, CAST_BLOCK_R, cast_both_layouts
-
-    generator = torch.Generator().manual_seed(0)
-    rows, columns = CAST_BLOCK_R + 7, CAST_BLOCK_C + 9
-    for dtype in (E4M3, E5M2):
-        finfo = torch.finfo(dtype)
-        values = torch.randn(rows, columns, generator=generator) * 8
-        if device == "cpu":
-            values = values.to(dtype).float()  # grid points
-        x = (values / 4).to(torch.bfloat16)
-        x[0, 0], x[-1, -1] = finfo.max, -finfo.max  # four times the format's range at a scale of 4
-        x = x.to(device)
-        scale = torch.tensor(4.0, device=device)
-        expected = (x.float() * scale).clamp(finfo.min, finfo.max).to(dtype)
-        for record_amax in (True, False):
-            out, out_t, amax = cast_both_layouts(x, scale, dtype, record_amax)
-            assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), dtype
-            assert torch.equal(out_t.view(torch.uint8), expected.t().contiguous().view(torch.uint8)), dtype
-            assert amax.item() == (x.float().abs().max().item() if record_amax else 0)
-            assert out[0, 0].float().item() == finfo.max
-
-
 def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():
     """The FP8 gradient cast's Triton kernel, run by Triton's interpreter on the CPU."""
-    run_with_triton_interpreter("from test_fp8 import check_cast_both_layouts; check_cast_both_layouts()")
+    run_with_triton_interpreter("from helpers import check_cast_both_layouts; check_cast_both_layouts()")
 
 
 def test_delayed_scaling_scales_from_the_history_and_records_each_step():
@@ -255,31 +211,13 @@ def test_range_counts_are_the_values_the_cast_saturates_or_flushes(dtype):
     assert shares["fp8_saturated"] == saturated.sum() / 4096 and not counter.counts.any()  # counted afresh
 
 
-def _train(config: dict) -> dict:
-    """The FP8 linears and expert groups converted, their range counters, the metrics records (rank 0) and this
-    rank's amax histories."""
-    from nanotron.config import config_from_dict
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    converted = sum(isinstance(getattr(m, "matmul", None), FP8Matmul) for m in trainer.model.modules())
-    experts = sum(isinstance(getattr(m, "expert_matmul", None), FP8Matmul) for m in trainer.model.modules())
-    counters = sum(isinstance(m, FP8RangeCounts) for m in trainer.model.modules())
-    trainer.train()
-    histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
-    records = []
-    if trainer.pc.rank == 0:
-        records = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    return {"converted": converted, "experts": experts, "counters": counters, "records": records,
-            "histories": histories}
-
-
+@pytest.mark.slow
 def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tmp_path):
     steps = 100
     configs = [tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": steps}, fp8=fp8)
                for name, fp8 in (("plain", {"enabled": False}), ("fp8", {"enabled": True, "log_out_of_range": True}),
                                  ("delayed", {"enabled": True, "recipe": "delayed", "log_out_of_range": True}))]
-    plain, fp8, delayed = (run_distributed(_train, 1, config=config)[0] for config in configs)
+    plain, fp8, delayed = (run_distributed(train_fp8_model, 1, config=config)[0] for config in configs)
     assert plain["converted"] == 0 and fp8["converted"] == delayed["converted"] == 2 * 4  # qkv, o, gate_up, down
     first, last = plain["records"][0], plain["records"][-1]
     assert last["lm_loss"] < first["lm_loss"] - 2.0  # the twin learns
@@ -295,6 +233,7 @@ def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tm
         assert all(0 <= r["fp8_flushed"] < 0.5 for r in run["records"])
 
 
+@pytest.mark.slow
 def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_data, tmp_path):
     """model.compile on the CPU (the layers and the loss, as on GPUs): the buffers FP8 writes in the forward and the
     backward (amax histories, range counts) come out as in eager mode, and so do the losses."""
@@ -304,7 +243,7 @@ def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_
         config["model"]["compile"] = compiled
         return config
 
-    eager, compiled = (run_distributed(_train, 1, config=config(name, name == "compiled"))[0]
+    eager, compiled = (run_distributed(train_fp8_model, 1, config=config(name, name == "compiled"))[0]
                        for name in ("eager", "compiled"))
     for a, b in zip(eager["records"], compiled["records"], strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5) and b["fp8_range"] == a["fp8_range"]
@@ -319,8 +258,8 @@ def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
                                 fp8={"enabled": True, "log_out_of_range": True},
                                 parallelism={"tp": tp, "tp_mode": mode})
 
-    (reference,) = run_distributed(_train, 1, config=config("tp1", 1))
-    for ranks in run_distributed_each(_train, 2, [{"config": config("tp2", 2)},
+    (reference,) = run_distributed(train_fp8_model, 1, config=config("tp1", 1))
+    for ranks in run_distributed_each(train_fp8_model, 2, [{"config": config("tp2", 2)},
                                                   {"config": config("tp2_sp", 2, "REDUCE_SCATTER")}]):
         for a, b in zip(reference["records"], ranks[0]["records"], strict=True):
             # Every rank scales its slices as the whole tensors, but sums in another order: close, not identical.
@@ -329,6 +268,7 @@ def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
             assert b["fp8_saturated"] == 0 and 0 <= b["fp8_flushed"] < 0.5
 
 
+@pytest.mark.slow
 def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, tmp_path):
     """The step amaxes are maximised over TP ranks, so both ranks hold one history, the logical tensors' (as at
     tp=1); a resumed run continues bit for bit because the histories are saved; FP8 can be off when resuming."""
@@ -339,8 +279,8 @@ def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, 
                                 checkpoints={"checkpoints_path": str(tmp_path / name), "checkpoint_interval": 3,
                                              "resume_checkpoint_path": resume})
 
-    (straight,) = run_distributed(_train, 1, config=config("tp1"))
-    ranks = run_distributed(_train, 2, config=config("tp2", tp=2))
+    (straight,) = run_distributed(train_fp8_model, 1, config=config("tp1"))
+    ranks = run_distributed(train_fp8_model, 2, config=config("tp2", tp=2))
     for name, history in straight["histories"].items():
         assert torch.equal(ranks[0]["histories"][name], ranks[1]["histories"][name]), name
         # The same statistics as at tp=1, up to the runs' FP8 differences (weights within 1%, gradients 5%).
@@ -351,13 +291,14 @@ def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, 
     def losses(run):
         return [(r["step"], r["lm_loss"]) for r in run["records"]]
 
-    (resumed,) = run_distributed(_train, 1, config=config("resumed", resume=str(tmp_path / "tp1" / "3")))
+    (resumed,) = run_distributed(train_fp8_model, 1, config=config("resumed", resume=str(tmp_path / "tp1" / "3")))
     assert losses(resumed) == losses(straight)[3:]
-    (plain,) = run_distributed(_train, 1, config=config("off", steps=4, resume=str(tmp_path / "tp1" / "3"),
+    (plain,) = run_distributed(train_fp8_model, 1, config=config("off", steps=4, resume=str(tmp_path / "tp1" / "3"),
                                                          fp8=False))
     assert [step for step, _ in losses(plain)] == [4] and plain["converted"] == 0
 
 
+@pytest.mark.slow
 def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny_data, tmp_path):
     """pp=2 (1F1B) × dp=2 with ZeRO-1 trains in FP8 like one process accumulating the same two micro-batches: each
     micro-batch is cast with the same scales in both (its own amax on the first step, then the histories, whose
@@ -368,8 +309,8 @@ def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny
                                 fp8={"enabled": True, "recipe": "delayed"}, parallelism={"dp": dp, "pp": pp},
                                 optimizer={"zero_stage": 1})
 
-    (reference,) = run_distributed(_train, 1, config=config("one", 1, 1, 2))
-    ranks = run_distributed(_train, 4, config=config("dp2_pp2", 2, 2, 1))
+    (reference,) = run_distributed(train_fp8_model, 1, config=config("one", 1, 1, 2))
+    ranks = run_distributed(train_fp8_model, 4, config=config("dp2_pp2", 2, 2, 1))
     for a, b in zip(reference["records"], ranks[0]["records"], strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-4), a["step"]
     stages = {}
@@ -383,17 +324,18 @@ def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny
             torch.testing.assert_close(history, reference["histories"][name], rtol=1e-4, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
     """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
     follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""
-    from test_moe import moe_config
+    from helpers import moe_config
 
     def config(name, fp8=True, ep=1):
         return moe_config(tiny_data, tmp_path / name, ep=ep) | {"fp8": {"enabled": fp8, "log_out_of_range": fp8}}
 
-    plain, fp8 = (run_distributed(_train, 1, config=config(name, fp8=on))[0] for name, on in (("plain", False),
+    plain, fp8 = (run_distributed(train_fp8_model, 1, config=config(name, fp8=on))[0] for name, on in (("plain", False),
                                                                                              ("fp8", True)))
-    ep2 = run_distributed(_train, 2, config=config("ep2", ep=2))[0]
+    ep2 = run_distributed(train_fp8_model, 2, config=config("ep2", ep=2))[0]
     assert (plain["experts"], fp8["experts"], ep2["experts"]) == (0, 2, 2)  # layers 1 and 2 are mixtures
     assert fp8["counters"] == fp8["converted"] + fp8["experts"] and "fp8_flushed" in ep2["records"][-1]
     last = plain["records"][-1]["lm_loss"]

@@ -7,12 +7,19 @@ from __future__ import annotations
 import logging
 
 import torch
-from conftest import parity_steps, tiny_config_dict, write_config
-from test_bad_inputs import _config, assert_user_error, cli, train
-from test_fp8 import _train, strict_scaled_mm
 
 from distributed import run_distributed_each
-
+from helpers import (
+    _config,
+    assert_user_error,
+    cli,
+    parity_steps,
+    strict_scaled_mm,
+    tiny_config_dict,
+    train,
+    train_fp8_model,
+    write_config,
+)
 from nanotron.nn.fp8 import E4M3, FP8Matmul, FP8Recipe
 
 
@@ -99,7 +106,7 @@ def test_fp8_grad_norms_at_tp_2_follow_tp_1_as_closely_as_bf16_does(tiny_data, t
     runs = {}
     for tp in (1, 2):
         calls = [{"config": config(f"tp{tp}_{kind}", tp, kind == "fp8")} for kind in ("bf16", "fp8")]
-        for kind, ranks in zip(("bf16", "fp8"), run_distributed_each(_train, tp, calls)):
+        for kind, ranks in zip(("bf16", "fp8"), run_distributed_each(train_fp8_model, tp, calls)):
             runs[kind, tp] = [record["grad_norm"] for record in ranks[0]["records"]]
 
     def deviation(kind: str) -> float:
@@ -160,7 +167,8 @@ def test_resuming_with_another_amax_history_length_names_the_key_both_values_and
     config = _config(tiny_data, tmp_path / "run", train_steps=2, fp8=delayed)
     train(config, tmp_path / "config.yaml")
     config["fp8"]["amax_history_length"] = 8
-    config["checkpoints"] |= {"checkpoints_path": str(tmp_path / "resumed"), "resume_checkpoint_path": str(tmp_path / "run")}
+    config["checkpoints"] |= {"checkpoints_path": str(tmp_path / "resumed"),
+                              "resume_checkpoint_path": str(tmp_path / "run")}
     config["tokens"]["train_steps"] = 3
     outcome = cli("train", "--config-file", write_config(tmp_path / "resume.yaml", config))
     assert_user_error(outcome, "fp8.amax_history_length is 8", "holds 4 steps", "fp8.amax_history_length: 4")

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import tiny_config_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_distributed, run_distributed_each
+from helpers import relative_error, tiny_config_dict
 
 HIDDEN, VOCAB, PADDED, BATCH, SEQUENCE = 8, 37, 40, 3, 16  # 48 tokens, 3 padding columns
 TOKENS = BATCH * SEQUENCE
@@ -58,10 +58,6 @@ def fused(hidden, weight, labels, token_weights, group, chunk: int, vocab_size: 
     assert not losses.requires_grad
     loss.backward()
     return loss, losses, hidden.grad, weight.grad
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 20, TOKENS, 1000])
@@ -159,37 +155,6 @@ def test_no_tensor_spans_more_tokens_than_a_chunk(group, chunk):
     assert chunked.largest == chunk * PADDED
 
 
-def check_compiled_passes(device: str) -> None:
-    """The compiled passes give the plain ones' losses and gradients (bf16, a padded vocabulary, a chunk size that
-    does not divide the tokens): run on CUDA by test_cuda_kernels.py, where the compiler writes Triton kernels."""
-    from nanotron.parallel.linear_cross_entropy import ChunkPasses, linear_cross_entropy
-
-    generator = torch.Generator(device).manual_seed(0)
-    tokens, hidden_size, padded, vocab_size = 3000, 256, 5008, 5000
-    hidden = torch.randn(tokens, hidden_size, device=device, generator=generator).bfloat16()
-    weight = (torch.randn(padded, hidden_size, device=device, generator=generator) * 0.05).bfloat16()
-    labels = torch.randint(0, vocab_size, (tokens,), device=device, generator=generator)
-    mask = torch.rand(tokens, device=device, generator=generator) > 0.1
-    initialized = dist.is_initialized()
-    if not initialized:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        results = []
-        for passes in (ChunkPasses(), ChunkPasses.compiled()):
-            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-            loss, losses = linear_cross_entropy(h, w, labels, mask / mask.sum(), dist.group.WORLD, vocab_size, 1024,
-                                                passes)
-            loss.backward()
-            results.append((loss, losses, h.grad, w.grad))
-    finally:
-        if not initialized:
-            dist.destroy_process_group()
-    for name, compiled, plain, tolerance in zip(("loss", "token losses", "grad hidden", "grad weight"), results[1],
-                                                results[0], (1e-6, 1e-6, 2 ** -8, 2 ** -8)):
-        assert compiled.dtype == plain.dtype, name
-        assert relative_error(compiled, plain) < tolerance, name
-
-
 # --- training: the fused loss against the unfused one ---------------------------------------------------------
 
 STEPS = 4
@@ -239,8 +204,7 @@ def assert_same_steps(fused_ranks: list[dict], unfused_ranks: list[dict], what: 
 def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
     """The tied Llama, a mixture of experts (auxiliary losses) and Mamba, fused and not; and a head given
     another matmul, which keeps the unfused loss."""
-    from test_mamba import MAMBA
-    from test_moe import MOE
+    from helpers import MAMBA, MOE
 
     llama = tiny_config_dict(tiny_data, tmp_path)["model"]["model_config"]
     families = {"llama": None, "llamoe": {k: v for k, v in llama.items() if k != "is_llama_config"} | MOE,
@@ -254,6 +218,7 @@ def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
     assert_same_steps(results[0], converted, "a head with another matmul")
 
 
+@pytest.mark.slow
 def test_training_at_tp_2_and_pp_2_matches_the_unfused_loss(tiny_data, tmp_path):
     """Sequence-parallel TP with vocabulary padding (100 · tp = 200 divides 400: 16 padding columns on rank 1), and
     a pipeline of two stages with an untied head."""

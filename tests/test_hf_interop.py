@@ -12,10 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import run_distributed
+from helpers import PROMPTS, ROOT, _nanotron
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 
 def random_hf_llama(folder: Path, tied: bool) -> Path:
@@ -52,21 +51,7 @@ def hf_logits_and_greedy(hf_path: Path) -> tuple[torch.Tensor, list[list[int]]]:
     return logits, out[0, ids.shape[1]:].tolist()
 
 
-def _nanotron(ckpt: str, tp: int, pp: int) -> dict:
-    from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
-    from nanotron.parallel.context import ParallelContext
-
-    pc = ParallelContext(tp=tp, pp=pp)
-    model, _ = load_model(Path(ckpt), pc)
-    ids = torch.tensor([PROMPTS[0]])
-    logits = forward_logits(model, pc, ids, None, None, None, last_only=False)
-    vocab = model.config.vocab_size
-    greedy = SamplingArgs("greedy")
-    cached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=True)
-    uncached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=False)
-    return {"logits": None if logits is None else logits[0, :, :vocab], "cached": cached, "uncached": uncached}
-
-
+@pytest.mark.slow
 def test_logits_and_generation_match_transformers_at_every_layout(converted):
     hf_path, ckpt = converted
     reference_logits, reference_greedy = hf_logits_and_greedy(hf_path)
@@ -100,8 +85,7 @@ MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank toda
 def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     import json
 
-    from conftest import write_config
-
+    from helpers import write_config
     from nanotron.data.preprocess import preprocess
     from nanotron.data.tokenizer import train_tokenizer
 
@@ -109,14 +93,15 @@ def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     corpus.write_text("".join(json.dumps({"text": MEMORIZE}) + "\n" for _ in range(300)))
     tokenizer = train_tokenizer([corpus], 300, tmp_path / "tokenizer.json")
     preprocess([corpus], tokenizer, tmp_path / "data", num_workers=1)
-    from conftest import tiny_config_dict
+    from helpers import tiny_config_dict
 
     config = tiny_config_dict({"tokenizer": tokenizer, "tokenized": tmp_path / "data"}, tmp_path / "ckpt",
                               tokens={"train_steps": 80})
     config["model"]["model_config"] |= {"vocab_size": 300}
     env = {**os.environ, "NANOTRON_DEVICE": "cpu"}
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
-                              str(write_config(tmp_path / "config.yaml", config))], capture_output=True, text=True, env=env)
+                              str(write_config(tmp_path / "config.yaml", config))],
+                             capture_output=True, text=True, env=env)
     assert trained.returncode == 0, trained.stderr[-3000:]
     generated = subprocess.run([sys.executable, str(ROOT / "run_generate.py"), "--ckpt-path", str(tmp_path / "ckpt"),
                                 "--prompt", "the quick brown fox", "--max-new-tokens", "12"],
@@ -158,8 +143,9 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
     return result | {"manual": manual}
 
 
+@pytest.mark.slow
 def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
-    from conftest import tiny_config_dict, write_config
+    from helpers import tiny_config_dict, write_config
 
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 6})
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",

@@ -18,10 +18,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_config, write_corpus
-from test_bad_inputs import ROOT, Outcome, _config, assert_user_error, cli
-from test_doremi import DOMAINS, doremi_config, domains, reference  # noqa: F401  (fixtures)
-from test_shard_id_range import without_id_ranges
+
+from helpers import (
+    DOMAINS,
+    ROOT,
+    Outcome,
+    _config,
+    assert_user_error,
+    cli,
+    doremi_config,
+    without_id_ranges,
+    write_config,
+    write_corpus,
+)
 
 
 def run_process(*args) -> Outcome:
@@ -128,10 +137,10 @@ def test_a_shard_is_checked_once_when_opened_not_when_read(tiny_data, tmp_path):
 # --- DoReMi weights resumed onto other domains ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def proxy_run(tiny_data, domains, reference, tmp_path_factory) -> Path:
+def proxy_run(tiny_data, doremi_domains, doremi_reference, tmp_path_factory) -> Path:
     """A DoReMi proxy over the domains animals, colours, rivers, stopped with a checkpoint at step 3."""
     run = tmp_path_factory.mktemp("proxy") / "run"
-    config = doremi_config(tiny_data, domains, run, reference=reference, steps=3)
+    config = doremi_config(tiny_data, doremi_domains, run, reference=doremi_reference, steps=3)
     assert cli("doremi", "train", "--config-file", write_config(run.parent / "proxy.yaml", config)).code == 0
     return run
 
@@ -167,12 +176,12 @@ def _as_written_before(checkpoint: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("written", ["by-name", "as-a-list-before"])
 def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reordered(
-        tiny_data, domains, reference, proxy_run, tmp_path, written):
+        tiny_data, doremi_domains, doremi_reference, proxy_run, tmp_path, written):
     checkpoint = proxy_run / "3"
     if written == "as-a-list-before":
         checkpoint = _as_written_before(checkpoint, tmp_path)
-    assert _resume_proxy(tiny_data, domains, reference, checkpoint, tmp_path / "same").code == 0
-    assert _resume_proxy(tiny_data, domains[::-1], reference, checkpoint, tmp_path / "reversed").code == 0
+    assert _resume_proxy(tiny_data, doremi_domains, doremi_reference, checkpoint, tmp_path / "same").code == 0
+    assert _resume_proxy(tiny_data, doremi_domains[::-1], doremi_reference, checkpoint, tmp_path / "reversed").code == 0
     expected = _first_weights(tmp_path / "same")
     assert len(set(expected.values())) == len(DOMAINS)  # the weights moved apart: a swap would show
     assert _first_weights(tmp_path / "reversed") == expected
@@ -184,20 +193,21 @@ def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reorder
     ("as-a-list-before", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
 ], ids=["renamed", "removed", "renamed-as-a-list-before"])
 def test_resuming_domain_weights_onto_other_domains_is_refused(
-        tiny_data, domains, reference, proxy_run, tmp_path, written, change, fragments):
+        tiny_data, doremi_domains, doremi_reference, proxy_run, tmp_path, written, change, fragments):
     checkpoint = proxy_run / "3"
     if written == "as-a-list-before":
         checkpoint = _as_written_before(checkpoint, tmp_path)
-    config = doremi_config(tiny_data, domains[:change.get("folders", 3)], tmp_path / "run", reference=reference,
-                           resume=checkpoint, steps=4, domain_names=change.get("domain_names"))
+    config = doremi_config(tiny_data, doremi_domains[:change.get("folders", 3)], tmp_path / "run",
+                           reference=doremi_reference, resume=checkpoint, steps=4,
+                           domain_names=change.get("domain_names"))
     outcome = run_process("-m", "nanotron", "doremi", "train", "--config-file",
                           write_config(tmp_path / "resume.yaml", config))
     assert_user_error(outcome, str(checkpoint), "data_stages[0].data.dataset.dataset_folder", *fragments)
     assert not (tmp_path / "run" / "domain_weights.jsonl").exists()
 
 
-def test_domains_of_the_same_name_are_refused(tiny_data, domains, reference, tmp_path):
-    config = doremi_config(tiny_data, domains, tmp_path / "run", reference=reference,
+def test_domains_of_the_same_name_are_refused(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "run", reference=doremi_reference,
                            domain_names=["animals", "colours", "animals"])
     assert_user_error(cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config)),
                       "'animals' names several domains", "give each its own name in doremi.domain_names")

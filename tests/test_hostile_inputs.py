@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_bad_inputs import Outcome, assert_user_error, cli
+
+from helpers import Outcome, assert_user_error, cli
 
 transformers = pytest.importorskip("transformers")
 

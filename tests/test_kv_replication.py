@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict
-from test_checkpoint_resharding import _train
-from test_hf_interop import _nanotron
-from test_tensor_parallel import _run, assemble
 
 from distributed import run_distributed
+from helpers import _nanotron, _run, _train, assemble, assert_reference_trains, parity_steps, tiny_config_dict
 
 STEPS = parity_steps()
 
@@ -28,7 +25,8 @@ def kv_config(tiny_data, folder, tp: int, kv_heads: int, **checkpoints) -> dict:
                             checkpoints={"checkpoint_interval": 1000} | checkpoints)
 
 
-@pytest.mark.parametrize("tp, kv_heads", [(4, 2), (2, 1)], ids=["tp4-2kv", "tp2-mqa"])
+@pytest.mark.parametrize("tp, kv_heads", [pytest.param(4, 2, marks=pytest.mark.slow), (2, 1)],
+                         ids=["tp4-2kv", "tp2-mqa"])
 def test_replicated_kv_heads_match_one_process(tiny_data, tmp_path, tp, kv_heads):
     (reference,) = run_distributed(_run, 1, config=kv_config(tiny_data, tmp_path / "ref", 1, kv_heads))
     assert_reference_trains(reference["metrics"], STEPS)
@@ -45,6 +43,7 @@ def test_replicated_kv_heads_match_one_process(tiny_data, tmp_path, tp, kv_heads
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]  # kv counted once
 
 
+@pytest.mark.slow
 def test_a_tp4_checkpoint_of_2_kv_heads_resumes_at_tp1_and_exports(tiny_data, tmp_path):
     from safetensors.torch import load_file
 

@@ -38,5 +38,6 @@ def test_constant_schedule_and_no_warmup():
 def test_schedule_is_a_pure_function_of_the_step():
     args = LRSchedulerArgs(learning_rate=1e-3, lr_warmup_steps=10, min_decay_lr=1e-4)
     straight = [learning_rate_at(t, args, 100) for t in range(1, 101)]
-    resumed = [learning_rate_at(t, args, 100) for t in range(1, 51)] + [learning_rate_at(t, args, 100) for t in range(51, 101)]
+    resumed = ([learning_rate_at(t, args, 100) for t in range(1, 51)]
+               + [learning_rate_at(t, args, 100) for t in range(51, 101)])
     assert straight == resumed

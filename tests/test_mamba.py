@@ -11,16 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, run_with_triton_interpreter, tiny_config_dict, write_config
 from safetensors.torch import load_file
-from test_bad_inputs import assert_user_error, cli
-from test_tensor_parallel import _run, assemble
 
 from distributed import run_distributed, run_distributed_each
-
-PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
-MAMBA = {"is_mamba_config": True, "d_model": 64, "num_hidden_layers": 2, "vocab_size": 384,
-         "ssm_cfg": {"d_state": 8, "d_conv": 4, "expand": 2}}
+from helpers import (
+    MAMBA,
+    PROMPTS,
+    _run,
+    assemble,
+    assert_reference_trains,
+    assert_user_error,
+    cli,
+    parity_steps,
+    run_with_triton_interpreter,
+    tiny_config_dict,
+    write_config,
+)
 
 
 def test_the_scan_continues_across_calls():
@@ -38,80 +44,9 @@ def test_the_scan_continues_across_calls():
     assert torch.allclose(whole[0, 0], (s0 * C[0, 0]).sum(-1) + D * x[0, 0], atol=1e-6)
 
 
-def check_chunked_scan(device: str = "cpu") -> None:
-    """The chunked scan equals the loop, forward and every gradient, in fp32 and with bf16 activations, on shapes
-    whose length and channels are not multiples of the kernels' blocks and a d_state that is not a power of 2; and
-    token-by-token decoding with the carried state equals it over 256 tokens."""
-    from nanotron.nn.selective_scan import BLOCK_D, BLOCK_T, chunked_selective_scan, selective_scan_reference
-
-    generator = torch.Generator(device).manual_seed(0)
-    for batch, length, channels, d_state in ((2, 2 * BLOCK_T + 5, BLOCK_D + 8, 16), (1, 3, 7, 5)):
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-            def random(*shape, dtype=dtype):
-                return torch.randn(*shape, device=device, generator=generator).to(dtype).requires_grad_()
-            x, B, C = random(batch, length, channels), random(batch, length, d_state), random(batch, length, d_state)
-            delta = torch.nn.functional.softplus(random(batch, length, channels, dtype=torch.float32)).detach()
-            delta.requires_grad_()
-            A = (-3 * torch.rand(channels, d_state, device=device, generator=generator)).requires_grad_()
-            inputs = (x, delta, A, B, C)
-            y, last = chunked_selective_scan(*inputs)
-            reference, reference_last = selective_scan_reference(*inputs, torch.zeros(channels, device=device))
-            assert y.dtype == dtype  # the kernels' output is rounded to the activations' dtype
-            torch.testing.assert_close(y.float(), reference, rtol=tolerance, atol=tolerance)
-            torch.testing.assert_close(last, reference_last, rtol=1e-5, atol=1e-5)
-            upstream = torch.randn(y.shape, device=device, generator=generator).to(dtype)
-            grads = torch.autograd.grad(y, inputs, upstream)
-            expected = torch.autograd.grad(reference, inputs, upstream.float())
-            for name, grad, want in zip(("x", "delta", "A", "B", "C"), grads, expected):
-                assert grad.dtype == want.dtype, name
-                error = (grad.float() - want.float()).abs().max() / want.float().abs().max()
-                assert error < tolerance, (name, dtype, error.item())
-    # Decoding one token at a time with the carried state (generation) gives the parallel scan's outputs.
-    x, delta = (f(1, 256, 8, device=device, generator=generator) for f in (torch.randn, torch.rand))
-    A = -torch.rand(8, 4, device=device, generator=generator)
-    B, C = (torch.randn(1, 256, 4, device=device, generator=generator) for _ in range(2))
-    parallel, _ = chunked_selective_scan(x, delta, A, B, C)
-    state, steps = None, []
-    for t in range(256):
-        y, state = selective_scan_reference(x[:, t:t + 1], delta[:, t:t + 1], A, B[:, t:t + 1], C[:, t:t + 1],
-                                            torch.zeros(8, device=device), state)
-        steps.append(y)
-    # 256 steps one at a time against the chunked order, exp against exp2: fp32 rounding, up to 4e-5 on H200.
-    torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=1e-4, atol=1e-4)
-
-
-def check_causal_conv(device: str = "cpu") -> None:
-    """The conv + SiLU kernels equal the reference, forward and every gradient, in fp32 and bf16, with and without
-    a bias, reading x as the first half of a wider tensor (as the mixer passes in_proj's output), on a length and a
-    channel count that are not multiples of the kernels' blocks."""
-    from nanotron.nn.causal_conv1d import BLOCK_C, BLOCK_T, causal_conv1d_silu_reference, conv_forward
-
-    generator = torch.Generator(device).manual_seed(0)
-    batch, length, channels = 2, BLOCK_T + 13, BLOCK_C + 5
-    for bias in (True, False):
-        for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):  # bf16: dpre is rounded to it
-            def random(*shape):
-                return torch.randn(*shape, device=device, generator=generator).to(dtype).requires_grad_()
-            wide, weight = random(batch, length, 2 * channels), random(channels, 1, 4)
-            inputs = [wide, weight] + ([random(channels)] if bias else [])
-            x = wide[..., :channels]
-            out = conv_forward(x, weight, inputs[2] if bias else None)  # the kernels on any device, not a dispatch
-            reference = causal_conv1d_silu_reference(x, weight, inputs[2] if bias else None)
-            assert out.dtype == dtype
-            torch.testing.assert_close(out.float(), reference.float(), rtol=tolerance, atol=tolerance)
-            upstream = torch.randn(out.shape, device=device, generator=generator).to(dtype)
-            grads = torch.autograd.grad(out, inputs, upstream)
-            expected = torch.autograd.grad(reference, inputs, upstream)
-            assert not grads[0][..., channels:].any()
-            for name, grad, want in zip(("x", "weight", "bias"), grads, expected):
-                assert grad.dtype == want.dtype, name
-                error = (grad.float() - want.float()).abs().max() / want.float().abs().max()
-                assert error < tolerance, (name, dtype, bias, error.item())
-
-
 def test_the_triton_kernels_equal_the_plain_torch_references():
     """The GPU scan's and conv's Triton kernels, run by Triton's interpreter on the CPU."""
-    run_with_triton_interpreter("from test_mamba import check_chunked_scan, check_causal_conv; "
+    run_with_triton_interpreter("from helpers import check_chunked_scan, check_causal_conv; "
                                 "check_chunked_scan(); check_causal_conv()")
 
 
@@ -246,7 +181,8 @@ def _nanotron(ckpt: str, tp: int = 1, pp: int = 1) -> dict:
     model, _ = load_model(Path(ckpt), pc)
     logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)
     greedy = SamplingArgs("greedy")
-    return {"logits": None if logits is None else logits[0, :, :112], "cached": generate(model, pc, PROMPTS, 16, greedy, None, 112),
+    return {"logits": None if logits is None else logits[0, :, :112],
+            "cached": generate(model, pc, PROMPTS, 16, greedy, None, 112),
             "uncached": generate(model, pc, PROMPTS, 16, greedy, None, 112, use_cache=False),
             "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
 
@@ -326,6 +262,7 @@ def test_bad_mamba_config_is_one_error_line(tiny_data, tmp_path, change, fragmen
     assert_user_error(outcome, *fragments)
 
 
+@pytest.mark.slow
 def test_data_and_pipeline_parallelism_follow_one_process(tiny_data, tmp_path):
     """dp=2 with ZeRO-1, and pp=2 (one block per stage, the fp32 residual stream exchanged between them)."""
     def config(name, dp=1, pp=1, zero=0):

@@ -1,17 +1,16 @@
 """The memory planner: every part against a hand count for the tiny Llama, how layouts change the parts, the
 command, and the estimates against the peaks measured on H200s (docs/benchmarks.md)."""
 
-from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import ROOT
 from nanotron.cli import main
 from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
 from nanotron.memory import CUDA_RUNTIME_BYTES, STEP_WORKSPACE_BYTES, estimate_memory, memory_summary
 from nanotron.models.registry import spec_for_config
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
 # The hand counts and the measured peaks are of the loss on full logits (test_fused_loss.py counts the fused one).
@@ -197,8 +196,9 @@ TINY_MAMBA = ROOT / "examples" / "config_tiny_mamba.yaml"
 M_H, M_E, M_R, M_N, M_D = 128, 256, 8, 16, 4
 MAMBA_BLOCK_KEPT = TOKENS * (4 * M_H + M_D * M_H + 6 * M_D * M_E + 4 * M_E + 4 * M_N * M_E / 8
                              + M_D * (M_R + 4 * M_N)) + 4 * M_E * M_N
+# in_proj, conv (weight, bias), x_proj, dt_proj (+ bias), A_log, D, out_proj, norm
 MAMBA_BLOCK_PARAMETERS = (M_H * 2 * M_E + M_E * 4 + M_E + (M_R + 2 * M_N) * M_E + M_E * M_R + M_E + M_E * M_N + M_E
-                          + M_E * M_H + M_H)  # in_proj, conv (weight, bias), x_proj, dt_proj (+ bias), A_log, D, out_proj, norm
+                          + M_E * M_H + M_H)
 
 
 def test_a_compiled_mamba_block_matches_the_hand_count_and_tp_splits_its_channels():

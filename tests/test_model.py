@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_with_triton_interpreter
-
+from helpers import run_with_triton_interpreter
 from nanotron.config import LlamaConfig
 from nanotron.models.build import materialize, padded_vocab_size
 from nanotron.models.init import init_parameters
@@ -129,19 +128,5 @@ def test_swiglu_backward_reference_matches_autograd():
     torch.testing.assert_close(through_function.grad, leaf.grad)
 
 
-def check_swiglu_kernel(device: str = "cpu") -> None:
-    """The fused backward's kernel against the reference, fp32 and bf16, on a width that is not a multiple of its
-    block."""
-    from nanotron.nn.swiglu import swiglu_backward_fused, swiglu_backward_reference
-
-    generator = torch.Generator(device).manual_seed(0)
-    gate_up = torch.randn(3, 37, 2 * 1000, device=device, generator=generator)
-    grad = torch.randn(3, 37, 1000, device=device, generator=generator)
-    torch.testing.assert_close(swiglu_backward_fused(gate_up, grad), swiglu_backward_reference(gate_up, grad),
-                               rtol=1e-5, atol=1e-6)
-    bf16 = gate_up.bfloat16(), grad.bfloat16()
-    torch.testing.assert_close(swiglu_backward_fused(*bf16), swiglu_backward_reference(*bf16))
-
-
 def test_the_swiglu_kernel_equals_the_reference_under_triton_s_interpreter():
-    run_with_triton_interpreter("from test_model import check_swiglu_kernel; check_swiglu_kernel()")
+    run_with_triton_interpreter("from helpers import check_swiglu_kernel; check_swiglu_kernel()")

@@ -6,40 +6,27 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict, write_config
-from test_bad_inputs import assert_user_error, cli
-from test_tensor_parallel import assemble, first_step_gradients
 
 from distributed import run_distributed, run_distributed_each
+from helpers import (
+    MOE_GLOBAL_BATCH,
+    assemble,
+    assert_reference_trains,
+    assert_user_error,
+    cli,
+    first_step_gradients,
+    moe_config,
+    parity_steps,
+    tiny_config_dict,
+    write_config,
+)
 
 STEPS = parity_steps()
 SAVED_AT = STEPS // 2
-# Layer 0 dense, layers 1-2 mixtures of 4 experts, top-2: a pipeline split [1, 2] leaves stage 0 without experts.
-MOE = {"is_llamoe_config": True, "num_hidden_layers": 3, "moe_num_experts": 4, "num_experts_per_tok": 2,
-       "moe_first_dense_layers": 1, "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
-GLOBAL_BATCH = 16
-
-
-def moe_config(tiny_data, folder: Path, *, dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-               resume_from: Path | None = None, **model_changes) -> dict:
-    base = tiny_config_dict(tiny_data, folder)
-    llama = {k: v for k, v in base["model"]["model_config"].items() if k != "is_llama_config"}
-    model = base["model"] | {"model_config": llama | MOE | model_changes}
-    parallelism = {"dp": dp, "tp": tp, "pp": pp, "expert_parallel_size": ep, "tp_mode": "REDUCE_SCATTER"}
-    if pp > 1:
-        parallelism["pp_stage_layers"] = [1, 2]
-    return tiny_config_dict(
-        tiny_data, folder, model=model, parallelism=parallelism,
-        tokens={"train_steps": STEPS, "micro_batch_size": 4,
-                "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep)},
-        optimizer=base["optimizer"] | {"zero_stage": zero},
-        checkpoints={"checkpoint_interval": SAVED_AT, "save_final_state": False,
-                     "resume_checkpoint_path": None if resume_from is None else str(resume_from)},
-    )
+GLOBAL_BATCH = MOE_GLOBAL_BATCH
 
 
 def _metrics(trainer) -> list[dict]:
@@ -110,7 +97,8 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         "ep2_tp2": {"ep": 2, "tp": 2}, "ep2_pp2": {"ep": 2, "pp": 2}, "dp2_ep2_zero1": {"dp": 2, "ep": 2, "zero": 1},
     }
     calls = [{"config": moe_config(tiny_data, root / name, **layout)} for name, layout in layouts.items()]
-    calls.append({"config": moe_config(tiny_data, root / "reference_at_ep4", ep=4, resume_from=root / "reference" / str(SAVED_AT)),
+    calls.append({"config": moe_config(tiny_data, root / "reference_at_ep4", ep=4,
+                                       resume_from=root / "reference" / str(SAVED_AT)),
                   "first_step": False})
     for name, ranks in zip([*layouts, "reference_at_ep4"], run_distributed_each(_run, 4, calls)):
         out[name] = ranks
@@ -136,6 +124,7 @@ def _assert_same_steps(reference: list[dict], other: list[dict], steps: range, w
                                                                                   ref[key])
 
 
+@pytest.mark.slow
 def test_the_reference_learns_and_reports_its_routing(runs):
     metrics = runs["reference"]["metrics"]
     assert_reference_trains(metrics, STEPS)
@@ -147,6 +136,7 @@ def test_the_reference_learns_and_reports_its_routing(runs):
         assert "moe_dropped_fraction" not in record  # dropless
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ep2", "ep2_tp2", "ep2_pp2", "dp2_ep2_zero1"])
 def test_expert_parallel_layouts_match_one_process(runs, layout):
     reference = runs["reference"]
@@ -160,6 +150,7 @@ def test_expert_parallel_layouts_match_one_process(runs, layout):
     _assert_same_steps(reference["metrics"], _rank0_metrics(ranks), range(1, STEPS + 1), layout)
 
 
+@pytest.mark.slow
 def test_resume_across_expert_parallel_sizes_continues_the_curve(runs):
     after = range(SAVED_AT + 1, STEPS + 1)
     at_ep4 = _rank0_metrics(runs["reference_at_ep4"])
@@ -170,6 +161,7 @@ def test_resume_across_expert_parallel_sizes_continues_the_curve(runs):
     _assert_same_steps(_rank0_metrics(runs["ep2_tp2"]), at_ep1, after, "ep2 x tp2 -> ep1")
 
 
+@pytest.mark.slow
 def test_eval_reads_an_expert_parallel_checkpoint(runs, tiny_data):
     outcome = cli("eval", "--ckpt-path", runs["root"] / "ep2_tp2", "--data", tiny_data["tokenized"],
                   "--sequence-length", "32", "--max-windows", "8")
@@ -178,6 +170,7 @@ def test_eval_reads_an_expert_parallel_checkpoint(runs, tiny_data):
     assert 3.0 < loss < _rank0_metrics(runs["ep2_tp2"])[0]["lm_loss"]  # trained: below the first step's loss
 
 
+@pytest.mark.slow
 def test_all_to_all_loses_and_duplicates_no_token(runs):
     assert [rank["failures"] for rank in runs["exchange"]] == [[], []]
 

@@ -15,9 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (ROOT, assert_reference_trains, checkpoint_json, descendants, kill_with_descendants,
-                      killed_on_failure, metrics, parity_steps, signal_all, write_config)
-from test_bad_inputs import _config
+
+from helpers import (
+    ROOT,
+    _config,
+    assert_reference_trains,
+    checkpoint_json,
+    descendants,
+    kill_with_descendants,
+    killed_on_failure,
+    metrics,
+    parity_steps,
+    signal_all,
+    write_config,
+)
 
 TIMEOUT_S = 240
 ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
@@ -115,6 +126,7 @@ exit $status
 """
 
 
+@pytest.mark.slow
 def test_the_slurm_script_stops_every_node_with_a_checkpoint_on_its_signal(tiny_data, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

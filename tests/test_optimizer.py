@@ -41,7 +41,7 @@ def test_decayed_and_exempt_parameters_live_in_separate_buckets(group):
     buckets, optimizer = build(params, group, weight_decay=0.5)
     decays = {name: bucket.weight_decay for bucket in buckets.buckets for name in bucket.names}
     assert decays == {"w": True, "norm": False}
-    for name, param in params.items():  # zero gradients: only weight decay moves the weights
+    for param in params.values():  # zero gradients: only weight decay moves the weights
         (param * 0).sum().backward()
     buckets.final_micro_batch = True
     buckets.finish_reduction()
@@ -109,7 +109,8 @@ def test_global_grad_norm_is_accurate_for_large_gradients(group):
     grads = {name: torch.randn(p.shape, generator=generator) * 1e-3 for name, p in params.items()}
     sum((p * grads[name]).sum() for name, p in params.items()).backward()
     buckets.finish_reduction()
-    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0}, sizes={"pp": 1, "dp": 1, "ep": 1, "tp": 1},
+    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0},
+                              sizes={"pp": 1, "dp": 1, "ep": 1, "tp": 1},
                               device=torch.device("cpu"))
     exact = torch.cat([g.double() for g in grads.values()]).norm().item()
     assert abs(GlobalGradNorm(buckets, context)().item() - exact) / exact < 1e-7

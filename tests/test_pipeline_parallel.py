@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_reference_trains, parity_steps, tiny_config_dict
-from test_tensor_parallel import assemble, first_step_gradients
 
 from distributed import run_distributed, run_distributed_each
+from helpers import assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
 from nanotron.parallel.pipeline_partition import PartitionError, balanced_partition, stage_layers
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both
@@ -39,7 +38,8 @@ def test_balanced_partition_accounts_for_the_extras_of_the_first_and_last_stage(
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32}
 
 
-@pytest.mark.parametrize("shape, pp, expected", [({}, 2, [10, 6]), (LLAMA_8B, 2, [17, 15]), (LLAMA_8B, 4, [8, 9, 9, 6])])
+@pytest.mark.parametrize("shape, pp, expected",
+                         [({}, 2, [10, 6]), (LLAMA_8B, 2, [17, 15]), (LLAMA_8B, 4, [8, 9, 9, 6])])
 def test_default_split_gives_the_lm_head_stage_fewer_layers(shape, pp, expected):
     """The head's 128k-vocabulary matmul weighs as much as several decoder layers; [10, 6] measured 10% faster than
     [8, 8] for Llama 1B (the bench config's shape) at pp=2 on two H200s (docs/benchmarks.md)."""
@@ -95,7 +95,7 @@ def logging_rank(results: list[dict]) -> dict:
 
 @pytest.mark.parametrize("world, layouts", [
     (2, [(2, 1, "afab"), (2, 1, "1f1b")]),
-    (4, [(4, 1, "afab"), (4, 1, "1f1b"), (2, 2, "1f1b")]),
+    pytest.param(4, [(4, 1, "afab"), (4, 1, "1f1b"), (2, 2, "1f1b")], marks=pytest.mark.slow),
 ])
 def test_pipeline_matches_single_process(reference, tiny_data, tmp_path, world, layouts):
     # batch_accumulation_per_replica is 2: with pp=4, 1F1B runs fewer micro-batches than stages.
@@ -121,6 +121,7 @@ def check_pipeline_run(reference: dict, results: list[dict], tp: int, layout: tu
         assert torch.equal(first["embedding"], last["head"]), layout
 
 
+@pytest.mark.slow
 def test_accumulation_split_gives_the_same_gradients(tiny_data, tmp_path):
     many = pp_config(tiny_data, tmp_path, "many", pp=2, tokens={"micro_batch_size": 2,
                                                                 "batch_accumulation_per_replica": 4, "train_steps": 4})

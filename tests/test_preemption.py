@@ -13,8 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (checkpoint_json, children, descendants, killed_on_failure, metrics, signal_all, start_training,
-                      tiny_config_dict, write_config)
+
+from helpers import (
+    checkpoint_json,
+    children,
+    descendants,
+    killed_on_failure,
+    metrics,
+    signal_all,
+    start_training,
+    tiny_config_dict,
+    write_config,
+)
 
 TIMEOUT_S = 120
 

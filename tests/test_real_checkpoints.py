@@ -1,5 +1,6 @@
 """Continued pretraining of real checkpoints: RoPE scaling (Llama 3.1 ``llama3``, ``linear``), Qwen2 (q/k/v biases,
-tied or untied), Mixtral (mixtures of experts) and the shape rules checked before a model is built, against random small ``transformers`` models."""
+tied or untied), Mixtral (mixtures of experts) and the shape rules checked before a model is built, against random
+small ``transformers`` models."""
 
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_dict, write_config
 from safetensors.torch import load_file
-from test_tensor_parallel import _run, assemble, check_against_reference, tp_config
 
 from distributed import run_distributed, run_distributed_each
+from helpers import PROMPTS, ROOT, _run, assemble, check_against_reference, tiny_config_dict, tp_config, write_config
 
-ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 NEW_TOKENS = 24
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}  # a short pretraining context: every band of head_dim 16 is hit
@@ -163,6 +161,7 @@ def test_row_parallel_biases_are_refused():
         apply_tensor_parallel(holder, {"o_proj": Row()}, None, ALL_REDUCE)
 
 
+@pytest.mark.slow
 def test_training_with_qkv_biases_matches_at_tp_2(tiny_data, tmp_path):
     def config(name: str, tp: int, mode: str, overlap: bool = False) -> dict:
         cfg = tp_config(tiny_data, tmp_path, name, tp, mode, overlap)

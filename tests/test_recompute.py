@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config_dict, write_config
 from torch import nn
 
 from distributed import run_distributed_each
+from helpers import tiny_config_dict, write_config
 
 STEPS = 6
 
@@ -82,6 +82,7 @@ def test_recomputed_training_matches_and_reports_hardware_flops(single_process_r
     assert all(r["hardware_tflops_per_gpu"] > r["tflops_per_gpu"] for r in recomputed["metrics"])
 
 
+@pytest.mark.slow
 def test_recompute_with_tensor_and_pipeline_parallelism(single_process_runs, tiny_data, tmp_path):
     """Collectives of the tensor-parallel layers run again in backward, and 1F1B backwards come late."""
     reference = single_process_runs[0]["metrics"]

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_dict
-from test_bad_inputs import assert_user_error, cli
-from test_doremi import doremi_config, domains, reference  # noqa: F401 (fixtures)
 
 from distributed import run_distributed
+from helpers import assert_user_error, cli, doremi_config, tiny_config_dict, train
 
 
 @pytest.mark.parametrize("missing", ["triton", "torch older than 2.6"])
@@ -114,8 +112,8 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
             "equal": torch.allclose(loss, eager, rtol=1e-5)}
 
 
-def test_the_doremi_loss_is_compiled_when_the_model_is(tiny_data, domains, reference, tmp_path):  # noqa: F811
-    config = doremi_config(tiny_data, domains, tmp_path / "proxy", reference=reference, steps=1)
+def test_the_doremi_loss_is_compiled_when_the_model_is(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "proxy", reference=doremi_reference, steps=1)
     config["model"]["compile"] = True
     assert run_distributed(_doremi_loss_is_compiled, 1, config=config) == [{"compiled": True, "equal": True}]
 
@@ -149,7 +147,6 @@ def test_every_pipeline_stage_builds_its_rotary_tables_once_for_the_sequence_len
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory):
     """A run folder trained one step with the tiny config."""
-    from test_bad_inputs import train
 
     root = tmp_path_factory.mktemp("trained")
     config = tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 1})

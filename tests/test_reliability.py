@@ -16,9 +16,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, checkpoint_json, children, metrics, start_training, write_config, write_corpus
-from test_bad_inputs import _config, assert_user_error, cli, train
-from test_shard_id_range import without_id_ranges
+
+from helpers import (
+    ROOT,
+    _config,
+    assert_user_error,
+    checkpoint_json,
+    children,
+    cli,
+    metrics,
+    start_training,
+    train,
+    without_id_ranges,
+    write_config,
+    write_corpus,
+)
 
 
 def _steps(run: Path) -> list[str]:
@@ -140,7 +152,8 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-@pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM), ("torchrun", signal.SIGUSR1)])
+@pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM),
+                                            pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.slow)])
 def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
     run, log = tmp_path / "run", tmp_path / "train.log"
     parallelism = {"dp": 2} if launch == "torchrun" else {}
@@ -207,7 +220,8 @@ def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, 
     other = train_tokenizer([corpus], 300, tmp_path / "other.json")
     preprocess([corpus], other, tmp_path / "other_data", num_workers=1)
     stage = {"name": "main", "start_training_step": 1,
-             "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(tmp_path / "other_data")]}}}
+             "data": {"seed": 3, "num_loading_workers": 0,
+                      "dataset": {"dataset_folder": [str(tmp_path / "other_data")]}}}
     checkpoints = {"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])}
     resume = _config(tiny_data, tmp_path / "resumed", 3, data_stages=[stage], checkpoints=checkpoints,
                      tokenizer={"tokenizer_name_or_path": None})
@@ -344,10 +358,9 @@ def test_a_loss_spike_is_skipped_then_stops_and_the_checkpoint_before_it_survive
     noise.write_text("".join(json.dumps({"text": "".join(rng.choice("QXZJ#@%&") for _ in range(400))}) + "\n"
                              for _ in range(200)))
     preprocess([noise], tiny_data["tokenizer"], tmp_path / "noise", num_workers=1)
-    stages = [{"name": "main", "start_training_step": 1, "data": {"seed": 3, "num_loading_workers": 0,
-                                                                  "dataset": {"dataset_folder": [str(tiny_data["tokenized"])]}}},
-              {"name": "noise", "start_training_step": 31, "data": {"seed": 3, "num_loading_workers": 0,
-                                                                   "dataset": {"dataset_folder": [str(tmp_path / "noise")]}}}]
+    stages = [{"name": name, "start_training_step": start,
+               "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(folder)]}}}
+              for name, start, folder in (("main", 1, tiny_data["tokenized"]), ("noise", 31, tmp_path / "noise"))]
     run = tmp_path / "run"
     config = _config(tiny_data, run, 40, data_stages=stages,
                      checkpoints={"checkpoint_interval": 2, "keep_last_n": 1})
@@ -361,6 +374,7 @@ def test_a_loss_spike_is_skipped_then_stops_and_the_checkpoint_before_it_survive
     assert _steps(run) == ["30", "32"]  # 30 is protected; 32 holds the weights of step 30 (both updates skipped)
 
 
+@pytest.mark.slow
 def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tiny_data, tmp_path):
     """Fault injection: SIGKILL at random moments of a run that saves every step (so often inside a save), then the
     same command with resume_checkpoint_path: auto, until it finishes; the losses equal the uninterrupted run's."""

@@ -14,9 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import write_config
-from test_bad_inputs import ROOT, _config, assert_user_error, checkpoint_json, cli, train
-from test_reliability import _train_process, _workers
+
+from helpers import (
+    ROOT,
+    _config,
+    assert_user_error,
+    checkpoint_json,
+    children,
+    cli,
+    start_training,
+    train,
+    write_config,
+)
 
 LAUNCHERS = {
     "python": [sys.executable],
@@ -42,7 +51,7 @@ def _logged_steps(run: Path) -> list[int]:
 
 def _end(process: subprocess.Popen) -> None:
     """Kill -9 a run: under torchrun its workers as well as the agent."""
-    for pid in _workers(process) + [process.pid]:
+    for pid in children(process.pid) + [process.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.wait()
@@ -50,7 +59,7 @@ def _end(process: subprocess.Popen) -> None:
 
 def _stop(process: subprocess.Popen, launch: str, log: Path) -> None:
     """SIGTERM, as a scheduler sends it to every task (under torchrun, every worker); the run saves and exits."""
-    for pid in _workers(process) if launch == "torchrun" else [process.pid]:
+    for pid in children(process.pid) if launch == "torchrun" else [process.pid]:
         os.kill(pid, signal.SIGTERM)
     try:
         process.wait(timeout=WAIT_S)
@@ -59,7 +68,7 @@ def _stop(process: subprocess.Popen, launch: str, log: Path) -> None:
         pytest.fail("the run did not stop on SIGTERM:\n" + log.read_text()[-6000:])
 
 
-@pytest.mark.parametrize("launch", ["python", "torchrun"])
+@pytest.mark.parametrize("launch", ["python", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_command_starts(
         tiny_data, tmp_path, launch):
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"
@@ -69,7 +78,7 @@ def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_c
     path = write_config(tmp_path / "config.yaml", config)
     command = LAUNCHERS[launch] + [str(ROOT / "run_train.py"), "--config-file", str(path)]
     first_log = tmp_path / "first.log"
-    first = _train_process(path, LAUNCHERS[launch], first_log)
+    first = start_training(path, LAUNCHERS[launch], first_log)
     try:
         _wait_for(lambda: (run / "latest.txt").exists() and len(_logged_steps(run)) >= 3, "a checkpoint and 3 steps",
                   first, first_log)
@@ -81,7 +90,7 @@ def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_c
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
         assert second.returncode != 0 and len(errors) == 1, second.stderr[-3000:]
         owner = json.loads(lock.read_text())
-        assert owner["host"] == socket.gethostname() and owner["pid"] in [first.pid] + _workers(first)
+        assert owner["host"] == socket.gethostname() and owner["pid"] in [first.pid] + children(first.pid)
         for fragment in (f"checkpoints.checkpoints_path {run} is in use by another training run",
                          f"host {owner['host']}, pid {owner['pid']}, since {owner['started']}",
                          "or train in another checkpoints_path"):
@@ -95,7 +104,7 @@ def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_c
     resumed_step = checkpoint_json(run)["step"]
 
     log = tmp_path / "again.log"
-    again = _train_process(path, LAUNCHERS[launch], log)
+    again = start_training(path, LAUNCHERS[launch], log)
     try:
         _wait_for(lambda: f"step {resumed_step + 1}/100000" in log.read_text(), "training after the resume", again, log)
     finally:

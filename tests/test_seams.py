@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config_dict, write_corpus
-from test_checkpoint_resharding import _train
 
 from distributed import run_distributed, run_distributed_each
+from helpers import _train, tiny_config_dict, write_corpus
 
 # --- registry -------------------------------------------------------------------------------------------------------
 
@@ -21,7 +20,8 @@ def test_registry_finds_llama_by_name_config_and_hf_model_type():
     from nanotron.models.registry import LLAMA, spec_for_config, spec_for_hf_model_type, spec_named
     from nanotron.models.spec import CausalLM
 
-    assert spec_named("llama", "here") is spec_for_config(LlamaConfig()) is spec_for_hf_model_type("llama", "x") is LLAMA
+    assert spec_named("llama", "here") is spec_for_config(LlamaConfig()) is LLAMA
+    assert spec_for_hf_model_type("llama", "x") is LLAMA
     with torch.device("meta"):
         assert isinstance(LLAMA.model_class(LlamaConfig(num_hidden_layers=1), 32000), CausalLM)
     for name, hf_type in (("llamoe", "mixtral"), ("mamba", "mamba")):

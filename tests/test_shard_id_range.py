@@ -12,19 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_config
-from test_bad_inputs import _config, assert_user_error, cli
 
+from helpers import _config, assert_user_error, cli, without_id_ranges, write_config
 from nanotron.data.dataset import DataError, TokenShards
 from nanotron.data.preprocess import preprocess
 
 _TOKENS_PER_SHARD = 4096
-
-
-def without_id_ranges(metadata: dict) -> dict:
-    """``metadata`` as a version of ``nanotron preprocess`` that recorded no id range would have written it."""
-    return metadata | {"shards": [{key: value for key, value in shard.items()
-                                   if key not in ("min_token_id", "max_token_id")} for shard in metadata["shards"]]}
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,14 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from nanotron.data.dataset import DataError
-from nanotron.data.tokenizer import (EOS_TOKEN, TokenizerError, eos_token_id, load_tokenizer, tokenizer_fingerprint,
-                                     train_tokenizer)
+from nanotron.data.tokenizer import (
+    EOS_TOKEN,
+    TokenizerError,
+    eos_token_id,
+    load_tokenizer,
+    tokenizer_fingerprint,
+    train_tokenizer,
+)
 
 WORDS = ("the model reads a long stream of tokens and learns to predict the next one from every shard of data "
          "while each rank trains on its own window of the global batch with a small learning rate").split()

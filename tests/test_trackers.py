@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import write_config
-from test_bad_inputs import _config, assert_user_error, cli, metrics, train
+
+from helpers import _config, assert_user_error, cli, metrics, train, write_config
 
 
 def test_tensorboard_and_wandb_offline_hold_the_logged_steps(tiny_data, tmp_path, monkeypatch):

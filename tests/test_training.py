@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config_dict, write_config
 
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, tiny_config_dict, write_config
 
 
 def train(config_path: Path, *, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -43,7 +41,8 @@ def test_tiny_model_learns_logs_and_checkpoints(tiny_data, tmp_path):
     assert all(r["grad_norm"] > 0 for r in records)
     assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "20"
     meta = json.loads((tmp_path / "ckpt" / "20" / "checkpoint.json").read_text())
-    assert meta["step"] == 20 and meta["consumed_samples"] == {"main": 160} and meta["model"]["padded_vocab_size"] == 384
+    assert meta["step"] == 20 and meta["consumed_samples"] == {"main": 160}
+    assert meta["model"]["padded_vocab_size"] == 384
     assert (tmp_path / "ckpt" / "10" / "model").is_dir()
 
 
@@ -53,7 +52,7 @@ def _schedule(train_steps: int) -> dict:
                                         "min_decay_lr": 3e-4}, "weight_decay": 0.01}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
     model = tiny_config_dict(tiny_data, tmp_path)["model"] | {"dtype": dtype}
     straight = tiny_config_dict(tiny_data, tmp_path / "straight", model=model, optimizer=_schedule(12),
@@ -65,7 +64,8 @@ def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
     train(write_config(tmp_path / "first.yaml", first))
     second = tiny_config_dict(tiny_data, tmp_path / "resumed", model=model, optimizer=_schedule(12),
                               tokens={"train_steps": 12},
-                              checkpoints={"checkpoint_interval": 100, "resume_checkpoint_path": str(tmp_path / "resumed")})
+                              checkpoints={"checkpoint_interval": 100,
+                                           "resume_checkpoint_path": str(tmp_path / "resumed")})
     result = train(write_config(tmp_path / "second.yaml", second))
     assert "resumed from" in result.stderr
 
@@ -92,7 +92,8 @@ main(["train", "--config-file", sys.argv[1]])
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
-    config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 8}, checkpoints={"checkpoint_interval": 3})
+    config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 8},
+                              checkpoints={"checkpoint_interval": 3})
     path = write_config(tmp_path / "config.yaml", config)
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_TRAIN)
@@ -118,6 +119,7 @@ def _error_line(tiny_data, tmp_path, **overrides) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
     missing = tmp_path / "nowhere"
     stage = {"name": "main", "start_training_step": 1, "data": {"dataset": {"dataset_folder": [str(missing)]}}}
@@ -132,7 +134,8 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
 
     typo = tiny_config_dict(tiny_data, tmp_path)["optimizer"] | {"wieght_decay": 0.1}
     assert "weight_decay" in _error_line(tiny_data, tmp_path, optimizer=typo)
-    assert "parallelism.expert_parallel_size" in _error_line(tiny_data, tmp_path, parallelism={"expert_parallel_size": 2})
+    error = _error_line(tiny_data, tmp_path, parallelism={"expert_parallel_size": 2})
+    assert "parallelism.expert_parallel_size" in error
 
 
 def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
@@ -146,8 +149,8 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data,
 
 
 def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
-    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.checkpoint.integrity import read_metadata
+    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.checkpoint.run_folder import resolve_checkpoint
     from nanotron.config import LRSchedulerArgs
     from nanotron.optim.lr_schedule import learning_rate_at

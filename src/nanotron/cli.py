@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+
 def _train(args: argparse.Namespace) -> None:
     from nanotron.trainer import Trainer
 
@@ -33,7 +34,8 @@ def _preprocess(args: argparse.Namespace) -> None:
 
     metadata = preprocess(args.input, args.tokenizer, args.output_folder, args.text_key, args.num_workers,
                           split=args.split, held_out_every=args.held_out_every)
-    print(f"wrote {metadata['num_tokens']:,} tokens from {metadata['num_documents']:,} documents to {args.output_folder}")
+    print(f"wrote {metadata['num_tokens']:,} tokens from {metadata['num_documents']:,} documents to "
+          f"{args.output_folder}")
 
 
 def _train_tokenizer(args: argparse.Namespace) -> None:

@@ -63,8 +63,14 @@ from nanotron.models.registry import spec_for_config
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.nn.selective_scan import BLOCK_T as SCAN_CHUNK
 from nanotron.parallel.placement import Shard
-from nanotron.parallel.tensor_parallel import (REDUCE_SCATTER, Column, MixtureOfExperts, Row, SelectiveStateSpace,
-                                              VocabEmbedding)
+from nanotron.parallel.tensor_parallel import (
+    REDUCE_SCATTER,
+    Column,
+    MixtureOfExperts,
+    Row,
+    SelectiveStateSpace,
+    VocabEmbedding,
+)
 
 GB = 1e9
 DEFAULT_GPU_MEMORY_GB = 150.1  # an H200 (its total_memory, 150,109,880,320 bytes), when no CUDA device is visible

@@ -1,9 +1,10 @@
 """Training curves from ``metrics.jsonl`` files: ``nanotron plot``.
 
 One PNG, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU, a mixture of experts'
-expert load and load-balancing loss, and per-domain losses and domain weights when the records carry them), several runs on the same axes so they can be compared at a glance. matplotlib is an
-optional extra (``pip install -e ".[plot]"``): training never needs it, so it is imported only here, and only its
-object-oriented API with the Agg canvas is used, which needs no display and changes no global backend.
+expert load and load-balancing loss, and per-domain losses and domain weights when the records carry them), several runs
+on the same axes so they can be compared at a glance. matplotlib is an optional extra (``pip install -e ".[plot]"``):
+training never needs it, so it is imported only here, and only its object-oriented API with the Agg canvas is used,
+which needs no display and changes no global backend.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from nanotron.checkpoint.async_saving import AsyncCheckpointer
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.manager import (
@@ -37,8 +38,6 @@ from nanotron.checkpoint.manager import (
     load_weights,
     verify_on_all_ranks,
 )
-from nanotron.checkpoint.async_saving import AsyncCheckpointer
-from nanotron.checkpoint.saving import take_snapshot, write_snapshot
 from nanotron.checkpoint.run_folder import (
     check_metrics_file,
     describe_existing_run,
@@ -46,11 +45,12 @@ from nanotron.checkpoint.run_folder import (
     resolve_checkpoint,
 )
 from nanotron.checkpoint.run_lock import RunLock
+from nanotron.checkpoint.saving import take_snapshot, write_snapshot
 from nanotron.config import Config, ConfigError, ExistingCheckpointInit, expand_run_name, validate_config
 from nanotron.data.dataset import DataError, PretrainDataset
-from nanotron.divergence import BadStepGuard
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from nanotron.divergence import BadStepGuard
 from nanotron.logging import setup_logging
 from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
@@ -75,8 +75,8 @@ from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutp
 from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.parallel.statistics import Statistics, max_over_ranks, sum_over_all_ranks, sum_over_replicas
 from nanotron.preemption import StopRequests
-from nanotron.trackers import Trackers
 from nanotron.random import seed_everything
+from nanotron.trackers import Trackers
 
 logger = logging.getLogger("nanotron.trainer")
 
@@ -286,7 +286,7 @@ class Trainer:
         """The checkpoint to resume from or to take the initial weights from, checked before the model exists:
         complete and uncorrupted (checksums, the reading shared by all ranks), the same architecture, and trained
         on data from the same tokenizer."""
-        checkpoints, init = self.config.checkpoints, self.config.model.init_method
+        init = self.config.model.init_method
         if self.resume_from is not None:
             path = self.resume_from
         elif isinstance(init, ExistingCheckpointInit):
@@ -534,7 +534,8 @@ class Trainer:
                     if self.pc.device.type == "cuda":
                         torch.cuda.synchronize(self.pc.device)
                     now = time.perf_counter()
-                    self._log_step(result, (now - window_start) / window_steps, (now - start_time) / (step - start_step))
+                    self._log_step(result, (now - window_start) / window_steps,
+                                   (now - start_time) / (step - start_step))
                     window_start, window_steps = now, 0
                 saved = step % config.checkpoints.checkpoint_interval == 0 or (
                     step == train_steps and config.checkpoints.save_final_state

@@ -24,8 +24,8 @@ from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_chec
 from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
 from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
-from nanotron.files import atomic_write_text, fsync_path
-from nanotron.models.registry import check_model_config, spec_for_hf_model_type
+from nanotron.files import fsync_path
+from nanotron.models.registry import check_model_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import LlaMoEConfig, LlamaConfig
+from nanotron.config import LlamaConfig, LlaMoEConfig
 from nanotron.config.schema import ROPE_SCALING_KEYS
 
 
@@ -199,7 +199,8 @@ class MixtralHFAdapter(LlamaHFAdapter):
         experts = range(config.moe_num_experts)
         return {ours + "mlp.router.weight": hf[moe + "gate.weight"],
                 ours + "mlp.experts.gate_up_proj": torch.stack(
-                    [torch.cat([hf[f"{moe}experts.{j}.w1.weight"], hf[f"{moe}experts.{j}.w3.weight"]]) for j in experts]),
+                    [torch.cat([hf[f"{moe}experts.{j}.w1.weight"], hf[f"{moe}experts.{j}.w3.weight"]])
+                     for j in experts]),
                 ours + "mlp.experts.down_proj": torch.stack([hf[f"{moe}experts.{j}.w2.weight"] for j in experts])}
 
     def _mlp_to_hf(self, read, prefix, ours, config, index):

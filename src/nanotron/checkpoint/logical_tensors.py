@@ -66,7 +66,8 @@ class LogicalTensorReader:
             except Exception as error:  # safetensors raises several types for truncated or foreign files
                 raise CheckpointError(f"cannot read checkpoint file {file}: {error}; the file is corrupt") from error
             for key, info in header["entries"].items():
-                entry = Entry(file, key, info["name"], tuple(info["logical_shape"]), tuple(info["offsets"]), shapes[key])
+                entry = Entry(file, key, info["name"], tuple(info["logical_shape"]), tuple(info["offsets"]),
+                              shapes[key])
                 self.entries.setdefault(entry.name, []).append(entry)
 
     def names(self) -> set[str]:

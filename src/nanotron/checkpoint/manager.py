@@ -11,7 +11,8 @@ Layout of ``<checkpoints_path>``::
     <step>/rng/rank-<rank>.safetensors  every rank's random generators (world rank, 5 digits; no pickle)
 
 Saving is ``saving.py`` (and ``async_saving.py`` in the background); loading starts with the integrity checks of
-``integrity.py``; the folder's bookkeeping (latest, pruning, partial saves) is ``run_folder.py``, its lock ``run_lock.py``.
+``integrity.py``; the folder's bookkeeping (latest, pruning, partial saves) is ``run_folder.py``, its lock
+``run_lock.py``.
 """
 
 from __future__ import annotations

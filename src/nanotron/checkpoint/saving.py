@@ -3,10 +3,11 @@
 The snapshot is the only phase that touches the training state: optimizer state is gathered bucket by bucket over
 data-parallel ranks (a collective), this rank's unique boxes are copied to host memory, and the random generators are
 read. A background save copies into pinned buffers kept from save to save (the copies run at the bus's speed and
-overlap); a foreground one into transient host tensors, so that it holds no host memory between saves. Writing needs nothing but the
-snapshot, so it can run in the foreground (``Trainer.save``) or in a background thread while training goes on
-(``async_saving.py``). Either way the files go to ``.tmp-<step>``, each flushed to disk with its checksum recorded;
-only when every rank has written does rank 0 write checkpoint.json, rename the folder and update ``latest.txt``. A
+overlap); a foreground one into transient host tensors, so that it holds no host memory between saves. Writing needs
+nothing but the snapshot, so it can run in the foreground (``Trainer.save``) or in a background thread while training
+goes on (``async_saving.py``). Either way the files go to ``.tmp-<step>``, each flushed to disk with its checksum
+recorded; only when every rank has written does rank 0 write checkpoint.json, rename the folder and update
+``latest.txt``. A
 crash at any moment leaves the previous checkpoint intact; a failed write (a full disk, also inside safetensors) is
 removed on every rank and reported as one error. Pruning old checkpoints comes after the new one is complete, and
 never fails a save.

@@ -278,7 +278,7 @@ class _Reader:
 
     def _unknown_key(self, dotted: str, name: str, valid: list[str]) -> None:
         if dotted in LEGACY_KEYS:
-            warnings.warn(f"ignoring '{dotted}': {LEGACY_KEYS[dotted]}", LegacyKeyWarning)
+            warnings.warn(f"ignoring '{dotted}': {LEGACY_KEYS[dotted]}", LegacyKeyWarning, stacklevel=2)
             return
         close = difflib.get_close_matches(name, valid, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"valid keys are: {', '.join(valid)}"

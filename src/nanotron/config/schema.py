@@ -60,7 +60,8 @@ class CheckpointsArgs:
     checkpoints_path_is_shared_file_system: bool = True  # false is refused: saving needs a shared file system
     keep_last_n: int | None = None  # None keeps every checkpoint
     load_optimizer: bool = True  # on resume; False: fresh Adam moments, masters taken from the loaded weights
-    load_lr_scheduler: bool = True  # on resume; False: the LR schedule starts again (warmup included) at the resume step
+    # On resume; False: the LR schedule starts again (warmup included) at the resume step.
+    load_lr_scheduler: bool = True
     allow_tokenizer_change: bool = False  # resume or init_method.path on data of another tokenizer than its own
     async_save: bool = False  # write checkpoints in the background; training waits only for a snapshot in host memory
 

@@ -62,7 +62,8 @@ def _iter_txt(path: Path, text_key: str) -> Iterator[str]:
     try:
         yield path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise DataError(f"{path} is not valid UTF-8 ({error.reason} at byte {error.start}); convert it to UTF-8")
+        raise DataError(
+            f"{path} is not valid UTF-8 ({error.reason} at byte {error.start}); convert it to UTF-8") from None
 
 
 def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
@@ -75,7 +76,7 @@ def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
                 yield _text_of_json_line(line, text_key, f"{path}, line {line_number}")
     except UnicodeDecodeError as error:
         raise DataError(f"{path}, after line {line_number}: not valid UTF-8 ({error.reason}); "
-                        f"convert the file to UTF-8")
+                        f"convert the file to UTF-8") from None
 
 
 def _text_of_json_line(line: str, text_key: str, where: str) -> str:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 # The readers live in documents so that tokenizer can use them without importing this module; they stay
 # importable from here (nanotron.data.dataset takes DataError from here).
-from nanotron.data.documents import SUPPORTED_SUFFIXES, DataError, iter_documents, list_input_files
+from nanotron.data.documents import DataError, iter_documents, list_input_files
 from nanotron.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_fingerprint
 
 FORMAT_VERSION = 1

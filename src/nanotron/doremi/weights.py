@@ -60,7 +60,8 @@ def _record(line: str, path: Path) -> dict:
         record = json.loads(line)
     except ValueError:
         record = None
-    if not (isinstance(record, dict) and isinstance(record.get("step"), int) and isinstance(record.get("weights"), dict)):
+    if not (isinstance(record, dict) and isinstance(record.get("step"), int)
+            and isinstance(record.get("weights"), dict)):
         raise ConfigError(f"{path}: {line[:80]!r} is not a domain-weights record "
                           '({"step": s, "weights": {name: w}}); give the domain_weights.jsonl of a DoReMi run')
     return record

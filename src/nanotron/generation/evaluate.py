@@ -53,7 +53,8 @@ def evaluate(ckpt_path: Path, folders: list[Path], parallel_context: ParallelCon
     for shards, windows in sources:
         total, count = torch.zeros((), dtype=torch.float64, device=pc.device), 0
         for start in range(0, windows, batch_size):
-            rows = [shards.read(i * sequence_length, sequence_length + 1) for i in range(start, min(start + batch_size, windows))]
+            rows = [shards.read(i * sequence_length, sequence_length + 1)
+                    for i in range(start, min(start + batch_size, windows))]
             tokens = torch.as_tensor(np.stack(rows), device=pc.device)
             logits = forward_logits(model, pc, tokens[:, :-1], None, None, None, last_only=False, gather=False)
             if pc.is_last_stage:

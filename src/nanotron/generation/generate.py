@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.integrity import read_metadata
+from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.manager import checkpoint_model, load_weights, verify_on_all_ranks
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import ConfigError
@@ -66,7 +66,8 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
     # The sequence length only weighs attention in the pipeline split; a family without a context limit keeps the
     # default.
     options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
-                           sequence_length=getattr(model_config, "max_position_embeddings", BuildOptions.sequence_length))
+                           sequence_length=getattr(model_config, "max_position_embeddings",
+                                                   BuildOptions.sequence_length))
     model = build_model(model_config, parallel_context, options)
     load_weights(checkpoint, model, parallel_context, metadata)
     return model.eval(), checkpoint

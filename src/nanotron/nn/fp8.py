@@ -220,8 +220,9 @@ def quantize_both_layouts(x: torch.Tensor, dtype: torch.dtype, amax: torch.Tenso
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize`` per tensor of a 2-D ``x``, in both layouts: returns the FP8 tensor, the same transposed (row-major:
     the weight gradient's product needs the tokens contiguous), the scale, and ``x``'s own amax (to record when the
-    scale came from a given ``amax``: a history's, or one maximised over tensor-parallel ranks). On CUDA one Triton kernel reads each tile of ``x`` once and writes both layouts from
-    it, where the compiler's kernel with a transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
+    scale came from a given ``amax``: a history's, or one maximised over tensor-parallel ranks). On CUDA one Triton
+    kernel reads each tile of ``x`` once and writes both layouts from it, where the compiler's kernel with a
+    transposed store ran at 60% of the bandwidth (docs/benchmarks.md)."""
     if available(x.device):
         from_history = amax is not None  # else the amax is reduced first, and the kernel need not record it again
         if not from_history:

@@ -59,7 +59,8 @@ class Bucket:
             start, end = self.ranges[name]
             lo, hi = max(start, self.shard.start), min(end, self.shard.stop)
             if lo < hi:
-                pieces.append((name, slice(lo - start, hi - start), slice(lo - self.shard.start, hi - self.shard.start)))
+                pieces.append((name, slice(lo - start, hi - start),
+                               slice(lo - self.shard.start, hi - self.shard.start)))
         return pieces
 
 

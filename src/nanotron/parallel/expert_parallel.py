@@ -48,7 +48,8 @@ class ShardedExperts(GroupedExperts):
         """``experts`` (plain or already sharded) split over ``ep`` and ``tp`` ranks (None: as they are)."""
         num_experts = getattr(experts, "logical_experts", experts.num_experts)
         ffn = getattr(experts, "logical_ffn", experts.ffn)
-        return cls(num_experts, experts.hidden_size, ffn, ep or getattr(experts, "ep", 1), tp or getattr(experts, "tp", 1))
+        return cls(num_experts, experts.hidden_size, ffn, ep or getattr(experts, "ep", 1),
+                   tp or getattr(experts, "tp", 1))
 
 
 class _AllToAll(torch.autograd.Function):

@@ -37,7 +37,7 @@ def balanced_partition(layer_costs: list[float], stages: int, first_extra: float
     for cost in layer_costs:
         prefix.append(prefix[-1] + cost)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(start: int, stage: int) -> tuple[float, tuple[int, ...]]:
         """Smallest max-cost of splitting layers[start:] over stages stage..stages-1."""
         extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == stages - 1 else 0.0)

@@ -6,7 +6,7 @@ model files free of any parallel code; each family's ``ModelSpec`` points at its
 
 from __future__ import annotations
 
-from nanotron.config import LlaMoEConfig, LlamaConfig, MambaConfig
+from nanotron.config import LlamaConfig, LlaMoEConfig, MambaConfig
 from nanotron.parallel.tensor_parallel import (
     Column,
     MixtureOfExperts,

@@ -96,7 +96,8 @@ class _SumOverSharingRanks(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _shared_rows(shard: Shard, logical_size: int, group: dist.ProcessGroup) -> tuple[tuple[tuple[int, int, int], ...], int]:
+def _shared_rows(shard: Shard, logical_size: int,
+                 group: dist.ProcessGroup) -> tuple[tuple[tuple[int, int, int], ...], int]:
     """(local start, length, buffer offset) of this rank's replicated pieces, and the rows of a buffer holding every
     replicated chunk (``_SumOverSharingRanks``)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
