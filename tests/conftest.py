@@ -13,6 +13,7 @@ in every tier, and every layout of the parity tests in the default and full tier
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -55,6 +56,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "full_tier" in item.keywords:
             item.add_marker(skip)
+
+
+DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _distributed_environment_restored():
+    """A trainer built in the test process sets the torch.distributed variables (``parallel/context.py``); left in
+    the environment, every later subprocess would rendezvous on that process's port and fail to bind it."""
+    saved = {name: os.environ.get(name) for name in DISTRIBUTED_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

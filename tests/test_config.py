@@ -95,7 +95,7 @@ FULL: dict[str, Any] = {
         "make_vocab_size_divisible_by": 64,
         "ddp_bucket_cap_mb": 50,
         "compile": True,
-        "loss_chunk_tokens": 8192,
+        "loss_chunk_tokens": 2048,
     },
     "tokenizer": {"tokenizer_name_or_path": "gpt2", "tokenizer_revision": "main", "tokenizer_max_length": 1024},
     "optimizer": {

@@ -126,6 +126,7 @@ def test_fp8_on_a_gpu_without_fp8_matmuls_warns_that_it_is_emulated(monkeypatch,
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     logger = logging.getLogger("nanotron")
     monkeypatch.setattr(logger, "propagate", True)  # the training logger may have been set up by an earlier test
+    monkeypatch.setattr(fp8.logger, "disabled", False)  # and a library's logging set-up may have disabled it
     for capability, warned in (((8, 0), True), ((9, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         caplog.clear()

@@ -140,7 +140,9 @@ def _remove_if_stale(root: Path, path: Path, text: str) -> None:
         raise CheckpointError(f"{held}, which cannot be checked from {socket.gethostname()}; wait for that run or "
                               f"train in another checkpoints_path, or if it has ended (killed, node lost), delete "
                               f"{path} by hand")
-    if _is_running(pid):
+    # A lock of this very process is an earlier run of it that was not closed (a benchmark or a notebook building
+    # trainers one after the other): this process cannot be two runs at once, so it takes the folder back.
+    if _is_running(pid) and pid != os.getpid():
         raise CheckpointError(f"{held}; wait for it to end or stop it (kill {pid}), or train in another "
                               "checkpoints_path")
     # Set aside, then removed only if it is still the stale lock judged here: another starter may have replaced it
@@ -154,4 +156,5 @@ def _remove_if_stale(root: Path, path: Path, text: str) -> None:
         os.rename(aside, path)
         return
     aside.unlink()
-    logger.warning(f"removed the lock of {root} left by pid {pid} (started {since}), which is no longer running")
+    if pid != os.getpid():
+        logger.warning(f"removed the lock of {root} left by pid {pid} (started {since}), which is no longer running")
