@@ -379,8 +379,9 @@ def _nanotron(ckpt: str, tp: int, pp: int) -> dict:
     logits = forward_logits(model, pc, ids, None, None, None, last_only=False)
     vocab = model.config.vocab_size
     greedy = SamplingArgs("greedy")
-    cached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=True)
-    uncached = generate(model, pc, PROMPTS, 64, greedy, None, vocab, use_cache=False)
+    # 48 new tokens: the longest prompt (10) plus them stays inside the tiny models' 64 positions.
+    cached = generate(model, pc, PROMPTS, 48, greedy, None, vocab, use_cache=True)
+    uncached = generate(model, pc, PROMPTS, 48, greedy, None, vocab, use_cache=False)
     return {"logits": None if logits is None else logits[0, :, :vocab], "cached": cached, "uncached": uncached}
 
 
