@@ -118,26 +118,33 @@ def test_fp8_grad_norms_at_tp_2_follow_tp_1_as_closely_as_bf16_does(tiny_data, t
     assert deviation("fp8") <= 4 * deviation("bf16"), {kind: deviation(kind) for kind in ("bf16", "fp8")}
 
 
-def test_fp8_on_a_gpu_without_fp8_matmuls_warns_that_it_is_emulated(monkeypatch, caplog):
+def test_fp8_on_a_gpu_without_fp8_matmuls_warns_that_it_is_emulated(monkeypatch):
     """Below compute capability 8.9 the products run the fp32 emulation: said once at start-up, naming the GPU; a
     GPU with FP8 matmuls and the CPU (emulated by design) say nothing."""
     from nanotron.nn import fp8
 
+    records: list[logging.LogRecord] = []
+    collect = logging.Handler(logging.WARNING)
+    collect.emit = records.append  # on the module's own logger: independent of propagation and other handlers
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    logger = logging.getLogger("nanotron")
-    monkeypatch.setattr(logger, "propagate", True)  # the training logger may have been set up by an earlier test
-    monkeypatch.setattr(fp8.logger, "disabled", False)  # and a library's logging set-up may have disabled it
-    for capability, warned in (((8, 0), True), ((9, 0), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="nanotron"):
+    monkeypatch.setattr(fp8.logger, "disabled", False)  # a library's logging set-up may have disabled it
+    fp8.logger.addHandler(collect)
+    level = fp8.logger.level
+    fp8.logger.setLevel(logging.WARNING)  # whatever level an earlier test left on the "nanotron" logger
+    try:
+        for capability, warned in (((8, 0), True), ((9, 0), False)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+            records.clear()
             fp8.warn_if_emulated(torch.device("cuda"))
             fp8.warn_if_emulated(torch.device("cpu"))
-        messages = [record.getMessage() for record in caplog.records]
-        assert len(messages) == warned, messages
-        if warned:
-            assert "A100" in messages[0] and "8.0" in messages[0] and "emulated" in messages[0]
-            assert "fp8.enabled: false" in messages[0]
+            messages = [record.getMessage() for record in records]
+            assert len(messages) == warned, messages
+            if warned:
+                assert "A100" in messages[0] and "8.0" in messages[0] and "emulated" in messages[0]
+                assert "fp8.enabled: false" in messages[0]
+    finally:
+        fp8.logger.removeHandler(collect)
+        fp8.logger.setLevel(level)
 
 
 def test_rowwise_fp8_with_an_fp32_model_runs_on_gpus_that_refuse_an_fp32_output(monkeypatch):
