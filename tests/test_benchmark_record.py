@@ -351,7 +351,7 @@ def test_flops_count_the_lm_head_and_not_the_embedding_lookup():
     6 · 16 · 32 per layer: 6 · 11,024 + 12,288 = 78,432 per token, tied or not: an untied model's embedding
     matrix adds parameters, not FLOPs (its lookup is a gather)."""
     from nanotron.config import LlamaConfig
-    from nanotron.models.llama import llama_costs
+    from nanotron.models.llama.costs import llama_costs
 
     shape = dict(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
                  num_key_value_heads=1)
@@ -366,7 +366,7 @@ def test_mixture_of_experts_flops_count_the_routed_experts_and_the_lm_head():
     """The same shape with 4 experts of ffn 32, top-2, untied: a layer uses attention and norms (800), the router
     (16 · 4 = 64) and 2 of its experts (2 · 1536): 3936 weights; 6 · (4 · 3936 + 16 + 1664) + 12,288 = 116,832."""
     from nanotron.config import LlaMoEConfig
-    from nanotron.models.moe import moe_costs
+    from nanotron.models.moe.costs import moe_costs
 
     config = LlaMoEConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False, moe_num_experts=4,
@@ -382,7 +382,7 @@ def test_mamba_flops_count_the_lm_head_and_not_the_embedding_lookup():
     costs 21 · 32 · 4 = 2688. 2 · (6 · 2224 + 2688) + 6 · (16 + 104 · 16) = 42,144 per token, tied or not."""
     from nanotron.config import MambaConfig
     from nanotron.config.schema import MambaSSMArgs
-    from nanotron.models.mamba import mamba_costs
+    from nanotron.models.mamba.costs import mamba_costs
 
     for tie in (True, False):
         config = MambaConfig(d_model=16, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=tie,

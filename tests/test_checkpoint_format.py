@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
+from nanotron.checkpoint.logical_tensors import LogicalTensorReader, write_boxes
 from nanotron.checkpoint.run_folder import resolve_checkpoint
+from nanotron.errors import CheckpointError
 from nanotron.parallel.placement import Placement, Shard
 
 

@@ -61,7 +61,7 @@ def test_fp32_multi_tensor_norm_is_accurate_on_cuda():
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 def test_grouped_gemm_experts_match_the_loop_in_bf16_forward_and_backward():
-    from nanotron.models.moe import GroupedExperts
+    from nanotron.models.moe.model import GroupedExperts
 
     torch.manual_seed(0)
     experts = GroupedExperts(8, 256, 512).cuda().bfloat16()

@@ -122,7 +122,7 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
     and the products equal the eager emulation's."""
     from torch._dynamo.utils import counters
 
-    from nanotron.models.moe import GroupedExperts
+    from nanotron.models.moe.model import GroupedExperts
     from nanotron.nn import fp8
 
     def aligned_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):

@@ -8,7 +8,8 @@ from helpers import run_with_triton_interpreter
 from nanotron.config import LlamaConfig
 from nanotron.models.build import materialize, padded_vocab_size
 from nanotron.models.init import init_parameters
-from nanotron.models.llama import LlamaForCausalLM, llama_costs, llama_init_rule
+from nanotron.models.llama.costs import llama_costs
+from nanotron.models.llama.model import LlamaForCausalLM, llama_init_rule
 from nanotron.nn.loss import masked_sum, token_losses
 from nanotron.parallel.placement import annotate_placements, logical_parameters
 

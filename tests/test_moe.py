@@ -178,7 +178,7 @@ def test_all_to_all_loses_and_duplicates_no_token(runs):
 # --- routing by hand -------------------------------------------------------------------------------------------
 
 def test_top_k_weights_and_auxiliary_losses_match_a_hand_computation():
-    from nanotron.models.moe import route
+    from nanotron.models.moe.model import route
 
     rows = [[2.0, 1.0, 0.0], [0.0, 0.5, 3.0]]
     routing, record = route(torch.tensor([rows]), top_k=2, normalize=True, capacity_factor=None)
@@ -201,7 +201,7 @@ def test_top_k_weights_and_auxiliary_losses_match_a_hand_computation():
 
 
 def test_capacity_drops_later_tokens_and_later_choices_first():
-    from nanotron.models.moe import route
+    from nanotron.models.moe.model import route
 
     logits = torch.tensor([[[3.0, 1.0]] * 4])  # four tokens, all prefer expert 0, then expert 1
     top1, record = route(logits, top_k=1, normalize=True, capacity_factor=0.5)  # capacity ceil(0.5 * 4 / 2) = 1
@@ -213,7 +213,7 @@ def test_capacity_drops_later_tokens_and_later_choices_first():
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 def test_grouped_gemms_match_the_per_expert_loop():
-    from nanotron.models.moe import GroupedExperts
+    from nanotron.models.moe.model import GroupedExperts
 
     torch.manual_seed(0)
     experts = GroupedExperts(4, 16, 8)
@@ -258,7 +258,7 @@ def test_expert_parallelism_needs_a_mixture_of_experts(tiny_data, tmp_path):
 
 def test_a_capacity_that_drops_nothing_gives_the_dropless_block():
     from nanotron.config import LlaMoEConfig
-    from nanotron.models.moe import MoEFeedForward
+    from nanotron.models.moe.model import MoEFeedForward
 
     torch.manual_seed(0)
     config = LlaMoEConfig(hidden_size=16, intermediate_size=8, moe_num_experts=4, num_experts_per_tok=2)

@@ -143,7 +143,8 @@ def test_llama3_frequencies_are_those_of_transformers():
 
 def test_costs_count_the_qkv_biases():
     from nanotron.config import LlamaConfig
-    from nanotron.models.llama import LlamaForCausalLM, llama_costs
+    from nanotron.models.llama.costs import llama_costs
+    from nanotron.models.llama.model import LlamaForCausalLM
 
     config = LlamaConfig(**SHAPE | {"attention_bias": True})
     model = LlamaForCausalLM(config, 112)
@@ -266,7 +267,7 @@ def test_bad_rope_scaling_is_one_error_line_naming_the_key(tiny_data, tmp_path, 
 
 def test_conversion_refuses_unsupported_rope_and_sliding_window(tmp_path):
     from nanotron.checkpoint.hf import hf_to_nanotron
-    from nanotron.checkpoint.logical_tensors import CheckpointError
+    from nanotron.errors import CheckpointError
 
     cases = {"yarn": (hf_config("Llama").to_dict() | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
                       "rope type 'yarn' (RoPE scaling) is not supported; supported: default, linear, llama3"),

@@ -108,7 +108,7 @@ def test_recompute_saves_activations_keeps_names_and_gradients(tiny_data, tmp_pa
 
 def test_hardware_flops_add_one_forward_of_the_layers():
     from nanotron.config import LlamaConfig
-    from nanotron.models.llama import llama_costs
+    from nanotron.models.llama.costs import llama_costs
 
     config = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)

@@ -276,8 +276,8 @@ def test_a_torn_metrics_line_is_dropped_on_resume(saved, tiny_data, tmp_path):
 
 def _save_into_a_full_disk(config: dict) -> dict:
     import nanotron.files as files
-    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.config import config_from_dict
+    from nanotron.errors import CheckpointError
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))

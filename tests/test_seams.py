@@ -15,8 +15,8 @@ from helpers import _train, tiny_config_dict, write_corpus
 
 
 def test_registry_finds_llama_by_name_config_and_hf_model_type():
-    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.config import LlamaConfig
+    from nanotron.errors import CheckpointError
     from nanotron.models.registry import LLAMA, spec_for_config, spec_for_hf_model_type, spec_named
     from nanotron.models.spec import CausalLM
 
@@ -36,12 +36,16 @@ def test_registry_finds_llama_by_name_config_and_hf_model_type():
 def test_checkpoint_records_the_model_type_and_older_checkpoints_read_as_llama(tmp_path):
     from nanotron.checkpoint.manager import checkpoint_model, model_metadata
     from nanotron.config import LlamaConfig
+    from nanotron.errors import CheckpointError
 
     config = LlamaConfig(num_hidden_layers=3)
     metadata = {"model": model_metadata(config, 32000, "bfloat16")}
     assert metadata["model"]["type"] == "llama" and metadata["model"]["padded_vocab_size"] == 32000
     assert checkpoint_model(tmp_path, metadata) == (checkpoint_model(tmp_path, metadata)[0], config)
-    del metadata["model"]["type"]  # format 1 had no type: it only held Llama models
+    del metadata["model"]["type"]
+    with pytest.raises(CheckpointError, match="names no model family"):  # a later format always names it
+        checkpoint_model(tmp_path, metadata)
+    metadata["format_version"] = 1  # format 1 had no type: it only held Llama models
     assert checkpoint_model(tmp_path, metadata)[1] == config
 
 

@@ -150,9 +150,9 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data,
 
 def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
     from nanotron.checkpoint.integrity import read_metadata
-    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.checkpoint.run_folder import resolve_checkpoint
     from nanotron.config import LRSchedulerArgs
+    from nanotron.errors import CheckpointError
     from nanotron.optim.lr_schedule import learning_rate_at
 
     schedule = {"learning_rate": 3e-3, "lr_warmup_steps": 3, "min_decay_lr": 3e-4}

@@ -288,11 +288,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def _user_error_types() -> tuple[type[Exception], ...]:
     """Library errors meant for users carry their fix in the message; anything else keeps its traceback."""
-    from nanotron.checkpoint.logical_tensors import CheckpointError
     from nanotron.config import ConfigError
     from nanotron.data.corpus import CorpusError
     from nanotron.data.dataset import DataError
     from nanotron.data.tokenizer import TokenizerError
+    from nanotron.errors import CheckpointError
     from nanotron.parallel.context import ParallelLayoutError
     from nanotron.parallel.data_parallel import ReplicaDivergenceError
     from nanotron.parallel.pipeline_parallel import PipelineTimeoutError

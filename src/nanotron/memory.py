@@ -58,19 +58,14 @@ from torch import nn
 
 from nanotron.config import Config, ConfigError, LlamaConfig, MambaConfig
 from nanotron.models.build import BuildOptions, padded_vocab_size, pipeline_stage_layers
-from nanotron.models.moe import GroupedExperts
+from nanotron.models.mamba.parallelize import SelectiveStateSpace
+from nanotron.models.moe.model import GroupedExperts
+from nanotron.models.moe.parallelize import MixtureOfExperts
 from nanotron.models.registry import spec_for_config
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.nn.selective_scan import BLOCK_T as SCAN_CHUNK
 from nanotron.parallel.placement import Shard
-from nanotron.parallel.tensor_parallel import (
-    REDUCE_SCATTER,
-    Column,
-    MixtureOfExperts,
-    Row,
-    SelectiveStateSpace,
-    VocabEmbedding,
-)
+from nanotron.parallel.tensor_parallel import REDUCE_SCATTER, Column, Row, VocabEmbedding
 
 GB = 1e9
 DEFAULT_GPU_MEMORY_GB = 150.1  # an H200 (its total_memory, 150,109,880,320 bytes), when no CUDA device is visible

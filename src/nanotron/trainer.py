@@ -28,7 +28,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from nanotron.checkpoint.async_saving import AsyncCheckpointer
 from nanotron.checkpoint.integrity import read_metadata
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.manager import (
     TrainingProgress,
     check_same_model,
@@ -51,6 +50,7 @@ from nanotron.data.dataset import DataError, PretrainDataset
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.divergence import BadStepGuard
+from nanotron.errors import CheckpointError
 from nanotron.logging import setup_logging
 from nanotron.memory import memory_summary
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb

@@ -21,9 +21,10 @@ from safetensors.torch import save_file
 
 from nanotron.checkpoint.hf_folder import check_weights_fit, read_hf_config, read_weights, stored_shapes
 from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_checkpoint
-from nanotron.checkpoint.logical_tensors import CheckpointError, LogicalTensorReader, write_boxes
+from nanotron.checkpoint.logical_tensors import LogicalTensorReader, write_boxes
 from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
+from nanotron.errors import CheckpointError
 from nanotron.files import fsync_path
 from nanotron.models.registry import check_model_config
 

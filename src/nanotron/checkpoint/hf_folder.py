@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.config import ConfigError, model_config_from_dict
+from nanotron.errors import CheckpointError
 from nanotron.models.registry import check_model_config, spec_for_hf_model_type
 from nanotron.models.spec import ModelSpec
 

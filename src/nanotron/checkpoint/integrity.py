@@ -19,8 +19,9 @@ import stat
 import zlib
 from pathlib import Path
 
-from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError
+from nanotron.checkpoint.logical_tensors import FORMAT_VERSION
 from nanotron.checkpoint.run_folder import METADATA
+from nanotron.errors import CheckpointError
 
 CHUNK_BYTES = 16 * 2**20
 REQUIRED = {"format_version": int, "step": int, "optimizer_step": int, "lr_schedule_start_step": int,

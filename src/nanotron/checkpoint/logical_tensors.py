@@ -14,14 +14,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_safetensors
 
 FORMAT_VERSION = 3  # 3: checkpoint.json carries manifest_sha256; 2: it names the model family; 1 held Llama only
 METADATA_KEY = "nanotron"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match the model being loaded."""
 
 
 @dataclass(frozen=True)

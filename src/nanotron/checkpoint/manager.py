@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.checkpoint.integrity import sealed, verify_checksums
-from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, CheckpointError, LogicalTensorReader
+from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, LogicalTensorReader
 from nanotron.checkpoint.run_folder import METADATA
+from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_text
 from nanotron.models.registry import spec_for_config, spec_named
 from nanotron.models.spec import CausalLM, ModelSpec
@@ -80,7 +81,13 @@ def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, objec
     model = metadata.get("model", {})
     if "config" not in model:
         raise CheckpointError(f"{checkpoint / METADATA} has no model config: it was written by an older version")
-    spec = spec_named(model.get("type", "llama"), checkpoint)
+    family = model.get("type")
+    if family is None:
+        if metadata.get("format_version") != 1:
+            raise CheckpointError(f"{checkpoint / METADATA} names no model family (model.type): the file was edited "
+                                  "or truncated; restore it from the run's other copy or an earlier checkpoint")
+        family = "llama"  # format 1, which named no family, held Llama models only
+    spec = spec_named(family, checkpoint)
     try:
         return spec, spec.config_class(**model["config"])
     except TypeError as error:

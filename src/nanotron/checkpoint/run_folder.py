@@ -19,8 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.config import ConfigError
+from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_text
 
 logger = logging.getLogger(__name__)

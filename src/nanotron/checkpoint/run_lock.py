@@ -32,7 +32,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from nanotron.checkpoint.logical_tensors import CheckpointError
+from nanotron.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

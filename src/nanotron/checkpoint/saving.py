@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import file_entry
-from nanotron.checkpoint.logical_tensors import CheckpointError, write_boxes
+from nanotron.checkpoint.logical_tensors import write_boxes
 from nanotron.checkpoint.manager import (
     TrainingProgress,
     checkpoint_metadata,
@@ -36,6 +36,7 @@ from nanotron.checkpoint.manager import (
 )
 from nanotron.checkpoint.run_folder import PARTIAL_PREFIX, complete_checkpoints, prune, write_latest
 from nanotron.config import Config, save_config
+from nanotron.errors import CheckpointError
 from nanotron.files import fsync_path
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW

@@ -42,9 +42,11 @@ from nanotron.config.schema import (
     TokensArgs,
     WandbArgs,
 )
-from nanotron.config.validation import validate_config
+from nanotron.config.validation import llama_problems, mamba_problems, validate_config
 
 __all__ = [
+    "llama_problems",
+    "mamba_problems",
     "DEFAULT_RUN_NAME",
     "LEGACY_KEYS",
     "MODEL_CONFIG_CLASSES",

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import read_metadata
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import Config, ConfigError, load_config
 from nanotron.data.dataset import domain_name
 from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
+from nanotron.errors import CheckpointError
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import read_metadata
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.checkpoint.manager import checkpoint_model, load_weights, verify_on_all_ranks
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import ConfigError
+from nanotron.errors import CheckpointError
 from nanotron.models.build import BuildOptions, build_model
 from nanotron.models.registry import check_model_config, spec_for_config
 from nanotron.models.spec import CausalLM
@@ -66,8 +66,8 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
     # The sequence length only weighs attention in the pipeline split; a family without a context limit keeps the
     # default.
     options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
-                           sequence_length=getattr(model_config, "max_position_embeddings",
-                                                   BuildOptions.sequence_length))
+                           sequence_length=spec_for_config(model_config).context_length(model_config)
+                           or BuildOptions.sequence_length)
     model = build_model(model_config, parallel_context, options)
     load_weights(checkpoint, model, parallel_context, metadata)
     return model.eval(), checkpoint
@@ -93,7 +93,7 @@ def check_within_context(model_config, prompt_tokens: int, max_new_tokens: int) 
     family has one): beyond them it runs silently on positions it never saw."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    limit = getattr(model_config, "max_position_embeddings", None)
+    limit = spec_for_config(model_config).context_length(model_config)
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         fix = (f"pass --max-new-tokens {limit - prompt_tokens} or less" if prompt_tokens < limit
                else "shorten the prompt")

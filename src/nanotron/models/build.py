@@ -14,7 +14,6 @@ from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.nn.recompute import recompute_in_backward
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.expert_parallel import apply_expert_parallel
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
 from nanotron.parallel.placement import annotate_placements
 from nanotron.parallel.tensor_parallel import ALL_REDUCE, apply_tensor_parallel
@@ -102,7 +101,7 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
                                   options.tp_overlap)
             model.tie_weights()
         if pc.size("ep") > 1:
-            apply_expert_parallel(model, pc.groups["ep"])
+            spec.expert_parallel(model, pc.groups["ep"])
         if stages > 1:
             layers = pipeline_stage_layers(model_config, options, stages, pc.size("tp"))[pc.coord("pp")]
             keep_stage(model, layers, pc.is_first_stage, pc.is_last_stage)

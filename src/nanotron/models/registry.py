@@ -1,78 +1,18 @@
-"""The model families nanotron trains, by name (the ``model.type`` of checkpoint.json) and by config class.
+"""The model families nanotron trains, by name (the ``model.type`` of checkpoint.json) and by config class: the only
+place that names them.
 
-To add a family: its config dataclass (``nanotron/config``, with its ``is_<name>_config`` marker), its pure model
-(``models/<name>.py``), its tensor-parallel plan (``parallel/plans.py``), its Hugging Face adapter
-(``checkpoint/hf_<name>.py``) and one :class:`ModelSpec` here. docs/design.md walks through it.
+A family is a package ``models/<name>/`` whose ``__init__.py`` defines its :class:`ModelSpec`; its config dataclass
+lives in ``nanotron/config`` (with its ``is_<name>_config`` marker). docs/design.md walks through adding one.
 """
 
 from __future__ import annotations
 
-from nanotron.checkpoint.hf_llama import LlamaHFAdapter, MixtralHFAdapter
-from nanotron.checkpoint.hf_mamba import MambaHFAdapter
-from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import ConfigError, LlamaConfig, LlaMoEConfig, MambaConfig
-from nanotron.config.validation import llama_problems, mamba_problems
-from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
-from nanotron.models.mamba import (
-    MambaCache,
-    MambaForCausalLM,
-    mamba_activation_dtype,
-    mamba_costs,
-    mamba_init_rule,
-)
-from nanotron.models.moe import (
-    LlaMoEForCausalLM,
-    moe_costs,
-    moe_init_rule,
-    router_losses,
-    router_metrics,
-    router_statistics_template,
-)
-from nanotron.models.spec import AuxiliaryLosses, ModelSpec
-from nanotron.parallel.plans import llama_plan, mamba_plan, moe_plan
-
-LLAMA = ModelSpec(
-    name="llama",
-    config_class=LlamaConfig,
-    model_class=LlamaForCausalLM,
-    tensor_parallel_plan=llama_plan,
-    costs=llama_costs,
-    init_rule=llama_init_rule,
-    hf_adapter=LlamaHFAdapter(),
-    inference_cache=KVCache,
-    config_problems=llama_problems,
-    # Extending the context changes max_position_embeddings and usually the RoPE theta or scaling with it.
-    resume_may_change=frozenset({"max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id",
-                                 "eos_token_id", "pad_token_id", "initializer_range", "use_cache"}),
-)
-
-LLAMOE = ModelSpec(
-    name="llamoe",
-    config_class=LlaMoEConfig,
-    model_class=LlaMoEForCausalLM,
-    tensor_parallel_plan=moe_plan,
-    costs=moe_costs,
-    init_rule=moe_init_rule,
-    hf_adapter=MixtralHFAdapter(),
-    inference_cache=KVCache,
-    config_problems=llama_problems,
-    resume_may_change=LLAMA.resume_may_change | {"moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef"},
-    auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
-)
-
-MAMBA = ModelSpec(
-    name="mamba",
-    config_class=MambaConfig,
-    model_class=MambaForCausalLM,
-    tensor_parallel_plan=mamba_plan,
-    costs=mamba_costs,
-    init_rule=mamba_init_rule,
-    hf_adapter=MambaHFAdapter(),
-    inference_cache=MambaCache,
-    config_problems=mamba_problems,
-    resume_may_change=frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"}),
-    activation_dtype=mamba_activation_dtype,
-)
+from nanotron.config import ConfigError
+from nanotron.errors import CheckpointError
+from nanotron.models.llama import LLAMA
+from nanotron.models.mamba import MAMBA
+from nanotron.models.moe import LLAMOE
+from nanotron.models.spec import ModelSpec
 
 MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA)}
 

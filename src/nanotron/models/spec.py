@@ -135,3 +135,8 @@ class ModelSpec:
     auxiliary_losses: AuxiliaryLosses | None = None
     # (config, model dtype) -> dtype of the hidden states between pipeline stages (a residual stream kept in fp32)
     activation_dtype: Callable[[Any, torch.dtype], torch.dtype] = same_dtype
+    # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for
+    # a family without experts (the config rules refuse expert_parallel_size > 1 for it)
+    expert_parallel: Callable[[nn.Module, Any], None] | None = None
+    # config -> the positions the model was trained for (generation refuses to go past them); None: no such limit
+    context_length: Callable[[Any], int | None] = lambda config: None

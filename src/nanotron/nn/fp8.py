@@ -418,8 +418,8 @@ class FP8Matmul:
 def fp8_converter(args):
     """A module converter (``build_model(converters=...)``) giving the decoder layers' linears FP8 matmuls.
 
-    Every module with a swappable ``matmul`` inside ``layers`` is converted except the MoE routers (their logits
-    choose experts: small, and sensitive) and the names matching ``fp8.exclude_modules``; so are MoE experts (their
+    Every module with a swappable ``matmul`` inside ``layers`` is converted except those their parent module lists in
+    ``keeps_model_dtype`` (MoE routers: their logits choose experts) and the names matching ``fp8.exclude_modules``; so are MoE experts (their
     ``expert_matmul``: per-expert FP8 products, each expert's weights and tokens scaled on their own, from the
     current amax even with the delayed recipe). The embedding and the LM head are outside the decoder layers and
     stay in the model dtype. A tensor-parallel linear scales each operand as the whole tensor is scaled
@@ -438,12 +438,15 @@ def fp8_converter(args):
         return module.fp8_ranges
 
     def convert(model) -> None:
-        for name, module in list(model.named_modules()):
-            if not name.startswith("layers.") or any(pattern.search(name) for pattern in excluded):
+        modules = dict(model.named_modules())
+        kept = {f"{name}.{child}" for name, module in modules.items()
+                for child in getattr(module, "keeps_model_dtype", ())}
+        for name, module in modules.items():
+            if not name.startswith("layers.") or name in kept or any(pattern.search(name) for pattern in excluded):
                 continue
             if hasattr(module, "expert_matmul"):
                 module.expert_matmul = FP8Matmul(experts_recipe, ranges=range_counts(module))
-            elif hasattr(module, "matmul") and not name.endswith(".router"):
+            elif hasattr(module, "matmul"):
                 if recipe.delayed:  # a child module: its history is model state, saved and loaded by name
                     module.fp8_amaxes = AmaxHistory(args.amax_history_length)
                 split = None

@@ -25,32 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron.models.moe import GroupedExperts, MoEFeedForward
-from nanotron.parallel.placement import Shard
-
-
-class ShardedExperts(GroupedExperts):
-    """This rank's experts (``num_experts / ep`` of them) and slice of their feed-forward width (``ffn / tp``, gate
-    and up rows split alike), with the placements that say so."""
-
-    def __init__(self, num_experts: int, hidden_size: int, ffn: int, ep: int, tp: int):
-        super().__init__(num_experts // ep, hidden_size, ffn // tp)
-        self.logical_experts, self.logical_ffn, self.ep, self.tp = num_experts, ffn, ep, tp
-        by_expert = (Shard("ep", 0),) if ep > 1 else ()
-        self.parameter_shards = {
-            "gate_up_proj": ((num_experts, 2 * ffn, hidden_size),
-                             by_expert + ((Shard("tp", 1, chunks=(ffn, ffn)),) if tp > 1 else ())),
-            "down_proj": ((num_experts, hidden_size, ffn), by_expert + ((Shard("tp", 2),) if tp > 1 else ())),
-        }
-
-    @classmethod
-    def resharded(cls, experts: GroupedExperts, ep: int | None = None, tp: int | None = None) -> ShardedExperts:
-        """``experts`` (plain or already sharded) split over ``ep`` and ``tp`` ranks (None: as they are)."""
-        num_experts = getattr(experts, "logical_experts", experts.num_experts)
-        ffn = getattr(experts, "logical_ffn", experts.ffn)
-        return cls(num_experts, experts.hidden_size, ffn, ep or getattr(experts, "ep", 1),
-                   tp or getattr(experts, "tp", 1))
-
 
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with variable splits; the backward sends the gradients back."""
@@ -76,7 +50,7 @@ class ExpertExchange:
         self.size = dist.get_world_size(group)
         self.local_experts = num_experts // self.size
 
-    def __call__(self, experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         received_counts = torch.empty_like(tokens_per_expert)  # [source rank * local expert]
         dist.all_to_all_single(received_counts, tokens_per_expert, group=self.group)
         received_counts = received_counts.view(self.size, self.local_experts)
@@ -93,11 +67,3 @@ class ExpertExchange:
         return _AllToAll.apply(arrival_order, send_splits, receive_splits, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Split the experts of every MoE block over the ranks of ``group`` and route tokens to them by all-to-all.
-    Call on the meta device, after tensor parallelism."""
-    ep = dist.get_world_size(group)
-    for module in model.modules():
-        if isinstance(module, MoEFeedForward):
-            module.experts = ShardedExperts.resharded(module.experts, ep=ep)
-            module.exchange = ExpertExchange(group, module.config.moe_num_experts)

@@ -16,6 +16,7 @@ Every parallel layer records, per parameter, the logical shape and how it is sha
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron.models.mamba import MambaMixer
-from nanotron.models.moe import MoEFeedForward
-from nanotron.nn.causal_conv1d import CausalConv1d
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
-from nanotron.parallel.expert_parallel import ShardedExperts
 from nanotron.parallel.placement import Shard
 from nanotron.parallel.tp_collectives import (
     copy_to_tp,
@@ -228,7 +225,7 @@ class SequenceParallelRMSNorm(RMSNorm):
         return copy_to_tp(self.weight, self.group) * rms_normalize(x, self.eps)
 
 
-class _GradientSummedLinear(Linear):
+class GradientSummedLinear(Linear):
     """A linear layer replicated over TP whose weight gradient is summed over TP: each rank backpropagates only its
     part of what depends on the layer (a router, whose outputs weight experts split over TP)."""
 
@@ -240,118 +237,47 @@ class _GradientSummedLinear(Linear):
         return x, copy_to_tp(self.weight, self.group), None
 
 
-class TensorParallelMoE(MoEFeedForward):
-    """A mixture-of-experts block split over TP like a dense MLP: each expert's feed-forward width is sharded
-    (gate and up column-wise, down row-wise) and the block's output is summed over TP.
+class Style(ABC):
+    """How one module of a plan is split: ``parallelize`` returns the module's tensor-parallel replacement (None:
+    keep it). A family defines styles of its own for the blocks it splits as a whole (``models/<family>/
+    parallelize.py``); the four below serve every family's linears, embeddings and norms."""
 
-    Every rank routes all the block's tokens (the sequence is gathered first in sequence-parallel mode), so routing
-    is identical everywhere. The expert outputs a rank combines are partial sums, so the gradients of the routing
-    weights are partial too: the router's weight gradient is summed over TP, and so is the input's (the
-    entry's backward), which carries both. The auxiliary losses, computed in full on every rank, are therefore
-    backpropagated with a 1/tp share each.
-    """
+    keeps_bias = False  # whether the parallel module adds the original module's bias (else one is refused)
 
-    def __init__(self, block: MoEFeedForward, group: dist.ProcessGroup, mode: str):
-        super().__init__(block.config)
-        tp = dist.get_world_size(group)
-        self.group, self.mode = group, mode
-        self.router = _GradientSummedLinear(block.router.in_features, block.router.out_features, group)
-        self.experts = ShardedExperts.resharded(block.experts, tp=tp)
-        self.auxiliary_share = 1.0 / tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_sequence(x, self.group) if self.mode == REDUCE_SCATTER else copy_to_tp(x, self.group)
-        y = super().forward(x)
-        return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
-
-
-class _ChannelShardedConv1d(CausalConv1d):
-    """A depthwise convolution over this rank's channels (each channel has its own kernel and bias)."""
-
-    def __init__(self, channels: int, kernel_size: int, bias: bool, tp: int):
-        super().__init__(channels // tp, kernel_size, bias)
-        self.parameter_shards = {"weight": ((channels, 1, kernel_size), (Shard("tp", 0),))}
-        if bias:
-            self.parameter_shards["bias"] = ((channels,), (Shard("tp", 0),))
-
-
-class TensorParallelMambaMixer(MambaMixer):
-    """A Mamba mixer split over TP by channels, every channel's state on one rank (as Megatron-LM splits Mamba).
-
-    in_proj is column-parallel (each rank's slice of x and of the gate z, the sequence gathered first in
-    sequence-parallel mode); conv1d, dt_proj's outputs, A_log and D are this rank's channels; x_proj is
-    row-parallel and always all-reduced, since every rank's scan needs the whole dt, B and C; out_proj is
-    row-parallel like an attention output (reduce-scattered to a sequence shard in sequence-parallel mode).
-    """
-
-    def __init__(self, mixer: MambaMixer, group: dist.ProcessGroup, mode: str):
-        nn.Module.__init__(self)
-        tp = dist.get_world_size(group)
-        self.d_state, self.d_conv, self.dt_rank = mixer.d_state, mixer.d_conv, mixer.dt_rank
-        d_model, d_inner = mixer.in_proj.in_features, mixer.D.shape[0]
-        if mixer.in_proj.bias is not None or mixer.out_proj.bias is not None:
-            raise ValueError("tensor parallelism of a Mamba mixer with in_proj/out_proj biases is not supported")
-        self.in_proj = ColumnParallelLinear(d_model, 2 * d_inner, group, mode, chunks=(d_inner, d_inner))
-        self.conv1d = _ChannelShardedConv1d(d_inner, self.d_conv, mixer.conv1d.bias is not None, tp)
-        self.x_proj = RowParallelLinear(d_inner, mixer.x_proj.out_features, group, ALL_REDUCE)
-        self.dt_proj = ColumnParallelLinear(self.dt_rank, d_inner, group, ALL_REDUCE, bias=True)
-        self.A_log = nn.Parameter(torch.empty(d_inner // tp, self.d_state))
-        self.D = nn.Parameter(torch.empty(d_inner // tp))
-        self.parameter_shards = {"A_log": ((d_inner, self.d_state), (Shard("tp", 0),)),
-                                 "D": ((d_inner,), (Shard("tp", 0),))}
-        self.out_proj = RowParallelLinear(d_inner, d_model, group, mode)
+    @abstractmethod
+    def parallelize(self, module: nn.Module, group: dist.ProcessGroup, mode: str, overlap: bool) -> nn.Module | None:
+        """``overlap`` is ``parallelism.tp_linear_async_communication``."""
 
 
 @dataclass(frozen=True)
-class Column:
+class Column(Style):
     chunks: tuple[int, ...] | None = None
     units: tuple[int, ...] | None = None  # indivisible sizes of the chunks (heads): see ColumnParallelLinear
+    keeps_bias = True
+
+    def parallelize(self, module, group, mode, overlap):
+        return ColumnParallelLinear(module.in_features, module.out_features, group, mode, self.chunks, overlap,
+                                    bias=module.bias is not None, units=self.units)
 
 
 @dataclass(frozen=True)
-class Row:
-    pass
-
-
-@dataclass(frozen=True)
-class VocabEmbedding:
-    pass
-
-
-@dataclass(frozen=True)
-class SequenceParallelNorm:
-    pass
-
-
-@dataclass(frozen=True)
-class MixtureOfExperts:
-    pass
-
-
-@dataclass(frozen=True)
-class SelectiveStateSpace:
-    pass
-
-
-Style = Column | Row | VocabEmbedding | SequenceParallelNorm | MixtureOfExperts | SelectiveStateSpace
-
-
-def _parallel_module(module: nn.Module, style: Style, group: dist.ProcessGroup, mode: str,
-                     overlap: bool) -> nn.Module | None:
-    if isinstance(style, Column):
-        return ColumnParallelLinear(module.in_features, module.out_features, group, mode, style.chunks, overlap,
-                                    bias=module.bias is not None, units=style.units)
-    if isinstance(style, Row):
+class Row(Style):
+    def parallelize(self, module, group, mode, overlap):
         return RowParallelLinear(module.in_features, module.out_features, group, mode)
-    if isinstance(style, MixtureOfExperts):
-        return TensorParallelMoE(module, group, mode)
-    if isinstance(style, SelectiveStateSpace):
-        return TensorParallelMambaMixer(module, group, mode)
-    if isinstance(style, VocabEmbedding):
+
+
+@dataclass(frozen=True)
+class VocabEmbedding(Style):
+    def parallelize(self, module, group, mode, overlap):
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim, group, mode)
-    if mode == REDUCE_SCATTER:  # a norm only needs its gradient summed when it sees a sequence shard
-        return SequenceParallelRMSNorm(module.weight.shape[0], module.eps, group)
-    return None
+
+
+@dataclass(frozen=True)
+class SequenceParallelNorm(Style):
+    """A norm is only swapped in sequence-parallel mode, where it sees a sequence shard and its gradient is summed."""
+
+    def parallelize(self, module, group, mode, overlap):
+        return SequenceParallelRMSNorm(module.weight.shape[0], module.eps, group) if mode == REDUCE_SCATTER else None
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.ProcessGroup, mode: str,
@@ -366,10 +292,10 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.
         style = next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
         if style is None or module is None:
             continue
-        if getattr(module, "bias", None) is not None and not isinstance(style, Column):
+        if getattr(module, "bias", None) is not None and not style.keeps_bias:
             raise ValueError(f"tensor parallelism of {name} ({type(style).__name__}) with a bias is not supported: "
                              "only column-parallel layers may have one; remove the bias or leave the module unsharded")
-        replacement = _parallel_module(module, style, group, mode, overlap)
+        replacement = style.parallelize(module, group, mode, overlap)
         if replacement is not None:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)

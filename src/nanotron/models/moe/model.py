@@ -36,8 +36,8 @@ from torch import nn
 
 from nanotron.config import LlaMoEConfig
 from nanotron.models.init import normal
-from nanotron.models.llama import LlamaForCausalLM, LlamaMLP, decoder_costs, llama_init_rule
-from nanotron.models.spec import Initializer, ModelCosts
+from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
+from nanotron.models.spec import Initializer
 from nanotron.nn.linear import Linear
 from nanotron.nn.swiglu import swiglu
 from nanotron.parallel.statistics import Statistics
@@ -184,8 +184,11 @@ class MoEFeedForward(nn.Module):
     ``exchange(experts, tokens, tokens_per_expert)`` runs the experts on tokens grouped by expert: here directly;
     expert parallelism replaces it with an all-to-all to the ranks that hold them. ``auxiliary_share`` is the part
     of the auxiliary losses this copy of the block backpropagates (tensor parallelism computes the router on every
-    rank and sums its gradients, so each rank takes 1/tp).
+    rank and sums its gradients, so each rank takes 1/tp). The router stays in the model dtype when the decoder's
+    linears take low-precision products (``keeps_model_dtype``): its logits choose the experts.
     """
+
+    keeps_model_dtype = ("router",)
 
     def __init__(self, config: LlaMoEConfig):
         super().__init__()
@@ -234,15 +237,6 @@ def moe_init_rule(name: str, config: LlaMoEConfig, std: float) -> Initializer:
     if name.endswith("experts.down_proj"):
         return normal(std / (2 * config.num_hidden_layers) ** 0.5)
     return llama_init_rule(name, config, std)
-
-
-def moe_costs(c: LlaMoEConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
-    """All experts count in the parameters; a token's FLOPs use the router and its ``k`` experts only."""
-    expert = 3 * c.hidden_size * c.intermediate_size
-    router = c.hidden_size * c.moe_num_experts
-    feed_forward = [(c.moe_num_experts * expert + router, c.num_experts_per_tok * expert + router)
-                    if c.is_moe_layer(i) else (expert, expert) for i in range(c.num_hidden_layers)]
-    return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward)
 
 
 # --- auxiliary losses and statistics, read by the trainer through ``ModelSpec.auxiliary_losses`` ---------------

@@ -26,7 +26,7 @@ from torch import nn
 
 from nanotron.config import MambaConfig
 from nanotron.models.init import constant, normal
-from nanotron.models.spec import Initializer, ModelCosts, tie_embeddings
+from nanotron.models.spec import Initializer, tie_embeddings
 from nanotron.nn.causal_conv1d import CausalConv1d
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
@@ -160,24 +160,6 @@ def mamba_init_rule(name: str, config: MambaConfig, std: float) -> Initializer:
     if name.endswith("out_proj.weight"):
         return normal(std / config.num_hidden_layers ** 0.5)
     return normal(std)
-
-
-def mamba_costs(c: MambaConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
-    """6 FLOPs per weight and token for the projections and the depthwise conv (the 6N convention), plus the scan:
-    per token, channel and state about 7 FLOPs forward (decay exp and multiply, input term, state update, output
-    product), taken as 3x that for forward and backward, i.e. ``21 · d_inner · d_state`` per token and layer. As
-    for Llama (``decoder_costs``), the LM head counts and the input-embedding lookup does not."""
-    ssm, d_inner = c.ssm_cfg, c.d_inner
-    layer = (c.d_model * 2 * d_inner + (2 * d_inner if ssm.bias else 0)
-             + d_inner * ssm.d_conv + (d_inner if ssm.conv_bias else 0)
-             + d_inner * (c.dt_rank + 2 * ssm.d_state) + c.dt_rank * d_inner + d_inner
-             + d_inner * ssm.d_state + d_inner + d_inner * c.d_model + (c.d_model if ssm.bias else 0) + c.d_model)
-    lm_head = padded_vocab_size * c.d_model
-    parameters = c.num_hidden_layers * layer + lm_head * (1 if c.tie_word_embeddings else 2) + c.d_model
-    layer_flops = 6.0 * layer + 21.0 * d_inner * ssm.d_state
-    return ModelCosts(parameters=parameters, layer_flops=(layer_flops,) * c.num_hidden_layers,
-                      head_flops=6.0 * lm_head,
-                      flops_per_token=c.num_hidden_layers * layer_flops + 6.0 * (c.d_model + lm_head))
 
 
 def mamba_activation_dtype(c: MambaConfig, dtype: torch.dtype) -> torch.dtype:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from nanotron.checkpoint.logical_tensors import CheckpointError
 from nanotron.config import MambaConfig
+from nanotron.errors import CheckpointError
 
 _MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
           "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")

@@ -1,0 +1,28 @@
+"""Llama (and Qwen2, which is Llama with q/k/v biases): a decoder of grouped-query attention and SwiGLU MLPs.
+
+``model.py`` is the pure model, ``parallelize.py`` its tensor-parallel plan, ``costs.py`` its parameters and FLOPs,
+``hf_adapter.py`` its Hugging Face mapping; ``LLAMA`` ties them together for the registry.
+"""
+
+from nanotron.config import LlamaConfig, llama_problems
+from nanotron.models.llama.costs import llama_costs
+from nanotron.models.llama.hf_adapter import LlamaHFAdapter
+from nanotron.models.llama.model import KVCache, LlamaForCausalLM, llama_init_rule
+from nanotron.models.llama.parallelize import llama_plan
+from nanotron.models.spec import ModelSpec
+
+LLAMA = ModelSpec(
+    name="llama",
+    config_class=LlamaConfig,
+    model_class=LlamaForCausalLM,
+    tensor_parallel_plan=llama_plan,
+    costs=llama_costs,
+    init_rule=llama_init_rule,
+    hf_adapter=LlamaHFAdapter(),
+    inference_cache=KVCache,
+    config_problems=llama_problems,
+    context_length=lambda config: config.max_position_embeddings,
+    # Extending the context changes max_position_embeddings and usually the RoPE theta or scaling with it.
+    resume_may_change=frozenset({"max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id",
+                                 "eos_token_id", "pad_token_id", "initializer_range", "use_cache"}),
+)

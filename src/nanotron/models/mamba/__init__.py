@@ -1,0 +1,26 @@
+"""Mamba: a stack of selective state-space mixers (no attention), its residual stream optionally in fp32.
+
+``model.py`` is the pure model (the scan and the causal convolution are kernels in ``nn/``), ``parallelize.py``
+splits every mixer by channels, ``costs.py`` and ``hf_adapter.py`` as for Llama.
+"""
+
+from nanotron.config import MambaConfig, mamba_problems
+from nanotron.models.mamba.costs import mamba_costs
+from nanotron.models.mamba.hf_adapter import MambaHFAdapter
+from nanotron.models.mamba.model import MambaCache, MambaForCausalLM, mamba_activation_dtype, mamba_init_rule
+from nanotron.models.mamba.parallelize import mamba_plan
+from nanotron.models.spec import ModelSpec
+
+MAMBA = ModelSpec(
+    name="mamba",
+    config_class=MambaConfig,
+    model_class=MambaForCausalLM,
+    tensor_parallel_plan=mamba_plan,
+    costs=mamba_costs,
+    init_rule=mamba_init_rule,
+    hf_adapter=MambaHFAdapter(),
+    inference_cache=MambaCache,
+    config_problems=mamba_problems,
+    resume_may_change=frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"}),
+    activation_dtype=mamba_activation_dtype,
+)

@@ -1,0 +1,37 @@
+"""LlaMoE (Mixtral's architecture): Llama whose feed-forward blocks are mixtures of experts, with expert parallelism.
+
+``model.py`` holds the router, the grouped experts and the router's auxiliary losses; ``parallelize.py`` splits the
+blocks over tensor-parallel ranks and the experts over expert-parallel ones; ``costs.py`` and ``hf_adapter.py``
+(Mixtral) as for Llama.
+"""
+
+from nanotron.config import LlaMoEConfig, llama_problems
+from nanotron.models.llama import LLAMA
+from nanotron.models.llama.model import KVCache
+from nanotron.models.moe.costs import moe_costs
+from nanotron.models.moe.hf_adapter import MixtralHFAdapter
+from nanotron.models.moe.model import (
+    LlaMoEForCausalLM,
+    moe_init_rule,
+    router_losses,
+    router_metrics,
+    router_statistics_template,
+)
+from nanotron.models.moe.parallelize import apply_expert_parallel, moe_plan
+from nanotron.models.spec import AuxiliaryLosses, ModelSpec
+
+LLAMOE = ModelSpec(
+    name="llamoe",
+    config_class=LlaMoEConfig,
+    model_class=LlaMoEForCausalLM,
+    tensor_parallel_plan=moe_plan,
+    costs=moe_costs,
+    init_rule=moe_init_rule,
+    hf_adapter=MixtralHFAdapter(),
+    inference_cache=KVCache,
+    config_problems=llama_problems,
+    context_length=LLAMA.context_length,
+    resume_may_change=LLAMA.resume_may_change | {"moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef"},
+    auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
+    expert_parallel=apply_expert_parallel,
+)
