@@ -19,7 +19,7 @@ fi
 NANOTRON="$VENV/bin/nanotron"
 
 if [ ! -f "$WORK/corpus/manifest.json" ]; then
-  "$NANOTRON" build-corpus --output-dir "$WORK/corpus" --domains scripture quotes
+  "$VENV/bin/python" scripts/build_corpus.py --output-dir "$WORK/corpus" --domains scripture quotes
 fi
 if [ ! -f "$WORK/tokenizer/tokenizer.json" ]; then
   "$NANOTRON" train-tokenizer --input "$WORK/corpus" --vocab-size 4096 --output "$WORK/tokenizer"

@@ -29,8 +29,5 @@ def test_user_errors_are_one_line_with_status_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and str(missing) in result.stderr and "Traceback" not in result.stderr
 
-    result = nanotron("build-corpus", "--output-dir", str(tmp_path / "c"), "--domains", "poetry")
-    assert result.returncode == 2 and "poetry" in result.stderr and "scripture" in result.stderr
-
     result = nanotron("train", "--config-file", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2 and "nope.yaml" in result.stderr

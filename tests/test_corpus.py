@@ -1,31 +1,23 @@
-"""Tests of the demo corpus builder: the cleaning and parsing functions on synthetic inputs, an offline build from a
-cached wheel, and (with NANOTRON_TEST_NETWORK=1) a real build of the ``quotes`` domain from Debian."""
+"""Tests of the demo corpus builder ``scripts/build_corpus.py``: the cleaning and parsing functions on synthetic
+inputs, an offline build from a cached wheel, its command line, and (with NANOTRON_TEST_NETWORK=1) a real build of the
+``quotes`` domain from Debian."""
 
 import hashlib
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from nanotron.data import corpus
-from nanotron.data.corpus import (
-    DEFAULT_DOMAINS,
-    DOMAINS,
-    CorpusError,
-    Document,
-    build_corpus,
-    cap_documents,
-    clean_documents,
-    clean_text,
-    decode_dictd_number,
-    decode_text,
-    group_kjv_chapters,
-    slice_dictd,
-    split_fortunes,
-    split_jargon_file,
-)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build_corpus.py"
+spec = importlib.util.spec_from_file_location("build_corpus", SCRIPT)
+corpus = importlib.util.module_from_spec(spec)
+sys.modules["build_corpus"] = corpus  # dataclasses look their module up there
+spec.loader.exec_module(corpus)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -35,67 +27,67 @@ def read_jsonl(path: Path) -> list[dict]:
 # ---- clean_text ---------------------------------------------------------------------------------------------------
 
 def test_clean_text_strips_ansi_escapes():
-    assert clean_text("\x1b[1;31mred\x1b[0m and \x1b]0;title\x07plain") == "red and plain"
+    assert corpus.clean_text("\x1b[1;31mred\x1b[0m and \x1b]0;title\x07plain") == "red and plain"
 
 
 def test_clean_text_removes_backspace_overstrikes():
     # nroff bold ("B\bB") and underline ("_\bu") leave the plain letters.
-    assert clean_text("B\bBo\bol\bld\bd _\bu_\bn_\bd_\be_\br") == "Bold under"
+    assert corpus.clean_text("B\bBo\bol\bld\bd _\bu_\bn_\bd_\be_\br") == "Bold under"
 
 
 def test_clean_text_drops_control_characters_but_keeps_tabs():
-    assert clean_text("a\x00b\x07c\x0bd\te\x0cf") == "abcd\tef"
+    assert corpus.clean_text("a\x00b\x07c\x0bd\te\x0cf") == "abcd\tef"
 
 
 def test_clean_text_normalises_line_endings_and_nfc():
-    assert clean_text("cafe\u0301\r\nline two\rthree") == "caf\u00e9\nline two\nthree"
+    assert corpus.clean_text("cafe\u0301\r\nline two\rthree") == "caf\u00e9\nline two\nthree"
 
 
 def test_clean_text_squeezes_blank_lines_and_trailing_whitespace():
     raw = "\n\n  indented first   \n\n\n\n\nsecond\t \n \n\n"
-    assert clean_text(raw) == "  indented first\n\nsecond"
+    assert corpus.clean_text(raw) == "  indented first\n\nsecond"
 
 
 def test_decoding_falls_back_to_latin1():
-    assert clean_text("café".encode()) == "café"
-    assert clean_text("café".encode("latin-1")) == "café"
-    assert decode_text(b"\xff\xfe") == "\u00ff\u00fe"
+    assert corpus.clean_text("café".encode()) == "café"
+    assert corpus.clean_text("café".encode("latin-1")) == "café"
+    assert corpus.decode_text(b"\xff\xfe") == "\u00ff\u00fe"
 
 
 # ---- documents ----------------------------------------------------------------------------------------------------
 
 def test_clean_documents_drops_short_dedupes_and_sorts():
-    documents = clean_documents([
+    documents = corpus.clean_documents([
         ("b/2", "the same text, long enough"),
         ("c/1", "short"),
         ("a/9", "the same text, long enough  \n"),  # equal once cleaned; the smaller id wins
         ("a/1", b"bytes are decoded and cleaned\r\n"),
     ])
-    assert documents == [Document("a/1", "bytes are decoded and cleaned"),
-                         Document("a/9", "the same text, long enough")]
+    assert documents == [corpus.Document("a/1", "bytes are decoded and cleaned"),
+                         corpus.Document("a/9", "the same text, long enough")]
 
 
 def test_clean_documents_rejects_duplicate_ids():
     with pytest.raises(ValueError, match="duplicate document id 'x'"):
-        clean_documents([("x", "first text that is long"), ("x", "second text that is long")])
+        corpus.clean_documents([("x", "first text that is long"), ("x", "second text that is long")])
 
 
 def test_cap_documents_keeps_the_first_documents_within_the_budget():
-    documents = [Document(f"{i}", "é" * 250_000) for i in range(5)]  # 0.5 MB of UTF-8 each
-    assert [d.id for d in cap_documents(documents, 1.2)] == ["0", "1"]
-    assert cap_documents(documents, None) == documents
-    assert cap_documents(documents, 0.1) == []
+    documents = [corpus.Document(f"{i}", "é" * 250_000) for i in range(5)]  # 0.5 MB of UTF-8 each
+    assert [d.id for d in corpus.cap_documents(documents, 1.2)] == ["0", "1"]
+    assert corpus.cap_documents(documents, None) == documents
+    assert corpus.cap_documents(documents, 0.1) == []
 
 
 # ---- parsers ------------------------------------------------------------------------------------------------------
 
 def test_split_fortunes():
     text = "%\nFirst fortune.\n%\nSecond,\n  on two lines.\n%\n\n%\nLast one\r\n%"
-    assert split_fortunes(text) == ["First fortune.", "Second,\n  on two lines.", "Last one"]
+    assert corpus.split_fortunes(text) == ["First fortune.", "Second,\n  on two lines.", "Last one"]
 
 
 def test_split_fortunes_keeps_percent_signs_inside_entries():
-    assert split_fortunes("100% sure\n%\n50 %\n") == ["100% sure", "50 %"]
+    assert corpus.split_fortunes("100% sure\n%\n50 %\n") == ["100% sure", "50 %"]
 
 
 def dictd_number(value: int) -> str:
@@ -109,10 +101,11 @@ def dictd_number(value: int) -> str:
 
 
 def test_decode_dictd_number():
-    assert [decode_dictd_number(code) for code in ("A", "B", "/", "BA", "5I")] == [0, 1, 63, 64, 57 * 64 + 8]
-    assert all(decode_dictd_number(dictd_number(value)) == value for value in (0, 5, 64, 4095, 4096, 123_456_789))
+    decode = corpus.decode_dictd_number
+    assert [decode(code) for code in ("A", "B", "/", "BA", "5I")] == [0, 1, 63, 64, 57 * 64 + 8]
+    assert all(decode(dictd_number(value)) == value for value in (0, 5, 64, 4095, 4096, 123_456_789))
     with pytest.raises(ValueError, match="not a dictd"):
-        decode_dictd_number("A-B")
+        corpus.decode_dictd_number("A-B")
 
 
 def test_slice_dictd_dedupes_spans_and_skips_metadata():
@@ -133,12 +126,12 @@ def test_slice_dictd_dedupes_spans_and_skips_metadata():
         line("banana", offsets["banana"], len(banana)),
         line("Apple", offsets["apple"], len(apple)),  # a second headword for the same definition
     ]) + "\n"
-    assert slice_dictd(index, data) == [(offsets["apple"], apple), (offsets["banana"], banana)]
+    assert corpus.slice_dictd(index, data) == [(offsets["apple"], apple), (offsets["banana"], banana)]
 
 
 def test_slice_dictd_rejects_malformed_lines():
     with pytest.raises(ValueError, match="3 tab-separated fields"):
-        slice_dictd("apple A\n", b"")
+        corpus.slice_dictd("apple A\n", b"")
 
 
 KJV_DUMP = """
@@ -162,7 +155,7 @@ Song of Solomon 8
 
 
 def test_group_kjv_chapters():
-    chapters = group_kjv_chapters(KJV_DUMP)
+    chapters = corpus.group_kjv_chapters(KJV_DUMP)
     assert [chapter.id for chapter in chapters] == ["kjv/01-genesis/001", "kjv/01-genesis/002",
                                                     "kjv/02-1-samuel/001", "kjv/03-song-of-solomon/008"]
     assert chapters[0].text == ("Genesis 1\n\nIn the beginning God created the heaven and the earth.\n"
@@ -172,7 +165,7 @@ def test_group_kjv_chapters():
 
 def test_group_kjv_chapters_rejects_text_before_the_first_heading():
     with pytest.raises(ValueError, match="instead of a chapter heading"):
-        group_kjv_chapters("  1 A verse without a chapter\n")
+        corpus.group_kjv_chapters("  1 A verse without a chapter\n")
 
 
 def test_split_jargon_file_keeps_prose_and_drops_listings():
@@ -199,7 +192,7 @@ def test_split_jargon_file_keeps_prose_and_drops_listings():
         f"Appendix{nbsp}A.{nbsp}Hacker Folklore",
         "   Some stories.",
     ])
-    sections = split_jargon_file(text)
+    sections = corpus.split_jargon_file(text)
     assert [section.splitlines()[0].strip() for section in sections] == [
         "Welcome to the Jargon File", f"Chapter{nbsp}1.{nbsp}Hacker Slang and Hacker Culture",
         ":abbrev: /*-bree'v/, n.", ":bang: n.", f"Appendix{nbsp}A.{nbsp}Hacker Folklore"]
@@ -209,27 +202,29 @@ def test_split_jargon_file_keeps_prose_and_drops_listings():
 # ---- build_corpus without the network -----------------------------------------------------------------------------
 
 def test_domain_names_and_defaults():
-    assert set(DOMAINS) == {"scripture", "dictionary", "quotes", "code", "techdocs", "multilingual", "manpages"}
-    assert set(DEFAULT_DOMAINS) == set(DOMAINS) - {"manpages"}
+    assert set(corpus.DOMAINS) == {"scripture", "dictionary", "quotes", "code", "techdocs", "multilingual",
+                                   "manpages"}
+    assert set(corpus.DEFAULT_DOMAINS) == set(corpus.DOMAINS) - {"manpages"}
 
 
 def test_unknown_domain_is_an_error_listing_the_valid_ones(tmp_path):
     output = tmp_path / "corpus"
-    with pytest.raises(CorpusError, match="unknown corpus domain 'poetry'; choose from code, dictionary, manpages"):
-        build_corpus(output, ["quotes", "poetry"])
+    with pytest.raises(corpus.CorpusError,
+                       match="unknown corpus domain 'poetry'; choose from code, dictionary, manpages"):
+        corpus.build_corpus(output, ["quotes", "poetry"])
     assert not output.exists()
 
 
 def test_non_positive_cap_is_an_error(tmp_path):
-    with pytest.raises(CorpusError, match="max_mb_per_domain must be a positive"):
-        build_corpus(tmp_path, ["quotes"], max_mb_per_domain=0)
+    with pytest.raises(corpus.CorpusError, match="max_mb_per_domain must be a positive"):
+        corpus.build_corpus(tmp_path, ["quotes"], max_mb_per_domain=0)
 
 
 def test_missing_groff_is_an_error_naming_the_package(tmp_path, monkeypatch):
     real_which = corpus.shutil.which
     monkeypatch.setattr(corpus.shutil, "which", lambda name: None if name == "groff" else real_which(name))
-    with pytest.raises(CorpusError, match=r"'manpages' needs groff.*apt-get install groff-base"):
-        build_corpus(tmp_path, ["manpages"])
+    with pytest.raises(corpus.CorpusError, match=r"'manpages' needs groff.*apt-get install groff-base"):
+        corpus.build_corpus(tmp_path, ["manpages"])
 
 
 @pytest.fixture
@@ -251,7 +246,7 @@ def demo_domain(tmp_path, monkeypatch) -> Path:
 
 def test_offline_build_writes_sorted_jsonl_and_manifest(tmp_path, demo_domain):
     output = tmp_path / "corpus"
-    manifest = build_corpus(output, ["demo"], cache_dir=demo_domain)
+    manifest = corpus.build_corpus(output, ["demo"], cache_dir=demo_domain)
 
     assert read_jsonl(output / "demo.jsonl") == [
         {"id": "demo/demo/a.py", "text": "def a():\n    return 'a'"},
@@ -274,23 +269,47 @@ def test_offline_build_writes_sorted_jsonl_and_manifest(tmp_path, demo_domain):
 
 def test_rebuild_is_byte_identical_and_keeps_other_domains(tmp_path, demo_domain):
     output = tmp_path / "corpus"
-    first = build_corpus(output, ["demo"], cache_dir=demo_domain)["domains"]["demo"]["sha256"]
+    first = corpus.build_corpus(output, ["demo"], cache_dir=demo_domain)["domains"]["demo"]["sha256"]
     manifest = json.loads((output / "manifest.json").read_text())
     manifest["domains"]["earlier"] = {"file": "earlier.jsonl"}
     (output / "manifest.json").write_text(json.dumps(manifest))
 
-    capped = build_corpus(output, ["demo"], cache_dir=demo_domain, max_mb_per_domain=30e-6)
+    capped = corpus.build_corpus(output, ["demo"], cache_dir=demo_domain, max_mb_per_domain=30e-6)
     assert capped["domains"]["earlier"] == {"file": "earlier.jsonl"}
     assert capped["domains"]["demo"]["documents"] == 1
     assert capped["domains"]["demo"]["max_mb"] == 30e-6
-    assert build_corpus(output, ["demo"], cache_dir=demo_domain)["domains"]["demo"]["sha256"] == first
+    assert corpus.build_corpus(output, ["demo"], cache_dir=demo_domain)["domains"]["demo"]["sha256"] == first
 
 
 def test_corrupt_manifest_is_an_error_naming_the_file(tmp_path, demo_domain):
     (tmp_path / "manifest.json").write_text("{not json")
-    with pytest.raises(CorpusError, match=r"manifest.json is not a corpus manifest .*delete it"):
-        build_corpus(tmp_path, ["demo"], cache_dir=demo_domain)
+    with pytest.raises(corpus.CorpusError, match=r"manifest.json is not a corpus manifest .*delete it"):
+        corpus.build_corpus(tmp_path, ["demo"], cache_dir=demo_domain)
     assert not (tmp_path / "demo.jsonl").exists()
+
+
+# ---- the script's command line -----------------------------------------------------------------------------------
+
+def test_the_builder_is_a_script_not_part_of_the_library():
+    assert importlib.util.find_spec("nanotron.data.corpus") is None
+    listed = subprocess.run([sys.executable, "-m", "nanotron", "--help"], capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0 and "build-corpus" not in listed.stdout
+
+
+def test_main_builds_and_reports_the_folder(tmp_path, demo_domain, capsys):
+    output = tmp_path / "corpus"
+    corpus.main(["--output-dir", str(output), "--domains", "demo", "--cache-dir", str(demo_domain),
+                 "--max-mb-per-domain", "1"])
+    assert capsys.readouterr().out == f"wrote 1 domains to {output}\n"
+    assert json.loads((output / "manifest.json").read_text())["domains"]["demo"]["max_mb"] == 1.0
+
+
+def test_bad_input_is_one_error_line_with_status_2(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--output-dir", str(tmp_path / "c"), "--domains", "poetry"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: unknown corpus domain 'poetry'") and "scripture" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / "c").exists()
 
 
 # ---- a real build -------------------------------------------------------------------------------------------------
@@ -298,7 +317,7 @@ def test_corrupt_manifest_is_an_error_naming_the_file(tmp_path, demo_domain):
 @pytest.mark.skipif(os.environ.get("NANOTRON_TEST_NETWORK") != "1",
                     reason="downloads Debian packages; set NANOTRON_TEST_NETWORK=1 to run it")
 def test_build_quotes_from_debian(tmp_path):
-    manifest = build_corpus(tmp_path, ["quotes"])
+    manifest = corpus.build_corpus(tmp_path, ["quotes"])
 
     entry = manifest["domains"]["quotes"]
     assert [source["package"] for source in entry["sources"]] == ["fortunes", "fortunes-min", "jargon-text",

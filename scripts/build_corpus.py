@@ -6,8 +6,15 @@ for years, so every domain here is cut from packages fetched with ``apt-get down
 without installing anything, and cleaned deterministically: the same package versions always give byte-identical
 JSONL files. Debian replaces package versions over time, so ``manifest.json`` records the exact versions and the
 sha256 of every output.
+
+    python scripts/build_corpus.py --output-dir data/corpus [--domains scripture quotes] [--cache-dir DIR] \\
+        [--max-mb-per-domain N]
+
+Only the quickstart and the examples use this corpus, so it is a script beside the library rather than part of it;
+it needs nanotron installed (for its atomic file writes) and nothing else.
 """
 
+import argparse
 import gzip
 import hashlib
 import importlib.util
@@ -656,3 +663,23 @@ def build_corpus(output_dir: Path, domains: Sequence[str] | None = None, cache_d
         text = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         _write_atomically(manifest_path, [text.encode("utf-8")])
     return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--domains", nargs="+", default=None, help="default: every domain needing no extra tool")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="where downloaded packages are kept")
+    parser.add_argument("--max-mb-per-domain", type=float, default=None)
+    args = parser.parse_args(argv)
+    try:
+        manifest = build_corpus(args.output_dir, args.domains, args.cache_dir, args.max_mb_per_domain)
+    except CorpusError as error:
+        # The message names the domain, file or tool and the fix: one line, no traceback.
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {len(manifest['domains'])} domains to {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
