@@ -54,14 +54,14 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
 def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard") -> None:
     """Refuse ``tokens`` (the ids of the ``kind`` file ``path``) if one lies outside ``[0, vocab_size)``: it would index
     past the embedding (an IndexError, or a device-side assert on a GPU) far from its cause. Reads the ids in chunks of
-    bounded memory, a few GB/s from the page cache."""
+    bounded memory, a few GB/s from the page cache. ``remedy`` ends the error: what is wrong and what to do."""
     for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
         chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
         if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
             continue
         position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
         raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {start + position}, outside the "
-                        f"vocabulary of its tokenizer ({vocab_size} ids): the folder is corrupt; {remedy}")
+                        f"vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
 
 
 class TokenStream(Protocol):
@@ -176,7 +176,7 @@ class TokenShards(ConcatenatedArrays):
 
     def _check_ids_by_reading(self, path: Path, tokens: np.ndarray) -> None:
         """The check of a shard whose metadata records no id range."""
-        check_token_ids(path, tokens, self.vocab_size, _REBUILD)
+        check_token_ids(path, tokens, self.vocab_size, f"the folder is corrupt; {_REBUILD}")
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens;
