@@ -48,7 +48,8 @@ def _datasets_library():
 
 @dataclass(frozen=True)
 class _TokenizeColumn:
-    """The ``datasets.map`` function: the ``text_column`` of a batch of rows -> their tokens (each followed by EOS)."""
+    """The ``datasets.map`` function: the ``text_column`` of a batch of rows -> their tokens (each followed by EOS; a
+    missing text is an empty document)."""
 
     encoder: _BatchEncoder
     text_column: str
