@@ -132,6 +132,13 @@ def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, t
     with pytest.raises(DataError) as error:
         DatatroveDataset(tmp_path / "empty", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
     _one_line(error, f"{tmp_path / 'empty'} holds no .ds files")
+    with pytest.raises(DataError) as error:
+        DatatroveDataset(tmp_path / "absent", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    _one_line(error, f"dataset folder {tmp_path / 'absent'} does not exist")
+    longest = max(file.stat().st_size // 2 for file in datatrove_folders[1].glob("*.ds"))
+    with pytest.raises(DataError) as error:  # enough tokens in the folder, but no file holds a whole window
+        DatatroveDataset(datatrove_folders[1], None, longest, SEED, vocab_size=384)
+    _one_line(error, f"in files of at most {longest} tokens, fewer than one sample of sequence_length + 1")
 
     swapped = shutil.copytree(datatrove_folders[0], tmp_path / "swapped")
     (file,) = swapped.glob("*.ds")
@@ -139,7 +146,7 @@ def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, t
     shutil.copy(other.with_name(other.name + ".index"), file.with_name(file.name + ".index"))
     with pytest.raises(DataError) as error:
         DatatroveDataset(swapped, None, SEQUENCE_LENGTH, SEED, vocab_size=384)
-    _one_line(error, f"{file}.index ends its last document at token", "do not belong together")
+    _one_line(error, f"{file}.index ends its last document at token", "tokens of 2 bytes", "do not belong together")
 
     renamed = shutil.copytree(datatrove_folders[1], tmp_path / "renamed")
     for metadata in renamed.glob("*.ds.metadata"):
@@ -151,6 +158,18 @@ def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, t
     with pytest.raises(DataError) as error:
         DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=384, token_size=4)
     _one_line(error, "token_size_in_bytes is 4", "2-byte tokens")
+
+
+def test_datatrove_files_without_metadata_take_the_token_size_from_the_vocabulary(datatrove_folders, tmp_path):
+    bare = shutil.copytree(datatrove_folders[1], tmp_path / "second")
+    for metadata in bare.glob("*.ds.metadata"):
+        metadata.unlink()
+    expected = DatatroveDataset(datatrove_folders[1], None, SEQUENCE_LENGTH, SEED, vocab_size=384).samples(range(20))
+    dataset = DatatroveDataset(bare, None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    assert dataset.tokenizer_names == [None] and torch.equal(dataset.samples(range(20))["tokens"], expected["tokens"])
+    with pytest.raises(DataError) as error:  # 2-byte tokens read as 4-byte ones: the index tells
+        DatatroveDataset(bare, None, SEQUENCE_LENGTH, SEED, vocab_size=384, token_size=4)
+    _one_line(error, ".ds.index ends its last document at token", "tokens of 4 bytes", "token_size_in_bytes")
 
 
 # --------------------------------------------------------------------------------------------- Hugging Face datasets

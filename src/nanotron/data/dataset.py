@@ -47,7 +47,7 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
     if isinstance(folders, (str, Path)):
         folders = [folders]
     if not folders:
-        raise DataError("dataset_folder is empty; list at least one preprocessed folder")
+        raise DataError("dataset_folder is empty; list at least one folder")
     return [Path(folder) for folder in folders]
 
 

@@ -101,7 +101,7 @@ class DatatroveTokens(ConcatenatedArrays):
         if recorded_tokens is not None and recorded_tokens != num_tokens:
             raise DataError(f"{file}.metadata records {recorded_tokens} tokens but {file.name} holds {num_tokens}: "
                             f"the files do not belong together; re-tokenize the folder")
-        _check_index(file, num_tokens)
+        _check_index(file, num_tokens, dtype.itemsize)
         if num_tokens == 0:  # an empty file cannot be memory-mapped
             return np.empty(0, dtype=dtype)
         return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,))
@@ -131,10 +131,10 @@ def _read_file_metadata(file: Path) -> tuple[str | None, int | None, int | None]
                         f"count); re-tokenize the folder or delete the .metadata files") from None
     if size not in _TOKEN_SIZES:
         raise DataError(f"{path} records a token size of {size} bytes; datatrove writes 2 or 4")
-    return (None if name == _UNKNOWN_TOKENIZER else name), size, (None if count is not None and count < 0 else count)
+    return (None if name == _UNKNOWN_TOKENIZER else name), size, count
 
 
-def _check_index(file: Path, num_tokens: int) -> None:
+def _check_index(file: Path, num_tokens: int, token_size: int) -> None:
     """Refuse a ``.ds.index`` whose last document end is not the end of its ``.ds`` file (they were not written
     together). The index itself is not needed to cut samples."""
     index = file.with_name(file.name + ".index")
@@ -151,7 +151,8 @@ def _check_index(file: Path, num_tokens: int) -> None:
             last_end = int(np.frombuffer(handle.read(8), dtype="<u8")[0])
     if last_end != num_tokens:
         raise DataError(f"{index} ends its last document at token {last_end} but {file.name} holds {num_tokens} "
-                        f"tokens: the files do not belong together; re-tokenize the folder")
+                        f"tokens of {token_size} bytes: the token size is wrong or the files do not belong together; "
+                        f"check token_size_in_bytes or re-tokenize the folder")
 
 
 class DatatroveDataset(BlendedDataset):
