@@ -240,6 +240,22 @@ def test_hf_tokenization_is_cached(tiny_data, hf_sources, hf_cache, monkeypatch)
                   overwrite_cache=True)
 
 
+def test_hf_tokenization_finished_first_by_another_process_is_used(tiny_data, hf_sources, hf_cache, monkeypatch):
+    from nanotron.data import hf_dataset
+
+    real = hf_dataset.write_token_folder
+
+    def another_process_first(folder, *args, **kwargs):
+        real(folder, *args, **kwargs)  # the other process renames its folder into place first
+        (folder / "marker").touch()
+        return real(folder, *args, **kwargs)  # this one's rename then fails: the folder is there
+
+    monkeypatch.setattr(hf_dataset, "write_token_folder", another_process_first)
+    folder = hf_dataset.tokenize_hf_dataset(hf_sources["parquet"], tiny_data["tokenizer"], cache_folder=hf_cache)
+    assert (folder / "marker").is_file() and TokenShards(folder).num_tokens > 0
+    assert [path.name for path in folder.parent.iterdir()] == [folder.name]  # no staging copy left behind
+
+
 def test_hf_datasets_blend_by_weight_and_name_their_domains(tiny_data, hf_sources, hf_cache):
     from nanotron.data.hf_dataset import HFDataset
 
