@@ -1,12 +1,14 @@
-"""The training sample stream: preprocessed folders, cut into windows, shuffled and blended.
+"""The training sample stream: token streams cut into windows, shuffled and blended.
 
 Sample ``g`` of a data stage is a pure function of ``(g, seed, weights, folders, sequence_length)`` computed in
 O(1): no index files, no state to checkpoint beyond the step counter, and resuming at any step (or changing the
 data-parallel layout) replays exactly the same samples.
 
-* A folder (a "domain") is one token stream. Its samples are windows of ``sequence_length + 1`` tokens with
-  stride ``sequence_length``, so consecutive windows share one token and every token is a training target
-  once. Windows ignore document boundaries; the end-of-document ids written by preprocessing separate them.
+* A folder (a "domain") is one token stream, made of one or more segments. Its samples are windows of
+  ``sequence_length + 1`` tokens that never cross a segment's end. A preprocessed folder is a single segment cut
+  with stride ``sequence_length``, so consecutive windows share one token and every token is a training target
+  once; datatrove folders (``datatrove_folder``) choose their own segments and stride. Windows ignore document
+  boundaries; the end-of-document ids written by tokenization separate them.
 * Each domain visits its windows in a fresh pseudo-random order every epoch (``permutation.permute``).
 * Domains are blended by a fixed pattern of ``BLEND_PERIOD`` slots in which domain ``i`` owns ``count_i``
   slots, ``count_i / BLEND_PERIOD`` being its weight rounded to the period. The slots are spread evenly, so
@@ -17,6 +19,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,7 +27,8 @@ import torch
 from nanotron.data.permutation import permute
 from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, DataError
 
-__all__ = ["BLEND_PERIOD", "DataError", "PretrainDataset", "TokenShards", "domain_name"]
+__all__ = ["BLEND_PERIOD", "BlendedDataset", "DataError", "PretrainDataset", "SampleSource", "TokenShards",
+           "TokenStream", "check_token_ids", "domain_name", "folder_list"]
 
 BLEND_PERIOD = 4096
 # Permutation streams of different domains must not collide for any realistic number of epochs.
@@ -38,7 +42,65 @@ def domain_name(folder: str | Path) -> str:
     return Path(os.path.abspath(folder)).name
 
 
-class TokenShards:
+def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
+    """One folder or several as a list of paths (iterating one path given as a str would yield its characters)."""
+    if isinstance(folders, (str, Path)):
+        folders = [folders]
+    if not folders:
+        raise DataError("dataset_folder is empty; list at least one folder")
+    return [Path(folder) for folder in folders]
+
+
+def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard") -> None:
+    """Refuse ``tokens`` (the ids of the ``kind`` file ``path``) if one lies outside ``[0, vocab_size)``: it would index
+    past the embedding (an IndexError, or a device-side assert on a GPU) far from its cause. Reads the ids in chunks of
+    bounded memory, a few GB/s from the page cache. ``remedy`` ends the error: what is wrong and what to do."""
+    for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
+        chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
+        if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
+            continue
+        position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {start + position}, outside the "
+                        f"vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
+
+
+class TokenStream(Protocol):
+    """What the blending code reads of one domain: its token stream, cut into segments that windows do not cross."""
+
+    folder: Path
+    name: str
+    num_tokens: int
+    segment_lengths: tuple[int, ...]
+
+    def read(self, start: int, length: int) -> np.ndarray: ...
+
+
+class ConcatenatedArrays:
+    """Token arrays (memory maps) read as one stream, the arrays following each other without a gap."""
+
+    def _concatenate(self, arrays: list[np.ndarray]) -> None:
+        self._tokens = arrays
+        self._shard_starts = np.cumsum([0] + [len(tokens) for tokens in arrays[:-1]])
+        self.num_tokens = sum(len(tokens) for tokens in arrays)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream (crossing array boundaries), as int64."""
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) are outside {self.folder}, which holds "
+                             f"{self.num_tokens} tokens")
+        out = np.empty(length, dtype=np.int64)
+        shard = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            local_start = start + filled - int(self._shard_starts[shard])
+            piece = self._tokens[shard][local_start:local_start + length - filled]
+            out[filled:filled + len(piece)] = piece
+            filled += len(piece)
+            shard += 1
+        return out
+
+
+class TokenShards(ConcatenatedArrays):
     """One preprocessed folder, memory-mapped read-only, seen as a single token stream.
 
     Every token id is checked against the folder's vocabulary once, when the folder is opened, so that reading
@@ -58,7 +120,7 @@ class TokenShards:
             self.vocab_size = int(tokenizer["vocab_size"])
             self.eos_token_id = int(tokenizer["eos_token_id"])
             self.tokenizer_fingerprint = str(tokenizer["fingerprint"])
-            self.num_tokens = int(metadata["num_tokens"])
+            recorded_tokens = int(metadata["num_tokens"])
             dtype = np.dtype(metadata["dtype"])
             if dtype.kind not in "iu":
                 raise ValueError(f"dtype {dtype} is not an integer type")
@@ -67,16 +129,17 @@ class TokenShards:
         except (KeyError, TypeError, ValueError) as error:
             raise DataError(f"{metadata_file} is malformed ({type(error).__name__}: {error}); {_REBUILD}") from None
 
-        self._tokens = []
+        arrays = []
         for tokens_file, num_tokens, documents_file, num_documents, id_range in shards:
-            self._tokens.append(self._open_array(tokens_file, dtype, num_tokens))
+            arrays.append(self._open_array(tokens_file, dtype, num_tokens))
             if not ids_checked:
-                self._check_ids(self.folder / tokens_file, self._tokens[-1], id_range)
+                self._check_ids(self.folder / tokens_file, arrays[-1], id_range)
             self._open_array(documents_file, np.dtype(np.int64), num_documents)
-        if sum(len(tokens) for tokens in self._tokens) != self.num_tokens:
-            raise DataError(f"{metadata_file} records {self.num_tokens} tokens but its shards hold "
-                            f"{sum(len(tokens) for tokens in self._tokens)}; {_REBUILD}")
-        self._shard_starts = np.cumsum([0] + [len(tokens) for tokens in self._tokens[:-1]])
+        self._concatenate(arrays)
+        if self.num_tokens != recorded_tokens:
+            raise DataError(f"{metadata_file} records {recorded_tokens} tokens but its shards hold "
+                            f"{self.num_tokens}; {_REBUILD}")
+        self.segment_lengths = (self.num_tokens,)  # shards continue each other: windows may cross them
 
     def _open_array(self, file_name: str, dtype: np.dtype, length: int) -> np.ndarray:
         path = self.folder / file_name
@@ -112,31 +175,8 @@ class TokenShards:
         self._check_ids_by_reading(path, tokens)
 
     def _check_ids_by_reading(self, path: Path, tokens: np.ndarray) -> None:
-        """The check of a shard whose metadata records no id range, in chunks of bounded memory."""
-        for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
-            chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
-            if chunk.max() < self.vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
-                continue
-            position = int(np.flatnonzero((chunk < 0) | (chunk >= self.vocab_size))[0])
-            raise DataError(f"shard {path} holds token id {chunk[position]} at token {start + position}, outside "
-                            f"the vocabulary of its tokenizer ({self.vocab_size} ids): the folder is corrupt; "
-                            f"{_REBUILD}")
-
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the folder's stream (crossing shard boundaries), as int64."""
-        if start < 0 or length < 0 or start + length > self.num_tokens:
-            raise IndexError(f"tokens [{start}, {start + length}) are outside {self.folder}, which holds "
-                             f"{self.num_tokens} tokens")
-        out = np.empty(length, dtype=np.int64)
-        shard = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
-        filled = 0
-        while filled < length:
-            local_start = start + filled - int(self._shard_starts[shard])
-            piece = self._tokens[shard][local_start:local_start + length - filled]
-            out[filled:filled + len(piece)] = piece
-            filled += len(piece)
-            shard += 1
-        return out
+        """The check of a shard whose metadata records no id range."""
+        check_token_ids(path, tokens, self.vocab_size, f"the folder is corrupt; {_REBUILD}")
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens;
@@ -167,38 +207,51 @@ def _read_metadata(metadata_file: Path) -> dict:
     return metadata
 
 
-class PretrainDataset:
-    """The deterministic, infinite sample stream of one data stage, blended over preprocessed folders.
+class SampleSource(Protocol):
+    """What the loader and the trainer use of a data stage's samples (``BlendedDataset``, ``SyntheticDataset``)."""
 
-    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``.
+    sequence_length: int
+    vocab_size: int
+    domain_names: list[str]
+    weights: list[float]
+
+    def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...
+
+
+class BlendedDataset:
+    """The deterministic, infinite sample stream of one data stage, blended over token streams (its domains).
+
+    A stream's windows start every ``window_stride`` tokens inside each of its segments: ``sequence_length`` (the
+    default) makes neighbours share one token, ``sequence_length + 1`` makes them disjoint. ``weights`` defaults to
+    the streams' token counts. Domain ids are positions in ``streams``.
     """
 
-    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int):
-        if isinstance(folders, (str, Path)):  # one folder; iterating a str would yield its characters
-            folders = [folders]
-        if not folders:
-            raise DataError("dataset_folder is empty; list at least one preprocessed folder")
-        if sequence_length < 1:
-            raise DataError(f"sequence_length must be at least 1, got {sequence_length}")
+    def __init__(self, streams: Sequence[TokenStream], weights: Sequence[float] | None, sequence_length: int,
+                 seed: int, window_stride: int | None = None):
+        check_sequence_length(sequence_length)
+        window_stride = sequence_length if window_stride is None else window_stride
+        if not 1 <= window_stride <= sequence_length + 1:
+            raise ValueError(f"window_stride must lie in [1, sequence_length + 1], got {window_stride}")
         self.sequence_length = sequence_length
+        self.window_stride = window_stride
         self.seed = seed
-        self._shards = [TokenShards(folder) for folder in folders]
-        self.domain_names = [shards.name for shards in self._shards]
-        self.vocab_size = max(shards.vocab_size for shards in self._shards)
-        self.tokenizer_fingerprints = [shards.tokenizer_fingerprint for shards in self._shards]
-        if len(set(self.tokenizer_fingerprints)) > 1:
-            raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
-                            + ", ".join(f"{shards.folder}: {shards.tokenizer_fingerprint[:12]}"
-                                        for shards in self._shards)
-                            + "); preprocess them all with the same tokenizer")
-        self.num_windows = [(shards.num_tokens - 1) // sequence_length for shards in self._shards]
-        for shards, num_windows in zip(self._shards, self.num_windows):
-            if num_windows == 0:
-                raise DataError(f"{shards.folder} holds {shards.num_tokens} tokens, fewer than one sample of "
+        self._streams = list(streams)
+        self.domain_names = [stream.name for stream in self._streams]
+        # Per domain: the first token of each segment and the index of its first window.
+        self._segment_starts, self._segment_first_windows, self.num_windows = [], [], []
+        for stream in self._streams:
+            lengths = np.asarray(stream.segment_lengths, dtype=np.int64)
+            windows = np.where(lengths > sequence_length, (lengths - sequence_length - 1) // window_stride + 1, 0)
+            self._segment_starts.append(np.cumsum(lengths) - lengths)
+            self._segment_first_windows.append(np.cumsum(windows) - windows)
+            self.num_windows.append(int(windows.sum()))
+            if windows.sum() == 0:
+                in_files = f" in files of at most {lengths.max(initial=0)} tokens" if len(lengths) > 1 else ""
+                raise DataError(f"{stream.folder} holds {stream.num_tokens} tokens{in_files}, fewer than one sample of "
                                 f"sequence_length + 1 = {sequence_length + 1} tokens; add data to it or lower "
                                 f"sequence_length")
 
-        self._samples_per_period = _quantise(_validated_weights(weights, self._shards), BLEND_PERIOD)
+        self._samples_per_period = _quantise(_validated_weights(weights, self._streams), BLEND_PERIOD)
         self.weights = (self._samples_per_period / BLEND_PERIOD).tolist()
         self._domain_of_slot, self._rank_of_slot = _interleave(self._samples_per_period)
 
@@ -232,10 +285,39 @@ class PretrainDataset:
         return domains, windows
 
     def _read_window(self, domain: int, window: int) -> np.ndarray:
-        return self._shards[domain].read(window * self.sequence_length, self.sequence_length + 1)
+        first_windows = self._segment_first_windows[domain]
+        segment = int(np.searchsorted(first_windows, window, side="right")) - 1
+        # Empty segments share their first window with the next one; searchsorted lands on the last of them.
+        start = int(self._segment_starts[domain][segment]) + (window - int(first_windows[segment])) * self.window_stride
+        return self._streams[domain].read(start, self.sequence_length + 1)
 
 
-def _validated_weights(weights: Sequence[float] | None, shards: Sequence[TokenShards]) -> np.ndarray:
+def check_sequence_length(sequence_length: int) -> None:
+    if sequence_length < 1:
+        raise DataError(f"sequence_length must be at least 1, got {sequence_length}")
+
+
+class PretrainDataset(BlendedDataset):
+    """The sample stream of preprocessed folders (``nanotron preprocess``): windows of ``sequence_length + 1``
+    tokens with stride ``sequence_length``, neighbours sharing one token.
+
+    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``.
+    """
+
+    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int):
+        folders = folder_list(folders)
+        check_sequence_length(sequence_length)
+        shards = [TokenShards(folder) for folder in folders]
+        self.vocab_size = max(folder.vocab_size for folder in shards)
+        self.tokenizer_fingerprints = [folder.tokenizer_fingerprint for folder in shards]
+        if len(set(self.tokenizer_fingerprints)) > 1:
+            raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
+                            + ", ".join(f"{folder.folder}: {folder.tokenizer_fingerprint[:12]}" for folder in shards)
+                            + "); preprocess them all with the same tokenizer")
+        super().__init__(shards, weights, sequence_length, seed)
+
+
+def _validated_weights(weights: Sequence[float] | None, shards: Sequence[TokenStream]) -> np.ndarray:
     if weights is None:
         return np.array([folder.num_tokens for folder in shards], dtype=np.float64)
     if len(weights) != len(shards):

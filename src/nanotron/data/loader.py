@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.data.dataset import DataError, SampleSource
 from nanotron.preemption import STOP_SIGNALS
 
 # Signals meant for the training process that reach its loader workers too: schedulers signal every process of a job
@@ -67,7 +67,7 @@ class _RankMicroBatches(Dataset):
     order, produce exactly the sequence a single process would.
     """
 
-    def __init__(self, dataset: PretrainDataset, first_sample: int, start_step: int, micro_batch_size: int,
+    def __init__(self, dataset: SampleSource, first_sample: int, start_step: int, micro_batch_size: int,
                  accumulation: int, dp_rank: int, dp_size: int):
         self.dataset = dataset
         self.first_sample = first_sample
@@ -107,7 +107,7 @@ class MicroBatchLoader:
     the training loop; the batches are identical to those of ``num_workers = 0``.
     """
 
-    def __init__(self, dataset: PretrainDataset, *, first_sample: int, start_step: int, micro_batch_size: int,
+    def __init__(self, dataset: SampleSource, *, first_sample: int, start_step: int, micro_batch_size: int,
                  accumulation: int, dp_rank: int, dp_size: int, num_workers: int = 0):
         for name, value, minimum in (("first_sample", first_sample, 0), ("start_step", start_step, 0),
                                      ("micro_batch_size", micro_batch_size, 1), ("accumulation", accumulation, 1),

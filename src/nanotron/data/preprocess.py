@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import shutil
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,9 +179,8 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
     With ``held_out_every=N``, ``split="held-out"`` keeps every N-th document and ``split="train"`` the others, so
     two runs on the same inputs give a training folder and an evaluation folder that share no document.
 
-    No special tokens are added inside documents; the end-of-document id follows every document. The folder is
-    built under a hidden sibling name and renamed into place at the end, so an interrupted run never leaves a
-    folder that looks complete. The output is byte-identical for any ``num_workers`` (default: all CPUs).
+    No special tokens are added inside documents; the end-of-document id follows every document. The output is
+    byte-identical for any ``num_workers`` (default: all CPUs).
     """
     num_workers = (os.cpu_count() or 1) if num_workers is None else num_workers
     if num_workers < 1:
@@ -195,6 +194,25 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
         raise DataError(f"output folder {output_folder} already exists and is not empty; choose another "
                         f"--output-folder or delete it")
     files = list_input_files(inputs)
+
+    def encoded(encoder: _BatchEncoder) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return _encoded_batches(_document_batches(files, text_key, split, held_out_every), encoder, num_workers)
+
+    recorded = {} if split is None else {"split": {"name": split, "held_out_every": held_out_every}}
+    return write_token_folder(output_folder, tokenizer, encoded, [str(file) for file in files], tokens_per_shard,
+                              recorded)
+
+
+def write_token_folder(output_folder: Path, tokenizer: str | Path,
+                       encoded: Callable[[_BatchEncoder], Iterable[tuple[np.ndarray, np.ndarray]]],
+                       inputs: Sequence[str], tokens_per_shard: int = 1 << 28, recorded: dict | None = None) -> dict:
+    """Write the preprocessed folder ``output_folder`` from ``encoded(encoder)``: the (tokens, document lengths) of
+    the documents in order, as ``encoder`` (tokenizer ``tokenizer``) makes them. Returns its metadata, which also
+    records ``inputs`` and ``recorded``.
+
+    The folder is built under a hidden sibling name and renamed into place at the end, so an interrupted run never
+    leaves a folder that looks complete; the rename fails (OSError) if another process completed the folder first.
+    """
     loaded_tokenizer = load_tokenizer(tokenizer)
     eos = eos_token_id(loaded_tokenizer)
     vocab_size = loaded_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -208,14 +226,13 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
     try:
         writer = _ShardWriter(staging, dtype, tokens_per_shard)
         with tqdm(desc=f"preprocessing {output_folder.name}", unit="doc") as progress:
-            batches = _document_batches(files, text_key, split, held_out_every)
-            for tokens, document_lengths in _encoded_batches(batches, encoder, num_workers):
+            for tokens, document_lengths in encoded(encoder):
                 writer.add(tokens, document_lengths)
                 progress.update(len(document_lengths))
                 progress.set_postfix(tokens=writer.num_tokens, refresh=False)
         shards = writer.close()
         if writer.num_documents == 0:
-            raise DataError(f"the inputs {', '.join(map(str, files))} contain no documents")
+            raise DataError(f"the inputs {', '.join(inputs)} contain no documents")
         metadata = {
             "format_version": FORMAT_VERSION,
             "tokenizer": {"name_or_path": str(tokenizer), "fingerprint": tokenizer_fingerprint(loaded_tokenizer),
@@ -224,10 +241,9 @@ def preprocess(inputs: Sequence[Path], tokenizer: str | Path, output_folder: Pat
             "num_tokens": writer.num_tokens,
             "num_documents": writer.num_documents,
             "shards": shards,
-            "inputs": [str(file) for file in files],
+            "inputs": list(inputs),
+            **(recorded or {}),
         }
-        if split is not None:
-            metadata["split"] = {"name": split, "held_out_every": held_out_every}
         (staging / METADATA_FILE_NAME).write_text(json.dumps(metadata, indent=2) + "\n", encoding="utf-8")
         os.replace(staging, output_folder)  # replaces an empty output folder too
     except BaseException:

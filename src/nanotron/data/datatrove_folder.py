@@ -1,0 +1,181 @@
+"""Folders tokenized by datatrove (upstream nanotron's Nanoset data), read directly with numpy.
+
+datatrove's ``DocumentTokenizer`` (and ``DocumentTokenizerMerger``) write, for every output file::
+
+    <name>.ds           the token ids, raw little-endian uint16 (token size 2) or uint32 (token size 4), documents
+                        back to back, each followed by the end-of-document id when the tokenizer adds one
+    <name>.ds.index     optional: uint64 little-endian, the cumulative end (in tokens) of every document
+    <name>.ds.metadata  optional: a text file, "<tokenizer name>|<token size>", the token count, the count in words
+    <name>.ds.loss      optional: a loss mask, one byte per token (not read)
+
+A folder is the ``*.ds`` files directly inside it (not in subfolders, as upstream's Nanoset), in name order. The token
+size is the one their metadata records; without metadata, ``token_size`` (upstream's ``token_size_in_bytes``), else
+the size datatrove would have chosen for ``vocab_size`` (4 bytes above 65536 ids, else 2).
+
+Samples follow upstream's Nanoset, so that a run moved from upstream nanotron trains on the same windows (in another
+order): every file is cut on its own into windows of ``sequence_length + 1`` tokens with stride
+``sequence_length + 1``, so neighbouring windows share no token and the tail of each file shorter than a window is
+never read. (A preprocessed folder's windows share one token: ``dataset.PretrainDataset``.) Their order, blending and
+resumption are ``dataset.BlendedDataset``'s: sample ``g`` is a pure function of the step, the seed, the weights and
+the folders, at any layout.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nanotron.data.dataset import (
+    BlendedDataset,
+    ConcatenatedArrays,
+    DataError,
+    check_sequence_length,
+    check_token_ids,
+    domain_name,
+    folder_list,
+)
+
+__all__ = ["DatatroveDataset", "DatatroveTokens", "token_size_for"]
+
+_TOKEN_SIZES = (2, 4)
+_UNKNOWN_TOKENIZER = "Unknown Tokenizer"  # what datatrove records when it was given no tokenizer name
+
+
+def token_size_for(vocab_size: int) -> int:
+    """The token size, in bytes, that datatrove chooses for a vocabulary of ``vocab_size`` ids."""
+    return 4 if vocab_size > np.iinfo(np.uint16).max + 1 else 2
+
+
+class DatatroveTokens(ConcatenatedArrays):
+    """One datatrove-tokenized folder, memory-mapped read-only, as a token stream whose segments are its files.
+
+    Every id is checked against ``vocab_size`` when the folder is opened (datatrove records no id range, so the files
+    are read, a few GB/s from the page cache, unless the token size cannot hold an id outside the vocabulary), and the
+    files are checked against their index and metadata: a folder that cannot be trained on is named before training
+    starts. ``ids_checked`` skips the id check for a folder already checked by this run (the copy a worker opens).
+    """
+
+    def __init__(self, folder: str | Path, vocab_size: int, token_size: int | None = None, ids_checked: bool = False):
+        self.folder = Path(folder)
+        self.name = domain_name(self.folder)
+        self.vocab_size = vocab_size
+        if not self.folder.is_dir():
+            raise DataError(f"dataset folder {self.folder} does not exist; check dataset_folder")
+        files = sorted(self.folder.glob("*.ds"))
+        if not files:
+            raise DataError(f"{self.folder} holds no .ds files; point dataset_folder at the output folder of "
+                            f"datatrove's DocumentTokenizer")
+        recorded = {file: _read_file_metadata(file) for file in files}
+        self.tokenizer_name = self._one_value("tokenizers", {file: name for file, (name, _, _) in recorded.items()})
+        recorded_size = self._one_value("token sizes", {file: size for file, (_, size, _) in recorded.items()})
+        if token_size is not None and recorded_size is not None and token_size != recorded_size:
+            raise DataError(f"token_size_in_bytes is {token_size} but the files of {self.folder} hold "
+                            f"{recorded_size}-byte tokens (their .ds.metadata); set token_size_in_bytes: "
+                            f"{recorded_size} or leave it out")
+        self.token_size = recorded_size or token_size or token_size_for(vocab_size)
+        if self.token_size not in _TOKEN_SIZES:
+            raise DataError(f"token_size_in_bytes must be 2 or 4, got {self.token_size}")
+        dtype = np.dtype(f"<u{self.token_size}")
+        arrays = [self._open(file, dtype, recorded[file][2]) for file in files]
+        if not ids_checked and np.iinfo(dtype).max >= vocab_size:
+            for file, tokens in zip(files, arrays):
+                check_token_ids(file, tokens, vocab_size, self._id_remedy(), kind="file")
+        self._concatenate(arrays)
+        self.segment_lengths = tuple(len(tokens) for tokens in arrays)  # windows never cross a file's end
+
+    def _one_value(self, what: str, values: dict[Path, object]) -> object | None:
+        """The value all files that record one agree on (None if none records it); a folder mixing them is refused."""
+        distinct = {value for value in values.values() if value is not None}
+        if len(distinct) > 1:
+            listed = ", ".join(f"{file.name}: {value}" for file, value in values.items() if value is not None)
+            raise DataError(f"the files of {self.folder} were written with different {what} ({listed}); a folder "
+                            f"must hold one tokenization, put the others in their own folder")
+        return distinct.pop() if distinct else None
+
+    def _open(self, file: Path, dtype: np.dtype, recorded_tokens: int | None) -> np.ndarray:
+        size = file.stat().st_size
+        if size % dtype.itemsize:
+            raise DataError(f"{file} holds {size} bytes, not a whole number of {dtype.itemsize}-byte tokens: it is "
+                            f"truncated or its token size is not {dtype.itemsize}; re-tokenize it")
+        num_tokens = size // dtype.itemsize
+        if recorded_tokens is not None and recorded_tokens != num_tokens:
+            raise DataError(f"{file}.metadata records {recorded_tokens} tokens but {file.name} holds {num_tokens}: "
+                            f"the files do not belong together; re-tokenize the folder")
+        _check_index(file, num_tokens, dtype.itemsize)
+        if num_tokens == 0:  # an empty file cannot be memory-mapped
+            return np.empty(0, dtype=dtype)
+        return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,))
+
+    def _id_remedy(self) -> str:
+        written_by = f"written by {self.tokenizer_name}, " if self.tokenizer_name else ""
+        return (f"the folder was {written_by}not by a tokenizer of {self.vocab_size} ids; use the model's tokenizer "
+                f"and vocab_size")
+
+    def __reduce__(self):
+        # Reopen the memory maps in the receiving process (data-loading workers); their ids were checked here.
+        return DatatroveTokens, (self.folder, self.vocab_size, self.token_size, True)
+
+
+def _read_file_metadata(file: Path) -> tuple[str | None, int | None, int | None]:
+    """Tokenizer name, token size and token count that ``<file>.metadata`` records (None for what is absent)."""
+    path = file.with_name(file.name + ".metadata")
+    if not path.is_file():
+        return None, None, None
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    try:
+        name, size = lines[0].rsplit("|", 1)
+        count = int(lines[1]) if len(lines) > 1 else None
+        size = int(size)
+    except (IndexError, ValueError):
+        raise DataError(f"{path} is not datatrove metadata (expected \"<tokenizer>|<token size>\" then the token "
+                        f"count); re-tokenize the folder or delete the .metadata files") from None
+    if size not in _TOKEN_SIZES:
+        raise DataError(f"{path} records a token size of {size} bytes; datatrove writes 2 or 4")
+    return (None if name == _UNKNOWN_TOKENIZER else name), size, count
+
+
+def _check_index(file: Path, num_tokens: int, token_size: int) -> None:
+    """Refuse a ``.ds.index`` whose last document end is not the end of its ``.ds`` file (they were not written
+    together). The index itself is not needed to cut samples."""
+    index = file.with_name(file.name + ".index")
+    if not index.is_file():
+        return
+    size = index.stat().st_size
+    if size % 8:
+        raise DataError(f"{index} holds {size} bytes, not a whole number of uint64 document ends; re-tokenize it")
+    if size == 0:
+        last_end = 0
+    else:
+        with index.open("rb") as handle:
+            handle.seek(size - 8)
+            last_end = int(np.frombuffer(handle.read(8), dtype="<u8")[0])
+    if last_end != num_tokens:
+        raise DataError(f"{index} ends its last document at token {last_end} but {file.name} holds {num_tokens} "
+                        f"tokens of {token_size} bytes: the token size is wrong or the files do not belong together; "
+                        f"check token_size_in_bytes or re-tokenize the folder")
+
+
+class DatatroveDataset(BlendedDataset):
+    """The sample stream of datatrove-tokenized folders (upstream's Nanoset): windows of ``sequence_length + 1``
+    tokens, stride ``sequence_length + 1``, cut per file; blended by ``weights`` (default: the token counts).
+
+    ``vocab_size`` is the model's vocabulary, which every id is checked against (datatrove records only the
+    tokenizer's name); ``token_size`` is upstream's ``token_size_in_bytes``, needed only for files without metadata.
+    The folders must name one tokenizer. ``tokenizer_fingerprints`` are None: datatrove records no fingerprint, so the
+    tokenizer is known by its name only (``tokenizer_names``).
+    """
+
+    def __init__(self, folders: str | Path | Sequence[str | Path], weights: Sequence[float] | None,
+                 sequence_length: int, seed: int, vocab_size: int, token_size: int | None = None):
+        folders = folder_list(folders)
+        check_sequence_length(sequence_length)
+        streams = [DatatroveTokens(folder, vocab_size, token_size) for folder in folders]
+        self.vocab_size = vocab_size
+        self.tokenizer_names = [stream.tokenizer_name for stream in streams]
+        self.tokenizer_fingerprints = [None] * len(streams)
+        if len({name for name in self.tokenizer_names if name is not None}) > 1:
+            raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
+                            + ", ".join(f"{stream.folder}: {stream.tokenizer_name}" for stream in streams
+                                        if stream.tokenizer_name is not None)
+                            + "); tokenize them all with the same tokenizer")
+        super().__init__(streams, weights, sequence_length, seed, window_stride=sequence_length + 1)

@@ -1,0 +1,183 @@
+"""Hugging Face datasets (upstream's ``hf_dataset_or_datasets``), tokenized once into a cached preprocessed folder.
+
+A dataset is a local ``save_to_disk`` folder, a local folder of data files (parquet, jsonl, ...; ``datasets`` infers
+the format and the splits from the file names), or a name on the Hugging Face Hub when it is reachable. Its ``splits``
+are concatenated in the order given, and the ``text_column`` of every row is one document, tokenized with our
+tokenizer by ``datasets.map`` on ``num_proc`` processes and followed by the end-of-document id, exactly as
+``nanotron preprocess`` does.
+
+The tokens are written once as a preprocessed folder (``preprocess.write_token_folder``) under ``cache_folder``, in a
+subfolder keyed by the dataset's fingerprint, the splits, the text column and the tokenizer's fingerprint; opening the
+same dataset again reads that folder without tokenizing. The key leaves out the sequence length, since samples are
+cut when read: one cache serves every sequence length. Samples are then those of any preprocessed folder
+(``dataset.PretrainDataset``): windows of ``sequence_length + 1`` tokens sharing one token with their neighbours, as
+upstream cuts Hugging Face datasets too, an exact resume and the same global batch at any layout.
+
+``datasets`` is the optional extra ``data``; without it, using a Hugging Face dataset is one error naming it.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, _BatchEncoder, write_token_folder
+from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+__all__ = ["HFDataset", "tokenize_hf_dataset"]
+
+INSTALL_HINT = 'pip install -e ".[data]"'
+_SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes (a DatasetDict, a Dataset)
+_ROWS_PER_MAP_BATCH = 1000
+
+
+def _datasets_library():
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"reading a Hugging Face dataset needs the datasets library: {INSTALL_HINT}") from None
+    return datasets
+
+
+@dataclass(frozen=True)
+class _TokenizeColumn:
+    """The ``datasets.map`` function: the ``text_column`` of a batch of rows -> their tokens (each followed by EOS; a
+    missing text is an empty document)."""
+
+    encoder: _BatchEncoder
+    text_column: str
+
+    def __call__(self, rows: dict[str, list]) -> dict[str, list[np.ndarray]]:
+        tokens, lengths = self.encoder([text or "" for text in rows[self.text_column]])
+        return {"input_ids": np.split(tokens, np.cumsum(lengths)[:-1])}
+
+
+def _load_splits(dataset: str | Path, splits: Sequence[str], config_name: str | None) -> list:
+    """The ``splits`` of ``dataset``, as ``datasets.Dataset`` objects, in the order given."""
+    datasets = _datasets_library()
+    path = Path(dataset)
+    try:
+        if path.is_dir() and any((path / name).is_file() for name in _SAVED_DATASET_FILES):
+            saved = datasets.load_from_disk(str(path))
+            if isinstance(saved, datasets.Dataset):  # a single split saved on its own is every split asked for
+                return [saved]
+            missing = [split for split in splits if split not in saved]
+            if missing:
+                raise DataError(f"the Hugging Face dataset {dataset} has no split {', '.join(missing)} (it has "
+                                f"{', '.join(saved)}); set hf_dataset_splits to some of those")
+            return [saved[split] for split in splits]
+        return list(datasets.load_dataset(str(dataset), config_name, split=list(splits)))
+    except DataError:
+        raise
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [""])[0]
+        raise DataError(f"could not load the Hugging Face dataset {dataset} (splits {', '.join(splits)}): "
+                        f"{type(error).__name__}: {reason}; give a save_to_disk folder, a folder of data files or a "
+                        f"Hub name that is reachable") from None
+
+
+def _checked_text_column(dataset: str | Path, parts: list, text_column: str) -> None:
+    for part in parts:
+        feature = part.features.get(text_column)
+        if feature is None:
+            raise DataError(f"the Hugging Face dataset {dataset} has no column {text_column!r} (it has "
+                            f"{', '.join(part.column_names)}); set text_column_name to its text column")
+        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+            raise DataError(f"column {text_column!r} of the Hugging Face dataset {dataset} holds {feature}, not text; "
+                            f"set text_column_name to its text column")
+
+
+def _cache_key(parts: list, splits: Sequence[str], text_column: str, fingerprint: str) -> str:
+    identity = {"format_version": FORMAT_VERSION, "dataset_fingerprints": [part._fingerprint for part in parts],
+                "splits": list(splits), "text_column": text_column, "tokenizer_fingerprint": fingerprint}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()[:32]
+
+
+def _domain_folder_name(dataset: str | Path) -> str:
+    """The cached folder's own name, which names the domain (in metrics): the dataset's last path component."""
+    return re.sub(r"[^\w.-]+", "_", Path(str(dataset).rstrip("/")).name) or "dataset"
+
+
+def tokenize_hf_dataset(dataset: str | Path, tokenizer: str | Path, *, splits: str | Sequence[str] = "train",
+                        text_column: str = "text", config_name: str | None = None, num_proc: int = 1,
+                        cache_folder: str | Path | None = None, overwrite_cache: bool = False) -> Path:
+    """The preprocessed folder of ``dataset``'s ``splits`` tokenized with ``tokenizer``, built if not cached yet.
+
+    ``cache_folder`` defaults to ``nanotron-tokenized`` in the ``datasets`` cache (``HF_DATASETS_CACHE``).
+    ``overwrite_cache`` tokenizes again even if the folder exists. Processes that build the same folder at once all
+    succeed (the first to finish provides it), but run it on one process first to tokenize only once.
+    """
+    datasets = _datasets_library()
+    splits = [splits] if isinstance(splits, str) else list(splits)
+    if not splits:
+        raise DataError(f"hf_dataset_splits is empty for {dataset}; name at least one split, e.g. train")
+    if num_proc < 1:
+        raise DataError(f"dataset_processing_num_proc_per_process must be at least 1, got {num_proc}")
+    parts = _load_splits(dataset, splits, config_name)
+    _checked_text_column(dataset, parts, text_column)
+    fingerprint = tokenizer_fingerprint(load_tokenizer(tokenizer))
+    cache_root = Path(cache_folder) if cache_folder is not None else Path(datasets.config.HF_DATASETS_CACHE) / (
+        "nanotron-tokenized")
+    folder = cache_root / _cache_key(parts, splits, text_column, fingerprint) / _domain_folder_name(dataset)
+    if (folder / METADATA_FILE_NAME).is_file() and not overwrite_cache:
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root, prefix=".map-") as map_cache:
+        def encoded(encoder: _BatchEncoder) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for index, part in enumerate(parts):
+                tokenized = part.map(_TokenizeColumn(encoder, text_column), batched=True,
+                                     batch_size=_ROWS_PER_MAP_BATCH, num_proc=num_proc if num_proc > 1 else None,
+                                     remove_columns=part.column_names, desc=f"tokenizing {dataset} ({splits[index]})",
+                                     cache_file_name=str(Path(map_cache) / f"split-{index}.arrow"),
+                                     load_from_cache_file=False)
+                yield from _token_batches(tokenized)
+
+        inputs = [f"{dataset}:{split}" for split in splits]
+        try:
+            write_token_folder(folder, tokenizer, encoded, inputs,
+                               recorded={"hf_dataset": {"name": str(dataset), "splits": splits,
+                                                        "text_column": text_column, "config_name": config_name}})
+        except OSError:
+            if not (folder / METADATA_FILE_NAME).is_file():
+                raise  # not another process having completed the same folder first
+    return folder
+
+
+def _token_batches(tokenized) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, document lengths) of the ``input_ids`` column, one Arrow chunk at a time, without a Python list."""
+    for chunk in tokenized.data.column("input_ids").chunks:
+        lengths = chunk.value_lengths().to_numpy(zero_copy_only=False).astype(np.int64)
+        yield chunk.flatten().to_numpy(zero_copy_only=False), lengths
+
+
+class HFDataset(PretrainDataset):
+    """The sample stream of one Hugging Face dataset, or of several blended by weight (``{name: weight}``, upstream's
+    ``hf_dataset_or_datasets`` mapping), each tokenized once into a cached preprocessed folder
+    (``tokenize_hf_dataset``, whose keyword arguments it takes) and read as ``PretrainDataset`` reads folders."""
+
+    def __init__(self, datasets: str | Path | Mapping[str, float], tokenizer: str | Path, sequence_length: int,
+                 seed: int, *, splits: str | Sequence[str] = "train", text_column: str = "text",
+                 config_name: str | None = None, num_proc: int = 1, cache_folder: str | Path | None = None,
+                 overwrite_cache: bool = False):
+        if isinstance(datasets, Mapping):
+            if not datasets:
+                raise DataError("hf_dataset_or_datasets is empty; name at least one dataset")
+            names, weights = list(datasets), [float(weight) for weight in datasets.values()]
+            if not all(np.isfinite(weight) and weight > 0 for weight in weights):
+                raise DataError(f"the weights of hf_dataset_or_datasets must all be positive numbers, got "
+                                f"{dict(datasets)}")
+        else:
+            names, weights = [datasets], None
+        self.dataset_names = [str(name) for name in names]
+        folders = [tokenize_hf_dataset(name, tokenizer, splits=splits, text_column=text_column,
+                                       config_name=config_name, num_proc=num_proc, cache_folder=cache_folder,
+                                       overwrite_cache=overwrite_cache) for name in names]
+        super().__init__(folders, weights, sequence_length, seed)

@@ -1,0 +1,344 @@
+"""Upstream nanotron's data read directly: datatrove-tokenized folders, Hugging Face datasets and synthetic tokens.
+
+The fixtures are written by the real libraries (datatrove's DocumentTokenizer, datasets' save_to_disk, parquet and
+jsonl files) with the tiny test tokenizer; a test needing a library that is absent is skipped with the extra to
+install.
+"""
+
+import json
+import pickle
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
+from nanotron.data.datatrove_folder import DatatroveDataset
+from nanotron.data.loader import MicroBatchLoader
+from nanotron.data.synthetic import SyntheticDataset
+from nanotron.data.tokenizer import eos_token_id, load_tokenizer
+
+SEQUENCE_LENGTH = 16
+SEED = 3
+_DATATROVE_REASON = 'datatrove writes the .ds fixtures; pip install -e ".[test]"'
+_DATASETS_REASON = 'the Hugging Face readers need datasets; pip install -e ".[data]"'
+
+
+def _documents(corpus: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+
+
+def _one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:
+    message = str(error.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+# --------------------------------------------------------------------------------------------- datatrove folders
+
+
+def _datatrove_folder(folder: Path, documents: list[str], tokenizer: Path, **options) -> Path:
+    """``documents`` tokenized by datatrove's DocumentTokenizer, as upstream users write their data."""
+    pytest.importorskip("datatrove", reason=_DATATROVE_REASON)
+    from datatrove.data import Document
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    step = DocumentTokenizer(output_folder=str(folder), tokenizer_name_or_path=str(tokenizer),
+                             eos_token="<|endoftext|>", **options)
+    step.run(iter(Document(text=text, id=str(i)) for i, text in enumerate(documents)), rank=0, world_size=1)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def datatrove_folders(tiny_data, tmp_path_factory) -> list[Path]:
+    """Two folders of the tiny corpus's halves: one file in document order; several shuffled files."""
+    root = tmp_path_factory.mktemp("datatrove")
+    documents = _documents(tiny_data["corpus"])
+    half = len(documents) // 2
+    return [_datatrove_folder(root / "first", documents[:half], tiny_data["tokenizer"], shuffle_documents=False),
+            _datatrove_folder(root / "second", documents[half:], tiny_data["tokenizer"], shuffle_documents=True,
+                              seed=0, max_tokens_per_file=1500)]
+
+
+def _file_windows(folder: Path, sequence_length: int) -> Counter:
+    """Upstream's windows of a folder: each .ds file cut into disjoint runs of sequence_length + 1 tokens."""
+    windows = Counter()
+    for file in sorted(folder.glob("*.ds")):
+        tokens = np.fromfile(file, dtype="<u2").astype(np.int64)
+        for w in range(len(tokens) // (sequence_length + 1)):
+            windows[tokens[w * (sequence_length + 1):(w + 1) * (sequence_length + 1)].tobytes()] += 1
+    return windows
+
+
+def _sample_windows(dataset, indices) -> Counter:
+    return Counter(row.tobytes() for row in dataset.samples(list(indices))["tokens"].numpy())
+
+
+def test_datatrove_files_hold_the_documents_our_tokenizer_makes(tiny_data, datatrove_folders):
+    tokenizer = load_tokenizer(tiny_data["tokenizer"])
+    eos = eos_token_id(tokenizer)
+    expected = [token for text in _documents(tiny_data["corpus"])[:200]
+                for token in [*tokenizer.encode(text, add_special_tokens=False).ids, eos]]
+    (file,) = datatrove_folders[0].glob("*.ds")
+    assert np.fromfile(file, dtype="<u2").tolist() == expected
+    assert len(list(datatrove_folders[1].glob("*.ds"))) > 1
+
+
+def test_datatrove_samples_are_upstream_nanoset_windows(tiny_data, datatrove_folders):
+    """One epoch visits every window of upstream's DatatroveFolderDataset once: per file, no token shared."""
+    from datatrove.utils.dataset import DatatroveFolderDataset
+
+    for folder in datatrove_folders:
+        dataset = DatatroveDataset(folder, None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+        expected = _file_windows(folder, SEQUENCE_LENGTH)
+        assert dataset.num_windows == [sum(expected.values())]
+        assert _sample_windows(dataset, range(dataset.num_windows[0])) == expected
+        upstream = DatatroveFolderDataset(str(folder), seq_len=SEQUENCE_LENGTH, filename_pattern="*.ds",
+                                          recursive=False, token_size=2)
+        assert Counter(upstream[i]["input_ids"].numpy().tobytes() for i in range(len(upstream))) == expected
+        assert dataset.tokenizer_names == [str(tiny_data["tokenizer"])]  # datatrove records the name it was given
+        reopened = pickle.loads(pickle.dumps(dataset))  # what a data-loading worker started by spawn receives
+        assert torch.equal(reopened.samples(range(5))["tokens"], dataset.samples(range(5))["tokens"])
+
+
+def test_datatrove_folders_blend_by_weight(datatrove_folders):
+    dataset = DatatroveDataset(datatrove_folders, [1.0, 3.0], SEQUENCE_LENGTH, SEED, vocab_size=384)
+    assert dataset.weights == [0.25, 0.75]
+    batch = dataset.samples(range(64))
+    assert Counter(batch["domain_ids"].tolist()) == {0: 16, 1: 48}  # the proportions hold in every small batch
+    windows = [_file_windows(folder, SEQUENCE_LENGTH) for folder in datatrove_folders]
+    for tokens, domain in zip(batch["tokens"].numpy(), batch["domain_ids"].tolist()):
+        assert tokens.tobytes() in windows[domain]
+    assert dataset.domain_names == ["first", "second"]
+    domains = dataset.samples(range(BLEND_PERIOD))["domain_ids"]
+    assert torch.bincount(domains).tolist() == [BLEND_PERIOD // 4, 3 * BLEND_PERIOD // 4]
+
+
+def test_datatrove_ids_outside_the_vocabulary_name_the_file(datatrove_folders):
+    (file,) = datatrove_folders[0].glob("*.ds")
+    largest = int(np.fromfile(file, dtype="<u2").max())
+    with pytest.raises(DataError) as error:
+        DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=largest)
+    _one_line(error, f"file {file} holds token id {largest}", f"({largest} ids)")
+
+
+def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError) as error:
+        DatatroveDataset(tmp_path / "empty", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    _one_line(error, f"{tmp_path / 'empty'} holds no .ds files")
+    with pytest.raises(DataError) as error:
+        DatatroveDataset(tmp_path / "absent", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    _one_line(error, f"dataset folder {tmp_path / 'absent'} does not exist")
+    longest = max(file.stat().st_size // 2 for file in datatrove_folders[1].glob("*.ds"))
+    with pytest.raises(DataError) as error:  # enough tokens in the folder, but no file holds a whole window
+        DatatroveDataset(datatrove_folders[1], None, longest, SEED, vocab_size=384)
+    _one_line(error, f"in files of at most {longest} tokens, fewer than one sample of sequence_length + 1")
+
+    swapped = shutil.copytree(datatrove_folders[0], tmp_path / "swapped")
+    (file,) = swapped.glob("*.ds")
+    other = next(datatrove_folders[1].glob("*.ds"))
+    shutil.copy(other.with_name(other.name + ".index"), file.with_name(file.name + ".index"))
+    with pytest.raises(DataError) as error:
+        DatatroveDataset(swapped, None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    _one_line(error, f"{file}.index ends its last document at token", "tokens of 2 bytes", "do not belong together")
+
+    renamed = shutil.copytree(datatrove_folders[1], tmp_path / "renamed")
+    for metadata in renamed.glob("*.ds.metadata"):
+        metadata.write_text(metadata.read_text().replace(metadata.read_text().split("|")[0], "another/tokenizer", 1))
+    with pytest.raises(DataError) as error:
+        DatatroveDataset([datatrove_folders[0], renamed], None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    _one_line(error, "tokenized with different tokenizers", "another/tokenizer")
+
+    with pytest.raises(DataError) as error:
+        DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=384, token_size=4)
+    _one_line(error, "token_size_in_bytes is 4", "2-byte tokens")
+
+
+def test_datatrove_files_without_metadata_take_the_token_size_from_the_vocabulary(datatrove_folders, tmp_path):
+    bare = shutil.copytree(datatrove_folders[1], tmp_path / "second")
+    for metadata in bare.glob("*.ds.metadata"):
+        metadata.unlink()
+    expected = DatatroveDataset(datatrove_folders[1], None, SEQUENCE_LENGTH, SEED, vocab_size=384).samples(range(20))
+    dataset = DatatroveDataset(bare, None, SEQUENCE_LENGTH, SEED, vocab_size=384)
+    assert dataset.tokenizer_names == [None] and torch.equal(dataset.samples(range(20))["tokens"], expected["tokens"])
+    with pytest.raises(DataError) as error:  # 2-byte tokens read as 4-byte ones: the index tells
+        DatatroveDataset(bare, None, SEQUENCE_LENGTH, SEED, vocab_size=384, token_size=4)
+    _one_line(error, ".ds.index ends its last document at token", "tokens of 4 bytes", "token_size_in_bytes")
+
+
+# --------------------------------------------------------------------------------------------- Hugging Face datasets
+
+
+@pytest.fixture(scope="module")
+def hf_sources(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """The tiny corpus as a save_to_disk DatasetDict (train and validation), a parquet folder and a jsonl folder."""
+    datasets = pytest.importorskip("datasets", reason=_DATASETS_REASON)
+    root = tmp_path_factory.mktemp("hf")
+    documents = _documents(tiny_data["corpus"])
+    train, validation = documents[:300], documents[300:]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train, "id": list(range(300))}),
+                          "validation": datasets.Dataset.from_dict({"text": validation})}).save_to_disk(root / "saved")
+    (root / "parquet").mkdir()
+    datasets.Dataset.from_dict({"text": train}).to_parquet(root / "parquet" / "train-00000.parquet")
+    (root / "jsonl").mkdir()
+    (root / "jsonl" / "train.jsonl").write_text("".join(json.dumps({"body": text}) + "\n" for text in train))
+    return {"root": root, "saved": root / "saved", "parquet": root / "parquet", "jsonl": root / "jsonl"}
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> Path:
+    """A fresh cache for datasets' own files and the tokenized folders, outside the user's home."""
+    datasets = pytest.importorskip("datasets", reason=_DATASETS_REASON)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path / "tokenized"
+
+
+def _tokens(folder: Path) -> list[int]:
+    shards = TokenShards(folder)
+    return shards.read(0, shards.num_tokens).tolist()
+
+
+def test_hf_datasets_tokenize_as_nanotron_preprocess_does(tiny_data, hf_sources, hf_cache):
+    from nanotron.data.hf_dataset import tokenize_hf_dataset
+
+    preprocessed = _tokens(tiny_data["tokenized"])  # the whole corpus, by `nanotron preprocess`
+    both = tokenize_hf_dataset(hf_sources["saved"], tiny_data["tokenizer"], splits=["train", "validation"],
+                               num_proc=2, cache_folder=hf_cache)
+    assert _tokens(both) == preprocessed
+    train_only = _tokens(tokenize_hf_dataset(hf_sources["saved"], tiny_data["tokenizer"], cache_folder=hf_cache))
+    assert preprocessed[:len(train_only)] == train_only and preprocessed[len(train_only)] != 0
+    for source, column in (("parquet", "text"), ("jsonl", "body")):
+        folder = tokenize_hf_dataset(hf_sources[source], tiny_data["tokenizer"], text_column=column,
+                                     cache_folder=hf_cache)
+        assert _tokens(folder) == train_only, source
+        assert TokenShards(folder).name == source
+
+
+def test_hf_tokenization_is_cached(tiny_data, hf_sources, hf_cache, monkeypatch):
+    import datasets
+
+    from nanotron.data.hf_dataset import HFDataset
+
+    first = HFDataset(hf_sources["saved"], tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the dataset was tokenized again")
+
+    monkeypatch.setattr(datasets.Dataset, "map", no_tokenizing)
+    again = HFDataset(hf_sources["saved"], tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+    assert torch.equal(again.samples(range(32))["tokens"], first.samples(range(32))["tokens"])
+    longer = HFDataset(hf_sources["saved"], tiny_data["tokenizer"], 2 * SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+    assert longer._streams[0].folder == first._streams[0].folder  # another sequence length, the same cache
+    with pytest.raises(AssertionError, match="tokenized again"):
+        HFDataset(hf_sources["saved"], tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache,
+                  overwrite_cache=True)
+
+
+def test_hf_tokenization_finished_first_by_another_process_is_used(tiny_data, hf_sources, hf_cache, monkeypatch):
+    from nanotron.data import hf_dataset
+
+    real = hf_dataset.write_token_folder
+
+    def another_process_first(folder, *args, **kwargs):
+        real(folder, *args, **kwargs)  # the other process renames its folder into place first
+        (folder / "marker").touch()
+        return real(folder, *args, **kwargs)  # this one's rename then fails: the folder is there
+
+    monkeypatch.setattr(hf_dataset, "write_token_folder", another_process_first)
+    folder = hf_dataset.tokenize_hf_dataset(hf_sources["parquet"], tiny_data["tokenizer"], cache_folder=hf_cache)
+    assert (folder / "marker").is_file() and TokenShards(folder).num_tokens > 0
+    assert [path.name for path in folder.parent.iterdir()] == [folder.name]  # no staging copy left behind
+
+
+def test_hf_datasets_blend_by_weight_and_name_their_domains(tiny_data, hf_sources, hf_cache):
+    from nanotron.data.hf_dataset import HFDataset
+
+    dataset = HFDataset({str(hf_sources["parquet"]): 3.0, str(hf_sources["saved"]): 1.0}, tiny_data["tokenizer"],
+                        SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+    assert dataset.domain_names == ["parquet", "saved"] and dataset.weights == [0.75, 0.25]
+    assert Counter(dataset.samples(range(64))["domain_ids"].tolist()) == {0: 48, 1: 16}
+    stream = np.array(_tokens(dataset._streams[0].folder))
+    for g in range(8):  # windows of our kind: sequence_length + 1 tokens, neighbours sharing one
+        tokens, domain = dataset.sample(g)
+        if domain == 0:
+            starts = [s for s in range(0, len(stream) - SEQUENCE_LENGTH, SEQUENCE_LENGTH)
+                      if np.array_equal(stream[s:s + SEQUENCE_LENGTH + 1], tokens)]
+            assert starts, g
+
+
+def test_hf_dataset_errors_are_one_line(tiny_data, hf_sources, hf_cache, tmp_path):
+    from nanotron.data.hf_dataset import HFDataset
+
+    cases = [({"splits": "test"}, ["has no split test", "train, validation"]),
+             ({"text_column": "content"}, ["has no column 'content'", "text, id"]),
+             ({"text_column": "id"}, ["column 'id'", "not text"])]
+    for options, fragments in cases:
+        with pytest.raises(DataError) as error:
+            HFDataset(hf_sources["saved"], tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache,
+                      **options)
+        _one_line(error, *fragments)
+    with pytest.raises(DataError) as error:
+        HFDataset(tmp_path / "missing", tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+    _one_line(error, f"could not load the Hugging Face dataset {tmp_path / 'missing'}")
+
+
+def test_a_missing_datasets_library_is_named_with_its_extra(tiny_data, monkeypatch, tmp_path):
+    from nanotron.data.hf_dataset import HFDataset
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what `import datasets` meets without the library
+    with pytest.raises(DataError) as error:
+        HFDataset(tmp_path, tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED)
+    _one_line(error, "needs the datasets library", 'pip install -e ".[data]"')
+
+
+# --------------------------------------------------------------------------------------------- synthetic tokens
+
+
+def test_synthetic_tokens_are_a_pure_function_of_seed_and_index():
+    dataset = SyntheticDataset(vocab_size=50, sequence_length=SEQUENCE_LENGTH, seed=SEED)
+    batch = dataset.samples(range(40))["tokens"]
+    assert batch.shape == (40, SEQUENCE_LENGTH + 1) and batch.dtype == torch.int64
+    assert torch.equal(SyntheticDataset(50, SEQUENCE_LENGTH, SEED).samples([39, 7])["tokens"], batch[[39, 7]])
+    assert torch.equal(torch.from_numpy(dataset.sample(12)[0]), batch[12])
+    assert not torch.equal(SyntheticDataset(50, SEQUENCE_LENGTH, SEED + 1).samples(range(40))["tokens"], batch)
+    assert len(set(map(tuple, batch.tolist()))) == 40  # samples differ from each other
+    assert set(batch.flatten().tolist()) == set(range(50))  # the whole vocabulary, nothing outside it
+    assert dataset.samples(range(4))["domain_ids"].tolist() == [0, 0, 0, 0]
+
+
+# --------------------------------------------------------------------------------------------- resume and layout
+
+
+def _steps(dataset, first_sample: int, steps: int, dp_size: int = 1) -> list[torch.Tensor]:
+    """The global batches (4 samples) of ``steps`` steps, gathered over ``dp_size`` ranks."""
+    loaders = [MicroBatchLoader(dataset, first_sample=first_sample, start_step=0, micro_batch_size=4 // dp_size // 2,
+                                accumulation=2, dp_rank=rank, dp_size=dp_size)
+               for rank in range(dp_size)]
+    return [torch.cat([micro["input_ids"] for loader in loaders for micro in loader.next_step()])
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("source", ["datatrove", "hf", "synthetic"])
+def test_every_source_resumes_exactly_and_ignores_the_layout(source, request, tiny_data, tmp_path):
+    def build():
+        if source == "datatrove":
+            return DatatroveDataset(request.getfixturevalue("datatrove_folders"), [1.0, 2.0], SEQUENCE_LENGTH, SEED,
+                                    vocab_size=384)
+        if source == "hf":
+            from nanotron.data.hf_dataset import HFDataset
+
+            return HFDataset(request.getfixturevalue("hf_sources")["saved"], tiny_data["tokenizer"], SEQUENCE_LENGTH,
+                             SEED, cache_folder=request.getfixturevalue("hf_cache"))
+        return SyntheticDataset(384, SEQUENCE_LENGTH, SEED)
+
+    straight = _steps(build(), first_sample=0, steps=5)
+    resumed = _steps(build(), first_sample=3 * 4, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(straight[3:], resumed))
+    assert all(torch.equal(a, b) for a, b in zip(straight, _steps(build(), first_sample=0, steps=5, dp_size=2)))
+    assert not torch.equal(straight[0], straight[1])
