@@ -23,8 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import LlamaConfig, LlaMoEConfig
-from nanotron.config.schema import ROPE_SCALING_KEYS
+from nanotron.config import ROPE_SCALING_KEYS, LlamaConfig, LlaMoEConfig
 
 
 def _first(token_id):

@@ -10,8 +10,7 @@ from __future__ import annotations
 from nanotron.checkpoint.hf_llama import LlamaHFAdapter, MixtralHFAdapter
 from nanotron.checkpoint.hf_mamba import MambaHFAdapter
 from nanotron.checkpoint.logical_tensors import CheckpointError
-from nanotron.config import ConfigError, LlamaConfig, LlaMoEConfig, MambaConfig
-from nanotron.config.validation import llama_problems, mamba_problems
+from nanotron.config import ConfigError, LlamaConfig, LlaMoEConfig, MambaConfig, llama_problems, mamba_problems
 from nanotron.models.llama import KVCache, LlamaForCausalLM, llama_costs, llama_init_rule
 from nanotron.models.mamba import (
     MambaCache,
