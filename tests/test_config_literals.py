@@ -1,15 +1,15 @@
 """Enumerations in the config are `Literal` fields, and the loader refuses any other value naming the key and the
 values it accepts; no string field is left as an unchecked enumeration."""
 
-import copy
+import types
 import typing
 from dataclasses import fields, is_dataclass, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 import yaml
 
+from helpers import ROOT
 from nanotron.config import (
     MODEL_CONFIG_CLASSES,
     Config,
@@ -23,7 +23,7 @@ from nanotron.config import (
     validate_config,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "config_tiny_llama.yaml"
+EXAMPLE = ROOT / "examples" / "config_tiny_llama.yaml"
 
 # String fields that hold free text (names, regexes), not a choice among values; every other string field of the
 # schema must be a Literal. A new enumeration written as a plain `str` fails test_no_string_field_is_an_unchecked_*.
@@ -41,7 +41,7 @@ EXPECTED_LITERALS = {
 
 
 def _without_none(tp: Any) -> list[Any]:
-    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, type(int | None)) else (tp,)
+    members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     return [member for member in members if member is not type(None)]
 
 
@@ -85,11 +85,17 @@ def test_no_string_field_is_an_unchecked_enumeration():
     assert strings == FREE_TEXT
 
 
-def _with_every_section() -> dict:
-    """The example config with the optional sections that hold Literal fields present."""
+def _example_with_fp8() -> dict:
     d = yaml.safe_load(EXAMPLE.read_text())
-    d["logging"]["wandb"] = {"project": "p"}
     d["fp8"] = {"enabled": True}
+    return d
+
+
+def _with_every_section() -> dict:
+    """The example config with every optional section that holds Literal fields (read by the loader only: W&B
+    need not be installed)."""
+    d = _example_with_fp8()
+    d["logging"]["wandb"] = {"project": "p"}
     return d
 
 
@@ -123,7 +129,7 @@ def test_a_literal_inside_a_union_is_checked_and_named():
 
 
 def test_accepted_spellings_are_stored_canonically_and_listed_in_the_error():
-    d = _with_every_section()
+    d = _example_with_fp8()
     d["parallelism"] |= {"pp_engine": "AFAB", "tp_mode": "reduce_scatter"}
     d["model"]["dtype"] = "BF16"
     cfg = config_from_dict(d)
@@ -137,7 +143,7 @@ def test_accepted_spellings_are_stored_canonically_and_listed_in_the_error():
 
 def test_literals_of_configs_built_in_code_are_checked_too():
     """Configs the loader never read: built in Python, or a model config read back from checkpoint.json."""
-    cfg = config_from_dict(copy.deepcopy(_with_every_section()))
+    cfg = config_from_dict(_example_with_fp8())
     bad = replace(cfg, parallelism=replace(cfg.parallelism, pp_engine="GPipe"),
                   fp8=replace(cfg.fp8, recipe="blockwise"))
     with pytest.raises(ConfigError) as info:

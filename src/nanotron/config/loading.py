@@ -26,6 +26,7 @@ from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs
 from nanotron.config.rules import (
     ConfigError,
     canonical,
+    is_literal_value,
     literal_problem,
     literal_values,
     unannotated,
@@ -196,7 +197,7 @@ def _scalar(tp: type, raw: Any) -> Any:
     string: YAML 1.1 reads `1e-3` (no dot) as a string, and that is how people write learning rates. A `Literal`
     value comes back in its canonical spelling."""
     if literal_values(tp) is not None:
-        return canonical(tp, raw) if literal_problem("", tp, raw) is None else _INVALID
+        return canonical(tp, raw) if is_literal_value(tp, raw) else _INVALID
     if tp is bool:
         return raw if isinstance(raw, bool) else _INVALID
     if tp is int:

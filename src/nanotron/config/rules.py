@@ -97,13 +97,18 @@ def canonical(tp: Any, raw: Any) -> Any:
     return spellings.canonical(raw) if spellings is not None and isinstance(raw, str) else raw
 
 
+def is_literal_value(tp: Any, raw: Any) -> bool:
+    """Whether ``raw``, in any spelling ``tp`` accepts, is one of the Literal type's values (True is not 1 here)."""
+    value = canonical(tp, raw)
+    return any(value == allowed and type(value) is type(allowed) for allowed in literal_values(tp))
+
+
 def literal_problem(key: str, tp: Any, raw: Any) -> str | None:
     """One line when ``raw`` is not a value of the Literal type ``tp`` in any accepted spelling, naming the key and
     every accepted spelling (a single one quoted: ``must be 'silu'``); None when it is."""
-    values = literal_values(tp)
-    value = canonical(tp, raw)
-    if any(value == allowed and type(value) is type(allowed) for allowed in values):  # True is not 1 here
+    if is_literal_value(tp, raw):
         return None
+    values = literal_values(tp)
     spellings = _unannotated(tp)[1]
     accepted = [*values, *(spellings.aliases if spellings else ())]
     shown = repr(raw) if len(repr(raw)) <= 60 else repr(raw)[:57] + "..."
@@ -123,7 +128,8 @@ def literal_problems(obj: Any, key: str | None = None) -> list[str]:
         value, dotted = getattr(obj, f.name), prefix(key) + f.name
         members = [m for m in union_members(hints[f.name]) or (hints[f.name],) if m is not type(None)]
         if len(members) == 1 and literal_values(members[0]) is not None and value is not None:
-            problems += filter(None, [literal_problem(dotted, members[0], value)])
+            problem = literal_problem(dotted, members[0], value)
+            problems += [problem] if problem is not None else []
         elif is_dataclass(value):
             problems += literal_problems(value, dotted)
         elif isinstance(value, list):
