@@ -380,8 +380,7 @@ def test_mamba_flops_count_the_lm_head_and_not_the_embedding_lookup():
     """d_model 16, 2 layers, d_state 4, expand 2 (d_inner 32, dt_rank 1), conv 4: a layer holds in_proj 1024, conv
     128 + 32, x_proj 288, dt_proj 32 + 32, A_log 128, D 32, out_proj 512 and its norm 16: 2224 weights, and its scan
     costs 21 · 32 · 4 = 2688. 2 · (6 · 2224 + 2688) + 6 · (16 + 104 · 16) = 42,144 per token, tied or not."""
-    from nanotron.config import MambaConfig
-    from nanotron.config.schema import MambaSSMArgs
+    from nanotron.config import MambaConfig, MambaSSMArgs
     from nanotron.models.mamba.costs import mamba_costs
 
     for tie in (True, False):

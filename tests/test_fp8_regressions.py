@@ -30,7 +30,7 @@ def _fp8_tp_linears(recipe: str) -> dict[str, float]:
     import torch.distributed as dist
     from torch import nn
 
-    from nanotron.config.schema import FP8Args
+    from nanotron.config import FP8Args
     from nanotron.nn.fp8 import fp8_converter
     from nanotron.nn.linear import Linear
     from nanotron.parallel.tensor_parallel import ALL_REDUCE, ColumnParallelLinear, RowParallelLinear

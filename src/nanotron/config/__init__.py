@@ -1,8 +1,16 @@
-"""The typed training config: schema (`schema.py`), YAML loading and saving (`loading.py`), checks (`validation.py`).
+"""The typed training config: one module per section (its dataclasses and, beside their fields, their rules), one
+per model family (`llama.py`, `moe.py`, `mamba.py`), the rules between sections (`cross_section.py`), the whole
+`Config` with `validate_config` (`config.py`), and YAML loading and saving (`loading.py`).
 
 Users write YAML in nanotron's format (see docs/config.md); code reads it with `load_config` and gets a `Config`.
 """
 
+from nanotron.config.checkpoints import CheckpointsArgs
+from nanotron.config.config import Config, validate_config
+from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, TokenizerArgs, TokensArgs
+from nanotron.config.features import DoReMiArgs, FP8Args
+from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
+from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig, llama_problems
 from nanotron.config.loading import (
     LEGACY_KEYS,
     LegacyKeyWarning,
@@ -14,42 +22,18 @@ from nanotron.config.loading import (
     model_config_from_dict,
     save_config,
 )
-from nanotron.config.schema import (
-    DEFAULT_RUN_NAME,
-    MODEL_CONFIG_CLASSES,
-    CheckpointsArgs,
-    Config,
-    ConfigError,
-    DataArgs,
-    DatasetArgs,
-    DatasetStageArgs,
-    DoReMiArgs,
-    ExistingCheckpointInit,
-    FP8Args,
-    GeneralArgs,
-    LlamaConfig,
-    LlaMoEConfig,
-    LoggingArgs,
-    LRSchedulerArgs,
-    MambaConfig,
-    MambaSSMArgs,
-    ModelArgs,
-    OptimizerArgs,
-    ParallelismArgs,
-    ProfilerArgs,
-    RandomInit,
-    TokenizerArgs,
-    TokensArgs,
-    WandbArgs,
-)
-from nanotron.config.validation import llama_problems, mamba_problems, validate_config
+from nanotron.config.mamba import MambaConfig, MambaSSMArgs, mamba_problems
+from nanotron.config.model import MODEL_CONFIG_CLASSES, ExistingCheckpointInit, ModelArgs, RandomInit
+from nanotron.config.moe import LlaMoEConfig
+from nanotron.config.optimizer import LRSchedulerArgs, OptimizerArgs
+from nanotron.config.parallelism import ParallelismArgs
+from nanotron.config.rules import ConfigError
 
 __all__ = [
-    "llama_problems",
-    "mamba_problems",
     "DEFAULT_RUN_NAME",
     "LEGACY_KEYS",
     "MODEL_CONFIG_CLASSES",
+    "ROPE_SCALING_KEYS",
     "CheckpointsArgs",
     "Config",
     "ConfigError",
@@ -79,7 +63,9 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "expand_run_name",
+    "llama_problems",
     "load_config",
+    "mamba_problems",
     "model_config_from_dict",
     "save_config",
     "validate_config",

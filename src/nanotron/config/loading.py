@@ -1,14 +1,14 @@
-"""YAML <-> `Config`: strict keys, checked types, legacy keys, atomic saves.
+"""YAML <-> `Config`: strict keys, checked types and enumerations, legacy keys, atomic saves.
 
 Loading never guesses: an unknown key is an error with the closest valid name, a value of the wrong type is an
-error naming the expected type, and keys that nanotron v0.4 accepted but never used are ignored with a warning.
+error naming the expected type, a value outside a `Literal` field's values is an error naming them (after the
+field's accepted `Spellings`), and keys that nanotron v0.4 accepted but never used are ignored with a warning.
 All problems in a file are reported together.
 """
 
 import difflib
 import math
 import os
-import types
 import typing
 import warnings
 from collections.abc import Hashable, Sequence
@@ -19,15 +19,19 @@ from typing import Any
 
 import yaml
 
-from nanotron.config.schema import (
-    DEFAULT_RUN_NAME,
-    MODEL_CONFIG_CLASSES,
-    Config,
+from nanotron.config.config import Config, validate_config
+from nanotron.config.data import DatasetArgs
+from nanotron.config.general import DEFAULT_RUN_NAME
+from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs
+from nanotron.config.rules import (
     ConfigError,
-    DatasetArgs,
-    ModelArgs,
+    canonical,
+    is_literal_value,
+    literal_problem,
+    literal_values,
+    unannotated,
+    union_members,
 )
-from nanotron.config.validation import validate_config
 from nanotron.files import atomic_write_text
 
 _NO_VALIDATION = "no validation loop reads it (nanotron v0.4 never ran one either)"
@@ -166,19 +170,18 @@ def _is_required(f: Field) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
-def _members(tp: Any) -> tuple[Any, ...] | None:
-    """The members of a union type (`X | Y` or `Optional[X]`), or None when `tp` is not a union."""
-    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else None
-
-
 def _describe(tp: Any, plural: bool = False) -> str:
-    members = _members(tp)
+    tp = unannotated(tp)
+    members = union_members(tp)
     if members is not None:
         return " or ".join("null" if m is type(None) else _describe(m, plural) for m in members)
     if typing.get_origin(tp) is list:
         return ("lists" if plural else "a list") + " of " + _describe(typing.get_args(tp)[0], plural=True)
     if is_dataclass(tp):
         return "mappings" if plural else "a mapping"
+    values = literal_values(tp)
+    if values is not None:
+        return " or ".join(repr(value) for value in values)
     singular, plural_name = _SCALAR_NAMES[tp]
     return plural_name if plural else singular
 
@@ -191,7 +194,10 @@ def _shape(cls: type) -> str:
 
 def _scalar(tp: type, raw: Any) -> Any:
     """`raw` as type `tp`, or _INVALID. Bools are not ints here, NaN is not a number, and a float may be a
-    string: YAML 1.1 reads `1e-3` (no dot) as a string, and that is how people write learning rates."""
+    string: YAML 1.1 reads `1e-3` (no dot) as a string, and that is how people write learning rates. A `Literal`
+    value comes back in its canonical spelling."""
+    if literal_values(tp) is not None:
+        return canonical(tp, raw) if is_literal_value(tp, raw) else _INVALID
     if tp is bool:
         return raw if isinstance(raw, bool) else _INVALID
     if tp is int:
@@ -237,7 +243,7 @@ class _Reader:
         return self.dataclass(Config, raw, "")
 
     def value(self, tp: Any, raw: Any, key: str) -> Any:
-        members = _members(tp) or (tp,)
+        members = union_members(tp) or (tp,)
         if raw is None and type(None) in members:
             return None
         choices = [m for m in members if m is not type(None)]
@@ -256,12 +262,17 @@ class _Reader:
             start = len(self.problems)
             items = [self.value(typing.get_args(kind)[0], item, f"{key}[{i}]") for i, item in enumerate(raw)]
             return items if len(self.problems) == start else _INVALID
+        if literal_values(kind) is not None:  # one line naming the values (and spellings) it accepts
+            problem = literal_problem(key, kind, raw)
+            if problem is not None:
+                self.problems.append(problem)
+                return _INVALID
         value = _scalar(kind, raw)
         return self._fail(key, _describe(tp), raw) if value is _INVALID else value
 
     def dataclass(self, cls: type, raw: dict, key: str) -> Any:
         start = len(self.problems)
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)  # with the Spellings of Literal fields
         for name in raw:
             if name not in hints:
                 self._unknown_key(_join(key, name), str(name), list(hints))

@@ -22,8 +22,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from nanotron.config import LlamaConfig
-from nanotron.config.schema import ROPE_SCALING_KEYS
+from nanotron.config import ROPE_SCALING_KEYS, LlamaConfig
 from nanotron.errors import CheckpointError
 
 

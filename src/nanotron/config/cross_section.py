@@ -1,0 +1,84 @@
+"""The rules that tie two or more sections together, so that no one section's ``problems()`` can check them.
+
+They need the model and the layout at once (shapes split over tensor, pipeline and expert-parallel ranks; the
+sequence against the positions and the tensor-parallel split), the schedule and the run length, or the DoReMi
+domains and the dataset folders of every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from nanotron.config.moe import LlaMoEConfig
+from nanotron.config.optimizer import LR_KEY
+from nanotron.config.rules import MODEL_CONFIG_KEY
+
+if TYPE_CHECKING:
+    from nanotron.config.config import Config
+
+
+def cross_section_problems(cfg: Config) -> Iterator[str]:
+    yield from _schedule_vs_run_length(cfg)
+    yield from _doremi_vs_data_stages(cfg)
+    yield from _model_vs_parallelism(cfg)
+
+
+def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:
+    """The LR schedule (optimizer) must fit in tokens.train_steps."""
+    lr, train_steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+    if lr.lr_warmup_steps > train_steps:
+        yield (
+            f"{LR_KEY}.lr_warmup_steps ({lr.lr_warmup_steps}) must be <= tokens.train_steps ({train_steps}); "
+            "shorten the warmup or train longer"
+        )
+    if lr.lr_decay_starting_step is not None and lr.lr_decay_steps is None and lr.lr_decay_starting_step > train_steps:
+        yield (
+            f"{LR_KEY}.lr_decay_starting_step ({lr.lr_decay_starting_step}) is after tokens.train_steps "
+            f"({train_steps}), so the default decay length would be negative; set {LR_KEY}.lr_decay_steps"
+        )
+
+
+def _doremi_vs_data_stages(cfg: Config) -> Iterator[str]:
+    """DoReMi has one domain per dataset folder of every data stage, and owns the stages' mixture."""
+    d = cfg.doremi
+    if d is None:
+        return
+    for stage in cfg.data_stages:
+        folders = len(stage.data.dataset.dataset_folder)
+        for key, values in (("domain_names", d.domain_names), ("domain_weights", d.domain_weights)):
+            if values is not None and len(values) != folders:
+                yield (f"doremi.{key} has {len(values)} entries but data_stages[{stage.name!r}] has {folders} "
+                       "dataset folders (one domain each); give one per folder")
+        if d.domain_weights is not None and stage.data.dataset.dataset_weights is not None:
+            yield (f"doremi.domain_weights and data_stages[{stage.name!r}].data.dataset.dataset_weights are both "
+                   "set; keep one of them")
+
+
+def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
+    """Shapes that must split evenly over the parallel ranks, and sequence limits."""
+    c, p, tokens = cfg.model.model_config, cfg.parallelism, cfg.tokens
+    key = MODEL_CONFIG_KEY
+    if p.pp_stage_layers is not None and sum(p.pp_stage_layers) != c.num_hidden_layers:
+        yield (
+            f"parallelism.pp_stage_layers {p.pp_stage_layers} adds up to {sum(p.pp_stage_layers)} but "
+            f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
+        )
+    yield from c.layout_problems(p.tp, key=key, sequence_length=tokens.sequence_length)
+    ep = p.expert_parallel_size
+    if ep > 1 and not isinstance(c, LlaMoEConfig):
+        yield (f"parallelism.expert_parallel_size ({ep}) needs a mixture-of-experts model ({key} with "
+               "is_llamoe_config: true); set it to 1 for this model")
+    elif ep >= 1 and isinstance(c, LlaMoEConfig) and c.moe_num_experts >= 1 and c.moe_num_experts % ep:
+        yield (f"{key}.moe_num_experts ({c.moe_num_experts}) must be divisible by parallelism.expert_parallel_size "
+               f"({ep}): every expert-parallel rank holds the same number of whole experts")
+    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
+        yield (
+            f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
+            "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
+        )
+    if c.num_hidden_layers < p.pp:
+        yield (
+            f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
+            "every pipeline stage needs at least one layer"
+        )

@@ -1,0 +1,54 @@
+"""The mixture-of-experts Llama's config (nanotron's ``is_llamoe_config``; Mixtral's architecture) and its rules."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nanotron.config.llama import LlamaConfig
+from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
+
+
+@dataclass
+class LlaMoEConfig(LlamaConfig):
+    """Llama with mixture-of-experts feed-forward layers (nanotron's ``is_llamoe_config``; Mixtral's architecture).
+
+    Each MoE layer routes every token to ``num_experts_per_tok`` of ``moe_num_experts`` SwiGLU experts of width
+    ``intermediate_size``. The first ``moe_first_dense_layers`` layers keep a dense SwiGLU MLP.
+    """
+
+    is_llama_config: bool = False
+    is_llamoe_config: bool = True
+    moe_num_experts: int = 1
+    num_experts_per_tok: int = 1
+    moe_capacity_factor: float | None = None  # None: dropless; else each expert takes at most factor * tokens * k / E
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss (Switch Transformer), per sequence, averaged over layers
+    moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean squared log-sum-exp of the router logits
+    moe_normalize_topk: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral); False: raw softmax
+    moe_first_dense_layers: int = 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.moe_first_dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    def _marker_problems(self, k: str) -> Iterator[str]:
+        if self.is_llama_config or not self.is_llamoe_config:
+            yield f"{k}is_llamoe_config must be true (and is_llama_config absent) for a mixture-of-experts config"
+
+    def problems(self, key: str | None = MODEL_CONFIG_KEY) -> Iterator[str]:
+        """Llama's rules on the values, then the experts' (the shapes are Llama's: experts split over ranks of
+        ``parallelism.expert_parallel_size``, a rule between sections)."""
+        yield from super().problems(key)
+        k = prefix(key)
+        yield from at_least(f"{k}moe_num_experts", self.moe_num_experts, 1)
+        if not 1 <= self.num_experts_per_tok <= max(self.moe_num_experts, 1):
+            yield (f"{k}num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, {k}moe_num_experts] = "
+                   f"[1, {self.moe_num_experts}]: each token goes to that many distinct experts")
+        if self.moe_capacity_factor is not None:
+            yield from positive(f"{k}moe_capacity_factor", self.moe_capacity_factor)
+        yield from at_least(f"{k}moe_aux_loss_coef", self.moe_aux_loss_coef, 0)
+        yield from at_least(f"{k}moe_z_loss_coef", self.moe_z_loss_coef, 0)
+        if self.num_hidden_layers >= 1 and not 0 <= self.moe_first_dense_layers < self.num_hidden_layers:
+            yield (f"{k}moe_first_dense_layers ({self.moe_first_dense_layers}) must be in [0, {k}num_hidden_layers) "
+                   f"= [0, {self.num_hidden_layers}): at least the last layer is a mixture of experts")

@@ -1,0 +1,75 @@
+"""The ``optimizer`` section: AdamW, ZeRO, clipping, bad-step handling, and the learning-rate schedule."""
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from nanotron.config.rules import at_least, positive
+
+LR_KEY = "optimizer.learning_rate_scheduler"
+
+
+@dataclass
+class LRSchedulerArgs:
+    learning_rate: float
+    lr_warmup_steps: int = 0
+    lr_warmup_style: Literal["linear", "constant"] = "linear"
+    lr_decay_style: Literal["constant", "linear", "cosine", "1-sqrt"] = "cosine"
+    lr_decay_starting_step: int | None = None  # None: right after the warmup
+    lr_decay_steps: int | None = None  # None: until the last training step
+    min_decay_lr: float = 0.0
+
+    def problems(self) -> Iterator[str]:
+        """The schedule's own rules; how it fits ``tokens.train_steps`` is a rule between sections."""
+        yield from positive(f"{LR_KEY}.learning_rate", self.learning_rate)
+        yield from at_least(f"{LR_KEY}.lr_warmup_steps", self.lr_warmup_steps, 0)
+        if not 0 <= self.min_decay_lr <= self.learning_rate:
+            yield (f"{LR_KEY}.min_decay_lr ({self.min_decay_lr}) must be in [0, learning_rate] = "
+                   f"[0, {self.learning_rate}]")
+        if self.lr_decay_steps is not None:
+            yield from at_least(f"{LR_KEY}.lr_decay_steps", self.lr_decay_steps, 0)
+        if self.lr_decay_starting_step is not None and self.lr_decay_starting_step < self.lr_warmup_steps:
+            yield (
+                f"{LR_KEY}.lr_decay_starting_step ({self.lr_decay_starting_step}) must be >= {LR_KEY}.lr_warmup_steps "
+                f"({self.lr_warmup_steps}): decay starts after the warmup"
+            )
+
+
+@dataclass
+class OptimizerArgs:
+    learning_rate_scheduler: LRSchedulerArgs
+    zero_stage: int = 0
+    weight_decay: float = 0.0
+    weight_decay_exclude_named_params: list[str] | None = None  # None: norms, biases and embeddings are excluded
+    clip_grad: float | None = 1.0
+    accumulate_grad_in_fp32: bool = True
+    adam_eps: float = 1e-8
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    torch_adam_is_fused: bool = True
+    skip_bad_steps: int = 0  # bad steps in a row whose update is skipped before the run stops (0: stop at the first)
+    loss_spike_factor: float | None = None  # a loss above this times the recent mean counts as a bad step
+
+    def problems(self) -> Iterator[str]:
+        if self.zero_stage not in (0, 1):
+            yield (f"optimizer.zero_stage must be 0 (off) or 1 (optimizer states sharded over dp) "
+                   f"(got {self.zero_stage})")
+        yield from at_least("optimizer.weight_decay", self.weight_decay, 0)
+        if self.clip_grad is not None:
+            yield from positive("optimizer.clip_grad", self.clip_grad)
+        yield from positive("optimizer.adam_eps", self.adam_eps)
+        yield from at_least("optimizer.skip_bad_steps", self.skip_bad_steps, 0)
+        if self.loss_spike_factor is not None and not self.loss_spike_factor > 1:
+            yield (f"optimizer.loss_spike_factor must be > 1 (got {self.loss_spike_factor}): it multiplies the "
+                   "recent mean loss; use e.g. 2.0, or null to detect no spikes")
+        for name in ("adam_beta1", "adam_beta2"):
+            beta = getattr(self, name)
+            if not 0 <= beta < 1:
+                yield f"optimizer.{name} must be in [0, 1) (got {beta})"
+        for i, pattern in enumerate(self.weight_decay_exclude_named_params or []):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                yield f"optimizer.weight_decay_exclude_named_params[{i}] ({pattern!r}) is not a valid regex: {e}"
+        yield from self.learning_rate_scheduler.problems()

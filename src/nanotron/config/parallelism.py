@@ -1,0 +1,63 @@
+"""How the run is split over processes: the ``parallelism`` section, and whether a launch has its world size."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from nanotron.config.rules import Spellings, at_least, canonical_spellings, positive
+
+# nanotron matched these enum names case-insensitively; one spelling is stored so that equal configs compare equal.
+PipelineEngine = Annotated[Literal["afab", "1f1b"], Spellings(fold=str.lower)]
+TensorParallelMode = Annotated[Literal["ALL_REDUCE", "REDUCE_SCATTER"], Spellings(fold=str.upper)]
+
+
+@dataclass
+class ParallelismArgs:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    expert_parallel_size: int = 1
+    pp_engine: PipelineEngine = "1f1b"
+    tp_mode: TensorParallelMode = "ALL_REDUCE"
+    tp_linear_async_communication: bool = False
+    pp_stage_layers: list[int] | None = None  # decoder layers per stage; None: balanced by estimated cost
+    pp_timeout_s: float = 600.0  # a pipeline exchange waiting longer than this fails, naming the stage and step
+    replica_check_interval: int | None = 100  # steps between weight checksums across data-parallel replicas
+    # Recompute each decoder layer's activations in backward (saves memory, ~1/3 more layer FLOPs).
+    recompute_layer: bool = False
+
+    def __post_init__(self) -> None:
+        canonical_spellings(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp * self.expert_parallel_size
+
+    def problems(self) -> Iterator[str]:
+        for name in ("dp", "pp", "tp", "expert_parallel_size"):
+            yield from at_least(f"parallelism.{name}", getattr(self, name), 1)
+        if self.tp_linear_async_communication and self.tp_mode == "ALL_REDUCE":
+            yield (
+                "parallelism.tp_linear_async_communication: true needs parallelism.tp_mode: REDUCE_SCATTER "
+                "(only that mode overlaps communication with compute); change one of them"
+            )
+        yield from positive("parallelism.pp_timeout_s", self.pp_timeout_s)
+        if self.replica_check_interval is not None:
+            yield from at_least("parallelism.replica_check_interval", self.replica_check_interval, 1)
+        if self.pp_stage_layers is not None and len(self.pp_stage_layers) != self.pp:
+            yield (
+                f"parallelism.pp_stage_layers has {len(self.pp_stage_layers)} entries but parallelism.pp is "
+                f"{self.pp}: give one layer count per pipeline stage"
+            )
+        if self.pp_stage_layers is not None and any(count < 1 for count in self.pp_stage_layers):
+            yield f"parallelism.pp_stage_layers {self.pp_stage_layers}: every stage needs at least one decoder layer"
+
+    def world_size_problems(self, world_size: int) -> Iterator[str]:
+        """Whether ``world_size`` launched processes are the ones this layout needs."""
+        if self.world_size != world_size:
+            yield (
+                f"parallelism.dp ({self.dp}) * parallelism.pp ({self.pp}) * parallelism.tp ({self.tp}) * "
+                f"parallelism.expert_parallel_size ({self.expert_parallel_size}) = {self.world_size}, but "
+                f"{world_size} processes were launched; make the product equal the number of processes "
+                "(`torchrun --nproc_per_node` times the number of nodes)"
+            )
