@@ -1,10 +1,10 @@
 """What the rest of nanotron needs to know about a model family, and the interface its models offer.
 
 A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel plan,
-costs (parameters, FLOPs per token per part, for MFU and the pipeline split), initial weights, Hugging Face adapter,
-inference cache, config rules and auxiliary losses. The trainer, the pipeline, generation, metrics and checkpoints only
-talk to a model through :class:`CausalLM` and its spec, so adding a family means adding its files and one registry
-entry.
+costs (parameters, FLOPs per token per part, for MFU and the pipeline split), what its layers keep for the backward
+(the memory planner), initial weights, Hugging Face adapter, inference cache, config rules and auxiliary losses. The
+trainer, the pipeline, generation, metrics and checkpoints only talk to a model through :class:`CausalLM` and its
+spec, so adding a family means adding its files and one registry entry.
 """
 
 from __future__ import annotations
