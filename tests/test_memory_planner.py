@@ -5,7 +5,6 @@ that restated the sharding rules (recorded below); a style or family it has neve
 from dataclasses import replace
 
 import pytest
-import torch
 import yaml
 
 from distributed import run_distributed_each
