@@ -6,22 +6,25 @@ as in ``torch.cuda.max_memory_allocated() / 1e9``, the peak that ``scripts/bench
 
 How each part is computed, and why:
 
-- **weights**: the parameters this rank holds, in ``model.dtype`` (4 bytes for those a module keeps in fp32,
-  ``fp32_parameters``). They are counted on the model built on the meta device, so every family's spec decides
-  the shapes; the family's tensor-parallel plan decides which are split over ``tp`` (whole heads per rank, kv heads
-  replicated when tp exceeds them, the vocabulary rows), and experts are split over ``expert_parallel_size``.
+- **weights**: the parameters this rank holds, each in its own dtype (``model.dtype``, fp32 for those a module keeps
+  in fp32). They are read from the stage's model as training builds it (``models/build.py``'s ``build_stage``: the
+  family's tensor-parallel plan, its expert parallelism, the pipeline cut and the FP8 converter), built on the meta
+  device for the rank at coordinate 0 of the other axes (ranks of one stage hold the same amounts). A parameter
+  shared by two modules (tied embeddings on one stage) counts once; the last stage's own copy of a tied embedding
+  counts there.
 - **gradients**: one flat buffer of the same elements (``data_parallel.py``): fp32 with
   ``optimizer.accumulate_grad_in_fp32``, else the parameter's dtype. ZeRO-1 reduce-scatters into a slice of the
   full buffer, so the buffer keeps its full size.
 - **master weights**: the optimizer's fp32 copy of its shard (``optimizer.py`` clones the shard even when the model
-  is fp32). **Adam moments**: two more fp32 tensors of the same shard. With ``zero_stage: 1`` the shard is 1/dp·ep
-  of every dense parameter and 1/dp of every expert (their replicas: ``Placement.gradient_axes``), else everything.
+  is fp32). **Adam moments**: two more fp32 tensors of the same shard. With ``zero_stage: 1`` the shard of a
+  parameter is 1/n of it, n the ranks of its gradient axes (``Placement.gradient_axes``: dp·ep for a dense weight,
+  dp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward. In flight on stage ``s`` of ``pp``: ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a
-  single stage keeps one), all of them under AFAB. The decoder layer's saved tensors (``llama_layer_bytes``, and
-  ``mamba_layer_bytes`` for compiled Mamba blocks) come from reading the layer's code and were checked layer by
-  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input, and the backward
-  rebuilds one layer at a time. The last stage adds the final norm, which is never compiled.
+  single stage keeps one), all of them under AFAB. What a decoder layer saves cannot be read from its parameters:
+  each family models it (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the
+  layer's code, checked layer by layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its
+  input, and the backward rebuilds one layer at a time. The last stage adds the final norm, which is never compiled.
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
   (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
@@ -42,10 +45,11 @@ the two transients counts (the layers' one under activations, the rest of the lo
 
 Checked against the peaks in docs/benchmarks.md ("Memory planner against measured peaks"): the Llama 1B shape on
 one H200 with compiled layers (52.3 GB), at pp=2 1F1B with 10 + 6 layers (43.0 / 28.1 GB), at tp=2 with sequence
-parallelism (30.4 GB), the 8B shape at dp=2 with ZeRO-1 (118.4 GB), and on one H200 with recomputed layers and
-bf16 gradients (135.7 GB; 142.1 GB in FP8): within 1%, except tp=2 at -7% (that
-figure is from an older commit; the layout measured 28.3 GB at the commit the planner was checked on). Compiled
-Mamba at 130M (24.6 GB; 7.0 GB with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
+parallelism (28.27 GB, two ranks with gloo on one H200), the 8B shape at dp=2 with ZeRO-1 (118.4 GB), and on one
+H200 with recomputed layers and bf16 gradients (135.7 GB; 142.1 GB in FP8): within 1%. The tp=2 layout peaked at
+30.4 GB at an older commit with NCCL on two GPUs, 7% above the estimate by the size of one rank's bf16 logits
+(2.1 GB), not of any parameter state; that difference is not explained. Compiled Mamba at 130M (24.6 GB; 7.0 GB
+with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
 """
 
 from __future__ import annotations
@@ -56,16 +60,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanotron.config import Config, ConfigError, LlamaConfig, MambaConfig
-from nanotron.models.build import BuildOptions, padded_vocab_size, pipeline_stage_layers
-from nanotron.models.mamba.parallelize import SelectiveStateSpace
-from nanotron.models.moe.model import GroupedExperts
-from nanotron.models.moe.parallelize import MixtureOfExperts
+from nanotron.config import Config, ConfigError
+from nanotron.models.build import BuildOptions, build_stage, padded_vocab_size
 from nanotron.models.registry import spec_for_config
+from nanotron.models.spec import ActivationShape, ModelSpec
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
-from nanotron.nn.selective_scan import BLOCK_T as SCAN_CHUNK
-from nanotron.parallel.placement import Shard
-from nanotron.parallel.tensor_parallel import REDUCE_SCATTER, Column, Row, VocabEmbedding
+from nanotron.parallel.context import GridPosition
+from nanotron.parallel.pipeline_partition import held_layers
+from nanotron.parallel.placement import get_placement
+from nanotron.parallel.tensor_parallel import REDUCE_SCATTER
 
 GB = 1e9
 DEFAULT_GPU_MEMORY_GB = 150.1  # an H200 (its total_memory, 150,109,880,320 bytes), when no CUDA device is visible
@@ -165,26 +168,19 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
     does not)."""
     if gpu_memory_gb is None:
         gpu_memory_gb = device_memory_gb()
-    p = config.parallelism
-    model_config = config.model.model_config
-    if not isinstance(model_config, (LlamaConfig, MambaConfig)):
-        raise ConfigError(f"the memory planner has no activation model for {type(model_config).__name__}; it knows "
-                          "Llama-style decoders (llama, llamoe) and Mamba")
-    if isinstance(model_config, MambaConfig) and not config.model.compile:
-        raise ConfigError("the memory planner models compiled Mamba blocks only (model.compile: true): eager ones "
-                          "peaked up to 14% above its count on an H200, for want of a model of their backward")
-    layers = pipeline_stage_layers(model_config, BuildOptions.from_config(config), p.pp, p.tp)
-    state = _stage_states(config, layers)
+    p, t = config.parallelism, config.tokens
+    spec = spec_for_config(config.model.model_config)
+    if spec.layer_activations is None:
+        raise ConfigError(f"the memory planner has no model of what the {spec.name} family's layers keep for the "
+                          "backward (its ModelSpec.layer_activations)")
+    states = [_stage_state(config, stage) for stage in range(p.pp)]
 
     def stages_at(micro_batch_size: int) -> tuple[StageMemory, ...]:
-        return tuple(_stage_memory(config, stage, layers[stage], state[stage], micro_batch_size)
-                     for stage in range(p.pp))
+        return tuple(_stage_memory(config, spec, stage, state, micro_batch_size) for stage, state in enumerate(states))
 
     budget = gpu_memory_gb * GB
     largest = tuple(_largest_fitting(lambda mb, s=stage: stages_at(mb)[s].total <= budget) for stage in range(p.pp))
-    t, spec = config.tokens, spec_for_config(model_config)
-    vocab = padded_vocab_size(model_config.vocab_size, config.model.make_vocab_size_divisible_by, p.tp)
-    parameters = spec.costs(model_config, vocab, t.sequence_length).parameters
+    parameters = spec.costs(config.model.model_config, states[0].padded_vocab_size, t.sequence_length).parameters
     size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
     description = (f"{spec.name}, {size} parameters, dp {p.dp} x ep {p.expert_parallel_size} x tp "
                    f"{p.tp} x pp {p.pp} ({_schedule_name(config)}), micro-batch {t.micro_batch_size} x "
@@ -215,109 +211,48 @@ def memory_summary(config: Config, stage: int, gpu_memory_gb: float | None) -> s
 
 @dataclass(frozen=True)
 class _StageState:
-    """A stage's parameters on one rank: their bytes, and the fp32 elements of the optimizer's shard of them."""
+    """A stage's parameters on one rank: its layers, their bytes, the fp32 elements of the optimizer's shard of them,
+    and the padded vocabulary its model was built with."""
 
+    layers: range
     weight_bytes: int
     gradient_bytes: int
     optimizer_elements: float
     fp8_weight_elements: int  # weights of the linears that FP8 converts
+    padded_vocab_size: int
 
 
-def _stage_states(config: Config, layers: list[range]) -> list[_StageState]:
-    """Walk the family's model on the meta device (no memory) and sum, per stage, the local sizes of the parameters
-    the stage keeps (``keep_stage``: the embedding on the first, the final norm and the LM head on the last; a
-    tied LM head is the embedding itself on one stage, its own copy on the last of several)."""
-    model_config, p, opt = config.model.model_config, config.parallelism, config.optimizer
-    spec = spec_for_config(model_config)
-    vocab = padded_vocab_size(model_config.vocab_size, config.model.make_vocab_size_divisible_by, p.tp)
-    with torch.device("meta"):
-        model = spec.model_class(model_config, vocab)
-        if config.fp8 is not None and config.fp8.enabled:
-            fp8_converter(config.fp8)(model)
-    plan = spec.tensor_parallel_plan(model_config) if p.tp > 1 else {}
-    model_bytes = config.model.torch_dtype().itemsize
-    zero = opt.zero_stage == 1
-
-    by_part: dict[str, dict[int, tuple[int, int, bool]]] = {}  # part -> {id(param): (elements, bytes each, expert)}
-    fp8_by_part: dict[str, int] = {}  # part -> weight elements of its FP8 linears
-    for name, module in model.named_modules():
-        keep_fp32 = getattr(module, "fp32_parameters", ())
-        part = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
-        in_fp8 = any(isinstance(getattr(module, kind, None), FP8Matmul) for kind in ("matmul", "expert_matmul"))
-        for key, param in module.named_parameters(recurse=False):
-            elements, expert = _local_elements(module, name, key, param, plan, p.tp, p.expert_parallel_size)
-            by_part.setdefault(part, {})[id(param)] = (elements, 4 if key in keep_fp32 else model_bytes, expert)
-            if in_fp8 and key != "bias":
-                fp8_by_part[part] = fp8_by_part.get(part, 0) + elements
-
-    states = []
-    for stage, stage_layers in enumerate(layers):
-        parts = [f"layers.{index}" for index in stage_layers]
-        parts += ["embed_tokens"] if stage == 0 else []
-        parts += ["norm", "lm_head"] if stage == p.pp - 1 else []
-        held = {key: value for part in parts for key, value in by_part.get(part, {}).items()}
-        replicas = {False: p.dp * p.expert_parallel_size, True: p.dp}  # dense weights, experts
-        states.append(_StageState(
-            weight_bytes=sum(n * size for n, size, _ in held.values()),
-            gradient_bytes=sum(n * (4 if opt.accumulate_grad_in_fp32 else size) for n, size, _ in held.values()),
-            optimizer_elements=sum(n / (replicas[expert] if zero else 1) for n, _, expert in held.values()),
-            fp8_weight_elements=sum(fp8_by_part.get(part, 0) for part in parts),
-        ))
-    return states
+def _stage_state(config: Config, stage: int) -> _StageState:
+    """Build pipeline stage ``stage``'s model as training does, on the meta device (no memory), for the rank at
+    coordinate 0 of the other axes, and count its parameters from their local shapes, dtypes and placements."""
+    p, optimizer = config.parallelism, config.optimizer
+    sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "tp": p.tp}
+    grid = GridPosition(sizes, {axis: stage if axis == "pp" else 0 for axis in sizes})
+    converters = (fp8_converter(config.fp8),) if config.fp8 is not None and config.fp8.enabled else ()
+    model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
+    weight_bytes = gradient_bytes = 0
+    optimizer_elements = 0.0
+    for param in model.parameters():  # each shared parameter once
+        elements, element_bytes = param.numel(), param.element_size()
+        weight_bytes += elements * element_bytes
+        gradient_bytes += elements * (4 if optimizer.accumulate_grad_in_fp32 else element_bytes)
+        replicas = math.prod(sizes[axis] for axis in get_placement(param).gradient_axes)
+        optimizer_elements += elements / replicas if optimizer.zero_stage == 1 else elements
+    return _StageState(
+        layers=held_layers(model), weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
+        optimizer_elements=optimizer_elements, fp8_weight_elements=sum(map(_fp8_weight_elements, model.modules())),
+        padded_vocab_size=model.padded_vocab_size,
+    )
 
 
-def _local_elements(module: nn.Module, module_name: str, key: str, param: torch.Tensor, plan: dict, tp: int,
-                    ep: int) -> tuple[int, bool]:
-    """Elements of ``param`` (of ``module``) on one rank, and whether it is an expert weight: the sharding that
-    ``apply_tensor_parallel`` and ``apply_expert_parallel`` give the module (or its nearest planned ancestor)."""
-    shape = list(param.shape)
-    if isinstance(module, GroupedExperts):  # [experts, ...]: experts over ep, feed-forward width over tp
-        shape[0] //= ep
-        if tp > 1:
-            shape[1 if key == "gate_up_proj" else 2] //= tp
-        return math.prod(shape), True
-    style = _planned_style(module_name, plan)
-    if isinstance(style, SelectiveStateSpace):  # a Mamba mixer: every parameter split along its channel dim
-        shape[1 if module_name.endswith(("x_proj", "out_proj")) else 0] //= tp
-    elif isinstance(style, Column):
-        shape[0] = Shard("tp", 0, style.chunks, style.units).local_size(shape[0], tp)
-    elif isinstance(style, Row):
-        shape[1] //= tp
-    elif isinstance(style, VocabEmbedding):
-        shape[0] //= tp
-    # Norms (also sequence-parallel ones) and the router of a tensor-parallel mixture of experts are replicated.
-    return math.prod(shape), False
-
-
-def _planned_style(module_name: str, plan: dict):
-    """The plan entry that applies to ``module_name``: its own, else a whole block's (``MixtureOfExperts``, a Mamba
-    mixer's ``SelectiveStateSpace``)."""
-    parts = module_name.split(".")
-    for end in range(len(parts), 0, -1):
-        name = ".".join(parts[:end])
-        style = next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
-        if style is not None:
-            whole_block = isinstance(style, (MixtureOfExperts, SelectiveStateSpace))
-            return style if end == len(parts) or whole_block else None
-    return None
+def _fp8_weight_elements(module: nn.Module) -> int:
+    """Weight elements of ``module`` if a converter gave it an FP8 matmul (the bias stays in the model dtype)."""
+    if not any(isinstance(value, FP8Matmul) for value in vars(module).values()):
+        return 0
+    return sum(param.numel() for key, param in module.named_parameters(recurse=False) if key != "bias")
 
 
 # --- activations and logits --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Widths:
-    """One rank's share of a decoder layer, from the config and the tensor-parallel layout."""
-
-    hidden: int
-    q: int  # query width on this rank (heads × head_dim)
-    kv: int  # key (= value) width on this rank, a replicated head when tp exceeds the kv heads
-    heads: int
-    head_dim: int
-    ffn: int  # dense MLP width on this rank
-    residual_share: float  # share of the tokens of the residual stream (1/tp with sequence parallelism)
-    linear_input_share: float  # share of a column-parallel linear's input it keeps (1/tp only when overlapped)
-    value_bytes: int  # model dtype
 
 
 def _token_shares(config: Config) -> tuple[float, float]:
@@ -330,97 +265,14 @@ def _token_shares(config: Config) -> tuple[float, float]:
             1 / p.tp if sequence_parallel and p.tp_linear_async_communication else 1.0)
 
 
-def _widths(config: Config) -> _Widths:
-    c, p = config.model.model_config, config.parallelism
-    tp = p.tp
-    kv_width = c.num_key_value_heads * c.head_dim
+def _activation_shape(config: Config, micro_batch_size: int) -> ActivationShape:
     residual_share, linear_input_share = _token_shares(config)
-    return _Widths(
-        hidden=c.hidden_size, q=c.num_attention_heads * c.head_dim // tp,
-        kv=Shard("tp", 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp),
-        heads=c.num_attention_heads // tp, head_dim=c.head_dim, ffn=c.intermediate_size // tp,
-        residual_share=residual_share, linear_input_share=linear_input_share,
-        value_bytes=config.model.torch_dtype().itemsize,
+    return ActivationShape(
+        tokens=micro_batch_size * config.tokens.sequence_length, sequence_length=config.tokens.sequence_length,
+        tp=config.parallelism.tp, value_bytes=config.model.torch_dtype().itemsize, residual_share=residual_share,
+        linear_input_share=linear_input_share, compiled=config.model.compile,
+        recomputed=config.parallelism.recompute_layer,
     )
-
-
-def llama_layer_bytes(config: Config, layer: int, micro_batch_size: int, recomputed: bool) -> tuple[int, int]:
-    """(kept, transient): bytes one decoder layer keeps for the backward per micro-batch, and the most it adds while
-    its backward runs, on one rank.
-
-    Per token, with d the model dtype's bytes and widths on this rank, a compiled layer keeps:
-
-    - its input and the residual after attention (d·hidden each; the compiler recomputes the norms from them),
-    - both norms' outputs, the inputs of the q|k|v and gate|up matmuls (d·hidden each),
-    - the fused q|k|v output (SDPA's v is a view of it) and the rotated q and k: d·(2q + 3kv),
-    - the attention output, the o_proj input (d·q), and SDPA's fp32 logsumexp (4 bytes per head),
-    - the gate|up output, which the SwiGLU backward reads, and the SwiGLU output, the down_proj input (3d·ffn),
-
-    plus the rotary cos/sin tables cast to the model dtype (2·sequence·head_dim·d per micro-batch). Eager, each
-    norm keeps instead its fp32 input copy, the normalised values (for the weight's gradient) and its output:
-    8·hidden more bytes per token. Measured per layer on an H200 (1B and 8B shapes, eager and compiled, tp=1 and
-    tp=2 in both modes): within 0.1% of these counts. A recomputed layer keeps its input (and, compiled, a tensor of
-    the SwiGLU width that the compiler saves; measured) and rebuilds the rest during its backward. The backward
-    adds the gradients of the gate|up and SwiGLU outputs (3d·ffn per token) on top of what the layer keeps.
-
-    Mixture-of-experts layers replace the MLP terms by those of the experts each token visits (derived from
-    ``models/moe.py``, not measured): its ``k`` copies of the token, gate|up and SwiGLU outputs and the experts'
-    outputs, and the router's fp32 logits and probabilities.
-    """
-    w, c = _widths(config), config.model.model_config
-    d, tokens, sequence = w.value_bytes, micro_batch_size * config.tokens.sequence_length, config.tokens.sequence_length
-    compiled = config.model.compile
-    residual, linear_input = d * w.hidden * w.residual_share, d * w.hidden * w.linear_input_share
-    if compiled:
-        norms = 2 * (residual + linear_input)
-    else:
-        norms = 2 * (4 * w.hidden * w.residual_share + residual + linear_input)
-    attention = d * (2 * w.q + 3 * w.kv) + d * w.q + 4 * w.heads
-    if getattr(c, "is_moe_layer", lambda index: False)(layer):
-        k, experts = c.num_experts_per_tok, c.moe_num_experts
-        feed_forward = k * d * (2 * w.hidden + 3 * w.ffn) + 3 * 4 * experts
-        gradients = k * 3 * d * w.ffn
-        swiglu_output = k * d * w.ffn
-    else:
-        feed_forward = 3 * d * w.ffn
-        gradients = 3 * d * w.ffn
-        swiglu_output = d * w.ffn
-    rotary_tables = 2 * sequence * w.head_dim * d
-    full = int(tokens * (norms + attention + feed_forward) + rotary_tables)
-    transient = int(tokens * gradients)
-    if not recomputed:
-        return full, transient
-    kept = tokens * (residual + (swiglu_output if compiled else 0))
-    return int(kept), full + transient
-
-
-def mamba_layer_bytes(config: Config, micro_batch_size: int, recomputed: bool) -> tuple[int, int]:
-    """(kept, transient) of one compiled Mamba block per micro-batch on one rank, as ``llama_layer_bytes``.
-
-    With h = d_model, e = d_inner / tp (this rank's channels), r = dt_rank, n = d_state and d the model dtype's
-    bytes, the block keeps per token:
-
-    - the fp32 residual stream it reads (4h) and the in_proj input (d·h),
-    - in_proj's output x|z, the conv/SiLU output (the scan's x), dt_proj's output, the scan's output y and the
-      gated out_proj input: 6d·e (the conv kernels read x inside in_proj's output: no padded copy),
-    - Δ in fp32 (4e), and the state entering every chunk of ``SCAN_CHUNK`` steps (fp32: 4n·e / ``SCAN_CHUNK``),
-    - x_proj's output dt|B|C and the scan's contiguous copies of B and C: d·(r + 4n),
-
-    and per block the fp32 A (4e·n). Measured per layer on an H200 (130M and 1.4B shapes, bf16): within 0.02%,
-    when y was fp32; with y in the model dtype the step peaks fell by the 2e per token this count drops, to within
-    0.1% of it. A recomputed block keeps its input (measured). No transient is added for the backward: at both
-    shapes, with and without recomputation, the step peaks came within 0.3% of the count without one (the loss's
-    backward, which runs first, needs more).
-    """
-    c, p = config.model.model_config, config.parallelism
-    d, tokens = config.model.torch_dtype().itemsize, micro_batch_size * config.tokens.sequence_length
-    h, e, r, n = c.d_model, c.d_inner // p.tp, c.dt_rank, c.ssm_cfg.d_state
-    residual_share, linear_input_share = _token_shares(config)
-    residual = (4 if c.residual_in_fp32 else d) * h * residual_share
-    chunk_states = 4 * n * e / SCAN_CHUNK
-    per_token = residual + d * h * linear_input_share + 6 * d * e + 4 * e + chunk_states + d * (r + 4 * n)
-    full = int(tokens * per_token + 4 * e * n)
-    return (int(tokens * residual), full) if recomputed else (full, 0)
 
 
 def final_norm_bytes(config: Config, micro_batch_size: int) -> int:
@@ -492,14 +344,12 @@ def _schedule_name(config: Config) -> str:
     return config.parallelism.pp_engine.upper() if config.parallelism.pp > 1 else "gradient accumulation"
 
 
-def _stage_memory(config: Config, stage: int, layers: range, state: _StageState,
+def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageState,
                   micro_batch_size: int) -> StageMemory:
     in_flight = _in_flight(config, stage)
     recomputed = config.parallelism.recompute_layer
-    if isinstance(config.model.model_config, MambaConfig):
-        per_layer = [mamba_layer_bytes(config, micro_batch_size, recomputed)] * len(layers)
-    else:
-        per_layer = [llama_layer_bytes(config, index, micro_batch_size, recomputed) for index in layers]
+    shape = _activation_shape(config, micro_batch_size)
+    per_layer = [spec.layer_activations(config.model.model_config, index, shape) for index in state.layers]
     kept = sum(k for k, _ in per_layer)
     if recomputed:
         kept += state.fp8_weight_elements  # one byte each: the FP8 weights a recomputed forward keeps
@@ -511,8 +361,9 @@ def _stage_memory(config: Config, stage: int, layers: range, state: _StageState,
         # The loss's backward runs before any layer's, when every layer still holds its activations.
         logits = in_flight * logits_kept + max(logits_transient - backward, 0)
     return StageMemory(
-        stage=stage, layers=layers, in_flight=in_flight, weights=state.weight_bytes, gradients=state.gradient_bytes,
-        master_weights=int(4 * state.optimizer_elements), adam_moments=int(8 * state.optimizer_elements),
+        stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes,
+        gradients=state.gradient_bytes, master_weights=int(4 * state.optimizer_elements),
+        adam_moments=int(8 * state.optimizer_elements),
         activations=in_flight * kept + backward, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )
 

@@ -13,11 +13,12 @@ from nanotron.models.init import init_parameters
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.nn.recompute import recompute_in_backward
-from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.context import GridPosition, ParallelContext
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
 from nanotron.parallel.placement import annotate_placements
 from nanotron.parallel.tensor_parallel import ALL_REDUCE, apply_tensor_parallel
 
+META = torch.device("meta")
 # Changes the model on the meta device after parallelism is applied, before weights exist (e.g. swaps linears).
 ModuleConverter = Callable[[nn.Module], None]
 
@@ -85,34 +86,50 @@ def pipeline_stage_layers(model_config, options: BuildOptions, stages: int, tp: 
     return stage_layers(list(costs.layer_flops), stages, options.pp_stage_layers, head_cost=costs.head_flops)
 
 
+def build_stage(model_config, grid: ParallelContext | GridPosition, options: BuildOptions,
+                converters: Sequence[ModuleConverter] = (), device: torch.device = META) -> CausalLM:
+    """The part of the model that the rank at ``grid``'s coordinates holds, with placements on every parameter and
+    no initial values: constructed on the meta device, split by the family's tensor-parallel plan and expert
+    parallelism, cut to the rank's pipeline stage, converted, then materialised on ``device``.
+
+    Training builds its model this way (``build_model``). On the meta device (the default) nothing is allocated and
+    ``grid`` may be a ``GridPosition`` of any rank: the memory planner counts what each stage holds from the model
+    this returns, so that it reads the same shapes, placements and dtypes as training.
+    """
+    spec = spec_for_config(model_config)
+    tp, stages = grid.size("tp"), grid.size("pp")
+    vocab = padded_vocab_size(model_config.vocab_size, options.vocab_multiple, tp)
+    with torch.device(META):
+        model = spec.model_class(model_config, vocab)
+        if tp > 1:
+            apply_tensor_parallel(model, spec.tensor_parallel_plan(model_config), grid.groups["tp"], options.tp_mode,
+                                  options.tp_overlap)
+            model.tie_weights()
+        if grid.size("ep") > 1:
+            spec.expert_parallel(model, grid.groups["ep"])
+        if stages > 1:
+            stage = grid.coord("pp")
+            keep_stage(model, pipeline_stage_layers(model_config, options, stages, tp)[stage], stage == 0,
+                       stage == stages - 1)
+        for convert in converters:
+            convert(model)
+    materialize(model, device, options.dtype)
+    annotate_placements(model)
+    if stages > 1 and model_config.tie_word_embeddings:
+        mark_tied_embedding_copies(model, stages)
+    return model
+
+
 def build_model(model_config, parallel_context: ParallelContext, options: BuildOptions,
                 converters: Sequence[ModuleConverter] = ()) -> CausalLM:
     """The model of this rank, with placements on every parameter and random initial weights.
 
     Weights loaded from a checkpoint overwrite these afterwards; initialising anyway keeps one code path.
     """
-    spec = spec_for_config(model_config)
-    pc, stages = parallel_context, parallel_context.size("pp")
-    vocab = padded_vocab_size(model_config.vocab_size, options.vocab_multiple, pc.size("tp"))
-    with torch.device("meta"):
-        model = spec.model_class(model_config, vocab)
-        if pc.size("tp") > 1:
-            apply_tensor_parallel(model, spec.tensor_parallel_plan(model_config), pc.groups["tp"], options.tp_mode,
-                                  options.tp_overlap)
-            model.tie_weights()
-        if pc.size("ep") > 1:
-            spec.expert_parallel(model, pc.groups["ep"])
-        if stages > 1:
-            layers = pipeline_stage_layers(model_config, options, stages, pc.size("tp"))[pc.coord("pp")]
-            keep_stage(model, layers, pc.is_first_stage, pc.is_last_stage)
-        for convert in converters:
-            convert(model)
-    materialize(model, pc.device, options.dtype)
-    annotate_placements(model)
-    if stages > 1:
-        if model_config.tie_word_embeddings:
-            mark_tied_embedding_copies(model, stages)
-        log_stages(model, pc.coord("pp"), layers)
+    spec, pc = spec_for_config(model_config), parallel_context
+    model = build_stage(model_config, pc, options, converters, pc.device)
+    if pc.size("pp") > 1:
+        log_stages(model, pc.coord("pp"))
     init_parameters(model, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
                     pc.coordinates, pc.sizes)
     if options.recompute_layers:  # before compiling, so that the compiled forward recomputes too

@@ -1,10 +1,10 @@
 """What the rest of nanotron needs to know about a model family, and the interface its models offer.
 
 A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel plan,
-costs (parameters, FLOPs per token per part, for MFU and the pipeline split), initial weights, Hugging Face adapter,
-inference cache, config rules and auxiliary losses. The trainer, the pipeline, generation, metrics and checkpoints only
-talk to a model through :class:`CausalLM` and its spec, so adding a family means adding its files and one registry
-entry.
+costs (parameters, FLOPs per token per part, for MFU and the pipeline split), what its layers keep for the backward
+(the memory planner), initial weights, Hugging Face adapter, inference cache, config rules and auxiliary losses. The
+trainer, the pipeline, generation, metrics and checkpoints only talk to a model through :class:`CausalLM` and its
+spec, so adding a family means adding its files and one registry entry.
 """
 
 from __future__ import annotations
@@ -73,6 +73,26 @@ class ModelCosts:
         return self.flops_per_token + (sum(self.layer_flops) / 3 if recompute_layers else 0.0)
 
 
+@dataclass(frozen=True)
+class ActivationShape:
+    """One rank's share of a micro-batch, as the memory planner (``memory.py``) hands it to a family's
+    ``layer_activations``: the layout decides the shares, the family what its layers keep of them."""
+
+    tokens: int  # micro_batch_size x sequence_length
+    sequence_length: int
+    tp: int
+    value_bytes: int  # the model dtype's
+    residual_share: float  # of the tokens of the residual stream a rank keeps (1/tp with sequence parallelism)
+    linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
+    compiled: bool  # model.compile
+    recomputed: bool  # parallelism.recompute_layer
+
+
+# (config, global layer index, shape) -> (kept, transient): bytes one decoder layer keeps for the backward per
+# micro-batch on one rank, and the most it adds while its backward runs.
+LayerActivations = Callable[[Any, int, ActivationShape], tuple[int, int]]
+
+
 class HFAdapter(Protocol):
     """Maps a family's checkpoints to and from Hugging Face ``transformers`` (config.json and tensor names)."""
 
@@ -138,5 +158,9 @@ class ModelSpec:
     # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for
     # a family without experts (the config rules refuse expert_parallel_size > 1 for it)
     expert_parallel: Callable[[nn.Module, Any], None] | None = None
+    # What a decoder layer keeps for the backward (``LayerActivations``), which cannot be read from the parameters: the
+    # memory planner's model of the family, checked against measured peaks; it raises ConfigError for a setting it
+    # does not model. None: the planner refuses the family.
+    layer_activations: LayerActivations | None = None
     # config -> the positions the model was trained for (generation refuses to go past them); None: no such limit
     context_length: Callable[[Any], int | None] = lambda config: None

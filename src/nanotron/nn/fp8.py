@@ -420,10 +420,11 @@ def fp8_converter(args):
 
     Every module with a swappable ``matmul`` inside ``layers`` is converted except those their parent module lists
     in ``keeps_model_dtype`` (MoE routers: their logits choose experts) and the names matching
-    ``fp8.exclude_modules``; so are MoE experts (their ``expert_matmul``: per-expert FP8 products, each expert's weights and tokens scaled on their own, from the
-    current amax even with the delayed recipe). The embedding and the LM head are outside the decoder layers and
-    stay in the model dtype. A tensor-parallel linear scales each operand as the whole tensor is scaled
-    (``SplitFeatures``); MoE experts split over tensor-parallel ranks still scale each rank's slices on their own.
+    ``fp8.exclude_modules``; so are MoE experts (their ``expert_matmul``: per-expert FP8 products, each expert's
+    weights and tokens scaled on their own, from the current amax even with the delayed recipe). The embedding
+    and the LM head are outside the decoder layers and stay in the model dtype. A tensor-parallel linear scales each
+    operand as the whole tensor is scaled (``SplitFeatures``); MoE experts split over tensor-parallel ranks still
+    scale each rank's slices on their own.
     """
     import re
 

@@ -41,6 +41,42 @@ class Coordinates:
     tp: int
 
 
+@dataclass(frozen=True)
+class GroupShape:
+    """What building a model reads of a process group: its size and this rank's place in it, asked as of a
+    ``ProcessGroup`` (``size()``, ``rank()``). It stands for a group where a model is built on the meta device for
+    a rank this process is not (the memory planner); no collective can run on it, and a meta model runs none."""
+
+    group_rank: int
+    group_size: int
+
+    def rank(self) -> int:
+        return self.group_rank
+
+    def size(self) -> int:
+        return self.group_size
+
+
+@dataclass(frozen=True)
+class GridPosition:
+    """One rank's coordinates in a process grid of ``sizes``, without process groups: what ``build_stage`` needs
+    (``size``, ``coord``, ``groups``, as a :class:`ParallelContext` offers them) to build that rank's part of the
+    model on the meta device from any process."""
+
+    sizes: dict[str, int]
+    coordinates: dict[str, int]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+    def coord(self, axis: str) -> int:
+        return self.coordinates[axis]
+
+    @property
+    def groups(self) -> dict[str, GroupShape]:
+        return {axis: GroupShape(self.coordinates[axis], self.sizes[axis]) for axis in AXES}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -47,7 +47,7 @@ class ExpertExchange:
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
         self.group = group
-        self.size = dist.get_world_size(group)
+        self.size = group.size()
         self.local_experts = num_experts // self.size
 
     def __call__(self, experts: nn.Module, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

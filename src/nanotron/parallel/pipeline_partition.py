@@ -98,7 +98,14 @@ def mark_tied_embedding_copies(model: nn.Module, stages: int) -> None:
         set_placement(model.lm_head.weight, replace(placement, name="embed_tokens.weight", pipeline_copies=copies))
 
 
-def log_stages(model: nn.Module, stage: int, layers: range) -> None:
+def held_layers(model: nn.Module) -> range:
+    """Global indices of the decoder layers a (stage's) model holds."""
+    indices = [int(index) for index in model.layers]
+    return range(indices[0], indices[-1] + 1)
+
+
+def log_stages(model: nn.Module, stage: int) -> None:
+    layers = held_layers(model)
     parameters = sum(p.numel() for p in model.parameters())
     parts = (["embedding"] if model.embed_tokens is not None else []) + [f"layers {layers.start}-{layers.stop - 1}"]
     parts += ["final norm + LM head"] if model.lm_head is not None else []

@@ -11,7 +11,9 @@ Two modes (``parallelism.tp_mode``):
   so their gradients are summed over TP (``SequenceParallelRMSNorm``).
 
 Every parallel layer records, per parameter, the logical shape and how it is sharded (``parameter_shards``);
-``annotate_placements`` turns that into each parameter's ``Placement`` after materialisation.
+``annotate_placements`` turns that into each parameter's ``Placement`` after materialisation. Constructors read only
+the group's ``size()`` and ``rank()``, so that a ``GroupShape`` (``parallel/context.py``) can stand in for the group
+where a rank's model is built on the meta device without process groups (the memory planner).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _shared_rows(shard: Shard, logical_size: int,
                  group: dist.ProcessGroup) -> tuple[tuple[tuple[int, int, int], ...], int]:
     """(local start, length, buffer offset) of this rank's replicated pieces, and the rows of a buffer holding every
     replicated chunk (``_SumOverSharingRanks``)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    rank, size = group.rank(), group.size()
     rows, buffer_rows, chunk_start = [], 0, 0
     for chunk, piece in zip(shard.chunks or (logical_size,), shard.intervals(logical_size, rank, size)):
         if piece.replicas > 1:
@@ -140,11 +142,11 @@ class ColumnParallelLinear(_SplitLinear):
                  chunks: tuple[int, ...] | None = None, overlap: bool = False, bias: bool = False,
                  units: tuple[int, ...] | None = None):
         super().__init__()
-        tp = dist.get_world_size(group)
+        tp = group.size()
         self.group, self.mode = group, mode
         self.overlap = overlap and mode == REDUCE_SCATTER
         shard = Shard("tp", 0, chunks, units)
-        pieces = shard.intervals(out_features, dist.get_rank(group), tp)
+        pieces = shard.intervals(out_features, group.rank(), tp)
         self.output_chunks = tuple(piece.length for piece in pieces)
         self.shared_rows, self.shared_buffer_rows = _shared_rows(shard, out_features, group)
         self.weight = nn.Parameter(torch.empty(sum(self.output_chunks), in_features))
@@ -183,7 +185,7 @@ class RowParallelLinear(_SplitLinear):
 
     def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup, mode: str):
         super().__init__()
-        tp = dist.get_world_size(group)
+        tp = group.size()
         self.group, self.mode = group, mode
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 1),))}
@@ -198,10 +200,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup, mode: str):
         super().__init__()
-        tp = dist.get_world_size(group)
+        tp = group.size()
         self.group, self.mode = group, mode
         self.local_vocab = num_embeddings // tp
-        self.start = dist.get_rank(group) * self.local_vocab
+        self.start = group.rank() * self.local_vocab
         self.weight = nn.Parameter(torch.empty(self.local_vocab, embedding_dim))
         self.parameter_shards = {"weight": ((num_embeddings, embedding_dim), (Shard("tp", 0),))}
 

@@ -5,7 +5,7 @@
 """
 
 from nanotron.config import LlamaConfig, llama_problems
-from nanotron.models.llama.costs import llama_costs
+from nanotron.models.llama.costs import llama_costs, llama_layer_activations
 from nanotron.models.llama.hf_adapter import LlamaHFAdapter
 from nanotron.models.llama.model import KVCache, LlamaForCausalLM, llama_init_rule
 from nanotron.models.llama.parallelize import llama_plan
@@ -17,6 +17,7 @@ LLAMA = ModelSpec(
     model_class=LlamaForCausalLM,
     tensor_parallel_plan=llama_plan,
     costs=llama_costs,
+    layer_activations=llama_layer_activations,
     init_rule=llama_init_rule,
     hf_adapter=LlamaHFAdapter(),
     inference_cache=KVCache,

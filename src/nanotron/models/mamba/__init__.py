@@ -5,7 +5,7 @@ splits every mixer by channels, ``costs.py`` and ``hf_adapter.py`` as for Llama.
 """
 
 from nanotron.config import MambaConfig, mamba_problems
-from nanotron.models.mamba.costs import mamba_costs
+from nanotron.models.mamba.costs import mamba_costs, mamba_layer_activations
 from nanotron.models.mamba.hf_adapter import MambaHFAdapter
 from nanotron.models.mamba.model import MambaCache, MambaForCausalLM, mamba_activation_dtype, mamba_init_rule
 from nanotron.models.mamba.parallelize import mamba_plan
@@ -17,6 +17,7 @@ MAMBA = ModelSpec(
     model_class=MambaForCausalLM,
     tensor_parallel_plan=mamba_plan,
     costs=mamba_costs,
+    layer_activations=mamba_layer_activations,
     init_rule=mamba_init_rule,
     hf_adapter=MambaHFAdapter(),
     inference_cache=MambaCache,

@@ -44,7 +44,7 @@ class TensorParallelMambaMixer(MambaMixer):
 
     def __init__(self, mixer: MambaMixer, group: dist.ProcessGroup, mode: str):
         nn.Module.__init__(self)
-        tp = dist.get_world_size(group)
+        tp = group.size()
         self.d_state, self.d_conv, self.dt_rank = mixer.d_state, mixer.d_conv, mixer.dt_rank
         d_model, d_inner = mixer.in_proj.in_features, mixer.D.shape[0]
         if mixer.in_proj.bias is not None or mixer.out_proj.bias is not None:

@@ -8,7 +8,7 @@ blocks over tensor-parallel ranks and the experts over expert-parallel ones; ``c
 from nanotron.config import LlaMoEConfig, llama_problems
 from nanotron.models.llama import LLAMA
 from nanotron.models.llama.model import KVCache
-from nanotron.models.moe.costs import moe_costs
+from nanotron.models.moe.costs import moe_costs, moe_layer_activations
 from nanotron.models.moe.hf_adapter import MixtralHFAdapter
 from nanotron.models.moe.model import (
     LlaMoEForCausalLM,
@@ -26,6 +26,7 @@ LLAMOE = ModelSpec(
     model_class=LlaMoEForCausalLM,
     tensor_parallel_plan=moe_plan,
     costs=moe_costs,
+    layer_activations=moe_layer_activations,
     init_rule=moe_init_rule,
     hf_adapter=MixtralHFAdapter(),
     inference_cache=KVCache,

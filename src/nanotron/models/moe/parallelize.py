@@ -54,7 +54,7 @@ class TensorParallelMoE(MoEFeedForward):
 
     def __init__(self, block: MoEFeedForward, group: dist.ProcessGroup, mode: str):
         super().__init__(block.config)
-        tp = dist.get_world_size(group)
+        tp = group.size()
         self.group, self.mode = group, mode
         self.router = GradientSummedLinear(block.router.in_features, block.router.out_features, group)
         self.experts = ShardedExperts.resharded(block.experts, tp=tp)
@@ -80,7 +80,7 @@ def moe_plan(config: LlaMoEConfig) -> dict[str, Style]:
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Split the experts of every MoE block over the ranks of ``group`` and route tokens to them by all-to-all.
     Call on the meta device, after tensor parallelism."""
-    ep = dist.get_world_size(group)
+    ep = group.size()
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
             module.experts = ShardedExperts.resharded(module.experts, ep=ep)
