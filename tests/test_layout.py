@@ -1,0 +1,67 @@
+"""The package layout docs/design.md draws: packages import downwards only, and a family's code stays in its package."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "nanotron"
+
+# Each line may import only from the lines below it (and from itself); docs/design.md draws the same order.
+LAYERS = [
+    {"cli", "__main__"},
+    {"trainer", "features", "doremi", "plot"},
+    {"generation", "memory"},
+    {"checkpoint"},
+    {"models"},
+    {"optim", "logging"},
+    {"parallel"},
+    {"nn", "data"},
+    {"config", "errors", "files", "random", "preemption", "metrics", "trackers", "divergence"},
+]
+
+
+def _imports() -> dict[str, set[str]]:
+    """Top-level unit (package or module of nanotron) → the other units it imports, anywhere in its files."""
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        unit = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "nanotron" and len(parts) > 1 and parts[1] != unit:
+                    edges.setdefault(unit, set()).add(parts[1])
+    return edges
+
+
+def test_packages_import_downwards_only():
+    layer_of = {unit: index for index, layer in enumerate(LAYERS) for unit in layer}
+    edges = _imports()
+    units = {path.relative_to(PACKAGE).parts[0].removesuffix(".py") for path in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert units <= set(layer_of), f"place {sorted(units - set(layer_of))} in LAYERS"
+    upward = sorted(f"{unit} -> {other}" for unit, others in edges.items() for other in others
+                    if layer_of[other] < layer_of[unit])
+    assert not upward, upward
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(other == goal or (other not in seen and reaches(other, goal, seen | {other}))
+                   for other in edges.get(start, ()))
+
+    assert not [unit for unit in edges if reaches(unit, unit, {unit})], "packages of one line import each other"
+
+
+def test_no_family_is_named_outside_its_package_and_the_registry():
+    """Dispatch on families happens through the registry: code outside ``models/<family>/`` and the config never
+    names a family's classes."""
+    family_names = ("LlamaConfig", "LlaMoEConfig", "MambaConfig", "LlamaForCausalLM", "LlaMoEForCausalLM",
+                    "MambaForCausalLM", "MoEFeedForward", "MambaMixer")
+    allowed = {PACKAGE / "models" / family for family in ("llama", "moe", "mamba")} | {PACKAGE / "config"}
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if any(folder in path.parents for folder in allowed):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        used |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+        offenders += [f"{path.relative_to(PACKAGE)}: {name}" for name in family_names if name in used]
+    assert not offenders, offenders
