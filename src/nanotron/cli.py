@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -264,12 +265,26 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:
         if not isinstance(error, _user_error_types()):
             raise
-        from nanotron.config import ConfigError
-
-        # Every rank finds the same problems in the same config: rank 0 alone reports them.
-        if not isinstance(error, ConfigError) or os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr)
+        _report_once(error)
         sys.exit(2)
+
+
+# How long a rank other than 0 holds its report of an error back (seconds): long enough for rank 0, which usually
+# met the same error, to print it first and exit, upon which the launcher stops this rank silently.
+REPORT_GRACE_S = 10.0
+
+
+def _report_once(error: Exception) -> None:
+    """Print ``error`` once per job, and always at least once.
+
+    Under a launcher every rank usually meets the same error (the same config, the same data). Rank 0 prints at
+    once; any other rank waits ``REPORT_GRACE_S`` first. When rank 0 has printed and exited, torchrun stops the
+    others before they print; when the error was this rank's alone, it still reaches the user. Exiting at once
+    would let the launcher stop rank 0 before it printed: a failed job without an error line.
+    """
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(REPORT_GRACE_S)
+    print(f"error: {error}", file=sys.stderr, flush=True)
 
 
 def _user_error_types() -> tuple[type[Exception], ...]:
