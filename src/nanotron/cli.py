@@ -47,6 +47,7 @@ def _train_tokenizer(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from nanotron.config import ConfigError
     from nanotron.data.tokenizer import eos_token_id
     from nanotron.generation.generate import (
         SamplingArgs,
@@ -57,11 +58,13 @@ def _generate(args: argparse.Namespace) -> None:
     )
     from nanotron.parallel.context import ParallelContext
 
-    prompts = list(args.prompt or [])
+    prompts = [prompt for prompt in args.prompt or [] if prompt.strip()]
     if args.prompts_file:
+        if not args.prompts_file.is_file():
+            raise ConfigError(f"--prompts-file {args.prompts_file} is not a file; give one prompt per line")
         prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
     if not prompts:
-        raise ValueError("give at least one --prompt or a --prompts-file")
+        raise ConfigError("no prompt: give at least one non-blank --prompt or a --prompts-file with one per line")
     check_checkpoint_layout(args.ckpt_path, args.tp)
     pc = ParallelContext(tp=args.tp, pp=args.pp)
     try:
@@ -69,6 +72,9 @@ def _generate(args: argparse.Namespace) -> None:
         tokenizer = load_checkpoint_tokenizer(checkpoint)
         sampling = SamplingArgs(args.sampler, args.temperature, args.top_k, args.top_p, args.seed)
         ids = [tokenizer.encode(prompt).ids for prompt in prompts]
+        empty = [prompt for prompt, prompt_ids in zip(prompts, ids) if not prompt_ids]
+        if empty:
+            raise ConfigError(f"the prompt {empty[0]!r} encodes to no token with the checkpoint's tokenizer")
         completions = generate(model, pc, ids, args.max_new_tokens, sampling, eos_token_id(tokenizer),
                                model.config.vocab_size, use_cache=not args.no_cache)
         if pc.rank == 0:
