@@ -13,7 +13,8 @@ def test_a_config_error_is_printed_once_even_when_another_rank_exits_first(tiny_
     config = _config(tiny_data, tmp_path / "run", 2)
     config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = -1
     path = write_config(tmp_path / "config.yaml", config)
-    rank0_starts_late = f'[ "$RANK" = 0 ] && sleep 3; exec {sys.executable} {ROOT / "run_train.py"} --config-file {path}'
+    train = f"{sys.executable} {ROOT / 'run_train.py'} --config-file {path}"
+    rank0_starts_late = f'[ "$RANK" = 0 ] && sleep 3; exec {train}'
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python", "sh", "-c",
          rank0_starts_late],
