@@ -136,6 +136,10 @@ class Trainer:
             loss_statistics = self.loss.statistics(losses, micro_batch, self._num_domains)
         return StageOutput(loss, statistics | loss_statistics, auxiliary_loss)
 
+    def _before_last_backward(self) -> None:
+        """Gradients of the last micro-batch complete the step: buckets may now be reduced as they fill up."""
+        self.buckets.final_micro_batch = True
+
     def _statistics_template(self) -> dict[str, tuple[int, ...]]:
         template = self.loss.template(self._num_domains)
         if self.auxiliary_losses is not None:
