@@ -206,10 +206,10 @@ def time_saves(trainer, repeats: int = 2) -> dict:
     """Seconds a checkpoint save blocks training, foreground then background, and until each is on disk."""
     import time
 
-    background = trainer.async_saver
+    background = trainer.checkpoints.async_saver
     result = {}
     for label, saver in (("foreground", None), ("background", background)):
-        trainer.async_saver = saver
+        trainer.checkpoints.async_saver = saver
         blocking, total = [], []
         for _ in range(repeats):
             trainer.progress.step += 1

@@ -17,7 +17,7 @@ STEPS = DOREMI_STEPS
 
 
 def test_weight_update_matches_a_hand_computation_and_survives_an_absent_domain():
-    from nanotron.doremi.weights import updated_weights
+    from nanotron.features.doremi_weights import updated_weights
 
     weights, excess, tokens = [0.5, 0.3, 0.2], [4.0, 0.0, 9.0], [8.0, 0.0, 3.0]  # domain 1 absent from the step
     raw = [math.log(0.5) + 0.5 * 4 / 8, math.log(0.3), math.log(0.2) + 0.5 * 9 / 3]
@@ -30,9 +30,11 @@ def test_weight_update_matches_a_hand_computation_and_survives_an_absent_domain(
 
 def _proxy(config: dict) -> dict:
     from nanotron.config import config_from_dict
-    from nanotron.doremi.trainer import DoReMiTrainer
+    from nanotron.features import features_for
+    from nanotron.trainer import Trainer
 
-    trainer = DoReMiTrainer(config_from_dict(config))
+    proxy = config_from_dict(config)
+    trainer = Trainer(proxy, features=features_for(proxy, doremi_proxy=True))
     trainer.train()
     if trainer.pc.rank != 0:
         return {}

@@ -11,6 +11,7 @@ import torch
 
 from distributed import run_distributed, run_distributed_each
 from helpers import run_with_triton_interpreter, strict_scaled_mm, tiny_config_dict, train_fp8_model
+from nanotron.features.fp8 import report_range_counts
 from nanotron.nn.fp8 import (
     E4M3,
     E5M2,
@@ -23,7 +24,6 @@ from nanotron.nn.fp8 import (
     advance_amax_histories,
     discard_step_amaxes,
     quantize,
-    report_range_counts,
 )
 
 

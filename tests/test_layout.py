@@ -8,7 +8,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "nanotron"
 # Each line may import only from the lines below it (and from itself); docs/design.md draws the same order.
 LAYERS = [
     {"cli", "__main__"},
-    {"trainer", "features", "doremi", "plot"},
+    {"trainer", "plot"},
+    {"features"},
+    {"training"},
     {"generation", "memory"},
     {"checkpoint"},
     {"models"},
@@ -20,11 +22,18 @@ LAYERS = [
 
 
 def _imports() -> dict[str, set[str]]:
-    """Top-level unit (package or module of nanotron) → the other units it imports, anywhere in its files."""
+    """Top-level unit (package or module of nanotron) → the other units it imports, anywhere in its files (imports
+    for type annotations only, under ``if TYPE_CHECKING:``, excepted: they never run)."""
     edges: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         unit = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        annotation_only = {id(node) for block in ast.walk(tree)
+                           if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                           for statement in block.body for node in ast.walk(statement)}
+        for node in ast.walk(tree):
+            if id(node) in annotation_only:
+                continue
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
                      else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
             for name in names:

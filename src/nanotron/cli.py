@@ -15,15 +15,16 @@ from pathlib import Path
 
 
 def _train(args: argparse.Namespace) -> None:
+    _run_training(args)
+
+
+def _run_training(args: argparse.Namespace, doremi_proxy: bool = False) -> None:
+    from nanotron.config import load_config
+    from nanotron.features import features_for
     from nanotron.trainer import Trainer
 
-    _run_training(Trainer, args)
-
-
-def _run_training(trainer_class, args: argparse.Namespace) -> None:
-    from nanotron.config import load_config
-
-    trainer = trainer_class(load_config(args.config_file, args.override))
+    config = load_config(args.config_file, args.override)
+    trainer = Trainer(config, features=features_for(config, doremi_proxy=doremi_proxy))
     try:
         trainer.train()
     finally:
@@ -133,15 +134,13 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _doremi_train(args: argparse.Namespace) -> None:
-    from nanotron.doremi.trainer import DoReMiTrainer
-
-    _run_training(DoReMiTrainer, args)
+    _run_training(args, doremi_proxy=True)
 
 
 def _doremi_average(args: argparse.Namespace) -> None:
     import json
 
-    from nanotron.doremi.weights import average_weights
+    from nanotron.features.doremi_weights import average_weights
 
     averaged = average_weights(args.history)
     if args.output is not None:

@@ -33,7 +33,6 @@ from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_text
 from nanotron.models.registry import spec_for_config, spec_named
 from nanotron.models.spec import CausalLM, ModelSpec
-from nanotron.nn.fp8 import AMAX_HISTORY_SUFFIX
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.placement import Placement, get_placement, logical_buffers, logical_parameters
@@ -47,7 +46,6 @@ class TrainingProgress:
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
     lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
-    domain_weights: dict[str, float] | None = None  # learned during training (DoReMi's proxy), by domain name
 
     @property
     def total_consumed_samples(self) -> int:
@@ -122,11 +120,6 @@ def _read_logical(reader: LogicalTensorReader, key: str, placement: Placement, o
     stored, expected = reader.logical_shape(key), placement.logical_shape
     resizable = vocab_rows is not None and expected[0] == vocab_rows[0] and stored[0] == vocab_rows[1]
     if stored != expected and not (resizable and stored[1:] == expected[1:]):
-        if key.endswith(AMAX_HISTORY_SUFFIX):  # [operands, steps]: sized by fp8.amax_history_length
-            raise CheckpointError(
-                f"{key!r} in {reader.folder} holds {stored[-1]} steps of FP8 amax history but fp8.amax_history_length "
-                f"is {expected[-1]}: resume with fp8.amax_history_length: {stored[-1]} (the length is fixed for a run)"
-            )
         raise CheckpointError(
             f"{key!r} has shape {stored} in {reader.folder} but {expected} in this model: the model config does not "
             "match the checkpoint"

@@ -111,9 +111,10 @@ def _transient_copy(file: str, box: Box) -> Box:
 
 def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdamW, progress: TrainingProgress,
                   parallel_context: ParallelContext, tokenizer_fingerprint: str | None,
-                  buffers: HostBuffers | None = None) -> Snapshot:
-    """Copy this rank's part of the training state to host memory, into ``buffers`` if given. Collective (optimizer
-    state is gathered)."""
+                  buffers: HostBuffers | None = None, feature_state: dict | None = None) -> Snapshot:
+    """Copy this rank's part of the training state to host memory, into ``buffers`` if given; ``feature_state``:
+    the training features' entries of checkpoint.json (``Feature.state_dict``). Collective (optimizer state is
+    gathered)."""
     copy = buffers.copy if buffers is not None else _transient_copy
     params = logical_parameters(model)
     state = params | logical_buffers(model)
@@ -139,7 +140,7 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
         layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},
-        **({"domain_weights": progress.domain_weights} if progress.domain_weights is not None else {}),
+        **(feature_state or {}),
     )
     return Snapshot(progress.step, files, rng_state(parallel_context.device, parallel_context.coordinates),
                     f"rng/rank-{parallel_context.rank:05d}.safetensors", metadata, config)

@@ -9,12 +9,13 @@ Scaling is per tensor (``tensorwise``) or per row of each operand along the redu
 scale per token and per output feature in the forward, re-derived along the other dimension for each backward
 product, at the price of quantising from the high-precision tensors again). ``delayed`` scales per tensor from the
 largest amax of the last ``amax_history_length`` optimizer steps (``AmaxHistory``, one per linear, saved in
-checkpoints), as Transformer Engine does: each step records the amaxes it meets, and between steps the trainer
-takes their maximum over the data- and tensor-parallel ranks (``parallel/statistics.py``) before pushing it into
-the history, so every rank, and every layout, uses the same scales. Until an operand has a history (its first step)
-the current amax is used. Which operands have one is known on the host (``AmaxHistory.filled``), so that a scale
-from the history does not depend on the tensor it scales: the compiler then casts in one pass over the tensor,
-recording its amax on the way, where a current amax needs a reduction before the cast can start.
+checkpoints), as Transformer Engine does: each step records the amaxes it meets, and between steps the FP8 feature
+(``features/fp8.py``) takes their maximum over the data- and tensor-parallel ranks (``parallel/statistics.py``)
+before pushing it into the history, so every rank, and every layout, uses the same scales. Until an operand has a
+history (its first step) the current amax is used. Which operands have one is known on the host
+(``AmaxHistory.filled``), so that a scale from the history does not depend on the tensor it scales: the compiler
+then casts in one pass over the tensor, recording its amax on the way, where a current amax needs a reduction before
+the cast can start.
 
 Under tensor parallelism a linear's operands are split over ranks (the weight along one feature dimension, the
 input or the output gradient along the other). An amax taken along a split dimension (any, for a per-tensor scale;
@@ -25,8 +26,8 @@ tp=1 by FP8's rounding error (2^-4 relative in e4m3) rather than by the reductio
 
 With ``fp8.log_out_of_range`` each converted linear also counts, per operand, the values its casts saturated (beyond
 the format's largest finite value: only scales from a history can meet that) and flushed to zero (at most half the
-format's smallest subnormal: small values next to a large amax), in ``FP8RangeCounts``; the trainer reports them
-as shares of all cast values after every step.
+format's smallest subnormal: small values next to a large amax), in ``FP8RangeCounts``; the FP8 feature reports
+them as shares of all cast values after every step.
 
 On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torch._scaled_mm``. Elsewhere an
 emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
@@ -175,29 +176,6 @@ class FP8RangeCounts(nn.Module):
         saturated = (scaled.abs() > finfo.max + top_step / 2).sum()
         flushed = ((scaled.abs() <= finfo.tiny * finfo.eps / 2) & (x != 0)).sum()
         self.counts[row] += torch.stack([saturated, flushed, saturated.new_tensor(x.numel())])
-
-
-@torch.no_grad()
-def report_range_counts(model: nn.Module, reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-                        device: torch.device) -> dict:
-    """The shares of cast values saturated and flushed since the last report, over every linear and, through
-    ``reduce_sum`` (collective: every rank calls it, with counters or none), every rank, for all operands and per
-    operand; the counts restart."""
-    counters = [module for module in model.modules() if isinstance(module, FP8RangeCounts)]
-    local = torch.zeros(3, 3, dtype=torch.float64, device=device)
-    for counter in counters:
-        local += counter.counts
-    counts = reduce_sum(local).tolist()
-    for counter in counters:
-        counter.counts.zero_()
-    totals = [sum(column) for column in zip(*counts)]
-
-    def shares(saturated, flushed, cast):
-        return {"saturated": saturated / max(cast, 1), "flushed": flushed / max(cast, 1)}
-
-    overall = shares(*totals)
-    return {"fp8_saturated": overall["saturated"], "fp8_flushed": overall["flushed"],
-            "fp8_range": {operand: shares(*row) for operand, row in zip(OPERANDS, counts)}}
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, amax: torch.Tensor | None = None,

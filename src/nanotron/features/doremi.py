@@ -1,5 +1,7 @@
-"""DoReMi's proxy training: the trainer with a frozen reference model, weighted domain losses and domain weights
-that change every step (``doremi/weights.py``).
+"""DoReMi as features: the domain mixture of any run with a ``doremi`` section (``DomainMixture``: the reference run
+samples by ``doremi.domain_weights``), and the proxy's training (``DoReMiProxy``, ``nanotron doremi train``): a
+frozen reference model, weighted domain losses and domain weights that change every step
+(``features/doremi_weights.py``).
 
 Every step, on the same global batch at any layout:
 
@@ -30,14 +32,15 @@ import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
-from nanotron.config import Config, ConfigError, load_config
+from nanotron.config import Config, ConfigError, DatasetStageArgs, DoReMiArgs, load_config
 from nanotron.data.dataset import domain_name
-from nanotron.doremi.weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.errors import CheckpointError
+from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
+from nanotron.training.hooks import Feature
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
-from nanotron.trainer import StepResult, Trainer, loss_and_statistics, per_domain_sums
+from nanotron.training.loss import StepLoss, loss_and_statistics, per_domain_sums
 
 
 def reference_checkpoint(config: Config) -> Path:
@@ -130,49 +133,78 @@ def weighted_micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch
     return loss, statistics
 
 
-class DoReMiTrainer(Trainer):
-    """Trains the proxy model of a DoReMi run (``doremi`` section with a reference checkpoint)."""
+class WeightedDomainLoss(StepLoss):
+    """The proxy's objective, each token weighing its domain's ``domain_token_weights``; its statistics also hold each
+    domain's excess loss over the reference."""
 
-    loss_function = staticmethod(weighted_micro_batch_loss)
+    function = staticmethod(weighted_micro_batch_loss)
 
-    def __init__(self, config: Config, converters=()):
-        reference = reference_checkpoint(config)
-        names = domain_names(config)
-        self._resumed_weights = None  # set by _initial_checkpoint when resuming from a proxy checkpoint
-        super().__init__(config, converters)
-        try:
-            self.reference, _ = load_model(reference, self.pc)
-            self.reference.requires_grad_(False)
-        except BaseException:
-            self.close()
-            raise
-        doremi = self.config.doremi
-        if self._resumed_weights is not None:
-            self.weights = self._resumed_weights
-        elif doremi.domain_weights is not None:
-            self.weights = list(doremi.domain_weights)
-        else:
-            self.weights = [1.0 / len(names)] * len(names)
-        self.progress.domain_weights = dict(zip(names, self.weights))
+    def token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The fused loss's token weights: ``weighted_micro_batch_loss``'s, each token weighing its domain's weight."""
+        domain_weights = micro_batch["domain_token_weights"][micro_batch["domain_ids"]]
+        return torch.where(micro_batch["label_mask"], domain_weights[:, None], 0.0)
+
+    def statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor], num_domains: int) -> Statistics:
+        """The plain statistics, and each domain's sum of the token losses' excess over the reference's."""
+        statistics = super().statistics(losses, micro_batch, num_domains)
+        statistics["excess_loss_sum"] = excess_loss_sums(losses, micro_batch, num_domains)
+        return statistics
+
+    def template(self, num_domains: int) -> dict[str, tuple[int, ...]]:
+        return super().template(num_domains) | {"excess_loss_sum": (num_domains,)}
+
+
+class DomainMixture(Feature):
+    """A run with a ``doremi`` section: its domains are named by ``doremi.domain_names`` and, unless
+    ``dataset_weights`` say otherwise, sampled by ``doremi.domain_weights`` (the reference run's fixed mixture)."""
+
+    def __init__(self, args: DoReMiArgs):
+        self.args = args
+
+    def sampling_weights(self, stage: DatasetStageArgs, weights: list[float] | None) -> list[float] | None:
+        return weights if weights is not None else self.args.domain_weights
+
+    def domain_names(self, stage: DatasetStageArgs, names: list[str]) -> list[str]:
+        return list(self.args.domain_names) if self.args.domain_names is not None else names
+
+
+class DoReMiProxy(DomainMixture):
+    """Trains the proxy model of a DoReMi run (``doremi`` section with a reference checkpoint): the reference and the
+    domains are checked when the feature is made, before anything is allocated."""
+
+    def __init__(self, config: Config):
+        super().__init__(config.doremi)
+        self.reference_checkpoint = reference_checkpoint(config)
+        self.names = domain_names(config)
+        self.weights = self.used = None
+        self.resumed_weights = None  # set by load_state_dict when resuming from a proxy checkpoint
         self.history = None
-        if self.pc.rank == 0:
-            self.history = WeightHistory(Path(self.config.checkpoints.checkpoints_path) / HISTORY_FILE,
-                                         self.progress.step)
 
-    def _initial_checkpoint(self) -> tuple[Path, dict] | None:
-        """Also checks, before the model is built, that a proxy checkpoint's weights are for this run's domains."""
-        initial = super()._initial_checkpoint()
-        if initial is not None and self.resume_from is not None:
-            self._resumed_weights = saved_weights(*initial, domain_names(self.config))
-        return initial
-
-    def _sampling_weights(self, stage) -> list[float]:
+    def sampling_weights(self, stage: DatasetStageArgs, weights: list[float] | None) -> list[float]:
         """Uniform over the domains unless ``dataset_weights`` say otherwise: ``doremi.domain_weights`` are the
         proxy's starting loss weights, not its sampling mixture."""
-        return stage.data.dataset.dataset_weights or [1.0] * len(stage.data.dataset.dataset_folder)
+        return weights or [1.0] * len(stage.data.dataset.dataset_folder)
 
-    def _statistics_template(self) -> dict[str, tuple[int, ...]]:
-        return super()._statistics_template() | {"excess_loss_sum": (self._num_domains,)}
+    def loss(self) -> StepLoss:
+        return WeightedDomainLoss()
+
+    def load_state_dict(self, checkpoint: Path, metadata: dict) -> None:
+        """Checks, before the model is built, that a proxy checkpoint's weights are for this run's domains."""
+        self.resumed_weights = saved_weights(checkpoint, metadata, self.names)
+
+    def start(self, trainer) -> None:
+        self.pc = trainer.pc
+        self.reference, _ = load_model(self.reference_checkpoint, self.pc)
+        self.reference.requires_grad_(False)
+        if self.resumed_weights is not None:
+            self.weights = self.resumed_weights
+        elif self.args.domain_weights is not None:
+            self.weights = list(self.args.domain_weights)
+        else:
+            self.weights = [1.0 / len(self.names)] * len(self.names)
+        if self.pc.rank == 0:
+            self.history = WeightHistory(Path(trainer.config.checkpoints.checkpoints_path) / HISTORY_FILE,
+                                         trainer.progress.step)
 
     @torch.no_grad()
     def _reference_losses(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -183,52 +215,36 @@ class DoReMiTrainer(Trainer):
         return vocab_parallel_token_losses(logits, micro_batch["labels"], self.pc.groups["tp"],
                                            self.reference.config.vocab_size)
 
-    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
+    def before_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
         """Each micro-batch also carries its reference losses and the loss weight of a token of each domain:
         ``α_i`` over domain ``i``'s token count in the global batch (0 for a domain absent from it)."""
-        device = self.pc.device
-        batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-        tokens = sum(per_domain_sums(mb["label_mask"].sum(-1).float(), mb["domain_ids"], self._num_domains)
-                     for mb in batches)
+        tokens = sum(per_domain_sums(mb["label_mask"].sum(-1).float(), mb["domain_ids"], len(self.names))
+                     for mb in micro_batches)
         dist.all_reduce(tokens, group=self.pc.groups["dp_ep"])
-        weights = torch.tensor(self.weights, device=device, dtype=torch.float32)
+        weights = torch.tensor(self.weights, device=self.pc.device, dtype=torch.float32)
         per_token = torch.where(tokens > 0, weights / tokens.clamp(min=1.0), 0.0)
-        for mb in batches:
+        for mb in micro_batches:
             mb["domain_token_weights"] = per_token
             reference = self._reference_losses(mb)
             if reference is not None:
                 mb["reference_losses"] = reference
-        self._step_statistics = super().forward_backward(batches)
-        return self._step_statistics
 
-    def _token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The fused loss's token weights: ``weighted_micro_batch_loss``'s, each token weighing its domain's weight."""
-        domain_weights = micro_batch["domain_token_weights"][micro_batch["domain_ids"]]
-        return torch.where(micro_batch["label_mask"], domain_weights[:, None], 0.0)
-
-    def _loss_statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> Statistics:
-        """The plain statistics, and each domain's sum of the token losses' excess over the reference's."""
-        statistics = super()._loss_statistics(losses, micro_batch)
-        statistics["excess_loss_sum"] = excess_loss_sums(losses, micro_batch, self._num_domains)
-        return statistics
-
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
-        """The step with this step's weights, then the weights of the next one."""
-        result = super().train_step(micro_batches, lr)
-        used, doremi, statistics = self.weights, self.config.doremi, self._step_statistics
-        if not result.skipped:
-            self.weights = updated_weights(used, statistics["excess_loss_sum"].tolist(),
-                                           statistics["domain_tokens"].tolist(), doremi.step_size,
-                                           doremi.smoothing_param)
-        self.progress.domain_weights = dict(zip(self._domain_names, self.weights))
-        result.model_metrics = result.model_metrics | {"domain_weights": dict(zip(self._domain_names, used))}
+    def after_step(self, step: int, statistics: Statistics, skipped: bool) -> None:
+        """The weights of the next step (a skipped step keeps them); the history records the ones this step used."""
+        self.used = self.weights
+        if not skipped:
+            self.weights = updated_weights(self.used, statistics["excess_loss_sum"].tolist(),
+                                           statistics["domain_tokens"].tolist(), self.args.step_size,
+                                           self.args.smoothing_param)
         if self.history is not None:
-            self.history.write(self.progress.step + 1, self._domain_names, used)
-        return result
+            self.history.write(step, self.names, self.used)
 
-    def train(self) -> None:
-        try:
-            super().train()
-        finally:
-            if self.history is not None:
-                self.history.close()
+    def metrics(self) -> dict:
+        return {"domain_weights": dict(zip(self.names, self.used))}
+
+    def state_dict(self) -> dict:
+        return {"domain_weights": dict(zip(self.names, self.weights))}
+
+    def after_training(self) -> None:
+        if self.history is not None:
+            self.history.close()

@@ -1,4 +1,5 @@
-"""DoReMi's domain weights: the exponentiated-gradient update, their history file and its average.
+"""DoReMi's domain weights: the exponentiated-gradient update, their history file and its average (``nanotron doremi
+average``); the feature that trains with them is ``features/doremi.py``.
 
 Xie et al. (2023), Algorithm 1. After each proxy step, with ``λ_i`` the mean excess loss of domain ``i`` over the
 reference (per-token ``max(ℓ_proxy - ℓ_ref, 0)``, averaged over the domain's tokens in the step's global batch):
