@@ -36,10 +36,10 @@ from nanotron.config import Config, ConfigError, DatasetStageArgs, DoReMiArgs, l
 from nanotron.data.dataset import domain_name
 from nanotron.errors import CheckpointError
 from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
-from nanotron.training.hooks import Feature
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
+from nanotron.training.hooks import Feature
 from nanotron.training.loss import StepLoss, loss_and_statistics, per_domain_sums
 
 

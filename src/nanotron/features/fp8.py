@@ -17,7 +17,6 @@ from torch import nn
 from nanotron.checkpoint.logical_tensors import LogicalTensorReader
 from nanotron.config import FP8Args
 from nanotron.errors import CheckpointError
-from nanotron.training.hooks import Feature
 from nanotron.models.build import ModuleConverter
 from nanotron.nn.fp8 import (
     AMAX_HISTORY_SUFFIX,
@@ -30,6 +29,7 @@ from nanotron.nn.fp8 import (
     warn_if_emulated,
 )
 from nanotron.parallel.statistics import max_over_ranks, sum_over_all_ranks
+from nanotron.training.hooks import Feature
 
 
 class FP8(Feature):

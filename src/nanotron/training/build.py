@@ -13,13 +13,13 @@ import torch
 from nanotron.config import Config, ConfigError
 from nanotron.data.dataset import DataError, PretrainDataset
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from nanotron.training.hooks import Feature
 from nanotron.memory import memory_summary
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
+from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
 

@@ -36,10 +36,10 @@ from nanotron.checkpoint.saving import take_snapshot, write_snapshot
 from nanotron.config import Config, ConfigError, ExistingCheckpointInit
 from nanotron.data.dataset import DataError, PretrainDataset
 from nanotron.errors import CheckpointError
-from nanotron.training.hooks import Feature
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
+from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
 
