@@ -7,14 +7,16 @@ Users write YAML in nanotron's format (see docs/config.md); code reads it with `
 
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.config import Config, validate_config
-from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, TokenizerArgs, TokensArgs
+from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, HFDatasetArgs, TokenizerArgs, TokensArgs
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
 from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig, llama_problems
 from nanotron.config.loading import (
-    LEGACY_KEYS,
+    DuplicateKeyWarning,
     LegacyKeyWarning,
+    RunLengthWarning,
     apply_overrides,
+    closest_key,
     config_from_dict,
     config_to_dict,
     expand_run_name,
@@ -28,10 +30,11 @@ from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LRSchedulerArgs, OptimizerArgs
 from nanotron.config.parallelism import ParallelismArgs
 from nanotron.config.rules import ConfigError
+from nanotron.config.upstream import IGNORED_KEYS
 
 __all__ = [
     "DEFAULT_RUN_NAME",
-    "LEGACY_KEYS",
+    "IGNORED_KEYS",
     "MODEL_CONFIG_CLASSES",
     "ROPE_SCALING_KEYS",
     "CheckpointsArgs",
@@ -41,9 +44,11 @@ __all__ = [
     "DatasetArgs",
     "DatasetStageArgs",
     "DoReMiArgs",
+    "DuplicateKeyWarning",
     "FP8Args",
     "ExistingCheckpointInit",
     "GeneralArgs",
+    "HFDatasetArgs",
     "LRSchedulerArgs",
     "LegacyKeyWarning",
     "LlaMoEConfig",
@@ -56,10 +61,12 @@ __all__ = [
     "ParallelismArgs",
     "ProfilerArgs",
     "RandomInit",
+    "RunLengthWarning",
     "TokenizerArgs",
     "TokensArgs",
     "WandbArgs",
     "apply_overrides",
+    "closest_key",
     "config_from_dict",
     "config_to_dict",
     "expand_run_name",

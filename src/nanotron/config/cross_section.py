@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from nanotron.config.data import HFDatasetArgs
 from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.rules import MODEL_CONFIG_KEY
@@ -25,13 +26,9 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
 
 
 def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:
-    """The LR schedule (optimizer) must fit in tokens.train_steps."""
+    """The default decay length must not be negative. (A warmup longer than the run is a warning, given by the
+    loader: upstream allows it for runs trained in parts.)"""
     lr, train_steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
-    if lr.lr_warmup_steps > train_steps:
-        yield (
-            f"{LR_KEY}.lr_warmup_steps ({lr.lr_warmup_steps}) must be <= tokens.train_steps ({train_steps}); "
-            "shorten the warmup or train longer"
-        )
     if lr.lr_decay_starting_step is not None and lr.lr_decay_steps is None and lr.lr_decay_starting_step > train_steps:
         yield (
             f"{LR_KEY}.lr_decay_starting_step ({lr.lr_decay_starting_step}) is after tokens.train_steps "
@@ -45,12 +42,15 @@ def _doremi_vs_data_stages(cfg: Config) -> Iterator[str]:
     if d is None:
         return
     for stage in cfg.data_stages:
-        folders = len(stage.data.dataset.dataset_folder)
+        dataset = stage.data.dataset
+        if isinstance(dataset, HFDatasetArgs) and isinstance(dataset.hf_dataset_or_datasets, str) and d.domain_names:
+            continue  # upstream's DoReMi layout: one save_to_disk folder per domain name inside the dataset folder
+        domains = stage.data.num_domains
         for key, values in (("domain_names", d.domain_names), ("domain_weights", d.domain_weights)):
-            if values is not None and len(values) != folders:
-                yield (f"doremi.{key} has {len(values)} entries but data_stages[{stage.name!r}] has {folders} "
+            if values is not None and len(values) != domains:
+                yield (f"doremi.{key} has {len(values)} entries but data_stages[{stage.name!r}] has {domains} "
                        "dataset folders (one domain each); give one per folder")
-        if d.domain_weights is not None and stage.data.dataset.dataset_weights is not None:
+        if d.domain_weights is not None and getattr(stage.data.dataset, "dataset_weights", None) is not None:
             yield (f"doremi.domain_weights and data_stages[{stage.name!r}].data.dataset.dataset_weights are both "
                    "set; keep one of them")
 

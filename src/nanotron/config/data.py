@@ -2,7 +2,7 @@
 sections."""
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanotron.config.rules import at_least, positive
@@ -33,12 +33,29 @@ class TokensArgs:
 
 @dataclass
 class DatasetArgs:
+    """Token folders: written by ``nanotron preprocess``, or by datatrove's tokenizer (upstream's Nanoset)."""
+
     dataset_folder: list[Path]
     dataset_weights: list[float] | None = None  # None: sample the folders in proportion to their sizes
+    # Upstream's Nanoset fields, for datatrove folders. The token size of files without .metadata (None: the one
+    # datatrove picks for the vocabulary); the tokenizer the folders' metadata must name, and the vocabulary their
+    # ids must fit (None: model_config.vocab_size).
+    token_size_in_bytes: int | None = None
+    tokenizer_name: str | None = None
+    vocab_size: int | None = None
+
+    @property
+    def num_domains(self) -> int:
+        return len(self.dataset_folder)
 
     def problems(self, key: str) -> Iterator[str]:
         if not self.dataset_folder:
             yield f"{key}.dataset_folder must name at least one folder"
+        if self.token_size_in_bytes not in (None, 2, 4):
+            yield (f"{key}.token_size_in_bytes must be 2 (uint16 ids) or 4 (uint32 ids), as datatrove writes them "
+                   f"(got {self.token_size_in_bytes})")
+        if self.vocab_size is not None:
+            yield from at_least(f"{key}.vocab_size", self.vocab_size, 1)
         if self.dataset_weights is not None:
             if len(self.dataset_weights) != len(self.dataset_folder):
                 yield (
@@ -50,15 +67,54 @@ class DatasetArgs:
 
 
 @dataclass
+class HFDatasetArgs:
+    """A Hugging Face dataset (upstream's ``hf_dataset_or_datasets``), tokenized once into a cached folder
+    (``data/hf_dataset.py``): a local ``save_to_disk`` folder, a folder of data files, or a Hub name; or several,
+    ``{name: weight}``, blended by weight."""
+
+    hf_dataset_or_datasets: str | dict
+    hf_dataset_splits: list[str] = field(default_factory=lambda: ["train"])  # concatenated in this order
+    hf_dataset_config_name: str | None = None
+    dataset_processing_num_proc_per_process: int = 1  # tokenizing processes
+    dataset_overwrite_cache: bool = False  # tokenize again even when the cache holds the tokens
+    text_column_name: str = "text"
+
+    @property
+    def num_domains(self) -> int:
+        datasets = self.hf_dataset_or_datasets
+        return len(datasets) if isinstance(datasets, dict) else 1
+
+    def problems(self, key: str) -> Iterator[str]:
+        datasets = self.hf_dataset_or_datasets
+        if not datasets:
+            yield f"{key}.hf_dataset_or_datasets must name a dataset"
+        for name, weight in (datasets.items() if isinstance(datasets, dict) else ()):
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                yield f"{key}.hf_dataset_or_datasets[{name!r}]: the weight must be a number > 0 (got {weight!r})"
+        if not self.hf_dataset_splits:
+            yield f"{key}.hf_dataset_splits must name at least one split"
+        yield from at_least(f"{key}.dataset_processing_num_proc_per_process",
+                            self.dataset_processing_num_proc_per_process, 1)
+        if not self.text_column_name:
+            yield f"{key}.text_column_name must not be empty"
+
+
+@dataclass
 class DataArgs:
-    dataset: DatasetArgs
+    # Token folders, a Hugging Face dataset, or None: synthetic tokens (upstream's dataset: null, for throughput)
+    dataset: DatasetArgs | HFDatasetArgs | None
     seed: int = 42
     num_loading_workers: int = 1
+
+    @property
+    def num_domains(self) -> int:
+        return 1 if self.dataset is None else self.dataset.num_domains
 
     def problems(self, key: str) -> Iterator[str]:
         yield from at_least(f"{key}.seed", self.seed, 0)
         yield from at_least(f"{key}.num_loading_workers", self.num_loading_workers, 0)
-        yield from self.dataset.problems(f"{key}.dataset")
+        if self.dataset is not None:
+            yield from self.dataset.problems(f"{key}.dataset")
 
 
 @dataclass
@@ -71,8 +127,8 @@ class DatasetStageArgs:
         key = f"data_stages[{self.name!r}]"
         if not self.name:
             yield f"{key}.name must not be empty"
-        # A stage may start after tokens.train_steps: a run trained in parts (train_steps raised on each resume)
-        # keeps the whole schedule in its config.
+        # A stage may start after tokens.train_steps (a warning): a run trained in parts (train_steps raised on
+        # each resume) keeps the whole schedule in its config.
         if self.start_training_step < 1:
             yield f"{key}.start_training_step ({self.start_training_step}) must be >= 1 (steps count from 1)"
         yield from self.data.problems(f"{key}.data")

@@ -1,12 +1,11 @@
-"""YAML <-> `Config`: strict keys, checked types and enumerations, legacy keys, atomic saves.
+"""YAML <-> `Config`: strict keys, checked types and enumerations, upstream keys, atomic saves.
 
-Loading never guesses: an unknown key is an error with the closest valid name, a value of the wrong type is an
-error naming the expected type, a value outside a `Literal` field's values is an error naming them (after the
-field's accepted `Spellings`), and keys that nanotron v0.4 accepted but never used are ignored with a warning.
-All problems in a file are reported together.
+Loading never guesses: an unknown key is an error with the valid name it is a typo of (if any), a value of the wrong
+type is an error naming the expected type, a value outside a `Literal` field's values is an error naming them (after
+the field's accepted `Spellings`). Upstream nanotron's keys are translated first (`upstream.py`): renamed, ignored
+with one warning, or refused naming the feature. All problems in a file are reported together.
 """
 
-import difflib
 import math
 import os
 import typing
@@ -20,8 +19,9 @@ from typing import Any
 import yaml
 
 from nanotron.config.config import Config, validate_config
-from nanotron.config.data import DatasetArgs
+from nanotron.config.data import DatasetArgs, HFDatasetArgs
 from nanotron.config.general import DEFAULT_RUN_NAME
+from nanotron.config.llama import LlamaConfig
 from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs
 from nanotron.config.rules import (
     ConfigError,
@@ -32,32 +32,8 @@ from nanotron.config.rules import (
     unannotated,
     union_members,
 )
+from nanotron.config.upstream import MOE_FIELDS, translate
 from nanotron.files import atomic_write_text
-
-_NO_VALIDATION = "no validation loop reads it (nanotron v0.4 never ran one either)"
-
-# Keys of nanotron v0.4 configs that are accepted so old files still load, but do nothing.
-LEGACY_KEYS: dict[str, str] = {
-    "general.step": "the step to resume from is read from the checkpoint, not from the config",
-    "general.consumed_train_samples": "the consumed samples are read from the checkpoint, not from the config",
-    "general.benchmark_csv_path": "the benchmark CSV mode was removed",
-    "general.ignore_sanity_checks": "the checks always run (validation before allocation, and the replica check "
-                                    "every parallelism.replica_check_interval steps)",
-    "tokens.val_check_interval": _NO_VALIDATION,
-    "tokens.limit_val_batches": _NO_VALIDATION,
-    "tokens.limit_test_batches": _NO_VALIDATION,
-    "lighteval": "the trainer never ran lighteval (nanotron v0.4 parsed the section but did not use it)",
-}
-
-_DATA_SECTION_FIX = """\
-data: the nanotron v0.4 `data` section (Hugging Face datasets tokenized on the fly) is not supported; \
-tokenize the dataset once with `nanotron preprocess` and replace `data` with:
-  data_stages:
-    - name: main
-      start_training_step: 1
-      data:
-        dataset:
-          dataset_folder: <folder written by nanotron preprocess>"""
 
 _SCALAR_NAMES: dict[type, tuple[str, str]] = {
     bool: ("a boolean (true/false)", "booleans"),
@@ -70,21 +46,29 @@ _SCALAR_NAMES: dict[type, tuple[str, str]] = {
 
 
 class LegacyKeyWarning(UserWarning):
-    """A nanotron v0.4 key that is accepted for compatibility but has no effect."""
+    """Keys of upstream nanotron that are accepted for compatibility but have no effect (all named in one)."""
+
+
+class DuplicateKeyWarning(UserWarning):
+    """A key written twice in one mapping: the last value wins, as in upstream nanotron."""
+
+
+class RunLengthWarning(UserWarning):
+    """A warmup or a data stage that reaches past ``tokens.train_steps``: fine for a run trained in parts."""
 
 
 class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which PyYAML would otherwise resolve silently to the last one, and
-    documents that expand past MAX_YAML_VALUES values through aliases (see `_check_expansion`)."""
+    """SafeLoader that warns about duplicate keys, which PyYAML would otherwise resolve silently to the last one
+    (upstream's own examples repeat keys, and the last one wins there too), and refuses documents that expand past
+    MAX_YAML_VALUES values through aliases (see `_check_expansion`)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
-                )
+                warnings.warn(f"line {key_node.start_mark.line + 1}: the key {key!r} is written more than once in "
+                              "one mapping; the last value is used", DuplicateKeyWarning, stacklevel=2)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -230,16 +214,6 @@ class _Reader:
     def config(self, raw: Any) -> Config | object:
         if not isinstance(raw, dict):
             return self._fail("the config", "a mapping of sections (general, checkpoints, model, ...)", raw)
-        raw = dict(raw)
-        if "data" in raw:
-            del raw["data"]
-            self.problems.append(_DATA_SECTION_FIX)
-        if raw.get("lighteval") is not None:
-            del raw["lighteval"]
-            self.problems.append(
-                "lighteval: running lighteval from the trainer is not supported; remove the section "
-                "(or set it to null) and evaluate saved checkpoints separately"
-            )
         return self.dataclass(Config, raw, "")
 
     def value(self, tp: Any, raw: Any, key: str) -> Any:
@@ -275,7 +249,7 @@ class _Reader:
         hints = typing.get_type_hints(cls, include_extras=True)  # with the Spellings of Literal fields
         for name in raw:
             if name not in hints:
-                self._unknown_key(_join(key, name), str(name), list(hints))
+                self._unknown_key(cls, _join(key, name), str(name), list(hints))
         values = {}
         for f in fields(cls):
             dotted = _join(key, f.name)
@@ -287,22 +261,20 @@ class _Reader:
                 self.problems.append(f"missing required {what} '{dotted}'; add it (see docs/config.md)")
         return cls(**values) if len(self.problems) == start else _INVALID
 
-    def _unknown_key(self, dotted: str, name: str, valid: list[str]) -> None:
-        if dotted in LEGACY_KEYS:
-            warnings.warn(f"ignoring '{dotted}': {LEGACY_KEYS[dotted]}", LegacyKeyWarning, stacklevel=2)
+    def _unknown_key(self, cls: type, dotted: str, name: str, valid: list[str]) -> None:
+        if cls is LlamaConfig and name in MOE_FIELDS:
+            self.problems.append(f"unknown key '{dotted}': mixture-of-experts fields need 'is_llamoe_config: true' "
+                                 "in place of 'is_llama_config: true'")
             return
-        close = difflib.get_close_matches(name, valid, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"valid keys are: {', '.join(valid)}"
+        close = closest_key(name, valid)
+        hint = f"did you mean '{close}'?" if close else f"valid keys are: {', '.join(valid)}"
         self.problems.append(f"unknown key '{dotted}'; {hint}")
 
     def dataclass_union(self, choices: list[type], raw: Any, key: str) -> Any:
-        """Pick the member whose keys `raw` has: `{std: ...}` is a RandomInit, `{path: ...}` a checkpoint."""
+        """Pick the member whose required keys `raw` has: `{std: ...}` is a RandomInit, `{path: ...}` a checkpoint;
+        its other keys are then checked by that member (an unknown one gets its own line)."""
         if isinstance(raw, dict):
-            fitting = [
-                cls
-                for cls in choices
-                if {f.name for f in fields(cls) if _is_required(f)} <= raw.keys() <= {f.name for f in fields(cls)}
-            ]
+            fitting = [cls for cls in choices if {f.name for f in fields(cls) if _is_required(f)} <= raw.keys()]
             if len(fitting) == 1:
                 return self.dataclass(fitting[0], raw, key)
         return self._fail(key, " or ".join(_shape(cls) for cls in choices), raw)
@@ -319,25 +291,71 @@ class _Reader:
             return _INVALID
         return self.dataclass(MODEL_CONFIG_CLASSES[markers[0]], raw, key)
 
-    def path_or_paths(self, tp: Any, raw: Any, key: str) -> Any:
-        """One folder may be written as a plain string; it is stored as a one-item list."""
+    def one_or_list(self, tp: Any, raw: Any, key: str) -> Any:
+        """One folder (or split) may be written as a plain string; it is stored as a one-item list."""
         return self.value(tp, [raw] if isinstance(raw, str) else raw, key)
 
 
 # Fields whose YAML form is not just their type.
 _FIELD_READERS = {
     (ModelArgs, "model_config"): _Reader.model_config,
-    (DatasetArgs, "dataset_folder"): _Reader.path_or_paths,
+    (DatasetArgs, "dataset_folder"): _Reader.one_or_list,
+    (HFDatasetArgs, "hf_dataset_splits"): _Reader.one_or_list,
 }
 
 
+def _edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours that turn ``a`` into ``b``."""
+    previous, current = None, list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        before, previous, current = previous, current, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], before[j - 2] + 1)
+    return current[-1]
+
+
+def closest_key(name: str, valid: Sequence[str]) -> str | None:
+    """The valid key ``name`` is a typo of, or None: at most one edit per five characters (at least one), ignoring
+    case. Keys that merely share words (``context_parallel_size``, ``expert_parallel_size``) are not typos of each
+    other, and a wrong hint misleads more than none."""
+    allowed = max(1, len(name) // 5)
+    distances = sorted((_edit_distance(name.lower(), key.lower()), key) for key in valid)
+    return distances[0][1] if distances and distances[0][0] <= allowed else None
+
+
+def _run_length_warnings(cfg: Config) -> None:
+    """Upstream lets a warmup or a data stage reach past ``train_steps`` (a run trained in parts raises it on each
+    resume); here too, with a warning in case it is a mistake."""
+    train_steps, warmup = cfg.tokens.train_steps, cfg.optimizer.learning_rate_scheduler.lr_warmup_steps
+    if warmup > train_steps:
+        warnings.warn(f"optimizer.learning_rate_scheduler.lr_warmup_steps ({warmup}) is longer than "
+                      f"tokens.train_steps ({train_steps}): this run ends inside the warmup", RunLengthWarning,
+                      stacklevel=3)
+    for stage in cfg.data_stages:
+        if stage.start_training_step > train_steps:
+            warnings.warn(f"data_stages[{stage.name!r}].start_training_step ({stage.start_training_step}) is after "
+                          f"tokens.train_steps ({train_steps}): this run never reaches the stage", RunLengthWarning,
+                          stacklevel=3)
+
+
 def config_from_dict(d: dict) -> Config:
-    """Build and validate a Config from plain data (e.g. parsed YAML); raises ConfigError listing every problem."""
+    """Build and validate a Config from plain data (e.g. parsed YAML); raises ConfigError listing every problem.
+
+    Upstream nanotron's keys are translated first (``upstream.translate``); the keys it ignores are named in one
+    ``LegacyKeyWarning``."""
+    raw, translation = translate(d)
     reader = _Reader()
-    cfg = reader.config(d)
-    if reader.problems:
-        raise ConfigError(*reader.problems)
+    cfg = reader.config(raw)
+    ignored = translation.ignored_warning()
+    if ignored is not None:
+        warnings.warn(ignored, LegacyKeyWarning, stacklevel=2)
+    problems = translation.problems + reader.problems
+    if problems:
+        raise ConfigError(*problems)
     validate_config(cfg)
+    _run_length_warnings(cfg)
     return cfg
 
 

@@ -1,0 +1,287 @@
+"""Upstream nanotron's keys that our schema names otherwise, ignores, or lacks, handled before the typed reader.
+
+Users bring the YAML files of upstream nanotron (v0.4 and its later main). ``translate`` rewrites a file's plain data
+into our schema's form, so the typed reader stays strict for everything else:
+
+- keys with an upstream meaning we have under another name or shape are rewritten to it (``optimizer_factory``,
+  ``is_qwen2_config``, ``interleaved_rotary``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
+  section, ``domain_names`` as one comma-separated string, ...);
+- keys that change nothing here are dropped and named, all together, in one ``LegacyKeyWarning``;
+- a feature we do not have is refused in one line naming it, unless its value is the one that means "off" (``1``,
+  ``null``, ``false``), which is dropped silently.
+
+docs/upstream.md lists every key and what happens to it.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL_CONFIG = "model.model_config"
+
+_NO_VALIDATION = "no validation loop reads it (upstream never ran one either)"
+_KERNEL_CHOICE = "a kernel choice: the same results with the kernels chosen here"
+
+# Keys that have no effect here, whatever their value: dropped and named in one warning.
+IGNORED_KEYS: dict[str, str] = {
+    "general.step": "the step to resume from is read from the checkpoint, not from the config",
+    "general.consumed_train_samples": "the consumed samples are read from the checkpoint, not from the config",
+    "general.benchmark_csv_path": "the benchmark CSV mode was removed",
+    "general.ignore_sanity_checks": "the checks always run (validation before allocation, and the replica check "
+                                    "every parallelism.replica_check_interval steps)",
+    "tokens.val_check_interval": _NO_VALIDATION,
+    "tokens.limit_val_batches": _NO_VALIDATION,
+    "tokens.limit_test_batches": _NO_VALIDATION,
+    "lighteval": "the trainer launches no evaluations; run `nanotron eval` on saved checkpoints",
+    "s3_upload": "checkpoints are not uploaded; they stay in checkpoints.checkpoints_path",
+    "parallelism.tp_recompute_allgather": "the column-parallel layers of tp_mode REDUCE_SCATTER keep their input "
+                                          "shard and re-gather it in the backward; memory and traffic only, the "
+                                          "same results",
+    f"{MODEL_CONFIG}._attn_implementation": _KERNEL_CHOICE,
+    f"{MODEL_CONFIG}._fused_rms_norm": _KERNEL_CHOICE,
+    f"{MODEL_CONFIG}._fused_rotary_emb": _KERNEL_CHOICE,
+    f"{MODEL_CONFIG}._use_qkv_packed": "q, k and v are always one fused projection here",
+    f"{MODEL_CONFIG}.log_attn_probs": "attention probabilities are not logged",
+}
+
+
+@dataclass(frozen=True)
+class Feature:
+    """An upstream key that turns on a feature we lack: accepted only with the value that means "off"."""
+
+    name: str  # the feature, as a user would look it up
+    off: tuple[Any, ...]  # values that leave it off
+    fix: str = ""  # what to write instead, when there is an equivalent
+
+
+_DATASET = "data_stages[].data.dataset"
+# Keyed by the dotted key with list indices written as [] (data stages) and the model config's fields.
+FEATURES: dict[str, Feature] = {
+    "parallelism.context_parallel_size": Feature("context parallelism", (1,)),
+    "parallelism.moe_layer_recompute": Feature(
+        "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
+    f"{MODEL_CONFIG}.sliding_window_size": Feature("sliding-window attention", (None,)),
+    f"{MODEL_CONFIG}._use_doc_masking": Feature("document masking", (False,)),
+    f"{MODEL_CONFIG}.flex_attention_mask": Feature("flex-attention masks", (None,)),
+    f"{MODEL_CONFIG}.moe_config": Feature(
+        "Qwen2 mixture of experts (a shared expert, moe_config)", (None,),
+        "the Mixtral-style mixture of experts is is_llamoe_config: true"),
+    f"{MODEL_CONFIG}.no_rope_layer": Feature("layers without RoPE (no_rope_layer)", (None,)),
+    f"{MODEL_CONFIG}.z_loss_enabled": Feature("the z-loss on the LM logits", (False,)),
+    f"{MODEL_CONFIG}.rope_seq_len_interpolation_factor": Feature(
+        "rope_seq_len_interpolation_factor", (None,), "write rope_scaling: {rope_type: linear, factor: <it>}"),
+    f"{MODEL_CONFIG}.ring_attn_heads_k_stride": Feature("ring attention", (None,)),
+    "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),
+    "data_stages[].sequence_length": Feature("a sequence length per data stage", (None,)),
+    f"{_DATASET}.return_positions": Feature(
+        "per-document position ids", (False,), "positions run from 0 in every sample; set it to false"),
+    f"{_DATASET}.dataset_read_path": Feature("reading the folders from a local copy (dataset_read_path)", (None,)),
+    f"{_DATASET}.dataset_max_tokens": Feature("a token budget per folder (dataset_max_tokens)", (None,)),
+    f"{_DATASET}.skip_in_stream": Feature("skipping samples in the stream (skip_in_stream)", (False,)),
+    f"{_DATASET}.pad_samples_to_global_batch_size": Feature(
+        "padding the samples to the global batch (pad_samples_to_global_batch_size)", (False,)),
+    f"{_DATASET}.shuffle_files": Feature("shuffling the files of a folder (shuffle_files)", (False,)),
+    f"{_DATASET}.use_old_brrr_dataloader": Feature("the brrr data loader (use_old_brrr_dataloader)", (False,)),
+}
+
+# Fields of the mixture-of-experts config, which a Llama config (is_llama_config) does not have.
+MOE_FIELDS = ("moe_num_experts", "num_experts_per_tok", "moe_capacity_factor", "moe_aux_loss_coef",
+              "moe_z_loss_coef", "moe_normalize_topk", "moe_first_dense_layers")
+
+_MAMBA_INIT_KEYS = {"initializer_range", "rescale_prenorm_residual", "n_residuals_per_layer"}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+V04_DATA_STAGE_NAME = "main"
+
+
+@dataclass
+class Translation:
+    """What ``translate`` found: lines refusing features, and the ignored keys with the reason for each."""
+
+    problems: list[str] = field(default_factory=list)
+    ignored: dict[str, str] = field(default_factory=dict)
+
+    def ignored_warning(self) -> str | None:
+        """One line naming every ignored key and why, or None when there are none."""
+        if not self.ignored:
+            return None
+        keys = "; ".join(f"'{key}' ({why})" for key, why in self.ignored.items())
+        return f"ignoring {len(self.ignored)} key(s) that have no effect here: {keys}"
+
+
+def _same_dtype(a: Any, b: Any) -> bool:
+    def canonical(value: Any) -> Any:
+        return _DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
+    return canonical(a) == canonical(b)
+
+
+def translate(raw: Any) -> tuple[Any, Translation]:
+    """``raw`` (plain YAML data) rewritten into our schema's form, and what was refused or ignored on the way.
+
+    Never modifies ``raw``; anything that is not the expected shape is left for the typed reader to report.
+    """
+    found = Translation()
+    if not isinstance(raw, dict):
+        return raw, found
+    raw = _copy(raw)
+    _data_section(raw, found)
+    _walk_features(raw, "", "", found)
+    for key in IGNORED_KEYS:
+        _drop_ignored(raw, key, found)
+    for rewrite in (_optimizer_factory, _init_method, _model_config, _datasets, _domain_names):
+        rewrite(raw, found)
+    return raw, found
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _section(raw: dict, dotted: str) -> dict | None:
+    node: Any = raw
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def _drop_ignored(raw: dict, dotted: str, found: Translation) -> None:
+    parent, _, name = dotted.rpartition(".")
+    section = _section(raw, parent) if parent else raw
+    if section is not None and name in section:
+        del section[name]
+        found.ignored[dotted] = IGNORED_KEYS[dotted]
+
+
+def _walk_features(node: Any, pattern: str, dotted: str, found: Translation) -> None:
+    """Drop every FEATURES key in its "off" value; refuse it in any other, naming the feature."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _walk_features(item, f"{pattern}[]", f"{dotted}[{i}]", found)
+        return
+    if not isinstance(node, dict):
+        return
+    for name in list(node):
+        key_pattern, key = (f"{pattern}.{name}", f"{dotted}.{name}") if pattern else (str(name), str(name))
+        feature = FEATURES.get(key_pattern)
+        if feature is None:
+            _walk_features(node[name], key_pattern, key, found)
+            continue
+        value = node.pop(name)
+        if not any(value == off and type(value) is type(off) for off in feature.off):
+            shown = "" if isinstance(value, (dict, list)) else f" ({_yaml(value)})"
+            fix = feature.fix or f"remove {name} or set it to {_yaml(feature.off[0])}"
+            found.problems.append(f"{key}{shown}: {feature.name} is not available yet; {fix}")
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _data_section(raw: dict, found: Translation) -> None:
+    """v0.4's one ``data`` section is a single data stage from step 1."""
+    if "data" not in raw:
+        return
+    if "data_stages" in raw:
+        found.problems.append("data and data_stages are both set: data is the older form of one stage starting at "
+                              "step 1; keep data_stages and remove data")
+        del raw["data"]
+        return
+    raw["data_stages"] = [{"name": V04_DATA_STAGE_NAME, "start_training_step": 1, "data": raw.pop("data")}]
+
+
+def _optimizer_factory(raw: dict, found: Translation) -> None:
+    """Upstream main's ``optimizer_factory: {name: adamW, adam_*, torch_adam_is_fused}`` selects AdamW with its
+    settings, our flat ``adam_*`` fields; older files give the flat fields, some both (they must agree)."""
+    optimizer = _section(raw, "optimizer")
+    if optimizer is None or not isinstance(optimizer.get("optimizer_factory"), dict):
+        return
+    factory = dict(optimizer.pop("optimizer_factory"))
+    name = factory.pop("name", "adamW")
+    if not (isinstance(name, str) and name.lower() == "adamw"):
+        found.problems.append(f"optimizer.optimizer_factory.name ({name}): only AdamW is available (name: adamW)")
+        return
+    for key, value in factory.items():
+        flat = optimizer.get(key, value)
+        if key in optimizer and flat != value:
+            found.problems.append(f"optimizer.{key} ({flat!r}) and optimizer.optimizer_factory.{key} ({value!r}) "
+                                  "disagree; keep one of them")
+        optimizer.setdefault(key, value)
+
+
+def _init_method(raw: dict, found: Translation) -> None:
+    """``scaling_method: NUM_LAYERS`` is our random init; spectral µP and Mamba's own init are refused. A refused
+    form is replaced by ``{std}``, so that the reader does not add a second line about the same mapping."""
+    init = _section(raw, "model.init_method")
+    if init is None:
+        return
+    if "use_mup" in init:
+        found.problems.append(f"model.init_method.use_mup ({_yaml(init.pop('use_mup'))}): spectral µP "
+                              "initialisation is not available yet; write init_method: {std: <number>}")
+        init.setdefault("std", 1.0)
+    if "scaling_method" in init:
+        method = init.pop("scaling_method")
+        if method != "NUM_LAYERS":
+            found.problems.append(
+                f"model.init_method.scaling_method ({method}): only NUM_LAYERS is available (residual output "
+                "projections at std / sqrt(2 * num_hidden_layers)); write NUM_LAYERS or remove it")
+    if _MAMBA_INIT_KEYS & init.keys() and "std" not in init:
+        found.problems.append(
+            "model.init_method: upstream's Mamba initialisation {initializer_range, rescale_prenorm_residual, "
+            "n_residuals_per_layer} (PyTorch's kaiming-uniform linear layers) is not available; write "
+            "init_method: {std: <initializer_range>}: normal(0, std) matrices, out_proj at std / "
+            "sqrt(num_hidden_layers) as with rescale_prenorm_residual and n_residuals_per_layer 1")
+        init["std"] = init.get("initializer_range", 0.02)
+        for key in _MAMBA_INIT_KEYS & init.keys():
+            del init[key]
+
+
+def _model_config(raw: dict, found: Translation) -> None:
+    config = _section(raw, MODEL_CONFIG)
+    if config is None:
+        return
+    if config.get("is_qwen2_config") is True and not config.get("is_llama_config"):
+        # upstream's Qwen2 is Llama with (optional) q/k/v biases: its remaining features are refused above
+        del config["is_qwen2_config"]
+        config["is_llama_config"] = True
+    elif config.get("is_qwen2_config") is False:
+        del config["is_qwen2_config"]
+    if "interleaved_rotary" in config:
+        value = config.pop("interleaved_rotary")
+        if "rope_interleaved" in config and config["rope_interleaved"] != value:
+            found.problems.append(f"{MODEL_CONFIG}.interleaved_rotary ({value!r}) and rope_interleaved "
+                                  f"({config['rope_interleaved']!r}) disagree; keep rope_interleaved")
+        config.setdefault("rope_interleaved", value)
+    if config.get("is_mamba_config") is True and "dtype" in config:
+        layers = config.pop("dtype")
+        model = _section(raw, "model") or {}
+        if not _same_dtype(layers, model.get("dtype", "bfloat16")):
+            found.problems.append(f"{MODEL_CONFIG}.dtype ({layers!r}): Mamba layers in another dtype than "
+                                  f"model.dtype ({model.get('dtype', 'bfloat16')!r}) are not available; remove it "
+                                  "or make it equal")
+    if config.get("z_loss_enabled", False) is False and "z_loss_coefficient" in config:
+        del config["z_loss_coefficient"]
+        found.ignored[f"{MODEL_CONFIG}.z_loss_coefficient"] = "only read with z_loss_enabled: true"
+
+
+def _datasets(raw: dict, found: Translation) -> None:
+    """``dataset_folder: {folder: weight, ...}`` is the folders and their ``dataset_weights``."""
+    stages = raw.get("data_stages")
+    for i, stage in enumerate(stages if isinstance(stages, list) else []):
+        dataset = _section(stage, "data.dataset") if isinstance(stage, dict) else None
+        if dataset is None or not isinstance(dataset.get("dataset_folder"), dict):
+            continue
+        mapping = dataset["dataset_folder"]
+        if dataset.get("dataset_weights") is not None:
+            found.problems.append(f"data_stages[{i}].data.dataset: dataset_folder is a {{folder: weight}} mapping and "
+                                  "dataset_weights is set too; give the weights once")
+            continue
+        dataset["dataset_folder"], dataset["dataset_weights"] = list(mapping), list(mapping.values())
+
+
+def _domain_names(raw: dict, found: Translation) -> None:
+    doremi = _section(raw, "doremi")
+    if doremi is not None and isinstance(doremi.get("domain_names"), str):
+        doremi["domain_names"] = [name.strip() for name in doremi["domain_names"].split(",") if name.strip()]
+
