@@ -634,3 +634,22 @@ def train_fp8_model(config: dict) -> dict:
         records = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
     return {"converted": converted, "experts": experts, "counters": counters, "records": records,
             "histories": histories}
+
+
+# --- Data as upstream users hold it -----------------------------------------------------------------------------------
+
+
+def corpus_documents(corpus: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+
+
+def datatrove_folder(folder: Path, documents: list[str], tokenizer: Path, **options) -> Path:
+    """``documents`` tokenized by datatrove's DocumentTokenizer, as upstream users write their data."""
+    pytest.importorskip("datatrove", reason='datatrove writes the .ds fixtures; pip install -e ".[test]"')
+    from datatrove.data import Document
+    from datatrove.pipeline.tokens import DocumentTokenizer
+
+    step = DocumentTokenizer(output_folder=str(folder), tokenizer_name_or_path=str(tokenizer),
+                             eos_token="<|endoftext|>", **options)
+    step.run(iter(Document(text=text, id=str(i)) for i, text in enumerate(documents)), rank=0, world_size=1)
+    return folder

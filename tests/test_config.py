@@ -555,8 +555,8 @@ RULES = {
     "dtype is known": (_set("model.dtype", "float8"), ["model.dtype must be one of float32, bfloat16, float16, fp32"]),
     "init std is positive": (_set("model.init_method", {"std": 0.0}), ["model.init_method.std must be > 0"]),
     "zero stage is 0 or 1": (_set("optimizer.zero_stage", 2), ["optimizer.zero_stage must be 0", "(got 2)"]),
-    "sequence fits the position embeddings": (
-        _set("tokens.sequence_length", 512),
+    "sequence fits the position embeddings under RoPE scaling": (
+        _all(_set("tokens.sequence_length", 512), _set(f"{MC}.rope_scaling", {"rope_type": "linear", "factor": 2.0})),
         ["tokens.sequence_length (512)", f"{MC}.max_position_embeddings (256)", "raise max_position_embeddings"],
     ),
     "rope is not interleaved": (_set(f"{MC}.rope_interleaved", True), [f"{MC}.rope_interleaved must be false"]),

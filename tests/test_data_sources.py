@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import corpus_documents, datatrove_folder
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
 from nanotron.data.datatrove_folder import DatatroveDataset
 from nanotron.data.loader import MicroBatchLoader
@@ -24,12 +25,7 @@ from nanotron.data.tokenizer import eos_token_id, load_tokenizer
 
 SEQUENCE_LENGTH = 16
 SEED = 3
-_DATATROVE_REASON = 'datatrove writes the .ds fixtures; pip install -e ".[test]"'
 _DATASETS_REASON = 'the Hugging Face readers need datasets; pip install -e ".[data]"'
-
-
-def _documents(corpus: Path) -> list[str]:
-    return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
 
 
 def _one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:
@@ -42,26 +38,14 @@ def _one_line(error: pytest.ExceptionInfo, *fragments: str) -> None:
 # --------------------------------------------------------------------------------------------- datatrove folders
 
 
-def _datatrove_folder(folder: Path, documents: list[str], tokenizer: Path, **options) -> Path:
-    """``documents`` tokenized by datatrove's DocumentTokenizer, as upstream users write their data."""
-    pytest.importorskip("datatrove", reason=_DATATROVE_REASON)
-    from datatrove.data import Document
-    from datatrove.pipeline.tokens import DocumentTokenizer
-
-    step = DocumentTokenizer(output_folder=str(folder), tokenizer_name_or_path=str(tokenizer),
-                             eos_token="<|endoftext|>", **options)
-    step.run(iter(Document(text=text, id=str(i)) for i, text in enumerate(documents)), rank=0, world_size=1)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def datatrove_folders(tiny_data, tmp_path_factory) -> list[Path]:
     """Two folders of the tiny corpus's halves: one file in document order; several shuffled files."""
     root = tmp_path_factory.mktemp("datatrove")
-    documents = _documents(tiny_data["corpus"])
+    documents = corpus_documents(tiny_data["corpus"])
     half = len(documents) // 2
-    return [_datatrove_folder(root / "first", documents[:half], tiny_data["tokenizer"], shuffle_documents=False),
-            _datatrove_folder(root / "second", documents[half:], tiny_data["tokenizer"], shuffle_documents=True,
+    return [datatrove_folder(root / "first", documents[:half], tiny_data["tokenizer"], shuffle_documents=False),
+            datatrove_folder(root / "second", documents[half:], tiny_data["tokenizer"], shuffle_documents=True,
                               seed=0, max_tokens_per_file=1500)]
 
 
@@ -82,7 +66,7 @@ def _sample_windows(dataset, indices) -> Counter:
 def test_datatrove_files_hold_the_documents_our_tokenizer_makes(tiny_data, datatrove_folders):
     tokenizer = load_tokenizer(tiny_data["tokenizer"])
     eos = eos_token_id(tokenizer)
-    expected = [token for text in _documents(tiny_data["corpus"])[:200]
+    expected = [token for text in corpus_documents(tiny_data["corpus"])[:200]
                 for token in [*tokenizer.encode(text, add_special_tokens=False).ids, eos]]
     (file,) = datatrove_folders[0].glob("*.ds")
     assert np.fromfile(file, dtype="<u2").tolist() == expected
@@ -180,7 +164,7 @@ def hf_sources(tiny_data, tmp_path_factory) -> dict[str, Path]:
     """The tiny corpus as a save_to_disk DatasetDict (train and validation), a parquet folder and a jsonl folder."""
     datasets = pytest.importorskip("datasets", reason=_DATASETS_REASON)
     root = tmp_path_factory.mktemp("hf")
-    documents = _documents(tiny_data["corpus"])
+    documents = corpus_documents(tiny_data["corpus"])
     train, validation = documents[:300], documents[300:]
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train, "id": list(range(300))}),
                           "validation": datasets.Dataset.from_dict({"text": validation})}).save_to_disk(root / "saved")

@@ -4,13 +4,14 @@ Plus the loader behaviours they need: duplicate keys, honest did-you-mean hints,
 warning."""
 
 import copy
+import json
 import warnings
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import metrics, train, write_config
+from helpers import corpus_documents, datatrove_folder, metrics, train, write_config
 from nanotron.config import (
     ConfigError,
     DuplicateKeyWarning,
@@ -28,8 +29,6 @@ FILES = sorted(str(path.relative_to(UPSTREAM)) for path in UPSTREAM.glob("*/*.ya
 # Refused until the sharedfs branch gives `checkpoints_path_is_shared_file_system: false` its meaning (each node
 # writes and reads its own ranks' files); the training below substitutes true meanwhile.
 SHARED_FS = "checkpoints.checkpoints_path_is_shared_file_system: false"
-# Our rule, a documented difference (docs/upstream.md): upstream ignored max_position_embeddings under random init.
-POSITIONS = "exceeds model.model_config.max_position_embeddings"
 DOC_MASKING = "model.model_config._use_doc_masking (true): document masking is not available yet"
 POSITION_IDS = "data_stages[0].data.dataset.return_positions (true): per-document position ids is not available yet"
 MAMBA_INIT = "model.init_method: upstream's Mamba initialisation"
@@ -48,22 +47,22 @@ EXPECTED_REFUSALS: dict[str, list[str]] = {
     "main/config_tiny_llama_with_s3_upload.yaml": [SHARED_FS],
     "main/contributor-guide__debug_config_tiny_llama.yaml": [SHARED_FS],
     "main/custom-dataloader__config_custom_dl.yaml": [SHARED_FS],
-    "main/doremi__configs__config_2.8b_llama.yaml": [POSITIONS],
-    "main/doremi__configs__config_2.8b_llama_with_tuned_weights.yaml": [POSITIONS],
-    "main/doremi__configs__config_280m_llama.yaml": [POSITIONS],
-    "main/doremi__configs__config_280m_llama_proxy.yaml": [POSITIONS],
+    "main/doremi__configs__config_2.8b_llama.yaml": [],
+    "main/doremi__configs__config_2.8b_llama_with_tuned_weights.yaml": [],
+    "main/doremi__configs__config_280m_llama.yaml": [],
+    "main/doremi__configs__config_280m_llama_proxy.yaml": [],
     "main/mamba__config_mamba.yaml": [MAMBA_INIT],
-    "main/moe__config_llamoe.yaml": [SHARED_FS, POSITIONS],
+    "main/moe__config_llamoe.yaml": [SHARED_FS],
     "main/mup__configs__mup_350m_llama_config.yaml": [
         "model.init_method.use_mup (true): spectral µP initialisation is not available yet"],
     "main/mup__configs__sp_350m_llama_config.yaml": [SHARED_FS],
     "v0.4/config_tiny_llama.yaml": [SHARED_FS],
-    "v0.4/doremi__configs__config_2.8b_llama.yaml": [POSITIONS],
-    "v0.4/doremi__configs__config_2.8b_llama_with_tuned_weights.yaml": [POSITIONS],
-    "v0.4/doremi__configs__config_280m_llama.yaml": [POSITIONS],
-    "v0.4/doremi__configs__config_280m_llama_proxy.yaml": [POSITIONS],
+    "v0.4/doremi__configs__config_2.8b_llama.yaml": [],
+    "v0.4/doremi__configs__config_2.8b_llama_with_tuned_weights.yaml": [],
+    "v0.4/doremi__configs__config_280m_llama.yaml": [],
+    "v0.4/doremi__configs__config_280m_llama_proxy.yaml": [],
     "v0.4/mamba__config_mamba.yaml": [MAMBA_INIT],
-    "v0.4/moe__config_llamoe.yaml": [SHARED_FS, POSITIONS],
+    "v0.4/moe__config_llamoe.yaml": [SHARED_FS],
 }
 # Refused for a feature we lack: nothing to train.
 LACKING_FEATURES = {"main/config_qwen.yaml", "main/config_qwen_with_moe.yaml", "main/mamba__config_mamba.yaml",
@@ -97,7 +96,7 @@ def test_upstream_example_loads_or_is_refused_one_line_per_missing_feature(name)
     assert sum(issubclass(w.category, LegacyKeyWarning) for w in caught) <= 1  # every ignored key in one warning
 
 
-def _substituted(name: str, tiny_data, run: Path) -> dict:
+def _substituted(name: str, tiny_data, data: dict[str, Path], run: Path) -> dict:
     """The upstream file with only paths and sizes replaced: our tiny data, tokenizer and checkpoint folder, a tiny
     model, 2 steps on one process. ``checkpoints_path_is_shared_file_system`` is set true until the sharedfs branch
     lands (see SHARED_FS)."""
@@ -107,8 +106,17 @@ def _substituted(name: str, tiny_data, run: Path) -> dict:
                        checkpoints_path_is_shared_file_system=True)
     raw["tokenizer"]["tokenizer_name_or_path"] = str(tiny_data["tokenizer"])
     stages = raw.get("data_stages") or [{"data": raw.get("data")}]
-    for stage in stages:
-        stage["data"].update(dataset={"dataset_folder": [str(tiny_data["tokenized"])]}, num_loading_workers=0)
+    for stage in stages:  # their kind of data: datatrove folders, a Hugging Face dataset, or synthetic tokens
+        dataset = stage["data"].get("dataset")
+        if dataset is not None and "hf_dataset_or_datasets" in dataset:
+            dataset.update(hf_dataset_or_datasets=str(data["jsonl"]), hf_dataset_config_name=None)
+        elif dataset is not None:
+            folders = dataset["dataset_folder"]
+            weights = list(folders.values()) if isinstance(folders, dict) else None
+            dataset.update(dataset_folder=[str(data["datatrove"])] * len(weights or folders),
+                           dataset_weights=weights or dataset.get("dataset_weights"),
+                           tokenizer_name=str(tiny_data["tokenizer"]), vocab_size=384, token_size_in_bytes=2)
+        stage["data"]["num_loading_workers"] = 0
     if raw.get("doremi"):
         raw["doremi"].update(domain_names=None, ref_model_resume_checkpoint_path=None)
     if raw.get("profiler"):
@@ -123,14 +131,29 @@ def _substituted(name: str, tiny_data, run: Path) -> dict:
     return raw
 
 
+@pytest.fixture(scope="module")
+def their_data(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """The tiny corpus as upstream users hold it: tokenized by datatrove, and as a folder of jsonl files (the text
+    under both column names the examples read)."""
+    root = tmp_path_factory.mktemp("their_data")
+    documents = corpus_documents(tiny_data["corpus"])
+    (root / "jsonl").mkdir()
+    (root / "jsonl" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": text, "completion": text}) + "\n" for text in documents))
+    return {"datatrove": datatrove_folder(root / "datatrove", documents, tiny_data["tokenizer"]),
+            "jsonl": root / "jsonl"}
+
+
 @pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in DEFAULT_TIER else pytest.mark.slow)
                                   for name in TRAINED])
-def test_upstream_example_trains_with_paths_and_sizes_substituted(name, tiny_data, tmp_path):
+def test_upstream_example_trains_with_paths_and_sizes_substituted(name, tiny_data, their_data, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     run = tmp_path / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RunLengthWarning)  # their warmups and later stages outlast 2 steps
         warnings.simplefilter("ignore", LegacyKeyWarning)
-        train(_substituted(name, tiny_data, run), tmp_path / "config.yaml")
+        train(_substituted(name, tiny_data, their_data, run), tmp_path / "config.yaml")
     records = metrics(run)
     assert [record["step"] for record in records] == [1, 2]
 
@@ -288,6 +311,20 @@ def test_warmup_longer_than_the_run_and_late_stages_warn():
     messages = [str(w.message) for w in record if issubclass(w.category, RunLengthWarning)]
     assert any("lr_warmup_steps (2) is longer than tokens.train_steps (1)" in m for m in messages)
     assert any("start_training_step (10) is after tokens.train_steps (1)" in m for m in messages)
+
+
+def test_sequences_longer_than_the_positions_raise_them_for_fresh_weights_only():
+    """Upstream's DoReMi and LlaMoE examples train sequences longer than their max_position_embeddings."""
+    raw = _fixed(_upstream("v0.4/moe__config_llamoe.yaml"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LegacyKeyWarning)
+        with pytest.warns(RunLengthWarning, match=r"max_position_embeddings \(128\) is below tokens.sequence_length "
+                                                  r"\(256\).*records max_position_embeddings: 256"):
+            config = config_from_dict(copy.deepcopy(raw))
+        assert config.model.model_config.max_position_embeddings == 256
+        raw["model"]["model_config"]["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}  # now it means something
+        with pytest.raises(ConfigError, match=r"tokens.sequence_length \(256\) exceeds"):
+            config_from_dict(raw)
 
 
 # --- hints ----------------------------------------------------------------------------------------------------------

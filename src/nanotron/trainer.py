@@ -83,7 +83,7 @@ class Trainer:
         self.features = list(features_for(config) if features is None else features)
 
         self.checkpoints = RunCheckpoints(config, self.pc)
-        self.datasets, self.tokenizer_fingerprint = load_data(config, self.features)
+        self.datasets, self.tokenizer_fingerprint = load_data(config, self.pc, self.features)
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         initial = self.checkpoints.initial_checkpoint(self.datasets, self.features)

@@ -22,7 +22,7 @@ from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DatasetArgs, HFDatasetArgs
 from nanotron.config.general import DEFAULT_RUN_NAME
 from nanotron.config.llama import LlamaConfig
-from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs
+from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
 from nanotron.config.rules import (
     ConfigError,
     canonical,
@@ -340,6 +340,22 @@ def _run_length_warnings(cfg: Config) -> None:
                           stacklevel=3)
 
 
+def _context_at_least_the_sequences(cfg: Config) -> None:
+    """Upstream trains a model with fresh weights on sequences longer than ``max_position_embeddings`` (without RoPE
+    scaling nothing in training reads it); here the model then records the length it is trained on, with a warning,
+    so that generation later allows those positions. With RoPE scaling, or weights from a checkpoint, the value
+    means something and a shorter one stays an error."""
+    model_config, sequence_length = cfg.model.model_config, cfg.tokens.sequence_length
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if (limit is None or sequence_length <= limit or getattr(model_config, "rope_scaling", None) is not None
+            or not isinstance(cfg.model.init_method, RandomInit)):
+        return
+    warnings.warn(f"model.model_config.max_position_embeddings ({limit}) is below tokens.sequence_length "
+                  f"({sequence_length}): the model is trained on {sequence_length} positions and records "
+                  f"max_position_embeddings: {sequence_length}", RunLengthWarning, stacklevel=3)
+    model_config.max_position_embeddings = sequence_length
+
+
 def config_from_dict(d: dict) -> Config:
     """Build and validate a Config from plain data (e.g. parsed YAML); raises ConfigError listing every problem.
 
@@ -354,6 +370,7 @@ def config_from_dict(d: dict) -> Config:
     problems = translation.problems + reader.problems
     if problems:
         raise ConfigError(*problems)
+    _context_at_least_the_sequences(cfg)
     validate_config(cfg)
     _run_length_warnings(cfg)
     return cfg

@@ -183,7 +183,7 @@ class DoReMiProxy(DomainMixture):
     def sampling_weights(self, stage: DatasetStageArgs, weights: list[float] | None) -> list[float]:
         """Uniform over the domains unless ``dataset_weights`` say otherwise: ``doremi.domain_weights`` are the
         proxy's starting loss weights, not its sampling mixture."""
-        return weights or [1.0] * len(stage.data.dataset.dataset_folder)
+        return weights or [1.0] * stage.data.num_domains
 
     def loss(self) -> StepLoss:
         return WeightedDomainLoss()

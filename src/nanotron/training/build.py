@@ -7,11 +7,17 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
-from nanotron.config import Config, ConfigError
-from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.checkpoint.manager import first_problem
+from nanotron.config import Config, ConfigError, DatasetStageArgs, HFDatasetArgs
+from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
+from nanotron.data.datatrove_folder import DatatroveDataset
+from nanotron.data.hf_dataset import HFDataset
+from nanotron.data.preprocess import METADATA_FILE_NAME
+from nanotron.data.synthetic import SyntheticDataset
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from nanotron.memory import memory_summary
 from nanotron.models.registry import spec_for_config
@@ -24,8 +30,9 @@ from nanotron.training.hooks import Feature
 logger = logging.getLogger("nanotron.trainer")
 
 
-def load_data(config: Config, features: Sequence[Feature]) -> tuple[dict[str, PretrainDataset], str | None]:
-    """Every data stage's dataset (its mixture and domain names as the features make them) and the tokenizer's
+def load_data(config: Config, pc: ParallelContext,
+              features: Sequence[Feature]) -> tuple[dict[str, SampleSource], str | None]:
+    """Every data stage's sample source (its mixture and domain names as the features make them) and the tokenizer's
     fingerprint (None without ``tokenizer.tokenizer_name_or_path``); fails before the model is allocated if a stage
     cannot feed it."""
     vocab = config.model.model_config.vocab_size
@@ -38,33 +45,98 @@ def load_data(config: Config, features: Sequence[Feature]) -> tuple[dict[str, Pr
                 f"model.model_config.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
                 f"({tokenizer.get_vocab_size()}, {config.tokenizer.tokenizer_name_or_path}); raise vocab_size"
             )
-    datasets: dict[str, PretrainDataset] = {}
+    datasets: dict[str, SampleSource] = {}
     for stage in config.data_stages:
-        dataset = datasets[stage.name] = _dataset(config, stage, features)
+        dataset = datasets[stage.name] = _dataset(config, pc, stage, features)
         if dataset.vocab_size > vocab:
             raise DataError(
                 f"data stage {stage.name!r} was tokenized with a vocabulary of {dataset.vocab_size} but "
                 f"model.model_config.vocab_size is {vocab}; raise vocab_size or re-run nanotron preprocess"
             )
-        for folder, fingerprint in zip(stage.data.dataset.dataset_folder, dataset.tokenizer_fingerprints):
-            if expected is not None and fingerprint != expected:
+        for domain, fingerprint in zip(dataset.domain_names, dataset.tokenizer_fingerprints):
+            if None not in (expected, fingerprint) and fingerprint != expected:
                 raise DataError(
-                    f"{folder} was tokenized with another tokenizer than tokenizer.tokenizer_name_or_path "
-                    f"({config.tokenizer.tokenizer_name_or_path}); re-run nanotron preprocess with it"
+                    f"data stage {stage.name!r}: {domain} was tokenized with another tokenizer than "
+                    f"tokenizer.tokenizer_name_or_path ({config.tokenizer.tokenizer_name_or_path}); re-run nanotron "
+                    "preprocess with it"
                 )
     return datasets, expected
 
 
-def _dataset(config: Config, stage, features: Sequence[Feature]) -> PretrainDataset:
-    """The stage's mixture: ``dataset_weights`` as the features change it, else (None) the token shares."""
-    weights = stage.data.dataset.dataset_weights
+def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
+             features: Sequence[Feature]) -> SampleSource:
+    """The stage's sample source, its mixture (``dataset_weights`` or a ``{dataset: weight}`` mapping, as the
+    features change it; None: the token shares) and its domain names."""
+    source, sequence_length, seed = stage.data.dataset, config.tokens.sequence_length, stage.data.seed
+    vocab = config.model.model_config.vocab_size
+    if source is None:  # upstream's ``dataset: null``: throughput runs without data
+        return SyntheticDataset(vocab, sequence_length, seed)
+    if isinstance(source, HFDatasetArgs):
+        datasets = source.hf_dataset_or_datasets
+        weights = list(datasets.values()) if isinstance(datasets, dict) else None
+    else:
+        weights = source.dataset_weights
     for feature in features:
         weights = feature.sampling_weights(stage, weights)
-    dataset = PretrainDataset(stage.data.dataset.dataset_folder, weights, config.tokens.sequence_length,
-                              stage.data.seed)
+    if isinstance(source, HFDatasetArgs):
+        dataset = _tokenized_first_on_rank_0(config, pc, source, weights, seed)
+    elif _holds_datatrove_files(source.dataset_folder):
+        dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed,
+                                   vocab_size=source.vocab_size or vocab, token_size=source.token_size_in_bytes)
+        named = {name for name in dataset.tokenizer_names if name is not None}
+        if source.tokenizer_name is not None and named - {source.tokenizer_name}:
+            raise DataError(f"data stage {stage.name!r}: the folders were tokenized with {', '.join(sorted(named))} "
+                            f"but its tokenizer_name is {source.tokenizer_name}; point dataset_folder at data "
+                            "tokenized with it, or correct tokenizer_name")
+    else:
+        dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
     for feature in features:
         dataset.domain_names = feature.domain_names(stage, dataset.domain_names)
     return dataset
+
+
+def _holds_datatrove_files(folders: Sequence[Path]) -> bool:
+    """Whether a stage's folders are datatrove's (``*.ds`` files) rather than ``nanotron preprocess``'s (its
+    metadata.json); one stage mixing both kinds is refused."""
+    kinds = {"nanotron" if (Path(folder) / METADATA_FILE_NAME).exists() else
+             "datatrove" if any(Path(folder).glob("*.ds")) else None for folder in folders}
+    if {"nanotron", "datatrove"} <= kinds:
+        raise DataError("dataset_folder mixes folders of nanotron preprocess (metadata.json) and of datatrove (.ds "
+                        "files); give each kind its own data stage, or tokenize them all one way")
+    return kinds == {"datatrove"}
+
+
+def _tokenized_first_on_rank_0(config: Config, pc: ParallelContext, source: HFDatasetArgs,
+                               weights: list[float] | None, seed: int) -> HFDataset:
+    """A Hugging Face dataset, tokenized by rank 0 into its cache while the other ranks wait, then opened by them
+    from the cache: one tokenization per run, not one per rank. A failure on rank 0 stops every rank with its
+    message."""
+    tokenizer = config.tokenizer.tokenizer_name_or_path
+    if not tokenizer:
+        raise ConfigError("a data stage reading hf_dataset_or_datasets needs tokenizer.tokenizer_name_or_path: the "
+                          "text is tokenized when the run starts")
+    datasets = source.hf_dataset_or_datasets
+    if weights is not None:
+        names = list(datasets) if isinstance(datasets, dict) else [datasets]
+        datasets = dict(zip(names, weights, strict=True))
+
+    def open_dataset() -> HFDataset:
+        return HFDataset(datasets, tokenizer, config.tokens.sequence_length, seed,
+                         splits=source.hf_dataset_splits, text_column=source.text_column_name,
+                         config_name=source.hf_dataset_config_name,
+                         num_proc=source.dataset_processing_num_proc_per_process,
+                         overwrite_cache=source.dataset_overwrite_cache)
+
+    dataset, problem = None, None
+    if pc.rank == 0:
+        try:
+            dataset = open_dataset()
+        except DataError as error:
+            problem = str(error)
+    problem = first_problem(problem, pc.world_size)
+    if problem is not None:
+        raise DataError(problem)
+    return dataset if dataset is not None else open_dataset()
 
 
 def pipeline_schedule(config: Config, pc: ParallelContext,

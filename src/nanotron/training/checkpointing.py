@@ -34,7 +34,7 @@ from nanotron.checkpoint.run_folder import (
 from nanotron.checkpoint.run_lock import RunLock
 from nanotron.checkpoint.saving import take_snapshot, write_snapshot
 from nanotron.config import Config, ConfigError, ExistingCheckpointInit
-from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.data.dataset import DataError, SampleSource
 from nanotron.errors import CheckpointError
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
@@ -96,7 +96,7 @@ class RunCheckpoints:
 
     # --- before the model exists -----------------------------------------------------------------------------
 
-    def initial_checkpoint(self, datasets: dict[str, PretrainDataset],
+    def initial_checkpoint(self, datasets: dict[str, SampleSource],
                            features: Sequence[Feature]) -> tuple[Path, dict] | None:
         """The checkpoint to resume from or to take the initial weights from, checked before the model exists:
         complete and uncorrupted (checksums, the reading shared by all ranks), the same architecture, trained on
@@ -125,17 +125,18 @@ class RunCheckpoints:
         return checkpoint, metadata
 
     def _check_same_tokenizer(self, checkpoint: Path, trained_with: str | None,
-                              datasets: dict[str, PretrainDataset]) -> None:
+                              datasets: dict[str, SampleSource]) -> None:
         """Token ids only mean something with their tokenizer: training weights further (resumed, or taken by
         ``model.init_method.path``) on data from another one is refused, whatever its vocabulary size."""
         if trained_with is None or self.config.checkpoints.allow_tokenizer_change:
             return
         for stage in self.config.data_stages:
-            fingerprints = datasets[stage.name].tokenizer_fingerprints
-            for folder, fingerprint in zip(stage.data.dataset.dataset_folder, fingerprints):
-                if fingerprint != trained_with:
+            dataset = datasets[stage.name]
+            for domain, fingerprint in zip(dataset.domain_names, dataset.tokenizer_fingerprints):
+                if fingerprint is not None and fingerprint != trained_with:  # None: the source records none
                     raise DataError(
-                        f"{folder} was tokenized with another tokenizer than the one {checkpoint} was trained on "
+                        f"data stage {stage.name!r}: {domain} was tokenized with another tokenizer than the one "
+                        f"{checkpoint} was trained on "
                         "(tokenizer fingerprints differ); use data tokenized with the checkpoint's tokenizer (its "
                         "tokenizer/ folder), or set checkpoints.allow_tokenizer_change: true to train on it on purpose")
 
