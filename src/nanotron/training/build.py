@@ -72,14 +72,14 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
     if source is None:  # upstream's ``dataset: null``: throughput runs without data
         return SyntheticDataset(vocab, sequence_length, seed)
     if isinstance(source, HFDatasetArgs):
-        datasets = source.hf_dataset_or_datasets
+        datasets = _hf_domains(config, source)
         weights = list(datasets.values()) if isinstance(datasets, dict) else None
     else:
         weights = source.dataset_weights
     for feature in features:
         weights = feature.sampling_weights(stage, weights)
     if isinstance(source, HFDatasetArgs):
-        dataset = _tokenized_first_on_rank_0(config, pc, source, weights, seed)
+        dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
     elif _holds_datatrove_files(source.dataset_folder):
         dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed,
                                    vocab_size=source.vocab_size or vocab, token_size=source.token_size_in_bytes)
@@ -106,8 +106,19 @@ def _holds_datatrove_files(folders: Sequence[Path]) -> bool:
     return kinds == {"datatrove"}
 
 
+def _hf_domains(config: Config, source: HFDatasetArgs) -> str | dict[str, float]:
+    """The Hugging Face datasets of a stage: ``hf_dataset_or_datasets`` as written, except in upstream's DoReMi
+    layout (one folder and ``doremi.domain_names``), where each domain is the ``save_to_disk`` folder of its name
+    inside that folder."""
+    datasets, doremi = source.hf_dataset_or_datasets, config.doremi
+    if isinstance(datasets, str) and doremi is not None and doremi.domain_names:
+        return {str(Path(datasets) / name): 1.0 for name in doremi.domain_names}
+    return datasets
+
+
 def _tokenized_first_on_rank_0(config: Config, pc: ParallelContext, source: HFDatasetArgs,
-                               weights: list[float] | None, seed: int) -> HFDataset:
+                               datasets: str | dict[str, float], weights: list[float] | None,
+                               seed: int) -> HFDataset:
     """A Hugging Face dataset, tokenized by rank 0 into its cache while the other ranks wait, then opened by them
     from the cache: one tokenization per run, not one per rank. A failure on rank 0 stops every rank with its
     message."""
@@ -115,7 +126,6 @@ def _tokenized_first_on_rank_0(config: Config, pc: ParallelContext, source: HFDa
     if not tokenizer:
         raise ConfigError("a data stage reading hf_dataset_or_datasets needs tokenizer.tokenizer_name_or_path: the "
                           "text is tokenized when the run starts")
-    datasets = source.hf_dataset_or_datasets
     if weights is not None:
         names = list(datasets) if isinstance(datasets, dict) else [datasets]
         datasets = dict(zip(names, weights, strict=True))

@@ -1,0 +1,38 @@
+"""Training reads each data stage from the source its config names: a Hugging Face dataset (also in upstream's DoReMi
+layout, one save_to_disk folder per domain) and synthetic tokens."""
+
+import pytest
+
+from helpers import corpus_documents, metrics, tiny_config_dict, train
+
+
+@pytest.fixture
+def domains_on_disk(tiny_data, tmp_path, monkeypatch):
+    """Two domains saved by ``datasets`` under one folder, as upstream's DoReMi examples keep theirs."""
+    datasets = pytest.importorskip("datasets", reason='the Hugging Face readers need datasets; pip install -e ".[data]"')
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    documents = corpus_documents(tiny_data["corpus"])
+    for name, part in (("Wikipedia (en)", documents[::2]), ("Github", documents[1::2])):
+        datasets.Dataset.from_dict({"text": part}).save_to_disk(tmp_path / "domains" / name)
+    return tmp_path / "domains"
+
+
+def test_a_hugging_face_dataset_per_domain_trains_with_its_domains(tiny_data, domains_on_disk, tmp_path):
+    run = tmp_path / "run"
+    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2}, doremi={  # mixed by weight, no proxy
+        "domain_names": "Wikipedia (en), Github", "domain_weights": [0.75, 0.25]})
+    config["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(domains_on_disk),
+                                                   "hf_dataset_splits": "train", "text_column_name": "text"}
+    train(config, tmp_path / "config.yaml")
+    records = metrics(run)
+    assert [record["step"] for record in records] == [1, 2]
+    assert set(records[0]["domain_losses"]) == {"Wikipedia (en)", "Github"}, records[0]
+    assert all(loss > 0 for loss in records[-1]["domain_losses"].values())
+
+
+def test_a_null_dataset_trains_on_synthetic_tokens(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
+    config["data_stages"][0]["data"]["dataset"] = None
+    train(config, tmp_path / "config.yaml")
+    assert [record["step"] for record in metrics(run)] == [1, 2]
