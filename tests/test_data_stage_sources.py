@@ -9,7 +9,7 @@ from helpers import corpus_documents, metrics, tiny_config_dict, train
 @pytest.fixture
 def domains_on_disk(tiny_data, tmp_path, monkeypatch):
     """Two domains saved by ``datasets`` under one folder, as upstream's DoReMi examples keep theirs."""
-    datasets = pytest.importorskip("datasets", reason='the Hugging Face readers need datasets; pip install -e ".[data]"')
+    datasets = pytest.importorskip("datasets", reason='the Hugging Face readers need it: pip install -e ".[data]"')
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     documents = corpus_documents(tiny_data["corpus"])
     for name, part in (("Wikipedia (en)", documents[::2]), ("Github", documents[1::2])):
