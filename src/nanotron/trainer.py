@@ -37,6 +37,7 @@ from nanotron.checkpoint.manager import (
     load_weights,
     verify_on_all_ranks,
 )
+from nanotron.checkpoint.node_folders import FolderRanks
 from nanotron.checkpoint.run_folder import (
     check_metrics_file,
     describe_existing_run,
@@ -237,15 +238,16 @@ class Trainer:
     def _prepare_run_folder(self) -> Path | None:
         """Lock and check the run folder before anything is built; the checkpoint to resume from, if any.
 
-        Rank 0 first takes the folder's lock (``run_lock.py``), before the folder is read: a second run on it is
-        refused. Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is
+        Rank 0 (each node's lowest rank where nodes have folders of their own: ``node_folders.py``) first takes the
+        folder's lock (``run_lock.py``), before the folder is read: a second run on it is refused. Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is
         refused unless the config resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a
         checkpoint). Rank 0 also removes what interrupted saves left; every rank gets its verdict, and only then
         looks at the folder itself.
         """
         root = Path(self.config.checkpoints.checkpoints_path)
+        self.folder = FolderRanks.find(root, self.config.checkpoints.checkpoints_path_is_shared_file_system, self.pc)
         problem = None
-        if self.pc.rank == 0:
+        if self.folder.is_main:
             try:
                 self.run_lock = RunLock.take(root)
                 existing = describe_existing_run(root)
@@ -260,7 +262,7 @@ class Trainer:
         problem = first_problem(problem, self.pc.world_size)
         if problem is not None:
             raise ConfigError(problem)
-        return self._resume_choice(root)
+        return self.folder.same_checkpoint(self._resume_choice(root))
 
     def _resume_choice(self, root: Path) -> Path | None:
         checkpoints = self.config.checkpoints
@@ -633,11 +635,12 @@ class Trainer:
         """Checkpoint the current step, in the foreground or (``checkpoints.async_save``) in the background."""
         if self.async_saver is None:
             snapshot = take_snapshot(self.config, self.model, self.optimizer, self.progress, self.pc,
-                                     self.tokenizer_fingerprint)
+                                     self.tokenizer_fingerprint, folder=self.folder)
             write_snapshot(snapshot, self.pc, protected=self.protected_checkpoints)
         else:
             self.async_saver.save(lambda: take_snapshot(self.config, self.model, self.optimizer, self.progress, self.pc,
-                                                        self.tokenizer_fingerprint, self.async_saver.buffers),
+                                                        self.tokenizer_fingerprint, self.async_saver.buffers,
+                                                        self.folder),
                                   self.protected_checkpoints)
 
     def wait_for_saves(self) -> None:
