@@ -239,10 +239,10 @@ class Trainer:
         """Lock and check the run folder before anything is built; the checkpoint to resume from, if any.
 
         Rank 0 (each node's lowest rank where nodes have folders of their own: ``node_folders.py``) first takes the
-        folder's lock (``run_lock.py``), before the folder is read: a second run on it is refused. Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is
-        refused unless the config resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a
-        checkpoint). Rank 0 also removes what interrupted saves left; every rank gets its verdict, and only then
-        looks at the folder itself.
+        folder's lock (``run_lock.py``), before the folder is read: a second run on it is refused. Starting from
+        scratch over an earlier run would overwrite its checkpoints and metrics, so it is refused unless the config
+        resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a checkpoint). Rank 0 also removes
+        what interrupted saves left; every rank gets its verdict, and only then looks at the folder itself.
         """
         root = Path(self.config.checkpoints.checkpoints_path)
         self.folder = FolderRanks.find(root, self.config.checkpoints.checkpoints_path_is_shared_file_system, self.pc)

@@ -132,10 +132,11 @@ class FolderRanks:
         common = [name for name in answers[0][1] if all(name in held for _, held, _ in answers)]
         if not common:
             raise CheckpointError(f"the nodes' folders {path} hold no checkpoint in common (their latest: "
-                                  f"{', '.join(sorted(set(names)))}); restore a checkpoint on every node")
+                                  f"{', '.join(sorted(set(names)))}); restore one checkpoint on every node")
         if self.rank == 0:
-            logger.warning(f"the nodes' folders {path} name different latest checkpoints ({', '.join(sorted(set(names)))}"
-                           f": a save was interrupted): resuming from {common[-1]}, the newest they all hold")
+            latest = ", ".join(sorted(set(names)))
+            logger.warning(f"the nodes' folders {path} name different latest checkpoints ({latest}: a save was "
+                           f"interrupted): resuming from {common[-1]}, the newest they all hold")
         return mine.parent / common[-1]
 
     def boxes_to_write(self, placement: Placement, coords: dict[str, int],

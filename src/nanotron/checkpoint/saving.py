@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import file_entry
 from nanotron.checkpoint.logical_tensors import write_boxes
-from nanotron.checkpoint.node_folders import NODE_RANKS, FolderRanks
 from nanotron.checkpoint.manager import (
     TrainingProgress,
     checkpoint_metadata,
@@ -35,6 +34,7 @@ from nanotron.checkpoint.manager import (
     model_metadata,
     write_metadata,
 )
+from nanotron.checkpoint.node_folders import NODE_RANKS, FolderRanks
 from nanotron.checkpoint.run_folder import PARTIAL_PREFIX, complete_checkpoints, prune, write_latest
 from nanotron.config import Config, save_config
 from nanotron.errors import CheckpointError
@@ -235,7 +235,8 @@ def _size(size: int) -> str:
 
 
 def _complete(tmp: Path, final: Path, snapshot: Snapshot, files: dict[str, dict]) -> None:
-    """The folder's lowest rank's part of a save: tokenizer, config and checkpoint.json, then the rename and ``latest.txt``."""
+    """The folder's lowest rank's part of a save: tokenizer, config and checkpoint.json, then the rename and
+    ``latest.txt``."""
     config = snapshot.config
     tokenizer = _local_tokenizer_file(config.tokenizer.tokenizer_name_or_path)
     if tokenizer is not None:  # a checkpoint carries its tokenizer, so generation needs no other path
