@@ -123,6 +123,11 @@ def test_each_node_keeps_its_own_ranks_files_and_the_run_resumes_exactly(tiny_da
 
     checked = cli("checkpoint", "verify", nodes[1] / RUN)
     assert checked.code == 0 and "one node's folder: the files of ranks 1" in checked.stdout, checked.stderr
+    converted = cli("convert", "nanotron-to-hf", "--ckpt-path", nodes[1] / RUN, "--save-path", tmp_path / "hf")
+    if "dp" in parallelism:  # the nodes split only the data: each folder holds the whole model
+        assert converted.code == 0 and (tmp_path / "hf" / "model.safetensors").exists(), converted.stderr
+    else:
+        assert_user_error(converted, str(nodes[1] / RUN / str(TOTAL_STEPS) / "model"))
     # Another layout cannot find the other node's files: refused before anything is built.
     other = _config(tiny_data, tmp_path / "other", TOTAL_STEPS + 2,
                     checkpoints={"resume_checkpoint_path": str(nodes[1] / RUN),
