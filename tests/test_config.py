@@ -513,10 +513,6 @@ RULES = {
         ["checkpoints.checkpoint_interval must be >= 1"],
     ),
     "keep_last_n is at least 1": (_set("checkpoints.keep_last_n", 0), ["checkpoints.keep_last_n must be >= 1"]),
-    "checkpoints need a shared file system": (
-        _set("checkpoints.checkpoints_path_is_shared_file_system", False),
-        ["checkpoints.checkpoints_path_is_shared_file_system: false is not supported", "set it to true"],
-    ),
     "parallel degrees are positive": (_set("parallelism.dp", 0), ["parallelism.dp must be >= 1"]),
     "hidden size splits into heads": (
         _set(f"{MC}.hidden_size", 130),

@@ -26,43 +26,40 @@ from nanotron.config import (
 UPSTREAM = Path(__file__).parent / "upstream_configs"
 FILES = sorted(str(path.relative_to(UPSTREAM)) for path in UPSTREAM.glob("*/*.yaml"))
 
-# Refused until the sharedfs branch gives `checkpoints_path_is_shared_file_system: false` its meaning (each node
-# writes and reads its own ranks' files); the training below substitutes true meanwhile.
-SHARED_FS = "checkpoints.checkpoints_path_is_shared_file_system: false"
 DOC_MASKING = "model.model_config._use_doc_masking (true): document masking is not available yet"
 POSITION_IDS = "data_stages[0].data.dataset.return_positions (true): per-document position ids is not available yet"
 MAMBA_INIT = "model.init_method: upstream's Mamba initialisation"
 
 # The one-line refusals of each file, in the order they are reported; absent files load.
 EXPECTED_REFUSALS: dict[str, list[str]] = {
-    "main/config_nanoset.yaml": [SHARED_FS],
+    "main/config_nanoset.yaml": [],
     "main/config_qwen.yaml": [POSITION_IDS, DOC_MASKING],
     "main/config_qwen_with_moe.yaml": [
         POSITION_IDS, DOC_MASKING,
         "model.model_config.moe_config: Qwen2 mixture of experts (a shared expert, moe_config) is not available yet",
         "model.model_config.sliding_window_size (20): sliding-window attention is not available yet",
     ],
-    "main/config_resume_training.yaml": [SHARED_FS],
-    "main/config_tiny_llama.yaml": [SHARED_FS],
-    "main/config_tiny_llama_with_s3_upload.yaml": [SHARED_FS],
-    "main/contributor-guide__debug_config_tiny_llama.yaml": [SHARED_FS],
-    "main/custom-dataloader__config_custom_dl.yaml": [SHARED_FS],
+    "main/config_resume_training.yaml": [],
+    "main/config_tiny_llama.yaml": [],
+    "main/config_tiny_llama_with_s3_upload.yaml": [],
+    "main/contributor-guide__debug_config_tiny_llama.yaml": [],
+    "main/custom-dataloader__config_custom_dl.yaml": [],
     "main/doremi__configs__config_2.8b_llama.yaml": [],
     "main/doremi__configs__config_2.8b_llama_with_tuned_weights.yaml": [],
     "main/doremi__configs__config_280m_llama.yaml": [],
     "main/doremi__configs__config_280m_llama_proxy.yaml": [],
     "main/mamba__config_mamba.yaml": [MAMBA_INIT],
-    "main/moe__config_llamoe.yaml": [SHARED_FS],
+    "main/moe__config_llamoe.yaml": [],
     "main/mup__configs__mup_350m_llama_config.yaml": [
         "model.init_method.use_mup (true): spectral µP initialisation is not available yet"],
-    "main/mup__configs__sp_350m_llama_config.yaml": [SHARED_FS],
-    "v0.4/config_tiny_llama.yaml": [SHARED_FS],
+    "main/mup__configs__sp_350m_llama_config.yaml": [],
+    "v0.4/config_tiny_llama.yaml": [],
     "v0.4/doremi__configs__config_2.8b_llama.yaml": [],
     "v0.4/doremi__configs__config_2.8b_llama_with_tuned_weights.yaml": [],
     "v0.4/doremi__configs__config_280m_llama.yaml": [],
     "v0.4/doremi__configs__config_280m_llama_proxy.yaml": [],
     "v0.4/mamba__config_mamba.yaml": [MAMBA_INIT],
-    "v0.4/moe__config_llamoe.yaml": [SHARED_FS],
+    "v0.4/moe__config_llamoe.yaml": [],
 }
 # Refused for a feature we lack: nothing to train.
 LACKING_FEATURES = {"main/config_qwen.yaml", "main/config_qwen_with_moe.yaml", "main/mamba__config_mamba.yaml",
@@ -98,12 +95,10 @@ def test_upstream_example_loads_or_is_refused_one_line_per_missing_feature(name)
 
 def _substituted(name: str, tiny_data, data: dict[str, Path], run: Path) -> dict:
     """The upstream file with only paths and sizes replaced: our tiny data, tokenizer and checkpoint folder, a tiny
-    model, 2 steps on one process. ``checkpoints_path_is_shared_file_system`` is set true until the sharedfs branch
-    lands (see SHARED_FS)."""
+    model, 2 steps on one process."""
     raw = yaml.safe_load((UPSTREAM / name).read_text())
     checkpoints = raw["checkpoints"]
-    checkpoints.update(checkpoints_path=str(run), resume_checkpoint_path=None,
-                       checkpoints_path_is_shared_file_system=True)
+    checkpoints.update(checkpoints_path=str(run), resume_checkpoint_path=None)
     raw["tokenizer"]["tokenizer_name_or_path"] = str(tiny_data["tokenizer"])
     stages = raw.get("data_stages") or [{"data": raw.get("data")}]
     for stage in stages:  # their kind of data: datatrove folders, a Hugging Face dataset, or synthetic tokens
@@ -171,14 +166,8 @@ def _loaded(raw: dict):
         return config_from_dict(raw)
 
 
-def _fixed(raw: dict) -> dict:
-    """Past the refusals that do not concern the test at hand."""
-    raw["checkpoints"]["checkpoints_path_is_shared_file_system"] = True
-    return raw
-
-
 def test_optimizer_factory_selects_adamw_with_its_settings():
-    raw = _fixed(_upstream("main/config_tiny_llama.yaml"))
+    raw = _upstream("main/config_tiny_llama.yaml")
     raw["optimizer"]["optimizer_factory"].update(adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6,
                                                  torch_adam_is_fused=False)
     optimizer = _loaded(raw).optimizer
@@ -187,7 +176,7 @@ def test_optimizer_factory_selects_adamw_with_its_settings():
 
 
 def test_optimizer_factory_and_flat_fields_that_disagree_are_one_line():
-    raw = _fixed(_upstream("main/config_tiny_llama.yaml"))
+    raw = _upstream("main/config_tiny_llama.yaml")
     raw["optimizer"]["adam_beta1"] = 0.5
     with pytest.raises(ConfigError) as info:
         _loaded(raw)
@@ -196,21 +185,21 @@ def test_optimizer_factory_and_flat_fields_that_disagree_are_one_line():
 
 
 def test_another_optimizer_is_refused_by_name():
-    raw = _fixed(_upstream("main/config_tiny_llama.yaml"))
+    raw = _upstream("main/config_tiny_llama.yaml")
     raw["optimizer"]["optimizer_factory"] = {"name": "sgd"}
     with pytest.raises(ConfigError, match=r"optimizer_factory.name \(sgd\): only AdamW is available"):
         _loaded(raw)
 
 
 def test_dataset_folder_mapping_is_folders_and_weights():
-    cfg = _loaded(_fixed(_upstream("main/config_nanoset.yaml")))
+    cfg = _loaded(_upstream("main/config_nanoset.yaml"))
     blended = cfg.data_stages[2].data.dataset
     assert [str(f) for f in blended.dataset_folder] == ["datasets/SlimPajama-6B/tokenized", "datasets/c4-es/tokenized"]
     assert blended.dataset_weights == [0.8, 0.2]
 
 
 def test_hf_dataset_keys_and_null_dataset_load_into_typed_fields():
-    cfg = _loaded(_fixed(_upstream("main/custom-dataloader__config_custom_dl.yaml")))
+    cfg = _loaded(_upstream("main/custom-dataloader__config_custom_dl.yaml"))
     synthetic, hf = (stage.data.dataset for stage in cfg.data_stages)
     assert synthetic is None
     assert hf == HFDatasetArgs(hf_dataset_or_datasets="stas/openwebtext-10k",
@@ -220,7 +209,7 @@ def test_hf_dataset_keys_and_null_dataset_load_into_typed_fields():
 
 
 def test_v04_data_section_and_comma_separated_domain_names():
-    cfg = _loaded(_fixed(_upstream("v0.4/doremi__configs__config_280m_llama.yaml")) | {"tokens": {
+    cfg = _loaded(_upstream("v0.4/doremi__configs__config_280m_llama.yaml") | {"tokens": {
         "sequence_length": 256, "train_steps": 10, "micro_batch_size": 1, "batch_accumulation_per_replica": 1}})
     (stage,) = cfg.data_stages
     assert stage.start_training_step == 1 and isinstance(stage.data.dataset, HFDatasetArgs)
@@ -228,14 +217,14 @@ def test_v04_data_section_and_comma_separated_domain_names():
 
 
 def test_qwen2_marker_is_llama_with_attention_bias():
-    raw = _fixed(_upstream("main/config_resume_training.yaml"))
+    raw = _upstream("main/config_resume_training.yaml")
     raw["model"]["model_config"]["attention_bias"] = True
     model = _loaded(raw).model.model_config
     assert type(model).__name__ == "LlamaConfig" and model.attention_bias and model.rope_theta == 100000
 
 
 def test_interleaved_rotary_true_is_refused_by_name():
-    raw = _fixed(_upstream("main/config_resume_training.yaml"))
+    raw = _upstream("main/config_resume_training.yaml")
     raw["model"]["model_config"].update(interleaved_rotary=True, rope_interleaved=True)
     with pytest.raises(ConfigError, match=r"rope_interleaved must be false: only the Hugging Face"):
         _loaded(raw)
@@ -250,7 +239,7 @@ def test_interleaved_rotary_true_is_refused_by_name():
     ("model.init_method.scaling_method", "LAYER_INDEX", "only NUM_LAYERS is available"),
 ])
 def test_features_we_lack_are_refused_in_one_line_naming_them(key, value, feature):
-    raw = _fixed(_upstream("main/config_resume_training.yaml"))
+    raw = _upstream("main/config_resume_training.yaml")
     *parents, leaf = key.split(".")
     node = raw
     for part in parents:
@@ -263,7 +252,7 @@ def test_features_we_lack_are_refused_in_one_line_naming_them(key, value, featur
 
 
 def test_off_values_of_feature_keys_load_silently():
-    raw = _fixed(_upstream("main/config_resume_training.yaml"))
+    raw = _upstream("main/config_resume_training.yaml")
     raw["model"]["model_config"].update(sliding_window_size=None, _use_doc_masking=False, no_rope_layer=None)
     raw["parallelism"].update(context_parallel_size=1, moe_layer_recompute=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -276,7 +265,7 @@ def test_off_values_of_feature_keys_load_silently():
 
 
 def test_ignored_keys_are_named_in_one_warning():
-    raw = _fixed(_upstream("main/config_qwen.yaml"))
+    raw = _upstream("main/config_qwen.yaml")
     raw["model"]["model_config"]["_use_doc_masking"] = False
     raw["data_stages"][0]["data"]["dataset"]["return_positions"] = False
     with pytest.warns(LegacyKeyWarning) as record:
@@ -291,7 +280,7 @@ def test_a_repeated_key_warns_naming_it_and_the_last_one_wins(tmp_path):
     with pytest.warns(DuplicateKeyWarning, match=r"the key 'moe_config' is written more than once"):
         problems = _problems(UPSTREAM / "main/config_qwen_with_moe.yaml")
     assert any("moe_config: Qwen2 mixture of experts" in problem for problem in problems)  # the last one, not null
-    raw = _fixed(_upstream("main/config_tiny_llama.yaml"))
+    raw = _upstream("main/config_tiny_llama.yaml")
     written = f"  train_steps: {raw['tokens']['train_steps']}\n"
     path = write_config(tmp_path / "c.yaml", raw)
     path.write_text(path.read_text().replace(written, written + "  train_steps: 16\n"))
@@ -302,7 +291,7 @@ def test_a_repeated_key_warns_naming_it_and_the_last_one_wins(tmp_path):
 
 
 def test_warmup_longer_than_the_run_and_late_stages_warn():
-    raw = _fixed(_upstream("main/contributor-guide__debug_config_tiny_llama.yaml"))
+    raw = _upstream("main/contributor-guide__debug_config_tiny_llama.yaml")
     raw["tokens"]["train_steps"] = 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LegacyKeyWarning)
@@ -315,7 +304,7 @@ def test_warmup_longer_than_the_run_and_late_stages_warn():
 
 def test_sequences_longer_than_the_positions_raise_them_for_fresh_weights_only():
     """Upstream's DoReMi and LlaMoE examples train sequences longer than their max_position_embeddings."""
-    raw = _fixed(_upstream("v0.4/moe__config_llamoe.yaml"))
+    raw = _upstream("v0.4/moe__config_llamoe.yaml")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LegacyKeyWarning)
         with pytest.warns(RunLengthWarning, match=r"max_position_embeddings \(128\) is below tokens.sequence_length "
@@ -352,7 +341,7 @@ def test_typos_get_hints(name, hint):
 
 
 def test_unknown_upstream_like_key_gets_the_valid_keys_not_a_wrong_hint():
-    raw = _fixed(_upstream("main/config_tiny_llama.yaml"))
+    raw = _upstream("main/config_tiny_llama.yaml")
     raw["parallelism"]["context_parallel_degree"] = 2
     with pytest.raises(ConfigError) as info:
         _loaded(raw)
@@ -361,7 +350,7 @@ def test_unknown_upstream_like_key_gets_the_valid_keys_not_a_wrong_hint():
 
 
 def test_moe_fields_under_a_llama_config_point_at_is_llamoe_config():
-    raw = _fixed(_upstream("main/config_tiny_llama.yaml"))
+    raw = _upstream("main/config_tiny_llama.yaml")
     raw["model"]["model_config"].update(moe_num_experts=4, num_experts_per_tok=2)
     with pytest.raises(ConfigError) as info:
         _loaded(raw)
@@ -370,7 +359,7 @@ def test_moe_fields_under_a_llama_config_point_at_is_llamoe_config():
 
 
 def test_translation_leaves_the_callers_data_alone():
-    raw = _fixed(_upstream("main/config_nanoset.yaml"))
+    raw = _upstream("main/config_nanoset.yaml")
     before = copy.deepcopy(raw)
     _loaded(raw)
     assert raw == before

@@ -119,12 +119,15 @@ def _convert(args: argparse.Namespace) -> None:
 
 def _verify_checkpoint(args: argparse.Namespace) -> None:
     from nanotron.checkpoint.integrity import read_metadata, verify_checkpoint
+    from nanotron.checkpoint.node_folders import NODE_RANKS, describe_ranks
     from nanotron.checkpoint.run_folder import resolve_checkpoint
 
     checkpoint = resolve_checkpoint(args.ckpt_path)
     metadata = read_metadata(checkpoint)
     verify_checkpoint(checkpoint, metadata)
-    print(f"{checkpoint}: step {metadata['step']}, {len(metadata['files'])} files, sizes and checksums match")
+    node = (f" (one node's folder: the files of ranks {describe_ranks(metadata[NODE_RANKS])})"
+            if NODE_RANKS in metadata else "")
+    print(f"{checkpoint}: step {metadata['step']}, {len(metadata['files'])} files{node}, sizes and checksums match")
 
 
 def _plot(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from nanotron.checkpoint.integrity import sealed, verify_checksums
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, LogicalTensorReader
+from nanotron.checkpoint.node_folders import NODE_RANKS, node_checkpoint_problem
 from nanotron.checkpoint.run_folder import METADATA
 from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_text
@@ -102,8 +103,14 @@ def first_problem(problem: str | None, world_size: int, group: dist.ProcessGroup
 
 
 def verify_on_all_ranks(checkpoint: Path, metadata: dict, parallel_context: ParallelContext) -> None:
-    """Every file's checksum, the reading shared by all ranks; all of them raise if any file is corrupt."""
-    problem = verify_checksums(checkpoint, metadata, parallel_context.rank, parallel_context.world_size)
+    """Every file's checksum, the reading shared by all ranks that see the folder (by the ranks of its node, for a
+    checkpoint holding only its node's files, which must be this rank's at this layout); all of them raise if any
+    file is corrupt."""
+    pc = parallel_context
+    ranks = metadata.get(NODE_RANKS, range(pc.world_size))
+    problem = node_checkpoint_problem(checkpoint, metadata, pc.rank, pc.sizes)
+    if problem is None:
+        problem = verify_checksums(checkpoint, metadata, ranks.index(pc.rank), len(ranks))
     problem = first_problem(problem, parallel_context.world_size)
     if problem is not None:
         raise CheckpointError(problem)

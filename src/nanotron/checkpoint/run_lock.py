@@ -4,9 +4,10 @@ Two runs started on one folder would resume from each other's checkpoints, prune
 other's metrics. A run therefore holds ``run.lock`` in its folder from before anything there is read (the resume
 choice, the metrics file) until it exits, and a second run is refused with one line naming the owner and the fix.
 
-Who holds it: global rank 0 alone. The run folder is on a file system every node sees (saving needs one:
-``checkpoints_path_is_shared_file_system: false`` is refused), so one lock covers every node; a lock per node would
-take the other nodes' locks of the same run for another run's.
+Who holds it: the lowest rank of the ranks that see the folder. On a file system every node sees, that is global
+rank 0, and one lock covers every node (a lock per node would take the other nodes' locks of the same run for another
+run's). With ``checkpoints_path_is_shared_file_system: false`` each node may have a folder of its own
+(``node_folders.py``): each such folder has its own lock, held by its node's lowest rank.
 
 How: a file created with ``O_CREAT | O_EXCL`` that holds JSON ``{host, pid, started}``. ``flock``/``fcntl`` locks
 would vanish by themselves with a killed owner, but they live in the kernel of the node that takes them: on NFS they
@@ -54,7 +55,7 @@ class RunLock:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise _not_writable(root, error) from error
+            raise not_writable(root, error) from error
         path = root / LOCK
         text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                            "started": datetime.now().astimezone().isoformat(timespec="seconds")})
@@ -67,7 +68,7 @@ class RunLock:
                     _remove_if_stale(root, path, held)
                 continue
             except OSError as error:
-                raise _not_writable(root, error) from error
+                raise not_writable(root, error) from error
             try:
                 os.write(fd, text.encode())
                 os.fsync(fd)
@@ -85,7 +86,7 @@ class RunLock:
             pass
 
 
-def _not_writable(root: Path, error: OSError) -> CheckpointError:
+def not_writable(root: Path, error: OSError) -> CheckpointError:
     return CheckpointError(f"checkpoints.checkpoints_path {root} is not writable ({error.strerror}); choose a folder "
                            "this user can write to")
 

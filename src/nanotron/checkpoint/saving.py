@@ -7,7 +7,7 @@ overlap); a foreground one into transient host tensors, so that it holds no host
 nothing but the snapshot, so it can run in the foreground (``Trainer.save``) or in a background thread while training
 goes on (``async_saving.py``). Either way the files go to ``.tmp-<step>``, each flushed to disk with its checksum
 recorded; only when every rank has written does rank 0 write checkpoint.json, rename the folder and update
-``latest.txt``. A
+``latest.txt`` (where nodes have folders of their own, each folder's lowest rank does so: ``node_folders.py``). A
 crash at any moment leaves the previous checkpoint intact; a failed write (a full disk, also inside safetensors) is
 removed on every rank and reported as one error. Pruning old checkpoints comes after the new one is complete, and
 never fails a save.
@@ -34,6 +34,7 @@ from nanotron.checkpoint.manager import (
     model_metadata,
     write_metadata,
 )
+from nanotron.checkpoint.node_folders import NODE_RANKS, FolderRanks
 from nanotron.checkpoint.run_folder import PARTIAL_PREFIX, complete_checkpoints, prune, write_latest
 from nanotron.config import Config, save_config
 from nanotron.errors import CheckpointError
@@ -54,8 +55,10 @@ def _shard_name(parallel_context: ParallelContext) -> str:
     return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}"
 
 
-def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor]):
-    """Boxes this rank must write: it holds the only copy among the replicas (every replicated axis at 0).
+def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor],
+                  folder: FolderRanks):
+    """Boxes this rank must write: it holds the only copy among the replicas (every replicated axis at 0), or where
+    nodes have folders of their own, the only copy among the replicas of its folder.
 
     ``tensors`` are keyed by logical name, or ``kind/name`` for optimizer state; ``owners`` holds the parameter or
     buffer of each name, whose placement says where the tensor lives.
@@ -64,9 +67,11 @@ def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelCon
     boxes = []
     for name, tensor in tensors.items():
         placement = get_placement(owners[name.split("/", 1)[-1]])
-        if not placement.is_unique_copy(coords):
+        if folder.shared and not placement.is_unique_copy(coords):
             continue
-        for local, logical in placement.boxes(coords, sizes, unique=True):
+        pairs = (placement.boxes(coords, sizes, unique=True) if folder.shared
+                 else folder.boxes_to_write(placement, coords, sizes))
+        for local, logical in pairs:
             boxes.append((name, placement.logical_shape, logical, tensor[local]))
     return boxes
 
@@ -102,6 +107,7 @@ class Snapshot:
     rng_file: str
     metadata: dict  # checkpoint.json without its ``files`` entry
     config: Config
+    folder: FolderRanks  # the ranks whose files go into this rank's run folder
 
 
 def _transient_copy(file: str, box: Box) -> Box:
@@ -111,23 +117,25 @@ def _transient_copy(file: str, box: Box) -> Box:
 
 def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdamW, progress: TrainingProgress,
                   parallel_context: ParallelContext, tokenizer_fingerprint: str | None,
-                  buffers: HostBuffers | None = None, feature_state: dict | None = None) -> Snapshot:
+                  buffers: HostBuffers | None = None, feature_state: dict | None = None,
+                  folder: FolderRanks | None = None) -> Snapshot:
     """Copy this rank's part of the training state to host memory, into ``buffers`` if given; ``feature_state``:
-    the training features' entries of checkpoint.json (``Feature.state_dict``). Collective (optimizer state is
-    gathered)."""
+    the training features' entries of checkpoint.json (``Feature.state_dict``); ``folder``: the ranks sharing this
+    rank's run folder (default: every rank). Collective (optimizer state is gathered)."""
+    folder = folder or FolderRanks.everyone(parallel_context)
     copy = buffers.copy if buffers is not None else _transient_copy
     params = logical_parameters(model)
     state = params | logical_buffers(model)
     shard = _shard_name(parallel_context)
     files: dict[str, list[Box]] = {}
-    model_boxes = _unique_boxes(state, parallel_context, state)
+    model_boxes = _unique_boxes(state, parallel_context, state, folder)
     if model_boxes:
         name = f"model/{shard}.safetensors"
         files[name] = [copy(name, box) for box in model_boxes]
     # One bucket at a time: under ZeRO-1 the states are gathered over data-parallel ranks, a bucket's worth at once.
     for index, states in enumerate(optimizer.bucket_states()):
         tensors = {f"{kind}/{name}": tensor for name, kinds in states.items() for kind, tensor in kinds.items()}
-        boxes = _unique_boxes(params, parallel_context, tensors)
+        boxes = _unique_boxes(params, parallel_context, tensors, folder)
         if boxes:
             name = f"optimizer/{shard}-bucket{index:04d}.safetensors"
             files[name] = [copy(name, box) for box in boxes]
@@ -141,9 +149,10 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},
         **(feature_state or {}),
+        **({NODE_RANKS: list(folder.ranks)} if not folder.shared else {}),
     )
     return Snapshot(progress.step, files, rng_state(parallel_context.device, parallel_context.coordinates),
-                    f"rng/rank-{parallel_context.rank:05d}.safetensors", metadata, config)
+                    f"rng/rank-{parallel_context.rank:05d}.safetensors", metadata, config, folder)
 
 
 def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group: dist.ProcessGroup | None = None,
@@ -153,7 +162,7 @@ def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group:
     ``protected`` names and the checkpoint ``latest.txt`` names."""
     root = Path(snapshot.config.checkpoints.checkpoints_path)
     final, tmp = root / str(snapshot.step), root / f"{PARTIAL_PREFIX}{snapshot.step}"
-    is_main = parallel_context.rank == 0
+    is_main = snapshot.folder.is_main
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         for sub in ("model", "optimizer", "rng"):
@@ -166,7 +175,8 @@ def write_snapshot(snapshot: Snapshot, parallel_context: ParallelContext, group:
     problem = first_problem(problem, parallel_context.world_size, group)
     if is_main and problem is None:
         try:
-            _complete(tmp, final, snapshot, {name: entry for files in all_written for name, entry in files.items()})
+            files = {name: entry for rank in snapshot.folder.ranks for name, entry in all_written[rank].items()}
+            _complete(tmp, final, snapshot, files)
         except OSError as error:
             problem = _save_failure(error, tmp, snapshot)
     problem = first_problem(problem if is_main else None, parallel_context.world_size, group)
@@ -227,7 +237,8 @@ def _size(size: int) -> str:
 
 
 def _complete(tmp: Path, final: Path, snapshot: Snapshot, files: dict[str, dict]) -> None:
-    """Rank 0's part of a save: tokenizer, config and checkpoint.json, then the rename and ``latest.txt``."""
+    """The folder's lowest rank's part of a save: tokenizer, config and checkpoint.json, then the rename and
+    ``latest.txt``."""
     config = snapshot.config
     tokenizer = _local_tokenizer_file(config.tokenizer.tokenizer_name_or_path)
     if tokenizer is not None:  # a checkpoint carries its tokenizer, so generation needs no other path

@@ -16,7 +16,8 @@ class CheckpointsArgs:
     save_initial_state: bool = False
     save_final_state: bool = True
     resume_checkpoint_path: Path | None = None
-    checkpoints_path_is_shared_file_system: bool = True  # false is refused: saving needs a shared file system
+    # False: each node may see its own checkpoints_path folder, which then holds its own ranks' files.
+    checkpoints_path_is_shared_file_system: bool = True
     keep_last_n: int | None = None  # None keeps every checkpoint
     load_optimizer: bool = True  # on resume; False: fresh Adam moments, masters taken from the loaded weights
     # On resume; False: the LR schedule starts again (warmup included) at the resume step.
@@ -33,7 +34,3 @@ class CheckpointsArgs:
         yield from at_least("checkpoints.checkpoint_interval", self.checkpoint_interval, 1)
         if self.keep_last_n is not None:
             yield from at_least("checkpoints.keep_last_n", self.keep_last_n, 1)
-        if not self.checkpoints_path_is_shared_file_system:
-            yield ("checkpoints.checkpoints_path_is_shared_file_system: false is not supported (every rank writes "
-                   "its shards into checkpoints_path and rank 0 completes the checkpoint); use a folder that all "
-                   "nodes see and set it to true")

@@ -25,6 +25,7 @@ from nanotron.checkpoint.manager import (
     load_weights,
     verify_on_all_ranks,
 )
+from nanotron.checkpoint.node_folders import FolderRanks
 from nanotron.checkpoint.run_folder import (
     check_metrics_file,
     describe_existing_run,
@@ -50,7 +51,7 @@ class RunCheckpoints:
 
     def __init__(self, config: Config, pc: ParallelContext):
         self.config, self.pc = config, pc
-        self.run_lock: RunLock | None = None  # rank 0's, released by ``close``
+        self.run_lock: RunLock | None = None  # the folder's main rank's, released by ``close``
         self.protected: set[str] = set()  # the newest checkpoint from before a bad step
         # Its process group is created here, at the same point on every rank.
         self.async_saver = AsyncCheckpointer(pc) if config.checkpoints.async_save else None
@@ -63,15 +64,16 @@ class RunCheckpoints:
     def _prepare_run_folder(self) -> Path | None:
         """Lock and check the run folder before anything is built; the checkpoint to resume from, if any.
 
-        Rank 0 first takes the folder's lock (``run_lock.py``), before the folder is read: a second run on it is
-        refused. Starting from scratch over an earlier run would overwrite its checkpoints and metrics, so it is
-        refused unless the config resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a
-        checkpoint). Rank 0 also removes what interrupted saves left; every rank gets its verdict, and only then
-        looks at the folder itself.
+        Rank 0 (each node's lowest rank where nodes have folders of their own: ``node_folders.py``) first takes the
+        folder's lock (``run_lock.py``), before the folder is read: a second run on it is refused. Starting from
+        scratch over an earlier run would overwrite its checkpoints and metrics, so it is refused unless the config
+        resumes (``resume_checkpoint_path``, or ``auto``: resume if there is a checkpoint). Rank 0 also removes
+        what interrupted saves left; every rank gets its verdict, and only then looks at the folder itself.
         """
         root = Path(self.config.checkpoints.checkpoints_path)
+        self.folder = FolderRanks.find(root, self.config.checkpoints.checkpoints_path_is_shared_file_system, self.pc)
         problem = None
-        if self.pc.rank == 0:
+        if self.folder.is_main:
             try:
                 self.run_lock = RunLock.take(root)
                 existing = describe_existing_run(root)
@@ -86,7 +88,7 @@ class RunCheckpoints:
         problem = first_problem(problem, self.pc.world_size)
         if problem is not None:
             raise ConfigError(problem)
-        return self._resume_choice(root)
+        return self.folder.same_checkpoint(self._resume_choice(root))
 
     def _resume_choice(self, root: Path) -> Path | None:
         checkpoints = self.config.checkpoints
@@ -195,12 +197,12 @@ class RunCheckpoints:
         feature_state = {key: value for feature in features for key, value in feature.state_dict().items()}
         if self.async_saver is None:
             snapshot = take_snapshot(self.config, model, optimizer, progress, self.pc, tokenizer_fingerprint,
-                                     feature_state=feature_state)
+                                     feature_state=feature_state, folder=self.folder)
             write_snapshot(snapshot, self.pc, protected=self.protected)
         else:
             self.async_saver.save(lambda: take_snapshot(self.config, model, optimizer, progress, self.pc,
                                                         tokenizer_fingerprint, self.async_saver.buffers,
-                                                        feature_state),
+                                                        feature_state, self.folder),
                                   self.protected)
 
     def protect_latest(self) -> None:
