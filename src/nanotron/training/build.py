@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from nanotron.checkpoint.manager import first_problem
-from nanotron.config import Config, ConfigError, DatasetStageArgs, HFDatasetArgs
+from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, HFDatasetArgs
 from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
 from nanotron.data.datatrove_folder import DatatroveDataset
 from nanotron.data.hf_dataset import HFDataset
@@ -53,14 +53,20 @@ def load_data(config: Config, pc: ParallelContext,
                 f"data stage {stage.name!r} was tokenized with a vocabulary of {dataset.vocab_size} but "
                 f"model.model_config.vocab_size is {vocab}; raise vocab_size or re-run nanotron preprocess"
             )
-        for domain, fingerprint in zip(dataset.domain_names, dataset.tokenizer_fingerprints):
+        for domain, fingerprint in zip(domain_sources(stage, dataset), dataset.tokenizer_fingerprints):
             if None not in (expected, fingerprint) and fingerprint != expected:
                 raise DataError(
-                    f"data stage {stage.name!r}: {domain} was tokenized with another tokenizer than "
-                    f"tokenizer.tokenizer_name_or_path ({config.tokenizer.tokenizer_name_or_path}); re-run nanotron "
-                    "preprocess with it"
+                    f"{domain} was tokenized with another tokenizer than tokenizer.tokenizer_name_or_path "
+                    f"({config.tokenizer.tokenizer_name_or_path}); re-run nanotron preprocess with it"
                 )
     return datasets, expected
+
+
+def domain_sources(stage: DatasetStageArgs, dataset: SampleSource) -> list[str]:
+    """What each domain of a stage is read from, for messages: its folder, else its dataset's name."""
+    if isinstance(stage.data.dataset, DatasetArgs):
+        return [str(folder) for folder in stage.data.dataset.dataset_folder]
+    return [f"data stage {stage.name!r}: {name}" for name in dataset.domain_names]
 
 
 def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,

@@ -40,6 +40,7 @@ from nanotron.errors import CheckpointError
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
+from nanotron.training.build import domain_sources
 from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
@@ -134,11 +135,10 @@ class RunCheckpoints:
             return
         for stage in self.config.data_stages:
             dataset = datasets[stage.name]
-            for domain, fingerprint in zip(dataset.domain_names, dataset.tokenizer_fingerprints):
+            for domain, fingerprint in zip(domain_sources(stage, dataset), dataset.tokenizer_fingerprints):
                 if fingerprint is not None and fingerprint != trained_with:  # None: the source records none
                     raise DataError(
-                        f"data stage {stage.name!r}: {domain} was tokenized with another tokenizer than the one "
-                        f"{checkpoint} was trained on "
+                        f"{domain} was tokenized with another tokenizer than the one {checkpoint} was trained on "
                         "(tokenizer fingerprints differ); use data tokenized with the checkpoint's tokenizer (its "
                         "tokenizer/ folder), or set checkpoints.allow_tokenizer_change: true to train on it on purpose")
 
