@@ -68,7 +68,7 @@ from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
+from nanotron.parallel.cross_entropy import vocab_parallel_log_sum_exp, vocab_parallel_token_losses
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
 from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
@@ -92,7 +92,8 @@ class StepResult:
     lr: float
     domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
     skipped: bool = False  # a bad step whose update was skipped (``divergence.py``)
-    model_metrics: dict = field(default_factory=dict)  # the family's (auxiliary losses, expert load), FP8's ranges
+    # the z-loss, the family's metrics (auxiliary losses, expert load), FP8's ranges
+    model_metrics: dict = field(default_factory=dict)
 
 
 def micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
@@ -113,6 +114,15 @@ def loss_and_statistics(losses: torch.Tensor, micro_batch: dict[str, torch.Tenso
     domain_loss_sum = per_domain_sums(per_sample, domains, num_domains)
     domain_tokens = per_domain_sums(mask.sum(-1).float(), domains, num_domains)
     return loss, {"lm_loss": loss, "domain_loss_sum": domain_loss_sum, "domain_tokens": domain_tokens}
+
+
+def logit_z_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
+                 vocab_size: int, coefficient: float) -> torch.Tensor:
+    """This micro-batch's share of the z-loss: ``coefficient`` times its sum over target tokens of
+    ``logsumexp(logits)**2`` over the step's token count, so that the step's z-loss is the coefficient times the mean
+    over the step's target tokens."""
+    squares = vocab_parallel_log_sum_exp(logits, tp_group, vocab_size).square()
+    return coefficient * torch.where(micro_batch["label_mask"], squares, 0.0).sum() / micro_batch["token_count"]
 
 
 def per_domain_sums(values: torch.Tensor, domains: torch.Tensor, num_domains: int) -> torch.Tensor:
@@ -152,6 +162,7 @@ class Trainer:
         self.tokenizer_fingerprint = self._check_tokenizer_and_data()
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
+        self.z_loss = spec_for_config(model_config).logit_z_loss(model_config)
         self.initial_checkpoint = self._initial_checkpoint()
         self._check_metrics_file()
         if config.fp8 is not None and config.fp8.enabled:
@@ -167,6 +178,7 @@ class Trainer:
         self.schedule = self._pipeline_schedule()
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
         self._loss = torch.compile(self.loss_function) if config.model.compile else self.loss_function
+        self._z_loss = torch.compile(logit_z_loss) if config.model.compile else logit_z_loss
         self.head_loss = self._fused_head_loss()
         self.progress = TrainingProgress()
         self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
@@ -407,18 +419,31 @@ class Trainer:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
         if not self.pc.is_last_stage:
             return StageOutput(output, statistics, auxiliary_loss)
+        vocab_size = self.config.model.model_config.vocab_size
         if logits:
-            loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
-                                               self.config.model.model_config.vocab_size, self._num_domains)
+            loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"], vocab_size,
+                                               self._num_domains)
+            if self.z_loss:
+                z_loss = self._z_loss(output, micro_batch, self.pc.groups["tp"], vocab_size, self.z_loss)
+                loss, loss_statistics = loss + z_loss, loss_statistics | {"z_loss": z_loss.detach()}
         else:
-            loss, losses = self.head_loss(self.model.lm_head, output, micro_batch["labels"],
-                                          self._token_weights(micro_batch))
+            z_weights = self.z_loss * self._token_weights_of_mean(micro_batch) if self.z_loss else None
+            loss, losses, log_sum_exp = self.head_loss(self.model.lm_head, output, micro_batch["labels"],
+                                                       self._token_weights(micro_batch), z_weights)
             loss_statistics = self._loss_statistics(losses, micro_batch)
+            if self.z_loss:
+                loss_statistics["z_loss"] = (z_weights * log_sum_exp.square()).sum()
         return StageOutput(loss, statistics | loss_statistics, auxiliary_loss)
 
     def _token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each token's weight in the objective, ``sum(weights * token losses)``, for the fused loss: the label mask
         over the step's token count, so the objective is ``micro_batch_loss``'s."""
+        return self._token_weights_of_mean(micro_batch)
+
+    @staticmethod
+    def _token_weights_of_mean(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The label mask over the step's token count: summed with these weights, per-token values give their mean
+        over the step's target tokens (the language-model loss; the z-loss, whatever ``_token_weights`` are)."""
         return micro_batch["label_mask"] / micro_batch["token_count"]
 
     def _loss_statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> Statistics:
@@ -429,6 +454,8 @@ class Trainer:
         template = {"lm_loss": (), "domain_loss_sum": (self._num_domains,), "domain_tokens": (self._num_domains,)}
         if self.auxiliary_losses is not None:
             template |= self.auxiliary_losses.template(self.config.model.model_config)
+        if self.z_loss:
+            template["z_loss"] = ()
         return template
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
@@ -474,6 +501,8 @@ class Trainer:
         sums, counts = statistics["domain_loss_sum"].tolist(), statistics["domain_tokens"].tolist()
         domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
         model_metrics = self._fp8_ranges()
+        if self.z_loss:
+            model_metrics["z_loss"] = statistics["z_loss"].item()
         if self.auxiliary_losses is not None:
             model_metrics |= self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
         return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics)
