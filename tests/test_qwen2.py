@@ -142,6 +142,25 @@ def test_qwen2_config_without_biases_nor_windows_exports_as_either_architecture(
         adapter.config_to_hf(Qwen2Config(num_hidden_layers=2, attention_bias=True, no_rope_layer=2), "float32")
 
 
+def test_per_layer_fields_derived_where_config_json_lists_none():
+    """transformers writes ``layer_types`` and ``no_rope_layers`` out; older or hand-written files may leave them to
+    ``max_window_layers`` (Qwen2) and ``no_rope_layer_interval`` (SmolLM3), with their defaults."""
+    from nanotron.errors import CheckpointError
+    from nanotron.models.qwen2.hf_adapter import Qwen2HFAdapter
+
+    adapter = Qwen2HFAdapter()
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 8,
+            "num_attention_heads": 4, "use_sliding_window": True, "sliding_window": 16}
+    qwen2 = adapter.config_fields_from_hf(base | {"model_type": "qwen2", "max_window_layers": 5})
+    assert qwen2["sliding_window_layers"] == [5, 6, 7] and qwen2["nope_layers"] is None and qwen2["attention_bias"]
+    smollm3 = adapter.config_fields_from_hf(base | {"model_type": "smollm3", "no_rope_layer_interval": 3})
+    assert smollm3["no_rope_layer"] == 3 and smollm3["sliding_window_layers"] == [2, 5]
+    assert not smollm3["attention_bias"]
+    with pytest.raises(CheckpointError, match=r"no_rope_layers must list one of 0, 1 for each of the "
+                                              r"num_hidden_layers \(8\) layers"):
+        adapter.config_fields_from_hf(base | {"model_type": "smollm3", "no_rope_layers": [1, 0]})
+
+
 def test_llama_no_longer_converts_qwen2(tmp_path):
     from nanotron.checkpoint.hf_folder import read_hf_config
     from nanotron.models.qwen2 import QWEN2

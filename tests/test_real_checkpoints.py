@@ -265,13 +265,12 @@ def test_bad_rope_scaling_is_one_error_line_naming_the_key(tiny_data, tmp_path, 
     assert line.startswith("error:") and all(fragment in line for fragment in fragments), line
 
 
-def test_conversion_refuses_unsupported_rope_and_sliding_window(tmp_path):
+def test_conversion_refuses_unsupported_rope(tmp_path):
     from nanotron.checkpoint.hf import hf_to_nanotron
     from nanotron.errors import CheckpointError
 
     cases = {"yarn": (hf_config("Llama").to_dict() | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-                      "rope type 'yarn' (RoPE scaling) is not supported; supported: default, linear, llama3"),
-             "window": (hf_config("Qwen2", use_sliding_window=True).to_dict(), "use_sliding_window")}
+                      "rope type 'yarn' (RoPE scaling) is not supported; supported: default, linear, llama3")}
     for name, (raw, message) in cases.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(raw))

@@ -10,7 +10,8 @@ Per layer, exactly, both ways:
   ``no_rope_layer_interval``-th layer skips it); layer i slides when ``use_sliding_window`` is true and
   ``layer_types[i]`` is ``sliding_attention`` (without ``layer_types``: the layers without RoPE).
 
-The config gets the explicit lists (``nope_layers``, ``sliding_window_layers``). A model with q/k/v biases exports
+The config gets the explicit lists (``nope_layers``, ``sliding_window_layers``), or upstream's ``no_rope_layer``
+for SmolLM3's interval. A model with q/k/v biases exports
 as ``Qwen2ForCausalLM`` (which cannot express layers without RoPE), one without as ``SmolLM3ForCausalLM``; both with
 ``layer_types`` written out.
 """
@@ -25,15 +26,20 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _per_layer(hf: dict, key: str, values: tuple) -> list | None:
-    """config.json's per-layer list ``key`` (None when absent), refused unless it has one allowed value per layer."""
-    listed = hf.get(key)
+    """config.json's per-layer list ``key`` (None when absent), refused unless it has one allowed value per layer
+    (its length is checked once ``num_hidden_layers`` is a count; the config's rules name a wrong one)."""
+    listed, layers = hf.get(key), hf["num_hidden_layers"]
     if listed is None:
         return None
-    layers = hf["num_hidden_layers"]
-    if not isinstance(listed, list) or len(listed) != layers or any(value not in values for value in listed):
+    if (not isinstance(listed, list) or any(value not in values for value in listed)
+            or (_is_count(layers) and len(listed) != layers)):
         raise CheckpointError(f"{key} must list one of {', '.join(map(repr, values))} for each of the "
                               f"num_hidden_layers ({layers}) layers (got {str(listed)[:80]})")
     return listed
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class Qwen2HFAdapter(LlamaHFAdapter):
@@ -41,28 +47,32 @@ class Qwen2HFAdapter(LlamaHFAdapter):
     config_class = Qwen2Config
 
     def _check_family(self, hf: dict) -> dict:
+        """The biases and each layer's RoPE switch and window. Per-layer lists are derived (from a count or an
+        interval) only where config.json has none: transformers writes them out, and a config.json whose
+        ``num_hidden_layers`` is not a count gets the config's error for it instead."""
         layers = hf["num_hidden_layers"]
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-        layer_types = _per_layer(hf, "layer_types", LAYER_TYPES)
-        if hf.get("model_type") == "smollm3":
-            if hf.get("attention_bias") or hf.get("mlp_bias"):
-                raise CheckpointError("SmolLM3 models with attention_bias (which biases o_proj too) or mlp_bias are "
-                                      "not supported")
-            interval = hf.get("no_rope_layer_interval", 4)
-            rope = _per_layer(hf, "no_rope_layers", (0, 1)) or [int((i + 1) % interval != 0) for i in range(layers)]
-            sliding = ([kind == "sliding_attention" for kind in layer_types] if layer_types is not None
-                       else [not uses for uses in rope])
-            bias = False
+        smollm3 = hf.get("model_type") == "smollm3"
+        if smollm3 and (hf.get("attention_bias") or hf.get("mlp_bias")):
+            raise CheckpointError("SmolLM3 models with attention_bias (which biases o_proj too) or mlp_bias are not "
+                                  "supported")
+        fields = {"attention_bias": not smollm3, "nope_layers": None, "no_rope_layer": None}
+        rope = _per_layer(hf, "no_rope_layers", (0, 1)) if smollm3 else None
+        if rope is not None:
+            fields["nope_layers"] = [i for i, uses in enumerate(rope) if not uses] or None
+        elif smollm3:
+            fields["no_rope_layer"] = hf.get("no_rope_layer_interval", 4)  # upstream's rule, SmolLM3's default
+        layer_types = _per_layer(hf, "layer_types", LAYER_TYPES) if window is not None else None
+        if window is None or (layer_types is None and not _is_count(layers)):
+            return fields | {"sliding_window_size": None, "sliding_window_layers": None}
+        if layer_types is not None:
+            sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        elif smollm3:  # transformers' default for SmolLM3: the layers without RoPE slide
+            nope, interval = fields["nope_layers"] or [], fields["no_rope_layer"]
+            sliding = [i for i in range(layers) if i in nope or (interval and (i + 1) % interval == 0)]
         else:
-            rope = [1] * layers
-            sliding = ([kind == "sliding_attention" for kind in layer_types] if layer_types is not None
-                       else [i >= hf.get("max_window_layers", 28) for i in range(layers)])
-            bias = True
-        sliding_layers = [i for i, slides in enumerate(sliding) if slides] if window is not None else []
-        nope = [i for i, uses in enumerate(rope) if not uses]
-        return {"attention_bias": bias, "nope_layers": nope or None,
-                "sliding_window_size": window if sliding_layers else None,
-                "sliding_window_layers": sliding_layers or None}
+            sliding = list(range(hf.get("max_window_layers", 28), layers))
+        return fields | {"sliding_window_size": window if sliding else None, "sliding_window_layers": sliding or None}
 
     def _family_to_hf(self, config: Qwen2Config) -> dict:
         layers = range(config.num_hidden_layers)
