@@ -342,3 +342,19 @@ def test_features_not_built_are_refused_by_name(tiny_data, tmp_path, changes, fr
 
 def test_checkpoint_records_the_qwen2_type(converted):
     assert json.loads((converted["ckpt"] / "checkpoint.json").read_text())["model"]["type"] == "qwen2"
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"no_rope_layer": 2, "nope_layers": [1]}, "no_rope_layer and model.model_config.nope_layers both say"),
+    ({"sliding_window_layers": [0]}, "sliding_window_layers needs sliding_window_size"),
+    ({"sliding_window_size": 4, "sliding_window_layers": [0, 2]}, "sliding_window_layers ([0, 2]) must list distinct"),
+    ({"nope_layers": [1, 1]}, "nope_layers ([1, 1]) must list distinct layer indices in [0, "),
+    ({"sliding_window_size": 0}, "sliding_window_size must be >= 1 (got 0)"),
+    ({"z_loss_coefficient": -1.0}, "z_loss_coefficient must be >= 0"),
+    ({"rope_seq_len_interpolation_factor": 2.0}, "rope_scaling: {rope_type: linear, factor: 2.0}"),
+])
+def test_layer_and_z_loss_rules_name_the_key(changes, fragment):
+    from nanotron.config import Qwen2Config
+
+    problems = list(Qwen2Config(num_hidden_layers=2, **changes).problems())
+    assert len(problems) == 1 and fragment in problems[0], problems

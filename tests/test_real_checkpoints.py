@@ -1,6 +1,6 @@
 """Continued pretraining of real checkpoints: RoPE scaling (Llama 3.1 ``llama3``, ``linear``), Qwen2 (q/k/v biases,
-tied or untied, sliding windows), SmolLM3 (NoPE layers), Mixtral (mixtures of experts) and the shape rules checked before a model is built, against random
-small ``transformers`` models."""
+tied or untied, sliding windows), SmolLM3 (NoPE layers), Mixtral (mixtures of experts) and the shape rules checked
+before a model is built, against random small ``transformers`` models."""
 
 from __future__ import annotations
 

@@ -64,6 +64,11 @@ class Qwen2Config(LlamaConfig):
             return self.sliding_window_size if index in self.sliding_window_layers else None
         return self.sliding_window_size if self.uses_rope(index) else None
 
+    @property
+    def z_loss(self) -> float:
+        """The weight of the logit z-loss in the trained objective (0: none)."""
+        return self.z_loss_coefficient if self.z_loss_enabled else 0.0
+
     def _marker_problems(self, k: str) -> Iterator[str]:
         if self.is_llama_config or not self.is_qwen2_config:
             yield f"{k}is_qwen2_config must be true (and is_llama_config absent) for a Qwen2 model config"
@@ -98,8 +103,3 @@ class Qwen2Config(LlamaConfig):
                 yield (f"{k}{name} ({layers}) must list distinct layer indices in [0, {k}num_hidden_layers) = "
                        f"[0, {self.num_hidden_layers})")
         yield from at_least(f"{k}z_loss_coefficient", self.z_loss_coefficient, 0)
-
-    @property
-    def z_loss(self) -> float:
-        """The weight of the logit z-loss in the trained objective (0: none)."""
-        return self.z_loss_coefficient if self.z_loss_enabled else 0.0
