@@ -71,7 +71,10 @@ class Qwen2HFAdapter(LlamaHFAdapter):
             nope, interval = fields["nope_layers"] or [], fields["no_rope_layer"]
             sliding = [i for i in range(layers) if i in nope or (interval and (i + 1) % interval == 0)]
         else:
-            sliding = list(range(hf.get("max_window_layers", 28), layers))
+            first = hf.get("max_window_layers", 28)  # transformers' default
+            if not isinstance(first, int) or isinstance(first, bool):
+                raise CheckpointError(f"max_window_layers must be an integer (got {first!r})")
+            sliding = list(range(first, layers))
         return fields | {"sliding_window_size": window if sliding else None, "sliding_window_layers": sliding or None}
 
     def _family_to_hf(self, config: Qwen2Config) -> dict:
