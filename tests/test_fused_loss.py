@@ -54,7 +54,7 @@ def fused(hidden, weight, labels, token_weights, group, chunk: int, vocab_size: 
     from nanotron.parallel.linear_cross_entropy import linear_cross_entropy
 
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, losses = linear_cross_entropy(hidden, weight, labels, token_weights, group, vocab_size, chunk)
+    loss, losses, _ = linear_cross_entropy(hidden, weight, labels, token_weights, group, vocab_size, chunk)
     assert not losses.requires_grad
     loss.backward()
     return loss, losses, hidden.grad, weight.grad
@@ -102,8 +102,8 @@ def _sharded(chunk: int) -> list[dict]:
                 head.weight.copy_(weight.chunk(2)[rank])
             x = hidden.chunk(2, dim=1)[rank] if mode == "REDUCE_SCATTER" else hidden
             x = x.clone().requires_grad_()
-            loss, losses = LinearCrossEntropy(group, vocab_size, chunk, compiled=False)(head, x, labels,
-                                                                                       token_weights)
+            loss, losses, _ = LinearCrossEntropy(group, vocab_size, chunk, compiled=False)(head, x, labels,
+                                                                                          token_weights)
             loss.backward()
             results.append({"mode": mode, "vocab_size": vocab_size, "loss": loss.detach(), "losses": losses,
                             "grad_hidden": x.grad, "grad_weight": head.weight.grad})

@@ -1,6 +1,6 @@
 """Continued pretraining of real checkpoints: RoPE scaling (Llama 3.1 ``llama3``, ``linear``), Qwen2 (q/k/v biases,
-tied or untied), Mixtral (mixtures of experts) and the shape rules checked before a model is built, against random
-small ``transformers`` models."""
+tied or untied, sliding windows), SmolLM3 (NoPE layers), Mixtral (mixtures of experts) and the shape rules checked
+before a model is built, against random small ``transformers`` models."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ VARIANTS = {
     "linear": ("Llama", {"rope_scaling": LINEAR}),
     "qwen2-tied": ("Qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("Qwen2", {"tie_word_embeddings": False}),
+    # windows of 3 (shorter than the prompts and the generated text) on the last layer; SmolLM3 with a NoPE layer
+    "qwen2-window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
+    "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 3,
+                            "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0}),
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
@@ -265,13 +269,12 @@ def test_bad_rope_scaling_is_one_error_line_naming_the_key(tiny_data, tmp_path, 
     assert line.startswith("error:") and all(fragment in line for fragment in fragments), line
 
 
-def test_conversion_refuses_unsupported_rope_and_sliding_window(tmp_path):
+def test_conversion_refuses_unsupported_rope(tmp_path):
     from nanotron.checkpoint.hf import hf_to_nanotron
     from nanotron.errors import CheckpointError
 
     cases = {"yarn": (hf_config("Llama").to_dict() | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-                      "rope type 'yarn' (RoPE scaling) is not supported; supported: default, linear, llama3"),
-             "window": (hf_config("Qwen2", use_sliding_window=True).to_dict(), "use_sliding_window")}
+                      "rope type 'yarn' (RoPE scaling) is not supported; supported: default, linear, llama3")}
     for name, (raw, message) in cases.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(raw))

@@ -48,7 +48,7 @@ from nanotron.preemption import StopRequests
 from nanotron.random import seed_everything
 from nanotron.training.build import fused_head_loss, load_data, log_summary, pipeline_schedule
 from nanotron.training.checkpointing import RunCheckpoints
-from nanotron.training.loss import StepLoss
+from nanotron.training.loss import StepLoss, logit_z_loss, mean_weights
 from nanotron.training.step_log import StepLog, StepResult
 
 logger = logging.getLogger("nanotron.trainer")
@@ -86,6 +86,7 @@ class Trainer:
         self.datasets, self.tokenizer_fingerprint = load_data(config, self.pc, self.features)
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
+        self.z_loss = spec_for_config(model_config).logit_z_loss(model_config)  # its coefficient; 0: none
         initial = self.checkpoints.initial_checkpoint(self.datasets, self.features)
         self.checkpoints.check_metrics_file(initial)
         converters = (*converters, *(c for feature in self.features for c in feature.converters(self.pc.device)))
@@ -100,6 +101,7 @@ class Trainer:
         self.loss = next((loss for feature in self.features if (loss := feature.loss()) is not None), StepLoss())
         # Compiling the loss fuses the fp32 upcast of the logits into the softmax instead of materialising it.
         self._loss = torch.compile(self.loss.function) if config.model.compile else self.loss.function
+        self._z_loss = torch.compile(logit_z_loss) if config.model.compile else logit_z_loss
         self.head_loss = fused_head_loss(config, self.pc, self.model)
         self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
         self.progress = self.checkpoints.load_initial_state(initial, self.model, self.optimizer)
@@ -127,13 +129,20 @@ class Trainer:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
         if not self.pc.is_last_stage:
             return StageOutput(output, statistics, auxiliary_loss)
+        vocab_size = self.config.model.model_config.vocab_size
         if logits:
-            loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"],
-                                               self.config.model.model_config.vocab_size, self._num_domains)
+            loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"], vocab_size,
+                                               self._num_domains)
+            if self.z_loss:
+                z_loss = self._z_loss(output, micro_batch, self.pc.groups["tp"], vocab_size, self.z_loss)
+                loss, loss_statistics = loss + z_loss, loss_statistics | {"z_loss": z_loss.detach()}
         else:
-            loss, losses = self.head_loss(self.model.lm_head, output, micro_batch["labels"],
-                                          self.loss.token_weights(micro_batch))
+            z_weights = self.z_loss * mean_weights(micro_batch) if self.z_loss else None
+            loss, losses, log_sum_exp = self.head_loss(self.model.lm_head, output, micro_batch["labels"],
+                                                       self.loss.token_weights(micro_batch), z_weights)
             loss_statistics = self.loss.statistics(losses, micro_batch, self._num_domains)
+            if self.z_loss:
+                loss_statistics["z_loss"] = (z_weights * log_sum_exp.square()).sum()
         return StageOutput(loss, statistics | loss_statistics, auxiliary_loss)
 
     def _before_last_backward(self) -> None:
@@ -142,6 +151,8 @@ class Trainer:
 
     def _statistics_template(self) -> dict[str, tuple[int, ...]]:
         template = self.loss.template(self._num_domains)
+        if self.z_loss:
+            template["z_loss"] = ()
         if self.auxiliary_losses is not None:
             template |= self.auxiliary_losses.template(self.config.model.model_config)
         return template
@@ -193,6 +204,8 @@ class Trainer:
         domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
         self._after_step(step, statistics, skipped=False)
         model_metrics = self._feature_metrics()
+        if self.z_loss:
+            model_metrics["z_loss"] = statistics["z_loss"].item()
         if self.auxiliary_losses is not None:
             model_metrics |= self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
         return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics)

@@ -1,6 +1,6 @@
 """The typed training config: one module per section (its dataclasses and, beside their fields, their rules), one
-per model family (`llama.py`, `moe.py`, `mamba.py`), the rules between sections (`cross_section.py`), the whole
-`Config` with `validate_config` (`config.py`), and YAML loading and saving (`loading.py`).
+per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`), the rules between sections (`cross_section.py`),
+the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving (`loading.py`).
 
 Users write YAML in nanotron's format (see docs/config.md); code reads it with `load_config` and gets a `Config`.
 """
@@ -29,6 +29,7 @@ from nanotron.config.model import MODEL_CONFIG_CLASSES, ExistingCheckpointInit, 
 from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LRSchedulerArgs, OptimizerArgs
 from nanotron.config.parallelism import ParallelismArgs
+from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.rules import ConfigError
 from nanotron.config.upstream import IGNORED_KEYS
 
@@ -60,6 +61,7 @@ __all__ = [
     "OptimizerArgs",
     "ParallelismArgs",
     "ProfilerArgs",
+    "Qwen2Config",
     "RandomInit",
     "RunLengthWarning",
     "TokenizerArgs",

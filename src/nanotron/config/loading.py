@@ -368,6 +368,11 @@ def config_from_dict(d: dict) -> Config:
     if ignored is not None:
         warnings.warn(ignored, LegacyKeyWarning, stacklevel=2)
     problems = translation.problems + reader.problems
+    if translation.problems and not reader.problems:
+        try:  # a refused upstream feature is reported together with what the rules find in the rest
+            validate_config(cfg)
+        except ConfigError as error:
+            problems += error.problems
     if problems:
         raise ConfigError(*problems)
     _context_at_least_the_sequences(cfg)

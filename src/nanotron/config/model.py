@@ -10,11 +10,12 @@ import torch
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.mamba import MambaConfig
 from nanotron.config.moe import LlaMoEConfig
+from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.rules import MODEL_CONFIG_KEY, Spellings, at_least, canonical_spellings, positive
 
 # `model.model_config` is chosen by the `is_<name>_config: true` marker it contains; add new architectures here.
 MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_llamoe_config": LlaMoEConfig,
-                                         "is_mamba_config": MambaConfig}
+                                         "is_mamba_config": MambaConfig, "is_qwen2_config": Qwen2Config}
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DType = Annotated[Literal["float32", "bfloat16", "float16"], Spellings(fold=str.lower, aliases=DTYPE_ALIASES)]
@@ -32,7 +33,7 @@ class ExistingCheckpointInit:
 
 @dataclass
 class ModelArgs:
-    model_config: LlamaConfig | MambaConfig  # or LlamaConfig's subclass LlaMoEConfig
+    model_config: LlamaConfig | MambaConfig  # or LlamaConfig's subclasses LlaMoEConfig and Qwen2Config
     init_method: RandomInit | ExistingCheckpointInit
     dtype: DType = "bfloat16"
     make_vocab_size_divisible_by: int = 1

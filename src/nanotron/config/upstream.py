@@ -4,7 +4,7 @@ Users bring the YAML files of upstream nanotron (v0.4 and its later main). ``tra
 into our schema's form, so the typed reader stays strict for everything else:
 
 - keys with an upstream meaning we have under another name or shape are rewritten to it (``optimizer_factory``,
-  ``is_qwen2_config``, ``interleaved_rotary``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
+  ``interleaved_rotary``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
   section, ``domain_names`` as one comma-separated string, ...);
 - keys that change nothing here are dropped and named, all together, in one ``LegacyKeyWarning``;
 - a feature we do not have is refused in one line naming it, unless its value is the one that means "off" (``1``,
@@ -19,7 +19,6 @@ from typing import Any
 MODEL_CONFIG = "model.model_config"
 
 _NO_VALIDATION = "no validation loop reads it (upstream never ran one either)"
-_KERNEL_CHOICE = "a kernel choice: the same results with the kernels chosen here"
 
 # Keys that have no effect here, whatever their value: dropped and named in one warning.
 IGNORED_KEYS: dict[str, str] = {
@@ -36,11 +35,6 @@ IGNORED_KEYS: dict[str, str] = {
     "parallelism.tp_recompute_allgather": "the column-parallel layers of tp_mode REDUCE_SCATTER keep their input "
                                           "shard and re-gather it in the backward; memory and traffic only, the "
                                           "same results",
-    f"{MODEL_CONFIG}._attn_implementation": _KERNEL_CHOICE,
-    f"{MODEL_CONFIG}._fused_rms_norm": _KERNEL_CHOICE,
-    f"{MODEL_CONFIG}._fused_rotary_emb": _KERNEL_CHOICE,
-    f"{MODEL_CONFIG}._use_qkv_packed": "q, k and v are always one fused projection here",
-    f"{MODEL_CONFIG}.log_attn_probs": "attention probabilities are not logged",
 }
 
 
@@ -59,17 +53,6 @@ FEATURES: dict[str, Feature] = {
     "parallelism.context_parallel_size": Feature("context parallelism", (1,)),
     "parallelism.moe_layer_recompute": Feature(
         "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
-    f"{MODEL_CONFIG}.sliding_window_size": Feature("sliding-window attention", (None,)),
-    f"{MODEL_CONFIG}._use_doc_masking": Feature("document masking", (False,)),
-    f"{MODEL_CONFIG}.flex_attention_mask": Feature("flex-attention masks", (None,)),
-    f"{MODEL_CONFIG}.moe_config": Feature(
-        "Qwen2 mixture of experts (a shared expert, moe_config)", (None,),
-        "the Mixtral-style mixture of experts is is_llamoe_config: true"),
-    f"{MODEL_CONFIG}.no_rope_layer": Feature("layers without RoPE (no_rope_layer)", (None,)),
-    f"{MODEL_CONFIG}.z_loss_enabled": Feature("the z-loss on the LM logits", (False,)),
-    f"{MODEL_CONFIG}.rope_seq_len_interpolation_factor": Feature(
-        "rope_seq_len_interpolation_factor", (None,), "write rope_scaling: {rope_type: linear, factor: <it>}"),
-    f"{MODEL_CONFIG}.ring_attn_heads_k_stride": Feature("ring attention", (None,)),
     "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),
     "data_stages[].sequence_length": Feature("a sequence length per data stage", (None,)),
     f"{_DATASET}.return_positions": Feature(
@@ -241,12 +224,6 @@ def _model_config(raw: dict, found: Translation) -> None:
     config = _section(raw, MODEL_CONFIG)
     if config is None:
         return
-    if config.get("is_qwen2_config") is True and not config.get("is_llama_config"):
-        # upstream's Qwen2 is Llama with (optional) q/k/v biases: its remaining features are refused above
-        del config["is_qwen2_config"]
-        config["is_llama_config"] = True
-    elif config.get("is_qwen2_config") is False:
-        del config["is_qwen2_config"]
     if "interleaved_rotary" in config:
         value = config.pop("interleaved_rotary")
         if "rope_interleaved" in config and config["rope_interleaved"] != value:
@@ -260,9 +237,6 @@ def _model_config(raw: dict, found: Translation) -> None:
             found.problems.append(f"{MODEL_CONFIG}.dtype ({layers!r}): Mamba layers in another dtype than "
                                   f"model.dtype ({model.get('dtype', 'bfloat16')!r}) are not available; remove it "
                                   "or make it equal")
-    if config.get("z_loss_enabled", False) is False and "z_loss_coefficient" in config:
-        del config["z_loss_coefficient"]
-        found.ignored[f"{MODEL_CONFIG}.z_loss_coefficient"] = "only read with z_loss_enabled: true"
 
 
 def _datasets(raw: dict, found: Translation) -> None:

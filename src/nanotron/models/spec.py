@@ -164,3 +164,6 @@ class ModelSpec:
     layer_activations: LayerActivations | None = None
     # config -> the positions the model was trained for (generation refuses to go past them); None: no such limit
     context_length: Callable[[Any], int | None] = lambda config: None
+    # config -> the weight of the z-loss on the LM head's logits in the trained objective: the objective adds it times
+    # the mean over the step's tokens of logsumexp(logits)² (``parallel/cross_entropy.py``); 0: none
+    logit_z_loss: Callable[[Any], float] = lambda config: 0.0

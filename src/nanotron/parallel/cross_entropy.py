@@ -8,6 +8,9 @@ all-reduces of per-token scalars (the max, the sum of exponentials and the targe
 
 The backward is local: softmax minus the one-hot target on this rank's slice.
 
+``vocab_parallel_log_sum_exp`` gives each token's ``log(sum_v exp z_v)`` over the shards alike, differentiable, for
+a z-loss on the logits (``c * lse**2``, which keeps them from drifting).
+
 Columns past the real vocabulary (padding that makes the vocabulary split evenly) are excluded from the softmax, so
 the amount of padding, which depends on the tensor-parallel size, never changes the loss: checkpoints resume exactly
 at another TP size.
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.nn.loss import token_losses
+from nanotron.parallel.tp_collectives import reduce_from_tp
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -67,3 +71,23 @@ def vocab_parallel_token_losses(logits: torch.Tensor, labels: torch.Tensor, grou
     if dist.get_world_size(group) == 1:
         return token_losses(logits[..., :vocab_size], labels)
     return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_size)
+
+
+def vocab_parallel_log_sum_exp(logits: torch.Tensor, group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:
+    """Per-token ``logsumexp`` [batch, seq] (fp32, differentiable) of logits [batch, seq, padded vocab / tp] sharded
+    over ``group``, over the first ``vocab_size`` columns of the logical vocabulary.
+
+    The shards' sums of ``exp(z - max)`` are added by ``reduce_from_tp``, whose backward hands every rank the
+    gradient of the whole sum, so each rank's logits get ``softmax * grad`` on their slice; the maximum only
+    shifts the exponent and takes no gradient."""
+    if dist.get_world_size(group) == 1:
+        return logits[..., :vocab_size].float().logsumexp(-1)
+    local_vocab = logits.shape[-1]
+    start = dist.get_rank(group) * local_vocab
+    z = logits.float()
+    if start + local_vocab > vocab_size:
+        z = z.masked_fill(torch.arange(start, start + local_vocab, device=z.device) >= vocab_size, float("-inf"))
+    with torch.no_grad():
+        maximum = z.amax(dim=-1)
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=group)
+    return maximum + reduce_from_tp(torch.exp(z - maximum.unsqueeze(-1)).sum(dim=-1), group).log()

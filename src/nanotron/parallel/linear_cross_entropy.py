@@ -19,10 +19,13 @@ all-gather of three fp32 numbers per token combines the vocabulary shards (the l
 log-sum-exps), where ``cross_entropy.py`` needs three all-reduces. Columns past ``vocab_size`` (padding that
 makes the vocabulary split evenly) are excluded from the softmax and get no gradient, as there.
 
+A z-loss on the logits adds ``sum(u * lse**2)`` to the objective, with per-token weights ``u`` (its coefficient
+times the label mask over the token count), and ``2 * u * lse * softmax(z)`` to ``g``; each token's ``lse`` comes
+back with its loss, for the statistics.
+
 Each chunk's elementwise work is two plain-torch passes, ``softmax_statistics`` and ``loss_and_logit_gradient``;
 compiled (``model.compile``) each is one kernel that reads the model-dtype logits, and the second writes ``g`` in
-the model dtype: no fp32 copy of a chunk's logits is stored. A z-loss (``c * lse**2`` per token) would add
-``c * lse**2`` to the losses and ``2 * c * lse * w * softmax(z)`` to ``g`` in the second pass, where ``lse`` is.
+the model dtype: no fp32 copy of a chunk's logits is stored.
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ def softmax_statistics(logits: torch.Tensor, local_labels: torch.Tensor, valid_c
 
 
 def loss_and_logit_gradient(logits: torch.Tensor, statistics: torch.Tensor, local_labels: torch.Tensor,
-                            token_weights: torch.Tensor, valid_columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of ``sum(token_weights * loss)`` with respect to this rank's logits (model dtype) and the
-    per-token losses (fp32), from every rank's ``softmax_statistics`` ([ranks, 3, tokens])."""
+                            token_weights: torch.Tensor, z_weights: torch.Tensor | None,
+                            valid_columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of ``sum(token_weights * loss) + sum(z_weights * lse**2)`` (no z-loss when ``z_weights`` is None)
+    with respect to this rank's logits (model dtype), the per-token losses and log-sum-exps (fp32), from every
+    rank's ``softmax_statistics`` ([ranks, 3, tokens])."""
     maximum, sum_exp, target = statistics.unbind(1)
     top = maximum.amax(dim=0)
     log_sum_exp = top + torch.log((sum_exp * torch.exp(maximum - top)).sum(dim=0))
@@ -66,7 +71,9 @@ def loss_and_logit_gradient(logits: torch.Tensor, statistics: torch.Tensor, loca
     softmax = torch.exp(_real_columns(logits.float(), valid_columns) - log_sum_exp[:, None])
     is_target = torch.arange(logits.shape[-1], device=logits.device) == local_labels[:, None]
     gradient = token_weights[:, None] * torch.where(is_target, softmax - 1.0, softmax)
-    return gradient.to(logits.dtype), losses
+    if z_weights is not None:
+        gradient = gradient + (2.0 * z_weights * log_sum_exp)[:, None] * softmax
+    return gradient.to(logits.dtype), losses, log_sum_exp
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,10 @@ class ChunkPasses:
 
 
 def _through_chunk(h: torch.Tensor, weight: torch.Tensor, local_labels: torch.Tensor, token_weights: torch.Tensor,
-                   group: dist.ProcessGroup, valid_columns: int, passes: ChunkPasses,
-                   grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: its token losses and its share of ``grad_W`` (``g^T h``, model dtype), ``g W`` written into
-    ``grad_h``. The chunk's logits and ``g`` die when it returns."""
+                   z_weights: torch.Tensor | None, group: dist.ProcessGroup, valid_columns: int, passes: ChunkPasses,
+                   grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk: its token losses and log-sum-exps and its share of ``grad_W`` (``g^T h``, model dtype), ``g W``
+    written into ``grad_h``. The chunk's logits and ``g`` die when it returns."""
     ranks = dist.get_world_size(group)
     logits = h @ weight.t()
     statistics = passes.statistics(logits, local_labels, valid_columns)
@@ -95,21 +102,22 @@ def _through_chunk(h: torch.Tensor, weight: torch.Tensor, local_labels: torch.Te
         gathered = statistics.new_empty((ranks * statistics.shape[0], statistics.shape[1]))
         dist.all_gather_into_tensor(gathered, statistics, group=group)
         statistics = gathered
-    grad_logits, losses = passes.gradient(logits, statistics.view(ranks, 3, -1), local_labels, token_weights,
-                                          valid_columns)
+    grad_logits, losses, log_sum_exp = passes.gradient(logits, statistics.view(ranks, 3, -1), local_labels,
+                                                       token_weights, z_weights, valid_columns)
     del logits
     torch.mm(grad_logits, weight, out=grad_h)
-    return losses, grad_logits.t() @ h
+    return losses, log_sum_exp, grad_logits.t() @ h
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """(sum of weighted token losses, per-token losses) from the head's input [tokens, hidden] and weight shard
-    [vocab / tp, hidden]; the per-token losses carry no gradient."""
+    """(objective, per-token losses, per-token log-sum-exps) from the head's input [tokens, hidden] and weight shard
+    [vocab / tp, hidden]: the objective is the sum of weighted token losses, plus the weighted squared log-sum-exps
+    with ``z_weights``; the per-token values carry no gradient."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
-                group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int,
-                passes: ChunkPasses) -> tuple[torch.Tensor, torch.Tensor]:
+                z_weights: torch.Tensor | None, group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int,
+                passes: ChunkPasses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         local_vocab = weight.shape[0]
         start = dist.get_rank(group) * local_vocab
         valid_columns = min(max(vocab_size - start, 0), local_vocab)
@@ -117,40 +125,48 @@ class _LinearCrossEntropy(torch.autograd.Function):
         local_labels = torch.where(in_slice, labels - start, -1)
 
         token_losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        log_sum_exp = torch.empty_like(token_losses)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None
         for begin in range(0, hidden.shape[0], chunk_tokens):
             chunk = slice(begin, begin + chunk_tokens)
-            token_losses[chunk], partial = _through_chunk(hidden[chunk], weight, local_labels[chunk],
-                                                          token_weights[chunk], group, valid_columns, passes,
-                                                          grad_hidden[chunk])
+            token_losses[chunk], log_sum_exp[chunk], partial = _through_chunk(
+                hidden[chunk], weight, local_labels[chunk], token_weights[chunk],
+                None if z_weights is None else z_weights[chunk], group, valid_columns, passes, grad_hidden[chunk])
             # The first chunk's product as it is (one chunk: no fp32 copy); later ones summed in fp32.
             grad_weight = partial if grad_weight is None else grad_weight.float().add_(partial)
             del partial
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, grad_weight.to(weight.dtype)
-        ctx.mark_non_differentiable(token_losses)
-        return (token_weights * token_losses).sum(), token_losses
+        ctx.mark_non_differentiable(token_losses, log_sum_exp)
+        objective = (token_weights * token_losses).sum()
+        if z_weights is not None:
+            objective = objective + (z_weights * log_sum_exp.square()).sum()
+        return objective, token_losses, log_sum_exp
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, *_: torch.Tensor):
         # Scaled in place and released: the gradients are this function's outputs, used once.
         grad_hidden, grad_weight = ctx.grad_hidden.mul_(grad_loss), ctx.grad_weight.mul_(grad_loss)
         del ctx.grad_hidden, ctx.grad_weight
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          token_weights: torch.Tensor, group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int,
-                         passes: ChunkPasses = ChunkPasses()) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum(token_weights * losses), losses)`` of the logits ``hidden @ weight.T``, never materialised beyond
-    ``chunk_tokens`` tokens at a time. ``hidden`` [..., hidden size]; ``weight`` [padded vocab / tp, hidden size],
-    the rank's contiguous vocabulary slice in ``group``; ``labels`` and ``token_weights`` shaped like ``hidden``
-    without its last dimension. ``losses`` (fp32, no gradient) is the per-token cross-entropy over the first
-    ``vocab_size`` columns of the logical vocabulary; the scalar backpropagates into ``hidden`` and ``weight``."""
-    loss, losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                             token_weights.reshape(-1).float(), group, vocab_size, chunk_tokens,
-                                             passes)
-    return loss, losses.view(labels.shape)
+                         passes: ChunkPasses = ChunkPasses(), z_weights: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sum(token_weights * losses) [+ sum(z_weights * lse**2)], losses, lse)`` of the logits
+    ``hidden @ weight.T``, never materialised beyond ``chunk_tokens`` tokens at a time. ``hidden`` [..., hidden
+    size]; ``weight`` [padded vocab / tp, hidden size], the rank's contiguous vocabulary slice in ``group``;
+    ``labels``, ``token_weights`` and ``z_weights`` (None: no z-loss) shaped like ``hidden`` without its last
+    dimension. ``losses`` and ``lse`` (fp32, no gradient) are the per-token cross-entropy and log-sum-exp over the
+    first ``vocab_size`` columns of the logical vocabulary; the scalar backpropagates into ``hidden`` and
+    ``weight``."""
+    flat_z = None if z_weights is None else z_weights.reshape(-1).float()
+    loss, losses, lse = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                                  token_weights.reshape(-1).float(), flat_z, group, vocab_size,
+                                                  chunk_tokens, passes)
+    return loss, losses.view(labels.shape), lse.view(labels.shape)
 
 
 def fusable_head(head: nn.Module) -> bool:
@@ -160,17 +176,17 @@ def fusable_head(head: nn.Module) -> bool:
 
 
 class LinearCrossEntropy:
-    """The last stage's LM head and loss in one, configured once: ``(head, head input, labels, token weights)`` ->
-    ``(sum(token_weights * losses), losses)``. The head (``nn.linear.Linear`` or a column-parallel one) supplies the
-    operands of its matmul, its tensor-parallel gather included, so the hidden states' gradient flows back through
-    that gather's backward."""
+    """The last stage's LM head and loss in one, configured once: ``(head, head input, labels, token weights,
+    z-loss weights or None)`` -> ``linear_cross_entropy``'s ``(objective, losses, lse)``. The head
+    (``nn.linear.Linear`` or a column-parallel one) supplies the operands of its matmul, its tensor-parallel gather
+    included, so the hidden states' gradient flows back through that gather's backward."""
 
     def __init__(self, group: dist.ProcessGroup, vocab_size: int, chunk_tokens: int, compiled: bool):
         self.group, self.vocab_size, self.chunk_tokens = group, vocab_size, chunk_tokens
         self.passes = ChunkPasses.compiled() if compiled else ChunkPasses()
 
-    def __call__(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                 token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor,
+                 z_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, weight, _ = head.operands(hidden)
         return linear_cross_entropy(x, weight, labels, token_weights, self.group, self.vocab_size,
-                                    self.chunk_tokens, self.passes)
+                                    self.chunk_tokens, self.passes, z_weights)

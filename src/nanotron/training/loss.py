@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
+from nanotron.parallel.cross_entropy import vocab_parallel_log_sum_exp, vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
 
 
@@ -34,6 +34,21 @@ def loss_and_statistics(losses: torch.Tensor, micro_batch: dict[str, torch.Tenso
     return loss, {"lm_loss": loss, "domain_loss_sum": domain_loss_sum, "domain_tokens": domain_tokens}
 
 
+def logit_z_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor], tp_group: dist.ProcessGroup,
+                 vocab_size: int, coefficient: float) -> torch.Tensor:
+    """This micro-batch's share of the z-loss: ``coefficient`` times its sum over target tokens of
+    ``logsumexp(logits)**2`` over the step's token count, so that the step's z-loss is the coefficient times the mean
+    over the step's target tokens."""
+    squares = vocab_parallel_log_sum_exp(logits, tp_group, vocab_size).square()
+    return coefficient * torch.where(micro_batch["label_mask"], squares, 0.0).sum() / micro_batch["token_count"]
+
+
+def mean_weights(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The label mask over the step's token count: summed with these weights, per-token values give their mean over
+    the step's target tokens (the language-model loss; the z-loss, whatever the objective's token weights)."""
+    return micro_batch["label_mask"] / micro_batch["token_count"]
+
+
 def per_domain_sums(values: torch.Tensor, domains: torch.Tensor, num_domains: int) -> torch.Tensor:
     """The sums of per-sample ``values`` over the samples of each domain, through a one-hot mask rather than
     ``index_add_``: deterministic (no atomics on GPUs), and compiled alike on every device (the CPU compiler fails
@@ -52,7 +67,7 @@ class StepLoss:
 
     def token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The label mask over the step's token count, so that the fused objective is ``micro_batch_loss``'s."""
-        return micro_batch["label_mask"] / micro_batch["token_count"]
+        return mean_weights(micro_batch)
 
     def statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor], num_domains: int) -> Statistics:
         """The statistics of a micro-batch from its per-token losses."""

@@ -21,14 +21,15 @@ def llama_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) ->
 
 
 def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
-                  feed_forward: list[tuple[int, int]]) -> ModelCosts:
+                  feed_forward: list[tuple[int, int]], attended_keys: list[float] | None = None) -> ModelCosts:
     """Costs of a Llama-style decoder whose layer ``i`` has a feed-forward block of ``feed_forward[i]`` = (parameters,
     parameters each token uses): equal for a dense MLP, fewer for a mixture of experts, whose FLOPs count only
     the experts a token is routed to (and the router).
 
     6 FLOPs per used weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
-    weighted sum cost 4 * hidden * s FLOPs per token and layer in the forward over a full s x s matrix, half of that
-    with the causal mask, so 6 * hidden * s per token and layer for forward and backward. As in Megatron-LM's count,
+    weighted sum cost 4 * hidden FLOPs per query and key in the forward, 12 * hidden with the backward, times the
+    keys a query attends to: ``attended_keys[i]`` on average in layer ``i``, s / 2 with the causal mask (the
+    default), so 6 * hidden * s per token and layer. As in Megatron-LM's count,
     the LM head's matmul counts and the input-embedding lookup (a gather) does not: a tied matrix counts once, as the
     LM head, and an untied embedding adds parameters but no FLOPs. The norms' weights and the q|k|v biases count
     like weights (a negligible overcount of their multiplications and additions)."""
@@ -40,12 +41,14 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
     embeddings = lm_head * (1 if c.tie_word_embeddings else 2)
     parameters = sum(other + total for total, _ in feed_forward) + embeddings + c.hidden_size
     active = sum(other + used for _, used in feed_forward) + c.hidden_size + lm_head  # not the lookup
-    attention_flops = 6.0 * c.hidden_size * sequence_length
+    keys = attended_keys if attended_keys is not None else [sequence_length / 2] * c.num_hidden_layers
+    attention_flops = [12.0 * c.hidden_size * attended for attended in keys]
     return ModelCosts(
         parameters=parameters,
-        layer_flops=tuple(6.0 * (other + used) + attention_flops for _, used in feed_forward),
+        layer_flops=tuple(6.0 * (other + used) + attention
+                          for (_, used), attention in zip(feed_forward, attention_flops, strict=True)),
         head_flops=6.0 * lm_head,
-        flops_per_token=6.0 * active + c.num_hidden_layers * attention_flops,
+        flops_per_token=6.0 * active + sum(attention_flops),
     )
 
 

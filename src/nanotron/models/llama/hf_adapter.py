@@ -1,8 +1,5 @@
-"""Llama, Qwen2 and Mixtral checkpoints in Hugging Face ``transformers`` layout, to and from nanotron's logical tensors.
-
-Qwen2 is Llama with biases on q, k and v: nanotron's Llama with ``attention_bias: true``. A config.json of
-``model_type`` ``qwen2`` converts to that, and such a model exports back as ``Qwen2ForCausalLM``; every other one as
-``LlamaForCausalLM`` (whose own ``attention_bias`` also biases o_proj, which nanotron does not build).
+"""Llama checkpoints in Hugging Face ``transformers`` layout, to and from nanotron's logical tensors; the mapping
+that the Llama-style families (Mixtral, Qwen2) extend.
 
 Layouts (nanotron ← → Hugging Face):
 
@@ -52,19 +49,15 @@ def _rope_from_hf(hf: dict) -> dict:
 
 
 class LlamaHFAdapter:
-    model_types = ("llama", "qwen2")
+    model_types = ("llama",)
     config_class = LlamaConfig
 
     def _check_family(self, hf: dict) -> dict:
         """Config fields of the variant read from ``hf``, after refusing what nanotron does not build."""
-        qwen2 = hf.get("model_type") == "qwen2"
-        if qwen2 and hf.get("use_sliding_window"):
-            raise CheckpointError("Qwen2 models with use_sliding_window: true are not supported (nanotron attends "
-                                  "to the whole context)")
-        if not qwen2 and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise CheckpointError("Llama models with attention_bias (which biases o_proj too) or mlp_bias are not "
                                   "supported; only q/k/v biases are (Qwen2)")
-        return {"attention_bias": qwen2}
+        return {"attention_bias": False}
 
     def config_fields_from_hf(self, hf: dict) -> dict:
         return {
@@ -87,8 +80,9 @@ class LlamaHFAdapter:
 
     def _family_to_hf(self, config: LlamaConfig) -> dict:
         if config.attention_bias:
-            return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
-                    "sliding_window": None, "max_window_layers": config.num_hidden_layers}
+            raise CheckpointError("a Llama model with q/k/v biases only (attention_bias: true) has no transformers "
+                                  "architecture (LlamaForCausalLM's attention_bias biases o_proj too); Qwen2 models "
+                                  "are the qwen2 family (is_qwen2_config), which exports as Qwen2ForCausalLM")
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
                 "mlp_bias": False}
 

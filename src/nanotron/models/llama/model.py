@@ -71,8 +71,7 @@ class LlamaAttention(nn.Module):
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
 
-        cos, sin = (table[..., :seq, :].to(q.dtype) for table in rotary)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.encode_positions(q, k, rotary)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         grouped = {}
@@ -82,11 +81,24 @@ class LlamaAttention(nn.Module):
             k = k.repeat_interleave(q_per_kv, dim=1)
             v = v.repeat_interleave(q_per_kv, dim=1)
 
-        if attention_mask is None:
+        mask = self.mask(attention_mask, seq, k.shape[2], q.device)
+        if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, **grouped)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
+
+    def encode_positions(self, q: torch.Tensor, k: torch.Tensor,
+                         rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys [batch, heads, positions, head_dim] rotated by RoPE; variants override this."""
+        cos, sin = (table[..., :q.shape[2], :].to(q.dtype) for table in rotary)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def mask(self, attention_mask: torch.Tensor | None, queries: int, keys: int,
+             device: torch.device) -> torch.Tensor | None:
+        """The boolean mask [..., queries, keys] (True = attend) for ``queries`` that are the last of ``keys``
+        positions, or None for the plain causal mask; variants that restrict attention override this."""
+        return attention_mask
 
 
 class LlamaMLP(nn.Module):
@@ -102,13 +114,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and feed-forward blocks with residual connections; ``mlp`` is any module mapping hidden
-    states to hidden states (a dense SwiGLU, or a mixture of experts)."""
+    """Pre-norm attention and feed-forward blocks with residual connections; ``attn`` is a ``LlamaAttention`` (or a
+    variant of it), ``mlp`` any module mapping hidden states to hidden states (a dense SwiGLU, or a mixture of
+    experts)."""
 
-    def __init__(self, config: LlamaConfig, mlp: nn.Module):
+    def __init__(self, config: LlamaConfig, attn: nn.Module, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = LlamaAttention(config)
+        self.attn = attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -127,12 +140,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.padded_vocab_size = padded_vocab_size
         self.embed_tokens: nn.Embedding | None = nn.Embedding(padded_vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, self.feed_forward(config, i))
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, self.attention(config, i),
+                                                               self.feed_forward(config, i))
                                      for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: Linear | None = Linear(config.hidden_size, padded_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
+
+    @staticmethod
+    def attention(config: LlamaConfig, index: int) -> nn.Module:
+        """The attention block of layer ``index``; variants of the architecture override this."""
+        return LlamaAttention(config)
 
     @staticmethod
     def feed_forward(config: LlamaConfig, index: int) -> nn.Module:

@@ -1,0 +1,36 @@
+"""Qwen2 (upstream nanotron's ``is_qwen2_config``; Qwen2 and SmolLM3 in transformers): Llama with q/k/v biases, each
+layer's attention full or in a sliding window and with or without RoPE, and the logit z-loss.
+
+``model.py`` is the pure model (Llama's with its own attention per layer), ``parallelize.py`` its tensor-parallel
+plan (Llama's), ``costs.py`` its parameters and FLOPs (windows bound the attended keys), ``hf_adapter.py`` the
+Hugging Face mapping of both architectures; ``QWEN2`` ties them together for the registry.
+"""
+
+from nanotron.config import Qwen2Config, llama_problems
+from nanotron.models.llama import LLAMA
+from nanotron.models.llama.model import KVCache, llama_init_rule
+from nanotron.models.qwen2.costs import qwen2_costs, qwen2_layer_activations
+from nanotron.models.qwen2.hf_adapter import Qwen2HFAdapter
+from nanotron.models.qwen2.model import Qwen2ForCausalLM
+from nanotron.models.qwen2.parallelize import qwen2_plan
+from nanotron.models.spec import ModelSpec
+
+QWEN2 = ModelSpec(
+    name="qwen2",
+    config_class=Qwen2Config,
+    model_class=Qwen2ForCausalLM,
+    tensor_parallel_plan=qwen2_plan,
+    costs=qwen2_costs,
+    layer_activations=qwen2_layer_activations,
+    init_rule=llama_init_rule,
+    hf_adapter=Qwen2HFAdapter(),
+    inference_cache=KVCache,
+    config_problems=llama_problems,
+    context_length=LLAMA.context_length,
+    # The z-loss weighs the objective, not the weights: a run may switch it when it continues. The implementation
+    # keys choose kernels only.
+    resume_may_change=LLAMA.resume_may_change | {
+        "z_loss_enabled", "z_loss_coefficient", "_attn_implementation", "flex_attention_mask", "_fused_rotary_emb",
+        "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"},
+    logit_z_loss=lambda config: config.z_loss,
+)
