@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,6 +176,30 @@ def kill_with_descendants(processes: list[subprocess.Popen]) -> None:
         if process.poll() is None:
             signal_all([*descendants(process.pid), process.pid], signal.SIGKILL)
             process.wait()
+
+
+def wait_for_all(processes: list[subprocess.Popen], logs: list[Path], timeout_s: float) -> None:
+    """Every process exits 0; as soon as one fails (or the time is up) the others are stopped, not waited for."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in processes) and not any(p.poll() for p in processes):
+            assert time.monotonic() < deadline, f"still running after {timeout_s} s"
+            time.sleep(0.2)
+    finally:
+        kill_with_descendants(processes)
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log.read_text()[-4000:]
+
+
+def away_from_initial_values(model: torch.nn.Module) -> torch.nn.Module:
+    """Norms away from 1 and biases away from 0 (where transformers starts them), so that a lost tensor would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    return model
 
 
 @contextlib.contextmanager

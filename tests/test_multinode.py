@@ -22,11 +22,11 @@ from helpers import (
     assert_reference_trains,
     checkpoint_json,
     descendants,
-    kill_with_descendants,
     killed_on_failure,
     metrics,
     parity_steps,
     signal_all,
+    wait_for_all,
     write_config,
 )
 
@@ -58,19 +58,6 @@ def _kill_orphans(pids: list[int], marker: str) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _wait(processes: list[subprocess.Popen], logs: list[Path]) -> None:
-    """Every process exits 0; as soon as one fails (or the time is up) the others are stopped, not waited for."""
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in processes) and not any(p.poll() for p in processes):
-            assert time.monotonic() < deadline, f"still running after {TIMEOUT_S} s"
-            time.sleep(0.2)
-    finally:
-        kill_with_descendants(processes)
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log.read_text()[-4000:]
-
-
 def _run_agents(config_path: Path, agents: list[list[str]]) -> None:
     """One torchrun per argument list, all at once. Output goes to files: a full pipe would block an agent."""
     logs = [config_path.with_suffix(f".agent{i}.log") for i in range(len(agents))]
@@ -80,7 +67,7 @@ def _run_agents(config_path: Path, agents: list[list[str]]) -> None:
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", *args, str(ROOT / "run_train.py"),
                  "--config-file", str(config_path)], stdout=out, stderr=subprocess.STDOUT, env=ENV))
-    _wait(processes, logs)
+    wait_for_all(processes, logs, TIMEOUT_S)
 
 
 def _dp2_tp2(tiny_data, run: Path, steps: int) -> dict:
@@ -158,7 +145,7 @@ def test_the_slurm_script_stops_every_node_with_a_checkpoint_on_its_signal(tiny_
         _srun, *step_processes = descendants(batch.pid)
         signal_all(step_processes, signal.SIGUSR1)
     try:
-        _wait([batch], [batch_log])
+        wait_for_all([batch], [batch_log], TIMEOUT_S)
     finally:
         _kill_orphans(step_processes, str(config_path))
 

@@ -11,13 +11,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from distributed import run_distributed
-from helpers import ROOT, _config, assert_user_error, cli, kill_with_descendants, metrics, write_config
+from helpers import ROOT, _config, assert_user_error, cli, metrics, wait_for_all, write_config
 
 TIMEOUT_S = 240
 ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
@@ -45,15 +44,7 @@ def _train_on_nodes(config_path: Path, nodes: list[Path], ranks_per_node: int = 
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", *agent, str(ROOT / "run_train.py"), "--config-file",
                  str(config_path)], cwd=node, stdout=out, stderr=subprocess.STDOUT, env=ENV))
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while any(p.poll() is None for p in processes) and not any(p.poll() for p in processes):
-            assert time.monotonic() < deadline, f"still running after {TIMEOUT_S} s"
-            time.sleep(0.2)
-    finally:
-        kill_with_descendants(processes)
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log.read_text()[-4000:]
+    wait_for_all(processes, logs, TIMEOUT_S)
 
 
 def _node_config(tiny_data, tmp_path: Path, name: str, steps: int, parallelism: dict) -> Path:

@@ -16,6 +16,7 @@ from helpers import (
     _run,
     assert_reference_trains,
     assert_user_error,
+    away_from_initial_values,
     check_against_reference,
     cli,
     metrics,
@@ -46,13 +47,7 @@ def _save_random(family: str, folder: Path, changes: dict) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**SHAPE | changes))
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so that a lost tensor would show
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+    away_from_initial_values(model).save_pretrained(folder, safe_serialization=True)
     return folder
 
 

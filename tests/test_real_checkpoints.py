@@ -16,7 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import run_distributed, run_distributed_each
-from helpers import PROMPTS, ROOT, _run, assemble, check_against_reference, tiny_config_dict, tp_config, write_config
+from helpers import (
+    PROMPTS,
+    ROOT,
+    _run,
+    assemble,
+    away_from_initial_values,
+    check_against_reference,
+    tiny_config_dict,
+    tp_config,
+    write_config,
+)
 
 NEW_TOKENS = 24
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -52,13 +62,7 @@ def save_random(family: str, folder: Path, **changes) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(hf_config(family, **changes)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
+    away_from_initial_values(model).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
