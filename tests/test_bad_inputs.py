@@ -131,6 +131,7 @@ def _cli_on_rank(argv: list[str]) -> None:
 EVAL_ARGS = ("--sequence-length", "16", "--max-windows", "10", "--batch-size", "4")  # batches of 4, 4 and 2
 
 
+@pytest.mark.slow
 def test_eval_at_pp2_gives_the_loss_of_pp1(base, tiny_data, tmp_path):
     data = str(tiny_data["tokenized"])
     single = cli("eval", "--ckpt-path", base["run"], "--data", data, *EVAL_ARGS, "--output", tmp_path / "pp1.json")

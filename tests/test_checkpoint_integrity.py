@@ -204,6 +204,7 @@ def test_a_file_list_naming_a_file_outside_the_checkpoint_is_refused_by_every_lo
 
 
 @pytest.mark.parametrize("plant", [_a_device, _a_pipe], ids=["device", "fifo"])
+@pytest.mark.slow
 def test_a_file_list_naming_a_device_or_a_pipe_is_refused_instead_of_hanging(run, tmp_path, plant):
     name = _plant(run, tmp_path, plant)
     outcome = _nanotron("checkpoint", "verify", run, timeout=120)  # a process of its own: reading one never ends
@@ -214,6 +215,7 @@ def test_a_file_list_naming_a_device_or_a_pipe_is_refused_instead_of_hanging(run
 
 @pytest.mark.parametrize("full", [_on_a_full_filesystem, _with_a_file_size_limit],
                          ids=["full-filesystem", "file-size-limit"])
+@pytest.mark.slow
 def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_run_resumes(run, tiny_data, tmp_path,
                                                                                          full):
     config = _config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"})

@@ -259,6 +259,7 @@ def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_
         torch.testing.assert_close(compiled["histories"][name], history, rtol=1e-5, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
     def config(name, tp, mode="ALL_REDUCE"):
         return tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 6},

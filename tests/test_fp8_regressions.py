@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from distributed import run_distributed_each
@@ -90,6 +91,7 @@ def test_tensor_parallel_fp8_linears_scale_their_slices_as_the_whole_tensors():
             assert max(differences.values()) < bound, (recipe, differences)
 
 
+@pytest.mark.slow
 def test_fp8_grad_norms_at_tp_2_follow_tp_1_as_closely_as_bf16_does(tiny_data, tmp_path):
     """The tiny Llama in bf16 at tp=2 (REDUCE_SCATTER) against tp=1, with FP8 and without: FP8's grad-norm curves
     may differ more than bf16's, since FP8's coarse rounding amplifies the reduction-order differences (measured:

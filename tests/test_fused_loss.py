@@ -201,6 +201,7 @@ def assert_same_steps(fused_ranks: list[dict], unfused_ranks: list[dict], what: 
             assert got[key] == pytest.approx(expected[key], rel=1e-5), (what, got["step"], key)
 
 
+@pytest.mark.slow
 def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
     """The tied Llama, a mixture of experts (auxiliary losses) and Mamba, fused and not; and a head given
     another matmul, which keeps the unfused loss."""

@@ -82,6 +82,7 @@ def test_round_trip_is_bit_identical(converted, tmp_path):
 MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank today"
 
 
+@pytest.mark.slow
 def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     import json
 

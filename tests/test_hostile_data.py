@@ -51,7 +51,7 @@ def _nested_aliases(levels: int) -> str:
 
 @pytest.mark.parametrize("document, key", [
     ("general:\n  project: {laughs}\n", "general.project[5]"),
-    ("data_stages: {laughs}\n", "data_stages[5]"),
+    pytest.param("data_stages: {laughs}\n", "data_stages[5]", marks=pytest.mark.slow),
 ], ids=["general.project", "data_stages"])
 def test_nested_yaml_aliases_are_refused_at_once(tmp_path, document, key):
     import nanotron.trainer  # noqa: F401  (imported by the command before it reads the config: not timed)
@@ -116,7 +116,7 @@ def _damaged_copy(tiny_data, folder: Path, bad_id: str) -> tuple[Path, int, int]
     return shard, value, position
 
 
-@pytest.mark.parametrize("bad_id", ["past", "negative"])
+@pytest.mark.parametrize("bad_id", ["past", pytest.param("negative", marks=pytest.mark.slow)])
 def test_a_shard_with_ids_outside_the_vocabulary_is_one_error_naming_it(tiny_data, tmp_path, bad_id):
     shard, value, position = _damaged_copy(tiny_data, tmp_path / "data", bad_id)
     config = _config(tiny_data, tmp_path / "run", 2, data_stages=[_stage(tmp_path / "data", workers=1)])
@@ -192,6 +192,7 @@ def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reorder
     ("by-name", {"folders": 2}, ("gone: rivers",)),
     ("as-a-list-before", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
 ], ids=["renamed", "removed", "renamed-as-a-list-before"])
+@pytest.mark.slow
 def test_resuming_domain_weights_onto_other_domains_is_refused(
         tiny_data, doremi_domains, doremi_reference, proxy_run, tmp_path, written, change, fragments):
     checkpoint = proxy_run / "3"

@@ -44,6 +44,7 @@ def test_the_scan_continues_across_calls():
     assert torch.allclose(whole[0, 0], (s0 * C[0, 0]).sum(-1) + D * x[0, 0], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_triton_kernels_equal_the_plain_torch_references():
     """The GPU scan's and conv's Triton kernels, run by Triton's interpreter on the CPU."""
     run_with_triton_interpreter("from helpers import check_chunked_scan, check_causal_conv; "
@@ -187,6 +188,7 @@ def _nanotron(ckpt: str, tp: int = 1, pp: int = 1) -> dict:
             "dtypes": {n: p.dtype for n, p in model.named_parameters()}}
 
 
+@pytest.mark.slow
 def test_logits_and_greedy_generation_match_transformers(converted):
     (ours,) = run_distributed(_nanotron, 1, ckpt=str(converted["ckpt"]))
     assert (ours["logits"] - converted["logits"]).abs().max() < 1e-4
@@ -278,6 +280,7 @@ def test_data_and_pipeline_parallelism_follow_one_process(tiny_data, tmp_path):
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), layout
 
 
+@pytest.mark.slow
 def test_tensor_parallel_in_both_modes_matches_one_process_and_resumes_at_tp_1(tiny_data, tmp_path):
     """Every channel-sharded tensor (in_proj's x and z, conv1d, dt_proj, A_log, D) is assembled from distinct
     per-rank pieces that must equal the single process's, gradients included; a tp=2 checkpoint continues at tp=1."""

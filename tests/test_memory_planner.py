@@ -62,6 +62,7 @@ LAYOUTS = {  # two ranks each
 }
 
 
+@pytest.mark.slow
 def test_build_stage_on_the_meta_device_gives_every_rank_the_parameters_training_builds_for_it():
     """``build_model`` in two real gloo processes against ``build_stage`` here, for each rank's grid position, with
     ``GroupShape`` stand-ins for the process groups: the same names, local shapes, dtypes and placements."""

@@ -89,6 +89,7 @@ def _check_node_folders(nodes: list[Path], step: int) -> None:
     pytest.param({"pp": 2}, marks=pytest.mark.full_tier),
     pytest.param({"tp": 2}, marks=pytest.mark.full_tier),
 ], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+@pytest.mark.slow
 def test_each_node_keeps_its_own_ranks_files_and_the_run_resumes_exactly(tiny_data, tmp_path, parallelism):
     straight = [tmp_path / "straight0", tmp_path / "straight1"]
     _train_on_nodes(_node_config(tiny_data, tmp_path, "straight", TOTAL_STEPS, parallelism), straight)

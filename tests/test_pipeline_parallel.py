@@ -149,6 +149,7 @@ def _stuck_neighbour(timeout_s: float) -> str:
     return str(error.value)
 
 
+@pytest.mark.slow
 def test_stuck_exchange_fails_naming_stage_and_step():
     _, message = run_distributed(_stuck_neighbour, 2, timeout_s=1.0)
     assert "pipeline stage 1" in message and "step 7" in message and "pp_timeout_s" in message
@@ -169,6 +170,7 @@ def _step_lines(config: dict) -> list[str]:
     return [line for line in lines if line.startswith("step ")]
 
 
+@pytest.mark.slow
 def test_step_lines_appear_at_pp_2_with_quiet_replicas(tiny_data, tmp_path):
     """Every rank knows the step's loss, so rank 0 (a first stage) prints the step lines at logging.log_level even
     when the other ranks, the last stage among them, log only warnings."""

@@ -104,6 +104,7 @@ def test_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
     assert err.startswith("error:") and len(err.splitlines()) == 1 and 'pip install -e ".[plot]"' in err
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_runs_add_their_routing_panels(tmp_path):
     run = write_run(tmp_path / "moe", moe=True)
     output = tmp_path / "moe.png"
@@ -111,6 +112,7 @@ def test_mixture_of_experts_runs_add_their_routing_panels(tmp_path):
     check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, expert load, balancing loss
 
 
+@pytest.mark.slow
 def test_domain_weights_get_a_panel_of_their_own(tmp_path):
     run = write_run(tmp_path / "proxy", domains=["code", "prose"])
     lines = [json.loads(line) for line in run.read_text().splitlines()]

@@ -269,6 +269,7 @@ def test_trained_loss_is_cross_entropy_plus_the_z_loss(tiny_data, tmp_path, chun
         trainer.close()
 
 
+@pytest.mark.slow
 def test_tp2_matches_tp1_with_windows_nope_and_z_loss(tiny_data, tmp_path):
     """One 2-rank spawn for both loss paths (the vocabulary-parallel cross-entropy on logits, and the fused head);
     the tp=1 reference trains (loss falls, grad-norm > 0) and logs the z-loss beside lm_loss."""

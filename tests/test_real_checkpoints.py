@@ -110,6 +110,7 @@ def models(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.slow
 def test_logits_and_greedy_generation_match_transformers_at_tp_1_and_2(models, name):
     entry = models[name]
     for tp in (1, 2):
@@ -234,6 +235,7 @@ def test_eval_refuses_sequences_longer_than_the_context(smollm2_like):
     assert_one_error_line(evaluated, "--sequence-length (512) exceeds model.config.max_position_embeddings (128)")
 
 
+@pytest.mark.slow
 def test_training_refuses_a_tp_that_splits_kv_heads_once_per_launch(smollm2_like, tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", parallelism={"tp": 2})
     config["model"]["init_method"] = {"path": str(smollm2_like)}

@@ -115,6 +115,7 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
             "equal": torch.allclose(loss, eager, rtol=1e-5)}
 
 
+@pytest.mark.slow
 def test_the_doremi_loss_is_compiled_when_the_model_is(tiny_data, doremi_domains, doremi_reference, tmp_path):
     config = doremi_config(tiny_data, doremi_domains, tmp_path / "proxy", reference=doremi_reference, steps=1)
     config["model"]["compile"] = True

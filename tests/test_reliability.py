@@ -297,7 +297,8 @@ def _save_into_a_full_disk(config: dict) -> dict:
     return {"message": message}
 
 
-@pytest.mark.parametrize("async_save", [False, True], ids=["foreground", "background"])
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["foreground", "background"])
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(tiny_data, tmp_path, async_save):
     from distributed import run_distributed
 

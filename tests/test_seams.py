@@ -94,6 +94,7 @@ def _train_with_converter(config: dict, converted: bool, resume_buffer: bool = F
     return result
 
 
+@pytest.mark.slow
 def test_converted_linears_train_like_the_plain_model_and_buffers_are_checkpointed(tiny_data, tmp_path):
     """At tp=2 in sequence-parallel mode with overlap, a converter's matmul runs in every converted layer (the
     overlapped path steps aside) and gives the same losses; the buffer it adds is saved and restored on resume."""
@@ -172,6 +173,7 @@ def two_domains(tiny_data, tmp_path_factory) -> list[Path]:
     return [tiny_data["tokenized"], root / "other"]
 
 
+@pytest.mark.slow
 def test_multi_folder_runs_log_the_loss_of_every_domain_at_any_layout(tiny_data, two_domains, tmp_path):
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0,

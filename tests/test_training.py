@@ -148,6 +148,7 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data,
     assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "1"
 
 
+@pytest.mark.slow
 def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
     from nanotron.checkpoint.integrity import read_metadata
     from nanotron.checkpoint.run_folder import resolve_checkpoint
@@ -183,6 +184,7 @@ def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
         read_metadata(checkpoint)
 
 
+@pytest.mark.slow
 def test_compiled_model_and_loss_match_eager(tiny_data, tmp_path):
     """`model.compile` fuses the same computation: per-step loss and grad-norm equal the eager run."""
     runs = {}

@@ -101,7 +101,8 @@ def _substituted(name: str, tiny_data, data: dict[str, Path], run: Path) -> dict
     for stage in stages:  # their kind of data: datatrove folders, a Hugging Face dataset, or synthetic tokens
         dataset = stage["data"].get("dataset")
         if dataset is not None and "hf_dataset_or_datasets" in dataset:
-            dataset.update(hf_dataset_or_datasets=str(data["jsonl"]), hf_dataset_config_name=None)
+            dataset.update(hf_dataset_or_datasets=str(data["jsonl"]), hf_dataset_config_name=None,
+                           dataset_processing_num_proc_per_process=1)  # sized for this machine (theirs: up to 12)
         elif dataset is not None:
             folders = dataset["dataset_folder"]
             weights = list(folders.values()) if isinstance(folders, dict) else None
