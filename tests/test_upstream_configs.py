@@ -357,3 +357,19 @@ def test_translation_leaves_the_callers_data_alone():
     before = copy.deepcopy(raw)
     _loaded(raw)
     assert raw == before
+
+
+def test_fields_nothing_reads_are_named_in_the_ignored_keys_warning():
+    """Set to another value than what runs anyway; the values our own saved configs hold say nothing."""
+    raw = _upstream("v0.4/mamba__config_mamba.yaml")
+    raw["model"]["init_method"] = {"std": 0.02}
+    raw["tokenizer"]["tokenizer_max_length"] = 2048
+    model = raw["model"]["model_config"]
+    model.update(fused_add_norm=False, pad_vocab_size_multiple=16)
+    model["ssm_cfg"]["use_fast_path"] = False
+    with pytest.warns(LegacyKeyWarning) as record:
+        config_from_dict(raw)
+    (warning,) = [w for w in record if issubclass(w.category, LegacyKeyWarning)]
+    for key in ("tokenizer.tokenizer_max_length", "model_config.fused_add_norm", "model_config.pad_vocab_size_multiple",
+                "ssm_cfg.use_fast_path"):
+        assert key in str(warning.message), warning.message

@@ -38,6 +38,17 @@ IGNORED_KEYS: dict[str, str] = {
 }
 
 
+# Fields our schema keeps (checkpoints and saved configs hold them) but nothing reads: named in the same warning
+# when a file gives them another value than the one that describes what runs anyway, and left in place.
+UNREAD_FIELDS: dict[str, tuple[Any, str]] = {
+    "tokenizer.tokenizer_max_length": (None, "training reads whole windows of tokens.sequence_length"),
+    f"{MODEL_CONFIG}.fused_add_norm": (True, "a kernel choice of mamba_ssm; the same maths here"),
+    f"{MODEL_CONFIG}.pad_vocab_size_multiple": (8, "model.make_vocab_size_divisible_by pads the vocabulary"),
+    f"{MODEL_CONFIG}.ssm_cfg.use_fast_path": (True, "the kernels are chosen by the device (plain torch where none "
+                                                    "runs)"),
+}
+
+
 @dataclass(frozen=True)
 class Feature:
     """An upstream key that turns on a feature we lack: accepted only with the value that means "off"."""
@@ -109,6 +120,11 @@ def translate(raw: Any) -> tuple[Any, Translation]:
     _walk_features(raw, "", "", found)
     for key in IGNORED_KEYS:
         _drop_ignored(raw, key, found)
+    for key, (runs_anyway, why) in UNREAD_FIELDS.items():
+        parent, _, name = key.rpartition(".")
+        section = _section(raw, parent)
+        if section is not None and section.get(name, runs_anyway) != runs_anyway:
+            found.ignored[key] = why
     for rewrite in (_optimizer_factory, _init_method, _model_config, _datasets, _domain_names):
         rewrite(raw, found)
     return raw, found
