@@ -177,7 +177,7 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
         write_profile(step, profile)
     saves = time_saves(trainer) if args.save_to else None
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token,
-                     trainer.peak_flops)
+                     trainer.step_log.peak_flops)
     fp8 = config.fp8.recipe if precision(config) == "fp8" else None
     return result | memory | {"preset": preset, "overrides": overrides, "precision": precision(config),
                               "fp8_recipe": fp8, "parameters": trainer.num_parameters,

@@ -408,3 +408,25 @@ def test_training_log_reports_tflops_from_the_megatron_count(tiny_data, tmp_path
     record = json.loads(trainer.config.resolved_metrics_path().read_text().splitlines()[-1])
     assert trainer.flops_per_token == 616_320
     assert record["tflops_per_gpu"] * 1e12 / record["tokens_per_sec_per_gpu"] == pytest.approx(616_320, rel=1e-9)
+
+
+def test_nanotron_run_of_the_benchmark_reads_what_the_trainer_exposes(tiny_data, tmp_path, monkeypatch):
+    """``run_nanotron`` end to end on the CPU, with CUDA's timers and memory counters stood in: the record's fields
+    come from the real trainer (a renamed trainer attribute fails here, not on the GPU after the timed steps)."""
+    import argparse
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(benchmark.PRESETS, "tiny", {**TINY_LLAMA, "vocab_size": 384})
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(benchmark, "per_rank", lambda value: [value])  # its all-gather goes through CUDA
+    monkeypatch.setattr(benchmark, "timed", lambda step, steps, warmup: ([step(i) or 0.5 for i in range(warmup + steps)]
+                                                                          [warmup:], 0))
+    args = argparse.Namespace(data=str(tiny_data["tokenized"]), sequence_length=32, micro_batch_size=2, accumulation=1,
+                              steps=2, warmup=1, save_to=None)
+    result, micro_batch = benchmark.run_nanotron(args, "tiny", ["model.compile=false", "model.dtype=float32"])
+    assert result["step_time_s"] == 0.5 and result["tokens_per_sec"] == 2 * 32 / 0.5
+    assert result["parameters"] > 0 and result["flops_per_token"] > 0 and result["layout"]["tp"] == 1
+    assert result["mfu"] is None  # no peak FLOP/s is known for a CPU
+    assert micro_batch[0]["input_ids"].shape == (2, 32)
