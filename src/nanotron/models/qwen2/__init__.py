@@ -27,10 +27,11 @@ QWEN2 = ModelSpec(
     inference_cache=KVCache,
     config_problems=llama_problems,
     context_length=LLAMA.context_length,
-    # The z-loss weighs the objective, not the weights: a run may switch it when it continues. The implementation
-    # keys choose kernels only.
+    # The z-loss and document masking shape the objective, not the weights: a run may switch them when it continues.
+    # The implementation keys choose kernels only.
     resume_may_change=LLAMA.resume_may_change | {
-        "z_loss_enabled", "z_loss_coefficient", "_attn_implementation", "flex_attention_mask", "_fused_rotary_emb",
+        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask", "_fused_rotary_emb",
         "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"},
     logit_z_loss=lambda config: config.z_loss,
+    document_masking=lambda config: config._use_doc_masking,
 )
