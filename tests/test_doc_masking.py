@@ -1,7 +1,7 @@
-"""Document masking (``_use_doc_masking``): the documents packed in a sample (datatrove's conventions), the one attention
-rule and its two kernels (flex attention against the SDPA reference), a packed sample against its documents run
-alone (model and trainer: loss, global token count, gradients, fused head, z-loss), every layout, resume, and the
-config keys (upstream's ``return_positions``). The GPU kernels' parity tests run only with CUDA."""
+"""Document masking (``_use_doc_masking``): the documents packed in a sample (datatrove's conventions), the one
+attention rule and its two kernels (flex attention against the SDPA reference), a packed sample against its
+documents run alone (model and trainer: loss, global token count, gradients, fused head, z-loss), every layout,
+resume, and the config keys (upstream's ``return_positions``). The GPU kernels' parity tests run only with CUDA."""
 
 from __future__ import annotations
 
