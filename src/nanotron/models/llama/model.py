@@ -167,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
         ``position_ids`` the sequence starts at position 0 and its tables are computed once per length
         (``RotaryEmbedding.first_positions``). Its length is the ids': a later pipeline stage, whose hidden states
         sequence parallelism may split, is handed the ids for it; without them its tables cover
-        ``max_position_embeddings`` positions and each layer takes the first ones it needs.
+        ``max_position_embeddings`` positions and each layer takes the first ones it needs, and its attention masks
+        cover the hidden states' length (which is then the whole sequence's).
         """
         if position_ids is None:
             length = input_ids.shape[1] if input_ids is not None else max(
