@@ -36,15 +36,16 @@ _TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
 SDPA_GROUPS_HEADS = _TORCH >= (2, 5)
 FLEX_AVAILABLE = flex_attention is not None and _TORCH >= (2, 5)
 
+
 def allowed(query_index: torch.Tensor, key_index: torch.Tensor, window: int | None = None,
             query_document: torch.Tensor | None = None, key_document: torch.Tensor | None = None) -> torch.Tensor:
     """The rule, elementwise over broadcast vectors: True where the query may attend to the key."""
-    attend = key_index <= query_index
+    allow = key_index <= query_index
     if window is not None:
-        attend = attend & (key_index > query_index - window)
+        allow = allow & (key_index > query_index - window)
     if query_document is not None:
-        attend = attend & (query_document == key_document)
-    return attend
+        allow = allow & (query_document == key_document)
+    return allow
 
 
 class AttentionMasks:
