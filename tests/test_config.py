@@ -129,7 +129,8 @@ FULL: dict[str, Any] = {
             "start_training_step": 1,
             "data": {
                 "dataset": {"dataset_folder": ["data/web", "data/code"], "dataset_weights": [0.7, 0.3],
-                            "token_size_in_bytes": 4, "tokenizer_name": "gpt2", "vocab_size": 500},
+                            "token_size_in_bytes": 4, "tokenizer_name": "gpt2", "vocab_size": 500,
+                            "return_positions": False},
                 "seed": 3,
                 "num_loading_workers": 0,
             },

@@ -26,16 +26,14 @@ from nanotron.config import (
 UPSTREAM = Path(__file__).parent / "upstream_configs"
 FILES = sorted(str(path.relative_to(UPSTREAM)) for path in UPSTREAM.glob("*/*.yaml"))
 
-DOC_MASKING = "model.model_config._use_doc_masking: document masking is not available yet"
-POSITION_IDS = "data_stages[0].data.dataset.return_positions (true): per-document position ids is not available yet"
 MAMBA_INIT = "model.init_method: upstream's Mamba initialisation"
 
 # The one-line refusals of each file, in the order they are reported; absent files load.
 EXPECTED_REFUSALS: dict[str, list[str]] = {
     "main/config_nanoset.yaml": [],
-    "main/config_qwen.yaml": [POSITION_IDS, DOC_MASKING],
+    "main/config_qwen.yaml": [],
     "main/config_qwen_with_moe.yaml": [
-        POSITION_IDS, DOC_MASKING, "model.model_config.moe_config: Qwen2's mixture of experts is not available yet"],
+        "model.model_config.moe_config: Qwen2's mixture of experts is not available yet"],
     "main/config_resume_training.yaml": [],
     "main/config_tiny_llama.yaml": [],
     "main/config_tiny_llama_with_s3_upload.yaml": [],
@@ -59,7 +57,7 @@ EXPECTED_REFUSALS: dict[str, list[str]] = {
     "v0.4/moe__config_llamoe.yaml": [],
 }
 # Refused for a feature we lack: nothing to train.
-LACKING_FEATURES = {"main/config_qwen.yaml", "main/config_qwen_with_moe.yaml", "main/mamba__config_mamba.yaml",
+LACKING_FEATURES = {"main/config_qwen_with_moe.yaml", "main/mamba__config_mamba.yaml",
                     "v0.4/mamba__config_mamba.yaml", "main/mup__configs__mup_350m_llama_config.yaml"}
 TRAINED = [name for name in FILES if name not in LACKING_FEATURES]
 DEFAULT_TIER = {"main/config_tiny_llama.yaml", "v0.4/moe__config_llamoe.yaml"}
@@ -231,7 +229,6 @@ def test_interleaved_rotary_true_is_refused_by_name():
 @pytest.mark.parametrize("key, value, feature", [
     ("parallelism.context_parallel_size", 2, "context parallelism"),
     ("parallelism.moe_layer_recompute", True, "recomputing the MoE layers alone"),
-    ("model.model_config._use_doc_masking", True, "document masking"),
     ("metrics_logging", {"log_level": 1}, "detailed metrics logging"),
     ("model.init_method.scaling_method", "LAYER_INDEX", "only NUM_LAYERS is available"),
 ])

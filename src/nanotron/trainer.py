@@ -46,7 +46,7 @@ from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.parallel.statistics import Statistics, sum_over_replicas
 from nanotron.preemption import StopRequests
 from nanotron.random import seed_everything
-from nanotron.training.build import fused_head_loss, load_data, log_summary, pipeline_schedule
+from nanotron.training.build import document_ends, fused_head_loss, load_data, log_summary, pipeline_schedule
 from nanotron.training.checkpointing import RunCheckpoints
 from nanotron.training.loss import StepLoss, logit_z_loss, mean_weights
 from nanotron.training.step_log import StepLog, StepResult
@@ -84,6 +84,7 @@ class Trainer:
 
         self.checkpoints = RunCheckpoints(config, self.pc)
         self.datasets, self.tokenizer_fingerprint = load_data(config, self.pc, self.features)
+        self.document_ends = document_ends(config, self.datasets)  # per stage; None: no document masking
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         self.z_loss = spec_for_config(model_config).logit_z_loss(model_config)  # its coefficient; 0: none
@@ -122,8 +123,10 @@ class Trainer:
     def _stage_forward(self, micro_batch: dict[str, torch.Tensor], hidden_states: torch.Tensor | None) -> StageOutput:
         """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
         logits = self.head_loss is None  # else the last stage returns the head's input, for the fused loss
-        # A later stage takes the ids too, for the sequence's length (its rotary tables), not for their values.
-        output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits)
+        # A later stage takes the ids too, for the sequence's length (its rotary tables), not for their values; every
+        # stage takes the documents' positions and ids, which micro-batches hold under document masking.
+        output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits,
+                            **{key: micro_batch[key] for key in ("position_ids", "document_ids") if key in micro_batch})
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
@@ -313,6 +316,7 @@ class Trainer:
             dp_rank=self.pc.coord("dp") * self.pc.size("ep") + self.pc.coord("ep"),
             dp_size=self.pc.size("dp_ep"),
             num_workers=stage.data.num_loading_workers,
+            end_of_document=self.document_ends[stage.name],
         )
 
     def _profiler(self):

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from nanotron.config.data import HFDatasetArgs
+from nanotron.config.data import DatasetArgs, HFDatasetArgs
 from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LR_KEY
+from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.rules import MODEL_CONFIG_KEY
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _schedule_vs_run_length(cfg)
     yield from _doremi_vs_data_stages(cfg)
     yield from _model_vs_parallelism(cfg)
+    yield from _documents_vs_data_stages(cfg)
 
 
 def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:
@@ -82,3 +84,15 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
             "every pipeline stage needs at least one layer"
         )
+
+
+def _documents_vs_data_stages(cfg: Config) -> Iterator[str]:
+    """Document masking reads the documents' positions, which upstream's ``return_positions: false`` turns off."""
+    c = cfg.model.model_config
+    if not (isinstance(c, Qwen2Config) and c._use_doc_masking):
+        return
+    for stage in cfg.data_stages:
+        if isinstance(stage.data.dataset, DatasetArgs) and not stage.data.dataset.return_positions:
+            yield (f"data_stages[{stage.name!r}].data.dataset.return_positions is false, but "
+                   f"{MODEL_CONFIG_KEY}._use_doc_masking needs the positions of the documents in each sample: set "
+                   "return_positions: true, or _use_doc_masking: false")

@@ -43,6 +43,9 @@ class DatasetArgs:
     token_size_in_bytes: int | None = None
     tokenizer_name: str | None = None
     vocab_size: int | None = None
+    # Upstream's switch for per-document positions in the samples, which document masking reads
+    # (model_config._use_doc_masking); without document masking positions run on through a sample either way.
+    return_positions: bool = True
 
     @property
     def num_domains(self) -> int:

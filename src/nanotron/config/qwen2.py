@@ -8,9 +8,10 @@ path drops the window on its NoPE layers). ``nope_layers`` and ``sliding_window_
 for the patterns of Hugging Face models that the rule cannot give (Qwen2's ``max_window_layers``, SmolLM3's free
 ``no_rope_layers``).
 
-Upstream's implementation keys (``_attn_implementation``, ``_fused_*``, ``_use_qkv_packed``, ...) choose kernels,
-not results: they are accepted and nanotron picks its own. Features not built yet are refused by name when
-switched on.
+``_use_doc_masking`` keeps attention inside each document packed in a sample (``data/loader.py`` finds the
+documents, ``nn/attention.py`` applies the rule). Upstream's implementation keys (``_attn_implementation``,
+``flex_attention_mask``, ``_fused_*``, ``_use_qkv_packed``, ...) choose kernels, not results: they are accepted and
+nanotron picks its own. Features not built yet are refused by name when switched on.
 """
 
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ class Qwen2Config(LlamaConfig):
     sliding_window_layers: list[int] | None = None  # the indices of the sliding layers; None: every RoPE layer
     z_loss_enabled: bool = False  # adds z_loss_coefficient * mean over tokens of logsumexp(logits)^2 to the loss
     z_loss_coefficient: float = 0.0001
-    _use_doc_masking: bool = False
+    _use_doc_masking: bool = False  # attention stays inside each document packed in a sample (nn/attention.py)
     moe_config: dict | None = None  # Qwen2's mixture of experts (upstream's MoEConfig keys)
     rope_seq_len_interpolation_factor: float | None = None
     # Kernel choices of upstream nanotron: accepted, without effect on the results (nanotron picks its kernels).
@@ -77,11 +78,9 @@ class Qwen2Config(LlamaConfig):
         """Llama's rules on the values, then the layers' attention, the z-loss and the features not built yet."""
         yield from super().problems(key)
         k = prefix(key)
-        if self._use_doc_masking:
-            yield f"{k}_use_doc_masking: document masking is not available yet; set it to false"
-        if self.flex_attention_mask in ("document", "sliding_window_document"):
-            yield (f"{k}flex_attention_mask: {self.flex_attention_mask}: document masking is not available yet; set "
-                   "it to null (sliding windows follow sliding_window_size)")
+        if self.flex_attention_mask in ("document", "sliding_window_document") and not self._use_doc_masking:
+            yield (f"{k}flex_attention_mask: {self.flex_attention_mask} masks documents, which {k}_use_doc_masking "
+                   "switches on: set _use_doc_masking: true, or flex_attention_mask: null")
         if self.moe_config is not None:
             yield (f"{k}moe_config: Qwen2's mixture of experts is not available yet; set moe_config: null (Mixtral-"
                    "style experts are is_llamoe_config)")

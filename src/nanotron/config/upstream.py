@@ -66,8 +66,6 @@ FEATURES: dict[str, Feature] = {
         "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
     "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),
     "data_stages[].sequence_length": Feature("a sequence length per data stage", (None,)),
-    f"{_DATASET}.return_positions": Feature(
-        "per-document position ids", (False,), "positions run from 0 in every sample; set it to false"),
     f"{_DATASET}.dataset_read_path": Feature("reading the folders from a local copy (dataset_read_path)", (None,)),
     f"{_DATASET}.dataset_max_tokens": Feature("a token budget per folder (dataset_max_tokens)", (None,)),
     f"{_DATASET}.skip_in_stream": Feature("skipping samples in the stream (skip_in_stream)", (False,)),

@@ -214,6 +214,7 @@ class SampleSource(Protocol):
     vocab_size: int
     domain_names: list[str]
     weights: list[float]
+    eos_token_id: int | None  # the end-of-document id the tokens were written with, where the source records it
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...
 
@@ -309,6 +310,7 @@ class PretrainDataset(BlendedDataset):
         check_sequence_length(sequence_length)
         shards = [TokenShards(folder) for folder in folders]
         self.vocab_size = max(folder.vocab_size for folder in shards)
+        self.eos_token_id = shards[0].eos_token_id  # one tokenizer (checked below), so one end-of-document id
         self.tokenizer_fingerprints = [folder.tokenizer_fingerprint for folder in shards]
         if len(set(self.tokenizer_fingerprints)) > 1:
             raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("

@@ -171,6 +171,7 @@ class DatatroveDataset(BlendedDataset):
         check_sequence_length(sequence_length)
         streams = [DatatroveTokens(folder, vocab_size, token_size) for folder in folders]
         self.vocab_size = vocab_size
+        self.eos_token_id = None  # datatrove records none: it is the tokenizer's
         self.tokenizer_names = [stream.tokenizer_name for stream in streams]
         self.tokenizer_fingerprints = [None] * len(streams)
         if len({name for name in self.tokenizer_names if name is not None}) > 1:

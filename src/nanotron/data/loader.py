@@ -52,12 +52,33 @@ def rank_micro_batches(indices: range, dp_rank: int, dp_size: int, micro_batch_s
     return [block[micro * micro_batch_size:(micro + 1) * micro_batch_size] for micro in range(accumulation)]
 
 
-def _to_micro_batch(samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens."""
+def packed_documents(input_ids: torch.Tensor, end_of_document: int) -> dict[str, torch.Tensor]:
+    """The documents packed in each sample of ``input_ids`` [batch, seq], as datatrove and upstream nanotron count
+    them: the ``end_of_document`` token belongs to the document it ends, and the next token starts another.
+
+    ``document_ids`` number the documents of a sample from 0; ``position_ids`` restart at 0 at the start of the sample
+    and after each end-of-document token; ``label_mask`` leaves out the target that follows an end-of-document token
+    (the next document's first token, which nothing inside that document can predict).
+    """
+    ends = input_ids == end_of_document
+    index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    starts = torch.ones_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    first_of_document = torch.where(starts, index, 0).cummax(dim=1).values
+    return {"position_ids": index - first_of_document, "document_ids": ends.cumsum(dim=1) - ends.long(),
+            "label_mask": ~ends}
+
+
+def _to_micro_batch(samples: dict[str, torch.Tensor], end_of_document: int | None) -> dict[str, torch.Tensor]:
+    """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens; with an ``end_of_document`` id
+    (document masking) the documents packed in them too (``packed_documents``)."""
     tokens = samples["tokens"]
-    labels = tokens[:, 1:].contiguous()
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels,
-            "label_mask": torch.ones_like(labels, dtype=torch.bool), "domain_ids": samples["domain_ids"]}
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    micro_batch = {"input_ids": input_ids, "labels": labels, "label_mask": torch.ones_like(labels, dtype=torch.bool),
+                   "domain_ids": samples["domain_ids"]}
+    if end_of_document is not None:
+        micro_batch |= packed_documents(input_ids, end_of_document)
+    return micro_batch
 
 
 class _RankMicroBatches(Dataset):
@@ -68,8 +89,9 @@ class _RankMicroBatches(Dataset):
     """
 
     def __init__(self, dataset: SampleSource, first_sample: int, start_step: int, micro_batch_size: int,
-                 accumulation: int, dp_rank: int, dp_size: int):
+                 accumulation: int, dp_rank: int, dp_size: int, end_of_document: int | None):
         self.dataset = dataset
+        self.end_of_document = end_of_document
         self.first_sample = first_sample
         self.start_step = start_step
         self.micro_batch_size = micro_batch_size
@@ -83,7 +105,7 @@ class _RankMicroBatches(Dataset):
         indices = global_batch_indices(self.start_step + step, self.first_sample, global_batch_size)
         micro_batches = rank_micro_batches(indices, self.dp_rank, self.dp_size, self.micro_batch_size,
                                            self.accumulation)
-        return _to_micro_batch(self.dataset.samples(micro_batches[micro]))
+        return _to_micro_batch(self.dataset.samples(micro_batches[micro]), self.end_of_document)
 
 
 def _leave_trainer_signals_to_the_trainer(worker_id: int) -> None:
@@ -103,12 +125,15 @@ class MicroBatchLoader:
     """This data-parallel rank's micro-batches, step after step, from ``start_step`` of a data stage on.
 
     Each micro-batch is ``{"input_ids", "labels", "label_mask", "domain_ids"}``: int64 ``[mbs, S]``, int64
-    ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``. With ``num_workers > 0`` worker processes load ahead of
-    the training loop; the batches are identical to those of ``num_workers = 0``.
+    ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``; with an ``end_of_document`` id (document masking) also
+    ``"position_ids"`` and ``"document_ids"``, int64 ``[mbs, S]``, computed here (in the workers, off the training
+    loop) and read by every pipeline stage. With ``num_workers > 0`` worker processes load ahead of the training
+    loop; the batches are identical to those of ``num_workers = 0``.
     """
 
     def __init__(self, dataset: SampleSource, *, first_sample: int, start_step: int, micro_batch_size: int,
-                 accumulation: int, dp_rank: int, dp_size: int, num_workers: int = 0):
+                 accumulation: int, dp_rank: int, dp_size: int, num_workers: int = 0,
+                 end_of_document: int | None = None):
         for name, value, minimum in (("first_sample", first_sample, 0), ("start_step", start_step, 0),
                                      ("micro_batch_size", micro_batch_size, 1), ("accumulation", accumulation, 1),
                                      ("dp_size", dp_size, 1), ("num_workers", num_workers, 0)):
@@ -119,7 +144,7 @@ class MicroBatchLoader:
         self.accumulation = accumulation
         self.step = start_step  # the stage step that next_step() returns
         micro_batches = _RankMicroBatches(dataset, first_sample, start_step, micro_batch_size, accumulation,
-                                          dp_rank, dp_size)
+                                          dp_rank, dp_size, end_of_document)
         self._iterator: Iterator[dict[str, torch.Tensor]]
         self._workers: list[multiprocessing.Process] = []
         if num_workers == 0:

@@ -38,11 +38,13 @@ class CausalLM(Protocol):
 
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                caches: dict[str, Any] | None = None, head: bool = True) -> torch.Tensor:
+                caches: dict[str, Any] | None = None, head: bool = True,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The parts this stage holds: ids (first stage) or hidden states in, hidden states or logits out; a later
         stage may be handed the ids too, for the sequence's length only. ``caches`` maps layer indices to their
         inference caches (generation). ``head=False`` leaves the LM head out: the last stage returns the final norm's
-        output, for a loss that applies the head itself chunk by chunk (``parallel/linear_cross_entropy.py``)."""
+        output, for a loss that applies the head itself chunk by chunk (``parallel/linear_cross_entropy.py``).
+        ``document_ids`` [batch, seq] are given to families with ``ModelSpec.document_masking`` only."""
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head where the config ties them (again after modules are swapped)."""
@@ -167,3 +169,6 @@ class ModelSpec:
     # config -> the weight of the z-loss on the LM head's logits in the trained objective: the objective adds it times
     # the mean over the step's tokens of logsumexp(logits)² (``parallel/cross_entropy.py``); 0: none
     logit_z_loss: Callable[[Any], float] = lambda config: 0.0
+    # config -> whether attention stays inside each document packed in a sample: the trainer then hands the model
+    # every micro-batch's ``document_ids`` and per-document ``position_ids`` (``data/loader.py``)
+    document_masking: Callable[[Any], bool] = lambda config: False

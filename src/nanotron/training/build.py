@@ -18,7 +18,7 @@ from nanotron.data.datatrove_folder import DatatroveDataset
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from nanotron.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_fingerprint
 from nanotron.memory import memory_summary
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
@@ -60,6 +60,29 @@ def load_data(config: Config, pc: ParallelContext,
                     f"({config.tokenizer.tokenizer_name_or_path}); re-run nanotron preprocess with it"
                 )
     return datasets, expected
+
+
+def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str, int | None]:
+    """Per data stage, the id that ends the documents packed in its samples, which document masking cuts them at
+    (all None without it): the one its folders record (``nanotron preprocess``, Hugging Face datasets), else the
+    tokenizer's (datatrove folders record none), else for synthetic tokens ``model_config.eos_token_id``. Refuses a
+    stage without one before the model is allocated."""
+    model_config = config.model.model_config
+    if not spec_for_config(model_config).document_masking(model_config):
+        return dict.fromkeys(datasets)
+    name = config.tokenizer.tokenizer_name_or_path
+    tokenizer_end = eos_token_id(load_tokenizer(name, config.tokenizer.tokenizer_revision)) if name else None
+    ends = {}
+    for stage, dataset in datasets.items():
+        end = dataset.eos_token_id if dataset.eos_token_id is not None else tokenizer_end
+        if end is None and isinstance(dataset, SyntheticDataset):
+            end = model_config.eos_token_id
+        if end is None:
+            raise ConfigError(f"data stage {stage!r}: model.model_config._use_doc_masking cuts samples at the "
+                              "end-of-document id, which datatrove folders do not record; set "
+                              "tokenizer.tokenizer_name_or_path to the tokenizer that wrote them")
+        ends[stage] = end
+    return ends
 
 
 def domain_sources(stage: DatasetStageArgs, dataset: SampleSource) -> list[str]:

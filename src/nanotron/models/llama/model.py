@@ -9,25 +9,23 @@ tensor-parallel ranks, or a kv head replicated over the ranks that share it.
 
 The rotary cos/sin tables are computed once per forward, outside the decoder layers, and handed to each of them:
 inside a compiled layer the compiler would otherwise fuse the trigonometry into the rotation and recompute it for
-every batch row and head (measured: ~20 ms of a 1B model's 280 ms step on an H200).
+every batch row and head (measured: ~20 ms of a 1B model's 280 ms step on an H200). The attention masks are built
+there too, once per forward and window (``nn/attention.py``), so that compiled layers receive them ready.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, tie_embeddings
+from nanotron.nn.attention import AttentionMasks, BlockMask, attend
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 from nanotron.nn.swiglu import swiglu
-
-# Since torch 2.5, SDPA groups query heads over kv heads itself, without materialising repeated keys and values.
-SDPA_GROUPS_HEADS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class KVCache:
@@ -37,6 +35,11 @@ class KVCache:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
+    @property
+    def length(self) -> int:
+        """The positions held."""
+        return 0 if self.k is None else self.k.shape[2]
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
@@ -45,27 +48,27 @@ class KVCache:
 
 class LlamaAttention(nn.Module):
     """Causal self-attention with grouped-query heads and a fused q|k|v projection (biased with
-    ``attention_bias``, as in Qwen2)."""
+    ``attention_bias``, as in Qwen2); ``window`` positions (the query's own included) on sliding layers."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, window: int | None = None):
         super().__init__()
         self.head_dim = config.head_dim
+        self.window = window
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.attention_bias,
                                chunks=(q_width, kv_width, kv_width))
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Causal attention. ``rotary`` holds the fp32 cos and sin tables ([..., positions, head_dim], at least as
-        many positions as the sequence; the first ones are used). ``attention_mask`` [batch, 1, queries, keys]
-        (True = attend) replaces the causal mask when given (padded prompts), and ``kv_cache`` holds the keys and
-        values of earlier positions (generation)."""
+                mask: torch.Tensor | BlockMask | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Attention where ``mask`` allows: this layer's ``AttentionMasks.for_window(self.window)`` (None: plain
+        causal). ``rotary`` holds the fp32 cos and sin tables ([..., positions, head_dim], at least as many positions
+        as the sequence; the first ones are used), and ``kv_cache`` the keys and values of earlier positions
+        (generation)."""
         qkv = self.qkv_proj(hidden_states)
         batch, seq, _ = qkv.shape
         widths = self.qkv_proj.output_chunks
         q_heads, kv_heads = widths[0] // self.head_dim, widths[1] // self.head_dim
-        q_per_kv = q_heads // kv_heads
         q, k, v = qkv.split(list(widths), dim=-1)
         q = q.view(batch, seq, q_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
@@ -74,18 +77,7 @@ class LlamaAttention(nn.Module):
         q, k = self.encode_positions(q, k, rotary)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        grouped = {}
-        if q_per_kv > 1 and SDPA_GROUPS_HEADS:
-            grouped = {"enable_gqa": True}
-        elif q_per_kv > 1:
-            k = k.repeat_interleave(q_per_kv, dim=1)
-            v = v.repeat_interleave(q_per_kv, dim=1)
-
-        mask = self.mask(attention_mask, seq, k.shape[2], q.device)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
+        out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
 
     def encode_positions(self, q: torch.Tensor, k: torch.Tensor,
@@ -93,12 +85,6 @@ class LlamaAttention(nn.Module):
         """Queries and keys [batch, heads, positions, head_dim] rotated by RoPE; variants override this."""
         cos, sin = (table[..., :q.shape[2], :].to(q.dtype) for table in rotary)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-    def mask(self, attention_mask: torch.Tensor | None, queries: int, keys: int,
-             device: torch.device) -> torch.Tensor | None:
-        """The boolean mask [..., queries, keys] (True = attend) for ``queries`` that are the last of ``keys``
-        positions, or None for the plain causal mask; variants that restrict attention override this."""
-        return attention_mask
 
 
 class LlamaMLP(nn.Module):
@@ -126,8 +112,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        attended = self.attn(self.input_layernorm(hidden_states), rotary, attention_mask, kv_cache)
+                mask: torch.Tensor | BlockMask | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        attended = self.attn(self.input_layernorm(hidden_states), rotary, mask, kv_cache)
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -170,15 +156,19 @@ class LlamaForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         caches: dict[str, KVCache] | None = None,
         head: bool = True,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that;
         ``head=False`` stops before the LM head (see ``CausalLM.forward``).
 
-        ``caches`` maps layer indices to their KV caches during generation. Without ``position_ids`` the sequence
-        starts at position 0 and its tables are computed once per length (``RotaryEmbedding.first_positions``).
-        Its length is the ids': a later pipeline stage, whose hidden states sequence parallelism may split, is
-        handed the ids for it; without them its tables cover ``max_position_embeddings`` positions and each layer
-        takes the first ones it needs.
+        ``caches`` maps layer indices to their KV caches during generation, where ``attention_mask`` [batch, 1,
+        queries, keys] hides the padding keys. ``document_ids`` [batch, seq] (document masking) keep each token's
+        attention inside its document, and ``position_ids`` [batch, seq] then restart in each. Without
+        ``position_ids`` the sequence starts at position 0 and its tables are computed once per length
+        (``RotaryEmbedding.first_positions``). Its length is the ids': a later pipeline stage, whose hidden states
+        sequence parallelism may split, is handed the ids for it; without them its tables cover
+        ``max_position_embeddings`` positions and each layer takes the first ones it needs, and its attention masks
+        cover the hidden states' length (which is then the whole sequence's).
         """
         if position_ids is None:
             length = input_ids.shape[1] if input_ids is not None else max(
@@ -187,11 +177,14 @@ class LlamaForCausalLM(nn.Module):
             rotary = self.rotary.first_positions(length, device)
         else:
             rotary = self.rotary(position_ids)
+        tokens = input_ids if input_ids is not None else hidden_states
+        past = next(iter(caches.values())).length if caches else 0
+        masks = AttentionMasks.of_sequence(tokens.shape[1], tokens.device, past, document_ids, attention_mask)
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         for index, layer in self.layers.items():
             cache = caches[index] if caches is not None else None
-            hidden_states = layer(hidden_states, rotary, attention_mask, cache)
+            hidden_states = layer(hidden_states, rotary, masks.for_window(layer.attn.window), cache)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         if self.lm_head is not None and head:

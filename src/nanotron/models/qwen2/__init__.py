@@ -8,8 +8,9 @@ Hugging Face mapping of both architectures; ``QWEN2`` ties them together for the
 
 from nanotron.config import Qwen2Config, llama_problems
 from nanotron.models.llama import LLAMA
+from nanotron.models.llama.costs import llama_layer_activations
 from nanotron.models.llama.model import KVCache, llama_init_rule
-from nanotron.models.qwen2.costs import qwen2_costs, qwen2_layer_activations
+from nanotron.models.qwen2.costs import qwen2_costs
 from nanotron.models.qwen2.hf_adapter import Qwen2HFAdapter
 from nanotron.models.qwen2.model import Qwen2ForCausalLM
 from nanotron.models.qwen2.parallelize import qwen2_plan
@@ -21,16 +22,19 @@ QWEN2 = ModelSpec(
     model_class=Qwen2ForCausalLM,
     tensor_parallel_plan=qwen2_plan,
     costs=qwen2_costs,
-    layer_activations=qwen2_layer_activations,
+    # A GPU runs windows and documents as flex attention, whose block mask is shared by the layers and small (one
+    # entry per 128 x 128 block): a layer keeps what Llama's keeps.
+    layer_activations=llama_layer_activations,
     init_rule=llama_init_rule,
     hf_adapter=Qwen2HFAdapter(),
     inference_cache=KVCache,
     config_problems=llama_problems,
     context_length=LLAMA.context_length,
-    # The z-loss weighs the objective, not the weights: a run may switch it when it continues. The implementation
-    # keys choose kernels only.
+    # The z-loss and document masking shape the objective, not the weights: a run may switch them when it continues.
+    # The implementation keys choose kernels only.
     resume_may_change=LLAMA.resume_may_change | {
-        "z_loss_enabled", "z_loss_coefficient", "_attn_implementation", "flex_attention_mask", "_fused_rotary_emb",
-        "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"},
+        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask",
+        "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"},
     logit_z_loss=lambda config: config.z_loss,
+    document_masking=lambda config: config._use_doc_masking,
 )

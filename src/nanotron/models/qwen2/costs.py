@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from nanotron.config import Qwen2Config
-from nanotron.models.llama.costs import decoder_costs, llama_layer_activations
-from nanotron.models.spec import ActivationShape, ModelCosts
+from nanotron.models.llama.costs import decoder_costs
+from nanotron.models.spec import ModelCosts
 
 
 def attended_keys(window: int | None, sequence_length: int) -> float:
@@ -21,12 +21,3 @@ def qwen2_costs(c: Qwen2Config, padded_vocab_size: int, sequence_length: int) ->
     dense = 3 * c.hidden_size * c.intermediate_size
     keys = [attended_keys(c.attention_window(i), sequence_length) for i in range(c.num_hidden_layers)]
     return decoder_costs(c, padded_vocab_size, sequence_length, [(dense, dense)] * c.num_hidden_layers, keys)
-
-
-def qwen2_layer_activations(c: Qwen2Config, layer: int, shape: ActivationShape) -> tuple[int, int]:
-    """``ModelSpec.layer_activations``: Llama's, plus a sliding layer's boolean window mask (sequence² bytes), which
-    SDPA keeps for the backward, or which a recomputed layer builds again in its backward (derived from
-    ``model.py``, not measured)."""
-    kept, transient = llama_layer_activations(c, layer, shape)
-    mask = shape.sequence_length ** 2 if c.attention_window(layer) is not None else 0
-    return (kept, transient + mask) if shape.recomputed else (kept + mask, transient)
