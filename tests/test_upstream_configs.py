@@ -34,8 +34,7 @@ MAMBA_INIT = "model.init_method: upstream's Mamba initialisation"
 EXPECTED_REFUSALS: dict[str, list[str]] = {
     "main/config_nanoset.yaml": [],
     "main/config_qwen.yaml": [POSITION_IDS, DOC_MASKING],
-    "main/config_qwen_with_moe.yaml": [
-        POSITION_IDS, DOC_MASKING, "model.model_config.moe_config: Qwen2's mixture of experts is not available yet"],
+    "main/config_qwen_with_moe.yaml": [POSITION_IDS, DOC_MASKING],
     "main/config_resume_training.yaml": [],
     "main/config_tiny_llama.yaml": [],
     "main/config_tiny_llama_with_s3_upload.yaml": [],
