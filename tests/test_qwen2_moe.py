@@ -206,6 +206,37 @@ def test_a_dense_qwen2_model_has_no_router_statistics():
     assert router_statistics_template(Qwen2Config()) == {}
 
 
+def test_costs_count_every_parameter_and_a_token_uses_its_k_experts_and_the_shared_one():
+    from nanotron.config import Qwen2Config
+    from nanotron.models.registry import spec_for_config
+
+    hidden, experts, ffn, shared = 32, 4, 16, 24
+    config = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, attention_bias=True,
+                         moe_config={"num_experts": experts, "top_k": 2, "moe_intermediate_size": ffn, "layers": [1],
+                                     "shared_expert_intermediate_size": shared, "enable_shared_expert": True})
+    spec = spec_for_config(config)
+    with torch.device("meta"):
+        model = spec.model_class(config, 64)
+    costs = spec.costs(config, 64, 16)
+    assert costs.parameters == sum(param.numel() for param in model.parameters())
+    used = 2 * 3 * hidden * ffn + hidden * experts + 3 * hidden * shared + hidden  # k experts, router, shared + gate
+    assert costs.layer_flops[1] - costs.layer_flops[0] == 6 * (used - 3 * hidden * 48)
+
+
+def test_the_memory_planner_models_the_shared_expert(tiny_data, tmp_path):
+    from nanotron.config import config_from_dict
+    from nanotron.memory import estimate_memory
+
+    def activations(moe_config: dict) -> int:
+        config = _training_config(tiny_data, tmp_path / "run", ep=2, tp=2)
+        config["model"]["model_config"]["moe_config"] = moe_config
+        return estimate_memory(config_from_dict(config), gpu_memory_gb=80).stages[0].activations
+
+    without = activations(TINY_MOE | {"enable_shared_expert": False})
+    assert activations(TINY_MOE) > without > activations(TINY_MOE | {"layers": [2]})
+
+
 # --- training, and expert parallelism against one process -------------------------------------------------------
 
 GLOBAL_BATCH = 16

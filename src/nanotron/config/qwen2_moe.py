@@ -1,4 +1,5 @@
-"""Qwen2's mixture of experts: upstream nanotron's ``moe_config`` mapping of an ``is_qwen2_config`` model, and its rules.
+"""Qwen2's mixture of experts: upstream nanotron's ``moe_config`` mapping of an ``is_qwen2_config`` model and its
+rules.
 
 Upstream's keys and defaults (its ``MoEConfig``), plus transformers' ``norm_topk_prob``. The chosen layers' MLPs become
 ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, each token routed to ``top_k`` of them by the

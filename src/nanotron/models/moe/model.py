@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron.config import LlaMoEConfig, LlamaConfig
+from nanotron.config import LlamaConfig, LlaMoEConfig
 from nanotron.models.init import normal
 from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
 from nanotron.models.spec import Initializer
