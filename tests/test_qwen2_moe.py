@@ -283,6 +283,18 @@ def test_expert_parallel_layouts_match_one_process(tiny_data, tmp_path):
                 assert other[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-4), (layout, ref["step"], key)
 
 
+def test_the_step_line_tells_the_routers_z_loss_from_the_logits(tiny_data, tmp_path):
+    config = _training_config(tiny_data, tmp_path / "run")
+    config["model"]["model_config"]["z_loss_enabled"] = True
+    config["tokens"]["train_steps"] = 1
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    outcome = train(config, tmp_path / "config.yaml")
+    (line,) = [line for line in (outcome.stdout + outcome.stderr).splitlines() if "step 1/1" in line]
+    assert " | z_loss " in line and " | moe_z_loss " in line and " | load_balancing_loss " in line, line
+    (record,) = metrics(tmp_path / "run")
+    assert record["z_loss"] > 0 and record["moe_z_loss"] > 0
+
+
 # --- upstream's example file ------------------------------------------------------------------------------------
 
 UPSTREAM_FILE = Path(__file__).parent / "upstream_configs" / "main" / "config_qwen_with_moe.yaml"
