@@ -324,10 +324,8 @@ def test_a_yaml_with_upstreams_qwen2_keys_trains(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("changes, fragment", [
-    ({"moe_config": {"num_experts": 8, "top_k": 1, "enable_shared_expert": True}},
-     "moe_config: Qwen2's mixture of experts is not available yet"),
     ({"rope_interleaved": True}, "rope_interleaved must be false"),
-], ids=["moe", "interleaved"])
+], ids=["interleaved"])
 def test_features_not_built_are_refused_by_name(tiny_data, tmp_path, changes, fragment):
     path = write_config(tmp_path / "config.yaml", _upstream_config(tiny_data, tmp_path, **changes))
     assert_user_error(cli("train", "--config-file", path), fragment)

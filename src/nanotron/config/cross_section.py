@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from nanotron.config.data import DatasetArgs, HFDatasetArgs
-from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.rules import MODEL_CONFIG_KEY
@@ -67,13 +66,14 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
         )
     yield from c.layout_problems(p.tp, key=key, sequence_length=tokens.sequence_length)
-    ep = p.expert_parallel_size
-    if ep > 1 and not isinstance(c, LlaMoEConfig):
+    ep, moe = p.expert_parallel_size, getattr(c, "moe", None)
+    if ep > 1 and moe is None:
         yield (f"parallelism.expert_parallel_size ({ep}) needs a mixture-of-experts model ({key} with "
-               "is_llamoe_config: true); set it to 1 for this model")
-    elif ep >= 1 and isinstance(c, LlaMoEConfig) and c.moe_num_experts >= 1 and c.moe_num_experts % ep:
-        yield (f"{key}.moe_num_experts ({c.moe_num_experts}) must be divisible by parallelism.expert_parallel_size "
-               f"({ep}): every expert-parallel rank holds the same number of whole experts")
+               "is_llamoe_config: true, or is_qwen2_config: true with a moe_config); set it to 1 for this model")
+    elif ep >= 1 and moe is not None and moe.num_experts >= 1 and moe.num_experts % ep:
+        yield (f"{key}.{moe.num_experts_key} ({moe.num_experts}) must be divisible by "
+               f"parallelism.expert_parallel_size ({ep}): every expert-parallel rank holds the same number of whole "
+               "experts")
     if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
         yield (
             f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "

@@ -51,6 +51,12 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def moe(self) -> None:
+        """The mixture-of-experts settings (``config/moe.py``'s ``MoESettings``) of the variants that have experts;
+        a dense model has none."""
+        return None
+
     def _marker_problems(self, k: str) -> Iterator[str]:
         if not self.is_llama_config:
             yield f"{k}is_llama_config must be true for a Llama model config"

@@ -1,10 +1,28 @@
-"""The mixture-of-experts Llama's config (nanotron's ``is_llamoe_config``; Mixtral's architecture) and its rules."""
+"""The mixture-of-experts Llama's config (nanotron's ``is_llamoe_config``; Mixtral's architecture) and its rules, and
+``MoESettings``: what the mixture-of-experts blocks read of any family's config."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The mixture-of-experts blocks of a model (``models/moe``), whatever its family calls the keys: LlaMoE's flat
+    ``moe_*`` fields and Qwen2's ``moe_config`` mapping both give one (their config's ``moe`` property)."""
+
+    num_experts: int
+    top_k: int
+    ffn: int  # each routed expert's SwiGLU width
+    normalize_topk: bool  # renormalise the top-k probabilities to sum to 1
+    capacity_factor: float | None  # None: dropless
+    aux_loss_coef: float
+    z_loss_coef: float
+    layers: tuple[int, ...]  # the indices of the layers whose feed-forward block is a mixture of experts
+    shared_ffn: int | None  # the width of the shared expert every token visits (Qwen2's), None: no shared expert
+    num_experts_key: str  # where the config writes num_experts, for error messages
 
 
 @dataclass
@@ -31,6 +49,12 @@ class LlaMoEConfig(LlamaConfig):
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def moe(self) -> MoESettings:
+        return MoESettings(self.moe_num_experts, self.num_experts_per_tok, self.intermediate_size,
+                           self.moe_normalize_topk, self.moe_capacity_factor, self.moe_aux_loss_coef,
+                           self.moe_z_loss_coef, tuple(self.moe_layers), None, "moe_num_experts")
 
     def _marker_problems(self, k: str) -> Iterator[str]:
         if self.is_llama_config or not self.is_llamoe_config:

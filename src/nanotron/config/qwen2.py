@@ -9,9 +9,12 @@ for the patterns of Hugging Face models that the rule cannot give (Qwen2's ``max
 ``no_rope_layers``).
 
 ``_use_doc_masking`` keeps attention inside each document packed in a sample (``data/loader.py`` finds the
-documents, ``nn/attention.py`` applies the rule). Upstream's implementation keys (``_attn_implementation``,
-``flex_attention_mask``, ``_fused_*``, ``_use_qkv_packed``, ...) choose kernels, not results: they are accepted and
-nanotron picks its own. Features not built yet are refused by name when switched on.
+documents, ``nn/attention.py`` applies the rule). ``moe_config`` (upstream's keys, ``qwen2_moe.py``) makes chosen
+layers mixtures of experts with a shared expert.
+
+Upstream's implementation keys (``_attn_implementation``, ``flex_attention_mask``, ``_fused_*``, ``_use_qkv_packed``,
+...) choose kernels, not results: they are accepted and nanotron picks its own. Features not built yet are refused by
+name when switched on.
 """
 
 from collections.abc import Iterator
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nanotron.config.llama import LlamaConfig
+from nanotron.config.moe import MoESettings
+from nanotron.config.qwen2_moe import Qwen2MoEConfig
 from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, prefix
 
 # Upstream nanotron's attention kernels (its ALL_ATTENTION_FUNCTIONS); nanotron chooses its own whatever is written.
@@ -40,7 +45,7 @@ class Qwen2Config(LlamaConfig):
     z_loss_enabled: bool = False  # adds z_loss_coefficient * mean over tokens of logsumexp(logits)^2 to the loss
     z_loss_coefficient: float = 0.0001
     _use_doc_masking: bool = False  # attention stays inside each document packed in a sample (nn/attention.py)
-    moe_config: dict | None = None  # Qwen2's mixture of experts (upstream's MoEConfig keys)
+    moe_config: Qwen2MoEConfig | None = None  # Qwen2's mixture of experts (upstream's MoEConfig keys); None: dense
     rope_seq_len_interpolation_factor: float | None = None
     # Kernel choices of upstream nanotron: accepted, without effect on the results (nanotron picks its kernels).
     _attn_implementation: AttentionImplementation | None = None
@@ -50,6 +55,22 @@ class Qwen2Config(LlamaConfig):
     _use_qkv_packed: bool = True
     ring_attn_heads_k_stride: int | None = None
     log_attn_probs: bool = True  # upstream logs attention probabilities with it; nanotron does not
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.moe_config, dict):  # read back from checkpoint.json
+            self.moe_config = Qwen2MoEConfig(**self.moe_config)
+
+    @property
+    def moe(self) -> MoESettings | None:
+        """The mixture-of-experts blocks ``moe_config`` describes (dropless, no router z-loss), or None: dense."""
+        m = self.moe_config
+        if m is None:
+            return None
+        return MoESettings(m.num_experts, m.top_k, m.moe_intermediate_size, m.norm_topk_prob, None,
+                           m.router_aux_loss_coef, 0.0, m.layer_indices(self.num_hidden_layers),
+                           m.shared_expert_intermediate_size if m.enable_shared_expert else None,
+                           "moe_config.num_experts")
 
     def uses_rope(self, index: int) -> bool:
         """Whether layer ``index`` rotates its queries and keys."""
@@ -82,8 +103,7 @@ class Qwen2Config(LlamaConfig):
             yield (f"{k}flex_attention_mask: {self.flex_attention_mask} masks documents, which {k}_use_doc_masking "
                    "switches on: set _use_doc_masking: true, or flex_attention_mask: null")
         if self.moe_config is not None:
-            yield (f"{k}moe_config: Qwen2's mixture of experts is not available yet; set moe_config: null (Mixtral-"
-                   "style experts are is_llamoe_config)")
+            yield from self.moe_config.problems(f"{k}moe_config", self.num_hidden_layers)
         if self.rope_seq_len_interpolation_factor is not None:
             yield (f"{k}rope_seq_len_interpolation_factor: write position interpolation as rope_scaling: "
                    f"{{rope_type: linear, factor: {self.rope_seq_len_interpolation_factor}}} and set this key to null")
@@ -102,3 +122,11 @@ class Qwen2Config(LlamaConfig):
                 yield (f"{k}{name} ({layers}) must list distinct layer indices in [0, {k}num_hidden_layers) = "
                        f"[0, {self.num_hidden_layers})")
         yield from at_least(f"{k}z_loss_coefficient", self.z_loss_coefficient, 0)
+
+    def layout_problems(self, tp: int, *, key: str | None = MODEL_CONFIG_KEY, tp_key: str = "parallelism.tp",
+                        **sequence) -> list[str]:
+        """Llama's shape rules, and the experts' widths split over TP."""
+        problems = super().layout_problems(tp, key=key, tp_key=tp_key, **sequence)
+        if self.moe_config is not None:
+            problems += self.moe_config.layout_problems(tp, f"{prefix(key)}moe_config", tp_key)
+        return problems

@@ -74,8 +74,8 @@ class StepLog:
             f"{tflops:.2f} TFLOP/s{hardware} | MFU {mfu} | mem {record['peak_memory_gb']:.2f} GB | "
             f"ETA {format_duration(eta)}"
             + ("".join(f" | {name} {loss:.4f}" for name, loss in result.domain_losses.items()) if per_domain else "")
-            + "".join(f" | {name.removeprefix('moe_')} {value:.4g}" for name, value in result.model_metrics.items()
-                      if isinstance(value, float))
+            + "".join(f" | {_short_name(name, result.model_metrics)} {value:.4g}"
+                      for name, value in result.model_metrics.items() if isinstance(value, float))
         )
         self.metrics.write(record)
         self.trackers.log(record)
@@ -84,3 +84,10 @@ class StepLog:
         if self.metrics is not None:
             self.metrics.close()
             self.trackers.close()
+
+
+def _short_name(name: str, metrics: dict) -> str:
+    """A metric's name on the step line: without its ``moe_`` prefix, unless another metric has that name (the
+    router's ``moe_z_loss`` beside the logits' ``z_loss`` of a Qwen2 mixture of experts)."""
+    short = name.removeprefix("moe_")
+    return name if short != name and short in metrics else short

@@ -1,35 +1,56 @@
-"""Costs of Llama with mixtures of experts: every expert's weights are parameters, a token's FLOPs use only the
-experts it is routed to, and its activations are those of the experts it visits."""
+"""Costs of the decoders with mixtures of experts (LlaMoE, Qwen2 with a ``moe_config``): every expert's weights are
+parameters, a token's FLOPs use only the experts it is routed to (and the shared expert, which every token visits),
+and its activations are those of the experts it visits."""
 
 from __future__ import annotations
 
-from nanotron.config import LlaMoEConfig
+from nanotron.config import LlamaConfig
 from nanotron.models.llama.costs import (
     FeedForwardActivations,
     decoder_costs,
     decoder_layer_activations,
     llama_layer_activations,
+    swiglu_activations,
 )
 from nanotron.models.spec import ActivationShape, ModelCosts
 
 
-def moe_costs(c: LlaMoEConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
-    """All experts count in the parameters; a token's FLOPs use the router and its ``k`` experts only."""
-    expert = 3 * c.hidden_size * c.intermediate_size
-    router = c.hidden_size * c.moe_num_experts
-    feed_forward = [(c.moe_num_experts * expert + router, c.num_experts_per_tok * expert + router)
-                    if c.is_moe_layer(i) else (expert, expert) for i in range(c.num_hidden_layers)]
-    return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward)
+def feed_forward_costs(c: LlamaConfig) -> list[tuple[int, int]]:
+    """(parameters, parameters each token uses) of every layer's feed-forward block (``decoder_costs``): a dense
+    SwiGLU of ``intermediate_size``, or the router, all experts and the shared expert with its gate, of which a token
+    uses the router, its ``k`` experts and the shared expert."""
+    dense = 3 * c.hidden_size * c.intermediate_size
+    s = c.moe
+    if s is None:
+        return [(dense, dense)] * c.num_hidden_layers
+    expert = 3 * c.hidden_size * s.ffn
+    always = c.hidden_size * s.num_experts  # the router
+    if s.shared_ffn is not None:
+        always += 3 * c.hidden_size * s.shared_ffn + c.hidden_size
+    mixture = (s.num_experts * expert + always, s.top_k * expert + always)
+    return [mixture if i in s.layers else (dense, dense) for i in range(c.num_hidden_layers)]
 
 
-def moe_layer_activations(c: LlaMoEConfig, layer: int, shape: ActivationShape) -> tuple[int, int]:
+def moe_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+    return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward_costs(c))
+
+
+def moe_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> tuple[int, int]:
     """``ModelSpec.layer_activations``: a dense layer as Llama's; in a mixture-of-experts layer the feed-forward terms
     are those of the experts each token visits (derived from ``models/moe/model.py``, not measured): per token its
     ``k`` copies, the experts' gate|up and SwiGLU outputs and their outputs, and the router's fp32 logits and
-    probabilities; the backward holds the gradients of the ``k`` gate|up and SwiGLU outputs."""
-    if not c.is_moe_layer(layer):
+    probabilities; the backward holds the gradients of the ``k`` gate|up and SwiGLU outputs. A shared expert adds a
+    SwiGLU MLP's terms, its output and its gate's (which multiply each other)."""
+    s = c.moe
+    if s is None or layer not in s.layers:
         return llama_layer_activations(c, layer, shape)
-    k, d, ffn = c.num_experts_per_tok, shape.value_bytes, c.intermediate_size // shape.tp
-    experts = FeedForwardActivations(kept=k * d * (2 * c.hidden_size + 3 * ffn) + 3 * 4 * c.moe_num_experts,
-                                     gradients=k * 3 * d * ffn, recomputed_kept=k * d * ffn)
+    k, d, ffn = s.top_k, shape.value_bytes, s.ffn // shape.tp
+    kept = k * d * (2 * c.hidden_size + 3 * ffn) + 3 * 4 * s.num_experts
+    gradients, recomputed_kept = k * 3 * d * ffn, k * d * ffn
+    if s.shared_ffn is not None:
+        shared = swiglu_activations(s.shared_ffn // shape.tp, d)
+        kept += shared.kept + d * (c.hidden_size + 1)
+        gradients += shared.gradients
+        recomputed_kept += shared.recomputed_kept
+    experts = FeedForwardActivations(kept=kept, gradients=gradients, recomputed_kept=recomputed_kept)
     return decoder_layer_activations(c, shape, experts)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from nanotron.config import LlaMoEConfig
@@ -44,24 +46,42 @@ class MixtralHFAdapter(LlamaHFAdapter):
 
     def _mlp_from_hf(self, hf, prefix, ours, config, index):
         fused = prefix + "mlp."
-        if fused + "experts.gate_up_proj" in hf:
-            return {ours + "mlp.router.weight": hf[fused + "gate.weight"],
-                    ours + "mlp.experts.gate_up_proj": hf[fused + "experts.gate_up_proj"],
-                    ours + "mlp.experts.down_proj": hf[fused + "experts.down_proj"]}
-        moe = prefix + "block_sparse_moe."
-        experts = range(config.moe_num_experts)
-        return {ours + "mlp.router.weight": hf[moe + "gate.weight"],
-                ours + "mlp.experts.gate_up_proj": torch.stack(
-                    [torch.cat([hf[f"{moe}experts.{j}.w1.weight"], hf[f"{moe}experts.{j}.w3.weight"]])
-                     for j in experts]),
-                ours + "mlp.experts.down_proj": torch.stack([hf[f"{moe}experts.{j}.w2.weight"] for j in experts])}
+        router = fused if fused + "experts.gate_up_proj" in hf else prefix + "block_sparse_moe."
+        gate_up, down = experts_from_hf(hf, fused, prefix + "block_sparse_moe.", MIXTRAL_EXPERT_NAMES,
+                                        config.moe_num_experts)
+        return {ours + "mlp.router.weight": hf[router + "gate.weight"], ours + "mlp.experts.gate_up_proj": gate_up,
+                ours + "mlp.experts.down_proj": down}
 
     def _mlp_to_hf(self, read, prefix, ours, config, index):
         moe = prefix + "block_sparse_moe."
-        tensors = {moe + "gate.weight": read(ours + "mlp.router.weight")}
-        gate_up, down = read(ours + "mlp.experts.gate_up_proj"), read(ours + "mlp.experts.down_proj")
-        for j in range(config.moe_num_experts):
-            gate, up = gate_up[j].chunk(2)
-            tensors |= {f"{moe}experts.{j}.w1.weight": gate, f"{moe}experts.{j}.w3.weight": up,
-                        f"{moe}experts.{j}.w2.weight": down[j]}
-        return tensors
+        return {moe + "gate.weight": read(ours + "mlp.router.weight")} | experts_to_hf(
+            read(ours + "mlp.experts.gate_up_proj"), read(ours + "mlp.experts.down_proj"), moe, MIXTRAL_EXPERT_NAMES)
+
+
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # each expert's gate, up and down projections in Mixtral's checkpoints
+
+
+def experts_from_hf(hf: Mapping[str, torch.Tensor], fused: str, per_expert: str, names: tuple[str, str, str],
+                    num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanotron's ``gate_up_proj`` [E, 2 * ffn, hidden] and ``down_proj`` [E, hidden, ffn] of one layer's experts, from
+    transformers' fused tensors (``{fused}experts.gate_up_proj`` and ``down_proj``, our layout) where the checkpoint
+    has them, else from the per-expert matrices ``{per_expert}experts.j.{name}.weight`` of ``names`` (gate, up,
+    down)."""
+    if fused + "experts.gate_up_proj" in hf:
+        return hf[fused + "experts.gate_up_proj"], hf[fused + "experts.down_proj"]
+    gate, up, down = (f"{per_expert}experts.{{}}.{name}.weight" for name in names)
+    experts = range(num_experts)
+    return (torch.stack([torch.cat([hf[gate.format(j)], hf[up.format(j)]]) for j in experts]),
+            torch.stack([hf[down.format(j)] for j in experts]))
+
+
+def experts_to_hf(gate_up: torch.Tensor, down: torch.Tensor, per_expert: str,
+                  names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """One layer's experts as per-expert matrices (the layout of the Hub's checkpoints, which every transformers
+    version loads)."""
+    tensors = {}
+    for j in range(gate_up.shape[0]):
+        gate, up = gate_up[j].chunk(2)
+        tensors |= {f"{per_expert}experts.{j}.{name}.weight": tensor
+                    for name, tensor in zip(names, (gate, up, down[j]), strict=True)}
+    return tensors

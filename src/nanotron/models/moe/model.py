@@ -11,7 +11,11 @@ A block's forward:
    Without one (the default) no token is dropped.
 2. **permute**: assignments are sorted by expert (a stable sort on the device: no host sync), so each expert's
    tokens are one contiguous block and the experts run as grouped GEMMs (``GroupedExperts``).
-3. **combine**: the outputs go back to assignment order and each token sums its rows, times their weights.
+3. **combine**: the outputs go back to assignment order and each token sums its rows, times their weights;
+4. **shared expert** (Qwen2's, when the settings have one): every token also goes through one more SwiGLU expert,
+   scaled by ``sigmoid(shared_expert_gate(x))``, added to the routed sum.
+
+The block reads its sizes from the config's ``moe`` (``MoESettings``), so any family's config can carry experts.
 
 The auxiliary losses are sums over sequences, so that dividing by the step's number of sequences (the trainer
 knows it) gives the same value and gradients for any split of the global batch over ranks and micro-batches:
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron.config import LlaMoEConfig
+from nanotron.config import LlamaConfig, LlaMoEConfig
 from nanotron.models.init import normal
 from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
 from nanotron.models.spec import Initializer
@@ -179,36 +183,43 @@ def _aligned_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, alignment:
 
 
 class MoEFeedForward(nn.Module):
-    """Router plus experts in place of a dense MLP.
+    """Router plus experts (plus the shared expert and its gate, where the settings have one) in place of a dense MLP.
 
     ``exchange(experts, tokens, tokens_per_expert)`` runs the experts on tokens grouped by expert: here directly;
-    expert parallelism replaces it with an all-to-all to the ranks that hold them. ``auxiliary_share`` is the part
-    of the auxiliary losses this copy of the block backpropagates (tensor parallelism computes the router on every
-    rank and sums its gradients, so each rank takes 1/tp). The router stays in the model dtype when the decoder's
-    linears take low-precision products (``keeps_model_dtype``): its logits choose the experts.
+    expert parallelism replaces it with an all-to-all to the ranks that hold them. The shared expert is a
+    one-expert ``GroupedExperts`` that every token visits, so that tensor parallelism and FP8 treat it as they treat
+    the routed experts; it stays whole on every expert-parallel rank. ``auxiliary_share`` is the part of the
+    auxiliary losses this copy of the block backpropagates (tensor parallelism computes the router on every rank and
+    sums its gradients, so each rank takes 1/tp). The router and the shared expert's gate stay in the model dtype
+    when the decoder's linears take low-precision products (``keeps_model_dtype``): their outputs weigh experts.
     """
 
-    keeps_model_dtype = ("router",)
+    keeps_model_dtype = ("router", "shared_expert_gate")
 
-    def __init__(self, config: LlaMoEConfig):
+    def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.config = config
-        self.router = Linear(config.hidden_size, config.moe_num_experts, bias=False)
-        self.experts = GroupedExperts(config.moe_num_experts, config.hidden_size, config.intermediate_size)
+        self.config, self.settings = config, config.moe
+        s = self.settings
+        self.router = Linear(config.hidden_size, s.num_experts, bias=False)
+        self.experts = GroupedExperts(s.num_experts, config.hidden_size, s.ffn)
+        self.shared_expert = self.shared_expert_gate = None
+        if s.shared_ffn is not None:
+            self.shared_expert = GroupedExperts(1, config.hidden_size, s.shared_ffn)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.exchange = run_experts
         self.auxiliary_share = 1.0
         self.record: RouterRecord | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.config
+        s = self.settings
         sequences, positions, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         logits = self.router(tokens).float().view(sequences, positions, -1)
-        routing, self.record = route(logits, c.num_experts_per_tok, c.moe_normalize_topk, c.moe_capacity_factor)
+        routing, self.record = route(logits, s.top_k, s.normalize_topk, s.capacity_factor)
 
         # Assignment rows in token order (each token's k copies side by side when nothing is dropped), then the
         # permutation that groups them by expert; the combine applies the inverse permutation and sums per token.
-        top_k = c.num_experts_per_tok
+        top_k = s.top_k
         if routing.token_index is None:
             assigned = tokens.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, hidden)
         else:
@@ -216,12 +227,18 @@ class MoEFeedForward(nn.Module):
         order = routing.expert_index.argsort(stable=True)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
         # A one-hot sum: an integer index_add_ falls back to a sorting kernel under torch.compile (11 ms a step).
-        tokens_per_expert = F.one_hot(routing.expert_index, c.moe_num_experts).sum(0)
+        tokens_per_expert = F.one_hot(routing.expert_index, s.num_experts).sum(0)
         expert_out = self.exchange(self.experts, _Permute.apply(assigned, order, inverse), tokens_per_expert)
         weighted = _Permute.apply(expert_out, inverse, order) * routing.weight.unsqueeze(-1).to(expert_out.dtype)
         if routing.token_index is None:
-            return weighted.view(sequences, positions, top_k, hidden).sum(2)
-        return torch.zeros_like(tokens).index_add_(0, routing.token_index, weighted).view_as(x)
+            out = weighted.view(-1, top_k, hidden).sum(1)
+        else:
+            out = torch.zeros_like(tokens).index_add_(0, routing.token_index, weighted)
+        if self.shared_expert is not None:
+            every_token = torch.full((1,), tokens.shape[0], device=x.device)
+            gate = torch.sigmoid(self.shared_expert_gate(tokens))
+            out = out + gate * self.shared_expert(tokens, every_token)
+        return out.view_as(x)
 
 
 class LlaMoEForCausalLM(LlamaForCausalLM):
@@ -232,20 +249,23 @@ class LlaMoEForCausalLM(LlamaForCausalLM):
         return MoEFeedForward(config) if config.is_moe_layer(index) else LlamaMLP(config)
 
 
-def moe_init_rule(name: str, config: LlaMoEConfig, std: float) -> Initializer:
-    """Llama's rules; expert down projections are residual outputs, scaled like ``down_proj.weight``."""
-    if name.endswith("experts.down_proj"):
+def moe_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
+    """Llama's rules; expert down projections (the shared expert's too) are residual outputs, scaled like
+    ``down_proj.weight``."""
+    if name.endswith(("experts.down_proj", "shared_expert.down_proj")):
         return normal(std / (2 * config.num_hidden_layers) ** 0.5)
     return llama_init_rule(name, config, std)
 
 
 # --- auxiliary losses and statistics, read by the trainer through ``ModelSpec.auxiliary_losses`` ---------------
 
-def router_losses(model: LlaMoEForCausalLM, sequences_per_step: int) -> tuple[torch.Tensor | None, Statistics]:
+def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[torch.Tensor | None, Statistics]:
     """The weighted auxiliary losses of the MoE blocks this stage holds, for its last forward (each the micro-batch's
-    share of the step's mean over sequences and MoE layers), and their statistics."""
-    c = model.config
-    rows = {index: row for row, index in enumerate(c.moe_layers)}
+    share of the step's mean over sequences and MoE layers), and their statistics; none for a dense model."""
+    s = model.config.moe
+    if s is None:
+        return None, {}
+    rows = {index: row for row, index in enumerate(s.layers)}
     scale = 1.0 / (len(rows) * sequences_per_step)
     loss, statistics = None, {}
     for index, layer in model.layers.items():
@@ -254,14 +274,14 @@ def router_losses(model: LlaMoEForCausalLM, sequences_per_step: int) -> tuple[to
             continue
         record = block.record
         balance, z = record.balance * scale, record.z * scale
-        if c.moe_aux_loss_coef or c.moe_z_loss_coef:
-            term = (c.moe_aux_loss_coef * balance + c.moe_z_loss_coef * z) * block.auxiliary_share
+        if s.aux_loss_coef or s.z_loss_coef:
+            term = (s.aux_loss_coef * balance + s.z_loss_coef * z) * block.auxiliary_share
             loss = term if loss is None else loss + term
         if not statistics:
             device = record.balance.device
             statistics = {"moe_load_balancing_loss": torch.zeros((), device=device),
                           "moe_z_loss": torch.zeros((), device=device),
-                          "moe_tokens_per_expert": torch.zeros(len(rows), c.moe_num_experts, device=device),
+                          "moe_tokens_per_expert": torch.zeros(len(rows), s.num_experts, device=device),
                           "moe_dropped": torch.zeros(len(rows), device=device)}
         statistics["moe_load_balancing_loss"] = statistics["moe_load_balancing_loss"] + balance.detach()
         statistics["moe_z_loss"] = statistics["moe_z_loss"] + z.detach()
@@ -270,20 +290,25 @@ def router_losses(model: LlaMoEForCausalLM, sequences_per_step: int) -> tuple[to
     return loss, statistics
 
 
-def router_statistics_template(c: LlaMoEConfig) -> dict[str, tuple[int, ...]]:
-    layers = len(c.moe_layers)
-    return {"moe_load_balancing_loss": (), "moe_z_loss": (), "moe_tokens_per_expert": (layers, c.moe_num_experts),
+def router_statistics_template(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    s = c.moe
+    if s is None:
+        return {}
+    layers = len(s.layers)
+    return {"moe_load_balancing_loss": (), "moe_z_loss": (), "moe_tokens_per_expert": (layers, s.num_experts),
             "moe_dropped": (layers,)}
 
 
-def router_metrics(statistics: Statistics, c: LlaMoEConfig) -> dict:
+def router_metrics(statistics: Statistics, c: LlamaConfig) -> dict:
     """Step metrics: the auxiliary losses (unweighted), and the expert load of each MoE layer: its busiest
     expert's tokens over the mean per expert (1.0 is a perfect balance, E means one expert takes everything)."""
+    if c.moe is None:
+        return {}
     tokens = statistics["moe_tokens_per_expert"]
     load = (tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)).tolist()
     metrics = {"moe_load_balancing_loss": statistics["moe_load_balancing_loss"].item(),
                "moe_z_loss": statistics["moe_z_loss"].item(),
                "moe_max_expert_load": max(load), "moe_expert_load": load}
-    if c.moe_capacity_factor is not None:
+    if c.moe.capacity_factor is not None:
         metrics["moe_dropped_fraction"] = statistics["moe_dropped"].sum().item() / max(tokens.sum().item(), 1.0)
     return metrics

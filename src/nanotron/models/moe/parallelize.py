@@ -1,5 +1,6 @@
-"""How LlaMoE is parallelised: Llama's tensor-parallel plan with every MoE block split as a whole, and the experts
-split over the expert-parallel ranks (``parallel/expert_parallel.py`` moves the tokens)."""
+"""How the mixture-of-experts models (LlaMoE, Qwen2 with a ``moe_config``) are parallelised: Llama's tensor-parallel
+plan with every MoE block split as a whole, and the routed experts split over the expert-parallel ranks
+(``parallel/expert_parallel.py`` moves the tokens)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanotron.config import LlaMoEConfig
+from nanotron.config import LlamaConfig
 from nanotron.models.llama.parallelize import llama_plan
 from nanotron.models.moe.model import GroupedExperts, MoEFeedForward
 from nanotron.parallel.expert_parallel import ExpertExchange
@@ -43,12 +44,13 @@ class ShardedExperts(GroupedExperts):
 
 class TensorParallelMoE(MoEFeedForward):
     """A mixture-of-experts block split over TP like a dense MLP: each expert's feed-forward width is sharded
-    (gate and up column-wise, down row-wise) and the block's output is summed over TP.
+    (gate and up column-wise, down row-wise), the shared expert's too, and the block's output is summed over TP.
 
     Every rank routes all the block's tokens (the sequence is gathered first in sequence-parallel mode), so routing
     is identical everywhere. The expert outputs a rank combines are partial sums, so the gradients of the routing
     weights are partial too: the router's weight gradient is summed over TP, and so is the input's (the
-    entry's backward), which carries both. The auxiliary losses, computed in full on every rank, are therefore
+    entry's backward), which carries both. The shared expert's gate, whole on every rank, weighs a partial output
+    likewise: its gradient is summed over TP. The auxiliary losses, computed in full on every rank, are therefore
     backpropagated with a 1/tp share each.
     """
 
@@ -58,6 +60,9 @@ class TensorParallelMoE(MoEFeedForward):
         self.group, self.mode = group, mode
         self.router = GradientSummedLinear(block.router.in_features, block.router.out_features, group)
         self.experts = ShardedExperts.resharded(block.experts, tp=tp)
+        if block.shared_expert is not None:
+            self.shared_expert = ShardedExperts.resharded(block.shared_expert, tp=tp)
+            self.shared_expert_gate = GradientSummedLinear(block.shared_expert_gate.in_features, 1, group)
         self.auxiliary_share = 1.0 / tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,16 +77,17 @@ class MixtureOfExperts(Style):
         return TensorParallelMoE(module, group, mode)
 
 
-def moe_plan(config: LlaMoEConfig) -> dict[str, Style]:
+def moe_plan(config: LlamaConfig) -> dict[str, Style]:
     """Llama's plan (the dense layers' MLPs included); each MoE block is split as a whole (``TensorParallelMoE``)."""
-    return llama_plan(config) | {f"layers.{i}.mlp": MixtureOfExperts() for i in config.moe_layers}
+    layers = config.moe.layers if config.moe is not None else ()
+    return llama_plan(config) | {f"layers.{i}.mlp": MixtureOfExperts() for i in layers}
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Split the experts of every MoE block over the ranks of ``group`` and route tokens to them by all-to-all.
-    Call on the meta device, after tensor parallelism."""
+    """Split the routed experts of every MoE block over the ranks of ``group`` and route tokens to them by
+    all-to-all (a shared expert stays whole on every rank). Call on the meta device, after tensor parallelism."""
     ep = group.size()
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
             module.experts = ShardedExperts.resharded(module.experts, ep=ep)
-            module.exchange = ExpertExchange(group, module.config.moe_num_experts)
+            module.exchange = ExpertExchange(group, module.settings.num_experts)

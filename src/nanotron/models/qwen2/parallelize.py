@@ -1,6 +1,8 @@
-"""How Qwen2 is parallelised: as Llama (``llama_plan``). Windows and RoPE act within each head, so whole heads per
-tensor-parallel rank need nothing more; the q|k|v biases are split with the rows of the fused weight."""
+"""How Qwen2 is parallelised: as Llama, with its mixture-of-experts blocks split as LlaMoE's (``moe_plan``: Llama's
+plan where there are none). Windows and RoPE act within each head, so whole heads per tensor-parallel rank need
+nothing more; the q|k|v biases are split with the rows of the fused weight. Expert parallelism is LlaMoE's
+(``apply_expert_parallel``)."""
 
-from nanotron.models.llama.parallelize import llama_plan
+from nanotron.models.moe.parallelize import moe_plan
 
-qwen2_plan = llama_plan
+qwen2_plan = moe_plan
