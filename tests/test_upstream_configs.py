@@ -229,7 +229,6 @@ def test_interleaved_rotary_true_is_refused_by_name():
 
 
 @pytest.mark.parametrize("key, value, feature", [
-    ("parallelism.context_parallel_size", 2, "context parallelism"),
     ("parallelism.moe_layer_recompute", True, "recomputing the MoE layers alone"),
     ("model.model_config._use_doc_masking", True, "document masking"),
     ("metrics_logging", {"log_level": 1}, "detailed metrics logging"),

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from nanotron.config.data import HFDatasetArgs
+from nanotron.config.mamba import MambaConfig
 from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.rules import MODEL_CONFIG_KEY
@@ -23,6 +24,7 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _schedule_vs_run_length(cfg)
     yield from _doremi_vs_data_stages(cfg)
     yield from _model_vs_parallelism(cfg)
+    yield from _context_parallelism(cfg)
 
 
 def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:
@@ -72,7 +74,7 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
     elif ep >= 1 and isinstance(c, LlaMoEConfig) and c.moe_num_experts >= 1 and c.moe_num_experts % ep:
         yield (f"{key}.moe_num_experts ({c.moe_num_experts}) must be divisible by parallelism.expert_parallel_size "
                f"({ep}): every expert-parallel rank holds the same number of whole experts")
-    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
+    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp and p.context_parallel_size == 1:
         yield (
             f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
             "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
@@ -82,3 +84,32 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
             "every pipeline stage needs at least one layer"
         )
+
+
+def _context_parallelism(cfg: Config) -> Iterator[str]:
+    """The sequence must cut into 2 chunks per context-parallel rank (and each rank's part over TP in
+    REDUCE_SCATTER mode); what does not compose with context parallelism yet is refused by name."""
+    c, p, length, key = cfg.model.model_config, cfg.parallelism, cfg.tokens.sequence_length, MODEL_CONFIG_KEY
+    cp = p.context_parallel_size
+    if cp <= 1:
+        return
+    if length % (2 * cp):
+        yield (f"tokens.sequence_length ({length}) must be divisible by 2 x parallelism.context_parallel_size "
+               f"= {2 * cp}: each sequence is cut into two chunks per context-parallel rank")
+    elif p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and (length // cp) % p.tp:
+        yield (f"tokens.sequence_length / parallelism.context_parallel_size ({length // cp}) must be divisible by "
+               f"parallelism.tp ({p.tp}) with parallelism.tp_mode: REDUCE_SCATTER, which splits each rank's part of "
+               "the sequence over TP; change tokens.sequence_length or tp_mode")
+    if isinstance(c, MambaConfig):
+        yield (f"parallelism.context_parallel_size ({cp}) needs an attention model: a Mamba model ({key} with "
+               "is_mamba_config: true) scans the sequence in order; set it to 1")
+    if isinstance(c, LlaMoEConfig):
+        for field, off in (("moe_aux_loss_coef", 0), ("moe_z_loss_coef", 0), ("moe_capacity_factor", None)):
+            if getattr(c, field) != off:
+                written = "null" if off is None else off
+                yield (f"{key}.{field} must be {written} with parallelism.context_parallel_size ({cp}): the router's "
+                       "losses and capacity are per whole sequence, which no rank holds under context parallelism "
+                       f"yet; set {field}: {written} or context_parallel_size: 1")
+    if cfg.doremi is not None:
+        yield (f"doremi with parallelism.context_parallel_size ({cp}) is not supported yet: DoReMi's reference "
+               "losses are per whole sequence; set context_parallel_size: 1")

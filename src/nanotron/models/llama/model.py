@@ -15,20 +15,16 @@ every batch row and head (measured: ~20 ms of a 1B model's 280 ms step on an H20
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, tie_embeddings
+from nanotron.nn.attention import AttentionCore, MaskRule
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 from nanotron.nn.swiglu import swiglu
-
-# Since torch 2.5, SDPA groups query heads over kv heads itself, without materialising repeated keys and values.
-SDPA_GROUPS_HEADS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
 
 class KVCache:
     """Keys and values of the positions seen so far, for one attention layer: [batch, kv_heads, positions, head_dim]."""
@@ -45,27 +41,28 @@ class KVCache:
 
 class LlamaAttention(nn.Module):
     """Causal self-attention with grouped-query heads and a fused q|k|v projection (biased with
-    ``attention_bias``, as in Qwen2)."""
+    ``attention_bias``, as in Qwen2); ``rule`` says which keys a query attends to (causal by default). The softmax
+    attention itself is the ``core`` child, which parallel mechanisms may swap (context parallelism)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, rule: MaskRule = MaskRule()):
         super().__init__()
         self.head_dim = config.head_dim
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.attention_bias,
                                chunks=(q_width, kv_width, kv_width))
+        self.core = AttentionCore(rule)
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Causal attention. ``rotary`` holds the fp32 cos and sin tables ([..., positions, head_dim], at least as
         many positions as the sequence; the first ones are used). ``attention_mask`` [batch, 1, queries, keys]
-        (True = attend) replaces the causal mask when given (padded prompts), and ``kv_cache`` holds the keys and
-        values of earlier positions (generation)."""
+        (True = attend) restricts the rule further (padded prompts), and ``kv_cache`` holds the keys and values of
+        earlier positions (generation)."""
         qkv = self.qkv_proj(hidden_states)
         batch, seq, _ = qkv.shape
         widths = self.qkv_proj.output_chunks
         q_heads, kv_heads = widths[0] // self.head_dim, widths[1] // self.head_dim
-        q_per_kv = q_heads // kv_heads
         q, k, v = qkv.split(list(widths), dim=-1)
         q = q.view(batch, seq, q_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
@@ -74,18 +71,7 @@ class LlamaAttention(nn.Module):
         q, k = self.encode_positions(q, k, rotary)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        grouped = {}
-        if q_per_kv > 1 and SDPA_GROUPS_HEADS:
-            grouped = {"enable_gqa": True}
-        elif q_per_kv > 1:
-            k = k.repeat_interleave(q_per_kv, dim=1)
-            v = v.repeat_interleave(q_per_kv, dim=1)
-
-        mask = self.mask(attention_mask, seq, k.shape[2], q.device)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **grouped)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **grouped)
+        out = self.core(q, k, v, attention_mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
 
     def encode_positions(self, q: torch.Tensor, k: torch.Tensor,
@@ -93,12 +79,6 @@ class LlamaAttention(nn.Module):
         """Queries and keys [batch, heads, positions, head_dim] rotated by RoPE; variants override this."""
         cos, sin = (table[..., :q.shape[2], :].to(q.dtype) for table in rotary)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-    def mask(self, attention_mask: torch.Tensor | None, queries: int, keys: int,
-             device: torch.device) -> torch.Tensor | None:
-        """The boolean mask [..., queries, keys] (True = attend) for ``queries`` that are the last of ``keys``
-        positions, or None for the plain causal mask; variants that restrict attention override this."""
-        return attention_mask
 
 
 class LlamaMLP(nn.Module):

@@ -5,42 +5,28 @@ transformers' masks and flash-attention's ``window_size=(W - 1, 0)``); a NoPE la
 unrotated. Both are properties of the attention block, so the model subclasses ``LlamaForCausalLM`` and overrides
 only ``attention(config, index)``; the decoder layers, MLPs, norms, embeddings and tensor-parallel plan are Llama's.
 
-The window is a boolean mask for SDPA, over key slots: queries are the last of the keys, as in training (one
-sequence) and in generation with the KV cache (the cache holds every position, and generation's left padding sits
-before the first real token, so slot distances are position distances).
+The window is the attention core's mask rule (``nn/attention.py``), over token indices: on one rank queries are the
+last of the keys, as in training and in generation with the KV cache (the cache holds every position, and
+generation's left padding sits before the first real token, so slot distances are position distances); under context
+parallelism the indices are the tokens' places in the whole sequence.
 """
 
 from __future__ import annotations
 
-import torch
-
 from nanotron.config import Qwen2Config
 from nanotron.models.llama.model import LlamaAttention, LlamaForCausalLM
-
-
-def sliding_window_mask(queries: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
-    """[queries, keys]: causal, and each query sees at most ``window`` keys (its own included); the queries are the
-    last ``queries`` of the ``keys`` positions."""
-    query_index = torch.arange(keys - queries, keys, device=device)[:, None]
-    key_index = torch.arange(keys, device=device)[None, :]
-    return (key_index <= query_index) & (key_index > query_index - window)
+from nanotron.nn.attention import MaskRule
 
 
 class Qwen2Attention(LlamaAttention):
     """Llama's attention with RoPE switched off (``rope`` False) or a sliding window (``window`` positions)."""
 
     def __init__(self, config: Qwen2Config, rope: bool, window: int | None):
-        super().__init__(config)
+        super().__init__(config, MaskRule(window))
         self.rope, self.window = rope, window
 
     def encode_positions(self, q, k, rotary):
         return super().encode_positions(q, k, rotary) if self.rope else (q, k)
-
-    def mask(self, attention_mask, queries, keys, device):
-        if self.window is None:
-            return attention_mask
-        window = sliding_window_mask(queries, keys, self.window, device)
-        return window if attention_mask is None else attention_mask & window
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
