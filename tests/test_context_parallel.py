@@ -25,8 +25,7 @@ QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "in
 def cp_config(tiny_data, folder, *, cp: int = 1, tp: int = 1, dp: int = 1, pp: int = 1, zero: int = 0,
               steps: int | None = None, **overrides) -> dict:
     base = tiny_config_dict(tiny_data, folder)
-    model = base["model"] | {"make_vocab_size_divisible_by": 128}  # 384 rows at tp=1, 512 at tp=2
-    model["model_config"] = QWEN2_TINY
+    model = base["model"] | {"model_config": QWEN2_TINY}
     config = tiny_config_dict(
         tiny_data, folder, model=model,
         parallelism={"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "tp_mode": "REDUCE_SCATTER"},
@@ -114,20 +113,18 @@ def test_the_world_size_counts_cp(tiny_data, tmp_path):
 
 
 def _run(config: dict) -> dict:
-    """Loss and gradient pieces of the first step (no update), then the config's training steps."""
+    """Loss and gradient pieces of the first step (no update), then the config's training steps. The process group
+    stays for the next call of the same spawn (as ``helpers._run``)."""
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
-    try:
-        loss, grads = first_step_gradients(trainer)
-        trainer.buckets.zero()
-        trainer.train()
-        metrics = []
-        if trainer.pc.rank == 0:
-            metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-        return {"loss": loss.item(), "grads": grads, "metrics": metrics, "sharded": trainer.buckets.buckets[0].sharded}
-    finally:
-        trainer.close()
+    loss, grads = first_step_gradients(trainer)
+    trainer.buckets.zero()
+    trainer.train()
+    metrics = []
+    if trainer.pc.rank == 0:
+        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    return {"loss": loss.item(), "grads": grads, "metrics": metrics, "sharded": trainer.buckets.buckets[0].sharded}
 
 
 def _assert_same_training(reference: dict, ranks: list[dict], layout: str) -> None:
