@@ -200,3 +200,21 @@ def test_resume_at_another_cp_size_continues_the_run(tiny_data, tmp_path, source
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
         assert (got["lr"], got["consumed_tokens"]) == (expected["lr"], expected["consumed_tokens"])
+
+
+# --- the memory planner -----------------------------------------------------------------------------------------------
+
+
+def test_the_memory_planner_holds_each_ranks_part_of_the_sequence(tiny_data, tmp_path):
+    """At cp 2 a rank keeps half of each sequence's activations (plus the gathered keys and values) and of the loss's
+    per-token buffers, and ZeRO-1 shards the optimizer state over dp × cp."""
+    from nanotron.memory import estimate_memory
+
+    one, two = (estimate_memory(config_from_dict(cp_config(tiny_data, tmp_path, cp=cp, zero=1)), 80.0)
+                for cp in (1, 2))
+    (whole,), (half,) = one.stages, two.stages
+    assert "cp 2" in two.description
+    assert half.master_weights == pytest.approx(whole.master_weights / 2, rel=0.02)
+    assert half.weights == whole.weights
+    assert half.logits < whole.logits
+    assert whole.activations / 2 < half.activations < whole.activations

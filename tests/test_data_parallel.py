@@ -129,7 +129,7 @@ def _diverged_replica() -> str:
 
 def test_replica_check_fails_loudly_on_divergence():
     messages = run_distributed(_diverged_replica, 2)
-    assert all("step 4" in message and "dp x ep" in message for message in messages)
+    assert all("step 4" in message and "dp x cp x ep" in message for message in messages)
 
 
 def _expert_parallel_norm_and_replica_check() -> dict:

@@ -78,14 +78,15 @@ class ActivationShape:
     """One rank's share of a micro-batch, as the memory planner (``memory.py``) hands it to a family's
     ``layer_activations``: the layout decides the shares, the family what its layers keep of them."""
 
-    tokens: int  # micro_batch_size x sequence_length
-    sequence_length: int
+    tokens: int  # micro_batch_size x sequence_length / cp: this rank's part of a micro-batch
+    sequence_length: int  # the whole sequence's (its keys, under context parallelism)
     tp: int
     value_bytes: int  # the model dtype's
     residual_share: float  # of the tokens of the residual stream a rank keeps (1/tp with sequence parallelism)
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
     recomputed: bool  # parallelism.recompute_layer
+    cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 
 # (config, global layer index, shape) -> (kept, transient): bytes one decoder layer keeps for the backward per

@@ -26,7 +26,7 @@ def qwen2_costs(c: Qwen2Config, padded_vocab_size: int, sequence_length: int) ->
 def qwen2_layer_activations(c: Qwen2Config, layer: int, shape: ActivationShape) -> tuple[int, int]:
     """``ModelSpec.layer_activations``: Llama's, plus a sliding layer's boolean window mask (sequence² bytes), which
     SDPA keeps for the backward, or which a recomputed layer builds again in its backward (derived from
-    ``model.py``, not measured)."""
+    ``model.py``, not measured). Under context parallelism every layer has a mask, which Llama's count holds."""
     kept, transient = llama_layer_activations(c, layer, shape)
-    mask = shape.sequence_length ** 2 if c.attention_window(layer) is not None else 0
+    mask = shape.sequence_length ** 2 if c.attention_window(layer) is not None and shape.cp == 1 else 0
     return (kept, transient + mask) if shape.recomputed else (kept + mask, transient)
