@@ -176,4 +176,4 @@ def test_expert_parallel_counts_dense_gradients_over_dp_and_ep_and_expert_ones_o
     results = run_distributed(_expert_parallel_norm_and_replica_check, 4)
     expected = (16 * 10**2 + 16 * 8**2 + 16 * 12**2) ** 0.5
     assert all(abs(r["norm"] - expected) < 1e-4 for r in results), [r["norm"] for r in results]
-    assert all(r["divergence"] is not None and "dp x ep" in r["divergence"] for r in results)
+    assert all(r["divergence"] is not None and "dp x cp x ep" in r["divergence"] for r in results)

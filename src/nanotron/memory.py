@@ -21,11 +21,12 @@ How each part is computed, and why:
   weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
-  gathered keys and values and its mask. In flight on stage ``s`` of ``pp``: ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a
-  single stage keeps one), all of them under AFAB. What a decoder layer saves cannot be read from its parameters:
-  each family models it (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the
-  layer's code, checked layer by layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its
-  input, and the backward rebuilds one layer at a time. The last stage adds the final norm, which is never compiled.
+  gathered keys and values and its mask. In flight on stage ``s`` of ``pp``:
+  ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a single stage keeps one), all of them under AFAB.
+  What a decoder layer saves cannot be read from its parameters: each family models it
+  (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
+  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input, and the backward rebuilds
+  one layer at a time. The last stage adds the final norm, which is never compiled.
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
   (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps

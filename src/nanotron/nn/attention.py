@@ -37,6 +37,9 @@ class MaskRule:
         return allowed
 
 
+CAUSAL = MaskRule()
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA of q [batch, heads, queries, head_dim] over k, v [batch, kv_heads, keys, head_dim] (grouped-query heads
     when there are fewer kv heads) under ``mask`` (True = attend; None: causal over keys aligned with the queries)."""

@@ -2,8 +2,8 @@
 
 Every model parameter (and persistent buffer) carries a :class:`Placement`. Gradient reduction, grad-norm, ZeRO,
 the replica check and checkpoints read this metadata instead of guessing from shapes or names. On each of the axes
-``dp``, ``cp``, ``ep`` and ``tp`` a parameter is either sharded along one tensor dim or replicated (every rank on that axis
-holds the same values); pipeline stages hold different parameters, except copies tied across stages. Fused
+``dp``, ``cp``, ``ep`` and ``tp`` a parameter is either sharded along one tensor dim or replicated (every rank on
+that axis holds the same values); pipeline stages hold different parameters, except copies tied across stages. Fused
 projections (q|k|v, gate|up) are sharded chunk-wise: each chunk is split evenly, so every rank holds matching slices
 of every chunk.
 

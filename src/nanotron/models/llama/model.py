@@ -20,11 +20,12 @@ from torch import nn
 from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, tie_embeddings
-from nanotron.nn.attention import AttentionCore, MaskRule
+from nanotron.nn.attention import CAUSAL, AttentionCore, MaskRule
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
 from nanotron.nn.swiglu import swiglu
+
 
 class KVCache:
     """Keys and values of the positions seen so far, for one attention layer: [batch, kv_heads, positions, head_dim]."""
@@ -44,7 +45,7 @@ class LlamaAttention(nn.Module):
     ``attention_bias``, as in Qwen2); ``rule`` says which keys a query attends to (causal by default). The softmax
     attention itself is the ``core`` child, which parallel mechanisms may swap (context parallelism)."""
 
-    def __init__(self, config: LlamaConfig, rule: MaskRule = MaskRule()):
+    def __init__(self, config: LlamaConfig, rule: MaskRule = CAUSAL):
         super().__init__()
         self.head_dim = config.head_dim
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
