@@ -129,7 +129,7 @@ def _diverged_replica() -> str:
 
 def test_replica_check_fails_loudly_on_divergence():
     messages = run_distributed(_diverged_replica, 2)
-    assert all("step 4" in message and "dp x ep" in message for message in messages)
+    assert all("step 4" in message and "dp x cp x ep" in message for message in messages)
 
 
 def _expert_parallel_norm_and_replica_check() -> dict:
@@ -176,4 +176,4 @@ def test_expert_parallel_counts_dense_gradients_over_dp_and_ep_and_expert_ones_o
     results = run_distributed(_expert_parallel_norm_and_replica_check, 4)
     expected = (16 * 10**2 + 16 * 8**2 + 16 * 12**2) ** 0.5
     assert all(abs(r["norm"] - expected) < 1e-4 for r in results), [r["norm"] for r in results]
-    assert all(r["divergence"] is not None and "dp x ep" in r["divergence"] for r in results)
+    assert all(r["divergence"] is not None and "dp x cp x ep" in r["divergence"] for r in results)

@@ -48,7 +48,7 @@ def _built_by_training(family: str, overrides: list[str]) -> tuple[dict, dict[st
 
     config = tiny_config(family, overrides)
     p = config.parallelism
-    pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size)
+    pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
     model = build_model(config.model.model_config, pc, BuildOptions.from_config(config))
     return pc.coordinates, layout(model)
 
@@ -59,6 +59,7 @@ LAYOUTS = {  # two ranks each
     "moe ep=2": ("moe", ["parallelism.expert_parallel_size=2"]),
     "moe tp=2": ("moe", ["parallelism.tp=2"]),
     "mamba tp=2": ("mamba", ["parallelism.tp=2"]),
+    "llama cp=2": ("llama", ["parallelism.context_parallel_size=2"]),
 }
 
 
@@ -71,7 +72,7 @@ def test_build_stage_on_the_meta_device_gives_every_rank_the_parameters_training
         family, overrides = LAYOUTS[name]
         config = tiny_config(family, overrides)
         p = config.parallelism
-        sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "tp": p.tp}
+        sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "cp": p.context_parallel_size, "tp": p.tp}
         for coordinates, trained in per_rank:
             planned = build_stage(config.model.model_config, GridPosition(sizes, coordinates),
                                   BuildOptions.from_config(config))

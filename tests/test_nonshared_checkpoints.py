@@ -151,9 +151,10 @@ def test_each_folder_gets_every_box_its_ranks_hold_once(layout):
     from nanotron.checkpoint.node_folders import FolderRanks
     from nanotron.parallel.context import AXES
 
-    sizes = dict(zip(AXES, layout))
-    world = torch.arange(len(range(sizes["pp"] * sizes["dp"] * sizes["ep"] * sizes["tp"])))
-    grid = world.reshape(*layout)
+    pp, dp, ep, tp = layout
+    sizes = dict(zip(AXES, (pp, dp, ep, 1, tp)))
+    world = torch.arange(pp * dp * ep * tp)
+    grid = world.reshape(*sizes.values())
     coordinates = {rank: dict(zip(AXES, (grid == rank).nonzero()[0].tolist())) for rank in world.tolist()}
     stage = {0: 0, 1: sizes["pp"] - 1}
     for per_node, placement in itertools.product([n for n in (1, 2, 4) if len(world) % n == 0], _placements()):

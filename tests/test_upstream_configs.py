@@ -226,7 +226,6 @@ def test_interleaved_rotary_true_is_refused_by_name():
 
 
 @pytest.mark.parametrize("key, value, feature", [
-    ("parallelism.context_parallel_size", 2, "context parallelism"),
     ("parallelism.moe_layer_recompute", True, "recomputing the MoE layers alone"),
     ("metrics_logging", {"log_level": 1}, "detailed metrics logging"),
     ("model.init_method.scaling_method", "LAYER_INDEX", "only NUM_LAYERS is available"),

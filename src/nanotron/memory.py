@@ -17,14 +17,16 @@ How each part is computed, and why:
   full buffer, so the buffer keeps its full size.
 - **master weights**: the optimizer's fp32 copy of its shard (``optimizer.py`` clones the shard even when the model
   is fp32). **Adam moments**: two more fp32 tensors of the same shard. With ``zero_stage: 1`` the shard of a
-  parameter is 1/n of it, n the ranks of its gradient axes (``Placement.gradient_axes``: dp·ep for a dense weight,
-  dp for an expert), else everything.
+  parameter is 1/n of it, n the ranks of its gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense
+  weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
-  backward. In flight on stage ``s`` of ``pp``: ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a
-  single stage keeps one), all of them under AFAB. What a decoder layer saves cannot be read from its parameters:
-  each family models it (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the
-  layer's code, checked layer by layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its
-  input, and the backward rebuilds one layer at a time. The last stage adds the final norm, which is never compiled.
+  backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
+  gathered keys and values and its mask. In flight on stage ``s`` of ``pp``:
+  ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a single stage keeps one), all of them under AFAB.
+  What a decoder layer saves cannot be read from its parameters: each family models it
+  (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
+  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input, and the backward rebuilds
+  one layer at a time. The last stage adds the final norm, which is never compiled.
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
   (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
@@ -182,7 +184,8 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
     largest = tuple(_largest_fitting(lambda mb, s=stage: stages_at(mb)[s].total <= budget) for stage in range(p.pp))
     parameters = spec.costs(config.model.model_config, states[0].padded_vocab_size, t.sequence_length).parameters
     size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
-    description = (f"{spec.name}, {size} parameters, dp {p.dp} x ep {p.expert_parallel_size} x tp "
+    description = (f"{spec.name}, {size} parameters, dp {p.dp} x ep {p.expert_parallel_size} x cp "
+                   f"{p.context_parallel_size} x tp "
                    f"{p.tp} x pp {p.pp} ({_schedule_name(config)}), micro-batch {t.micro_batch_size} x "
                    f"{t.sequence_length} tokens, {t.batch_accumulation_per_replica} per step, {config.model.dtype}"
                    + (", compiled" if config.model.compile else ", eager")
@@ -226,7 +229,7 @@ def _stage_state(config: Config, stage: int) -> _StageState:
     """Build pipeline stage ``stage``'s model as training does, on the meta device (no memory), for the rank at
     coordinate 0 of the other axes, and count its parameters from their local shapes, dtypes and placements."""
     p, optimizer = config.parallelism, config.optimizer
-    sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "tp": p.tp}
+    sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "cp": p.context_parallel_size, "tp": p.tp}
     grid = GridPosition(sizes, {axis: stage if axis == "pp" else 0 for axis in sizes})
     converters = (fp8_converter(config.fp8),) if config.fp8 is not None and config.fp8.enabled else ()
     model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
@@ -265,13 +268,18 @@ def _token_shares(config: Config) -> tuple[float, float]:
             1 / p.tp if sequence_parallel and p.tp_linear_async_communication else 1.0)
 
 
+def _rank_tokens(config: Config, micro_batch_size: int) -> int:
+    """The tokens of a micro-batch that one rank holds: its part of each sequence under context parallelism."""
+    return micro_batch_size * config.tokens.sequence_length // config.parallelism.context_parallel_size
+
+
 def _activation_shape(config: Config, micro_batch_size: int) -> ActivationShape:
     residual_share, linear_input_share = _token_shares(config)
     return ActivationShape(
-        tokens=micro_batch_size * config.tokens.sequence_length, sequence_length=config.tokens.sequence_length,
+        tokens=_rank_tokens(config, micro_batch_size), sequence_length=config.tokens.sequence_length,
         tp=config.parallelism.tp, value_bytes=config.model.torch_dtype().itemsize, residual_share=residual_share,
         linear_input_share=linear_input_share, compiled=config.model.compile,
-        recomputed=config.parallelism.recompute_layer,
+        recomputed=config.parallelism.recompute_layer, cp=config.parallelism.context_parallel_size,
     )
 
 
@@ -279,7 +287,7 @@ def final_norm_bytes(config: Config, micro_batch_size: int) -> int:
     """The final norm (never compiled) keeps its fp32 input copy, the normalised values and its output."""
     d, hidden = config.model.torch_dtype().itemsize, config.model.model_config.hidden_size
     residual_share, linear_input_share = _token_shares(config)
-    tokens = micro_batch_size * config.tokens.sequence_length
+    tokens = _rank_tokens(config, micro_batch_size)
     return int(tokens * ((4 + d) * hidden * residual_share + d * hidden * linear_input_share))
 
 
@@ -298,7 +306,7 @@ def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
         return fused_loss_bytes(config, micro_batch_size)
     tp, d = config.parallelism.tp, config.model.torch_dtype().itemsize
     vocab = padded_vocab_size(config.model.model_config.vocab_size, config.model.make_vocab_size_divisible_by, tp)
-    elements = micro_batch_size * config.tokens.sequence_length * vocab // tp
+    elements = _rank_tokens(config, micro_batch_size) * vocab // tp
     logits, fp32 = elements * d, elements * 4
     compiled = config.model.compile
     if tp == 1:
@@ -323,7 +331,7 @@ def fused_loss_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
     """
     c, tp, d = config.model.model_config, config.parallelism.tp, config.model.torch_dtype().itemsize
     vocab = padded_vocab_size(c.vocab_size, config.model.make_vocab_size_divisible_by, tp) // tp
-    tokens = micro_batch_size * config.tokens.sequence_length
+    tokens = _rank_tokens(config, micro_batch_size)
     weight = vocab * c.hidden_size
     chunk = min(config.model.loss_chunk_tokens, tokens) * vocab
     passes = chunk * (2 * d if config.model.compile else d + FUSED_EAGER_PASS_BYTES)

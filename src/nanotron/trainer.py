@@ -1,7 +1,7 @@
 """The training loop: build everything from a validated config, then step, log and checkpoint.
 
 One optimizer step:
-1. count the target tokens of the whole global batch (all micro-batches, all data-parallel ranks);
+1. count the target tokens of the whole global batch (all micro-batches, all data- and context-parallel ranks);
 2. forward and backward every micro-batch with loss = token-loss sum / that global count;
 3. sum gradients over data-parallel ranks (bucket by bucket, during the last backward), take the global
    grad-norm, clip;
@@ -40,6 +40,7 @@ from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.context_parallel import context_parallel_masks, split_micro_batch
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
 from nanotron.parallel.pipeline_parallel import StageOutput
 from nanotron.parallel.placement import declared_names, logical_parameters
@@ -67,7 +68,7 @@ class Trainer:
                  features: Sequence[Feature] | None = None):
         self.config = expand_run_name(config)
         p = config.parallelism
-        self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size)
+        self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
         self.checkpoints: RunCheckpoints | None = None  # the run folder's lock, taken first by ``_set_up``
         try:
             self._set_up(converters, features)
@@ -124,9 +125,12 @@ class Trainer:
         """This pipeline stage's forward; the last stage returns the micro-batch's share of the step loss."""
         logits = self.head_loss is None  # else the last stage returns the head's input, for the fused loss
         # A later stage takes the ids too, for the sequence's length (its rotary tables), not for their values; every
-        # stage takes the documents' positions and ids, which micro-batches hold under document masking.
-        output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits,
-                            **{key: micro_batch[key] for key in ("position_ids", "document_ids") if key in micro_batch})
+        # stage takes the tokens' positions and document ids, which micro-batches hold under document masking, and
+        # under context parallelism the masks of the rank's part of the sequence.
+        inputs = {key: micro_batch[key] for key in ("position_ids", "document_ids") if key in micro_batch}
+        if self.pc.size("cp") > 1:
+            inputs["masks"] = context_parallel_masks(micro_batch, self.pc.coord("cp"), self.pc.size("cp"))
+        output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits, **inputs)
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:
             auxiliary_loss, statistics = self.auxiliary_losses.collect(self.model, self.config.global_batch_size)
@@ -164,10 +168,12 @@ class Trainer:
         """The step's statistics, the same on every rank (``lm_loss`` is the step's mean token loss); gradients end
         in the buckets, summed over replicas and tied copies."""
         batches = [{k: v.to(self.pc.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        if self.pc.size("cp") > 1:
+            batches = [split_micro_batch(mb, self.pc.coord("cp"), self.pc.size("cp")) for mb in batches]
         for feature in self.features:
             feature.before_forward_backward(batches)
         token_count = torch.stack([mb["label_mask"].sum() for mb in batches]).sum().float()
-        dist.all_reduce(token_count, group=self.pc.groups["dp_ep"])
+        dist.all_reduce(token_count, group=self.pc.groups["dp_cp_ep"])
         token_count = token_count.clamp(min=1.0)
         batches = [mb | {"token_count": token_count} for mb in batches]
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from nanotron.config.data import DatasetArgs, HFDatasetArgs
+from nanotron.config.mamba import MambaConfig
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.rules import MODEL_CONFIG_KEY
@@ -24,6 +25,7 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _doremi_vs_data_stages(cfg)
     yield from _model_vs_parallelism(cfg)
     yield from _documents_vs_data_stages(cfg)
+    yield from _context_parallelism(cfg)
 
 
 def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:
@@ -74,7 +76,7 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
         yield (f"{key}.{moe.num_experts_key} ({moe.num_experts}) must be divisible by "
                f"parallelism.expert_parallel_size ({ep}): every expert-parallel rank holds the same number of whole "
                "experts")
-    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp:
+    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp and p.context_parallel_size == 1:
         yield (
             f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
             "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
@@ -96,3 +98,31 @@ def _documents_vs_data_stages(cfg: Config) -> Iterator[str]:
             yield (f"data_stages[{stage.name!r}].data.dataset.return_positions is false, but "
                    f"{MODEL_CONFIG_KEY}._use_doc_masking needs the positions of the documents in each sample: set "
                    "return_positions: true, or _use_doc_masking: false")
+
+
+def _context_parallelism(cfg: Config) -> Iterator[str]:
+    """The sequence must cut into 2 chunks per context-parallel rank (and each rank's part over TP in
+    REDUCE_SCATTER mode); what does not compose with context parallelism yet is refused by name."""
+    c, p, length, key = cfg.model.model_config, cfg.parallelism, cfg.tokens.sequence_length, MODEL_CONFIG_KEY
+    cp = p.context_parallel_size
+    if cp <= 1:
+        return
+    if length % (2 * cp):
+        yield (f"tokens.sequence_length ({length}) must be divisible by 2 x parallelism.context_parallel_size "
+               f"= {2 * cp}: each sequence is cut into two chunks per context-parallel rank")
+    elif p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and (length // cp) % p.tp:
+        yield (f"tokens.sequence_length / parallelism.context_parallel_size ({length // cp}) must be divisible by "
+               f"parallelism.tp ({p.tp}) with parallelism.tp_mode: REDUCE_SCATTER, which splits each rank's part of "
+               "the sequence over TP; change tokens.sequence_length or tp_mode")
+    if isinstance(c, MambaConfig):
+        yield (f"parallelism.context_parallel_size ({cp}) needs an attention model: a Mamba model ({key} with "
+               "is_mamba_config: true) scans the sequence in order; set it to 1")
+    moe = getattr(c, "moe", None)
+    if moe is not None and (moe.aux_loss_coef or moe.z_loss_coef or moe.capacity_factor is not None):
+        yield (f"{key}: the experts' router losses and capacity (aux loss coefficient {moe.aux_loss_coef}, z-loss "
+               f"coefficient {moe.z_loss_coef}, capacity factor {moe.capacity_factor}) are per whole sequence, which "
+               f"no rank holds under parallelism.context_parallel_size ({cp}) yet: set the coefficients to 0 and "
+               "the capacity factor to null, or context_parallel_size: 1")
+    if cfg.doremi is not None:
+        yield (f"doremi with parallelism.context_parallel_size ({cp}) is not supported yet: DoReMi's reference "
+               "losses are per whole sequence; set context_parallel_size: 1")

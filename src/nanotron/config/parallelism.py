@@ -17,6 +17,7 @@ class ParallelismArgs:
     pp: int = 1
     tp: int = 1
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1  # ranks each sequence is split over (parallel/context_parallel.py)
     pp_engine: PipelineEngine = "1f1b"
     tp_mode: TensorParallelMode = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
@@ -31,10 +32,10 @@ class ParallelismArgs:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp * self.expert_parallel_size
+        return self.dp * self.pp * self.tp * self.expert_parallel_size * self.context_parallel_size
 
     def problems(self) -> Iterator[str]:
-        for name in ("dp", "pp", "tp", "expert_parallel_size"):
+        for name in ("dp", "pp", "tp", "expert_parallel_size", "context_parallel_size"):
             yield from at_least(f"parallelism.{name}", getattr(self, name), 1)
         if self.tp_linear_async_communication and self.tp_mode == "ALL_REDUCE":
             yield (
@@ -57,7 +58,8 @@ class ParallelismArgs:
         if self.world_size != world_size:
             yield (
                 f"parallelism.dp ({self.dp}) * parallelism.pp ({self.pp}) * parallelism.tp ({self.tp}) * "
-                f"parallelism.expert_parallel_size ({self.expert_parallel_size}) = {self.world_size}, but "
+                f"parallelism.expert_parallel_size ({self.expert_parallel_size}) * parallelism.context_parallel_size "
+                f"({self.context_parallel_size}) = {self.world_size}, but "
                 f"{world_size} processes were launched; make the product equal the number of processes "
                 "(`torchrun --nproc_per_node` times the number of nodes)"
             )

@@ -61,7 +61,6 @@ class Feature:
 _DATASET = "data_stages[].data.dataset"
 # Keyed by the dotted key with list indices written as [] (data stages) and the model config's fields.
 FEATURES: dict[str, Feature] = {
-    "parallelism.context_parallel_size": Feature("context parallelism", (1,)),
     "parallelism.moe_layer_recompute": Feature(
         "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
     "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),

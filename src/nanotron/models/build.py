@@ -14,6 +14,7 @@ from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.nn.recompute import recompute_in_backward
 from nanotron.parallel.context import GridPosition, ParallelContext
+from nanotron.parallel.context_parallel import apply_context_parallel
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
 from nanotron.parallel.placement import annotate_placements
 from nanotron.parallel.tensor_parallel import ALL_REDUCE, apply_tensor_parallel
@@ -89,8 +90,8 @@ def pipeline_stage_layers(model_config, options: BuildOptions, stages: int, tp: 
 def build_stage(model_config, grid: ParallelContext | GridPosition, options: BuildOptions,
                 converters: Sequence[ModuleConverter] = (), device: torch.device = META) -> CausalLM:
     """The part of the model that the rank at ``grid``'s coordinates holds, with placements on every parameter and
-    no initial values: constructed on the meta device, split by the family's tensor-parallel plan and expert
-    parallelism, cut to the rank's pipeline stage, converted, then materialised on ``device``.
+    no initial values: constructed on the meta device, split by the family's tensor-parallel plan, expert
+    parallelism and context parallelism, cut to the rank's pipeline stage, converted, then materialised on ``device``.
 
     Training builds its model this way (``build_model``). On the meta device (the default) nothing is allocated and
     ``grid`` may be a ``GridPosition`` of any rank: the memory planner counts what each stage holds from the model
@@ -107,6 +108,8 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
             model.tie_weights()
         if grid.size("ep") > 1:
             spec.expert_parallel(model, grid.groups["ep"])
+        if grid.size("cp") > 1:
+            apply_context_parallel(model, grid.groups["cp"])
         if stages > 1:
             stage = grid.coord("pp")
             keep_stage(model, pipeline_stage_layers(model_config, options, stages, tp)[stage], stage == 0,

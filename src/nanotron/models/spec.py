@@ -39,12 +39,13 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 caches: dict[str, Any] | None = None, head: bool = True,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, masks: Any = None) -> torch.Tensor:
         """The parts this stage holds: ids (first stage) or hidden states in, hidden states or logits out; a later
         stage may be handed the ids too, for the sequence's length only. ``caches`` maps layer indices to their
         inference caches (generation). ``head=False`` leaves the LM head out: the last stage returns the final norm's
         output, for a loss that applies the head itself chunk by chunk (``parallel/linear_cross_entropy.py``).
-        ``document_ids`` [batch, seq] are given to families with ``ModelSpec.document_masking`` only."""
+        ``document_ids`` [batch, seq] are given to families with ``ModelSpec.document_masking`` only, ``masks``
+        (``nn.attention.AttentionMasks``) to attention families under context parallelism only."""
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head where the config ties them (again after modules are swapped)."""
@@ -80,14 +81,15 @@ class ActivationShape:
     """One rank's share of a micro-batch, as the memory planner (``memory.py``) hands it to a family's
     ``layer_activations``: the layout decides the shares, the family what its layers keep of them."""
 
-    tokens: int  # micro_batch_size x sequence_length
-    sequence_length: int
+    tokens: int  # micro_batch_size x sequence_length / cp: this rank's part of a micro-batch
+    sequence_length: int  # the whole sequence's (its keys, under context parallelism)
     tp: int
     value_bytes: int  # the model dtype's
     residual_share: float  # of the tokens of the residual stream a rank keeps (1/tp with sequence parallelism)
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
     recomputed: bool  # parallelism.recompute_layer
+    cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 
 # (config, global layer index, shape) -> (kept, transient): bytes one decoder layer keeps for the backward per

@@ -10,6 +10,11 @@ The rule reads per-token vectors: query ``q`` may attend to key ``k`` when
 Indices are the tokens' places in the full sequence, not in the tensors at hand, so a caller holding any subset of the
 queries and keys (context parallelism: chunks of queries against gathered keys) states the rule with its own vectors.
 
+A decoder's attention block computes its queries, keys and values (projections, RoPE, the KV cache) and hands them,
+with its layer's mask, to an ``AttentionCore``: the seam where a parallel mechanism changes where the keys come from
+(context parallelism, ``parallel/context_parallel.py``, swaps the core for one that gathers the keys and values of
+the whole sequence; its masks hold the rank's query indices against every key's).
+
 Two kernels apply it. SDPA with the boolean mask built from the rule, dense (queries × keys), is the plain-torch
 reference and the path on CPU. On CUDA, flex attention takes a ``BlockMask`` built from the same rule: fully masked
 blocks are skipped and no dense mask exists at any length. A rule that is plain causal attention over a whole sequence
@@ -23,6 +28,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -113,6 +119,15 @@ class AttentionMasks:
 
         return create_block_mask(mask_mod, batch, None, len(query_index), len(key_index),
                                  device=query_index.device, _compile=query_index.is_cuda)
+
+
+class AttentionCore(nn.Module):
+    """``attend`` as a child module of each attention block, with no parameters: the one place a parallel mechanism
+    swaps to change where the keys and values come from."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        return attend(q, k, v, mask)
 
 
 _compiled_flex = None

@@ -1,16 +1,18 @@
 """The process grid: which rank holds which slice of the model and of the data.
 
-World ranks are laid out as a 4-D grid ``arange(world).reshape(pp, dp, ep, tp)``. Tensor parallelism is the
-innermost axis, so a TP group is made of consecutive ranks (the fastest links on a node); expert parallelism comes
-next (its all-to-alls stay inside a node for small degrees), then data parallelism, and pipeline stages are the
-outermost axis (their point-to-point traffic is the lightest).
+World ranks are laid out as a 5-D grid ``arange(world).reshape(pp, dp, ep, cp, tp)``. Tensor parallelism is the
+innermost axis, so a TP group is made of consecutive ranks (the fastest links on a node); context parallelism comes
+next (every attention layer exchanges keys and values over it, so it stays inside a node too), then expert
+parallelism (its all-to-alls stay inside a node for small degrees), then data parallelism, and pipeline stages are
+the outermost axis (their point-to-point traffic is the lightest).
 
-Data is sharded over the ``dp`` and ``ep`` axes alike: every (dp, ep) pair of coordinates sees different samples.
-Expert weights are sharded over ``ep``; every other weight is replicated over it, so dense gradients are reduced
-over the ``dp_ep`` group and expert gradients over ``dp`` (``reduction_groups``). Step statistics (loss sums, token
-counts) are summed over ``pp_dp_ep``: every stage and data shard contributes, TP ranks hold identical copies. With
-pipeline parallelism, ``pipeline_ends`` pairs the first and last stage of each position, which both hold a copy of
-tied input/output embeddings.
+Samples are sharded over the ``dp`` and ``ep`` axes alike (the ``dp_ep`` group: every (dp, ep) pair of coordinates
+sees different samples); the ``cp`` ranks of one (dp, ep) pair read the same samples and each keeps its part of
+every sequence. Expert weights are sharded over ``ep``; every other weight is replicated over it and over ``cp``, so
+dense gradients are reduced over the ``dp_cp_ep`` group and expert gradients over ``dp_cp`` (``reduction_groups``).
+Step statistics (loss sums, token counts) are summed over ``pp_dp_cp_ep``: every stage, data shard and sequence part
+contributes, TP ranks hold identical copies. With pipeline parallelism, ``pipeline_ends`` pairs the first and last
+stage of each position, which both hold a copy of tied input/output embeddings.
 
 All groups are created eagerly, in the same order on every rank, so that no collective ever creates a communicator
 lazily (a classic source of pipeline deadlocks).
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "ep", "tp")
+AXES = ("pp", "dp", "ep", "cp", "tp")
 
 
 class ParallelLayoutError(ValueError):
@@ -38,6 +40,7 @@ class Coordinates:
     pp: int
     dp: int
     ep: int
+    cp: int
     tp: int
 
 
@@ -112,7 +115,8 @@ def default_device() -> torch.device:
 class ParallelContext:
     """Owns the process groups of every parallel axis and this rank's coordinates on them."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, device: torch.device | None = None):
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1,
+                 device: torch.device | None = None):
         self.device = device if device is not None else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -120,16 +124,16 @@ class ParallelContext:
 
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
-        expected = pp * dp * ep * tp
+        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "cp": cp, "tp": tp}
+        expected = pp * dp * ep * cp * tp
         if self.world_size != expected:
             raise ParallelLayoutError(
-                f"the launcher started {self.world_size} processes but parallelism.dp*pp*tp*expert_parallel_size = "
-                f"{dp}*{pp}*{tp}*{ep} = {expected}; change those keys or launch with "
+                f"the launcher started {self.world_size} processes but parallelism.dp*pp*tp*expert_parallel_size*"
+                f"context_parallel_size = {dp}*{pp}*{tp}*{ep}*{cp} = {expected}; change those keys or launch with "
                 f"`torchrun --nproc_per_node={expected}`"
             )
 
-        self.grid = torch.arange(self.world_size).reshape(pp, dp, ep, tp)
+        self.grid = torch.arange(self.world_size).reshape(pp, dp, ep, cp, tp)
         where = (self.grid == self.rank).nonzero()[0].tolist()
         self.coords = Coordinates(*where)
 
@@ -137,16 +141,19 @@ class ParallelContext:
         self.group_ranks: dict[str, list[int]] = {}
         for name, axes in (
             ("tp", ("tp",)),
+            ("cp", ("cp",)),
             ("ep", ("ep",)),
             ("dp", ("dp",)),
             ("pp", ("pp",)),
-            ("dp_ep", ("dp", "ep")),  # data-parallel replicas of dense weights
-            ("pp_dp_ep", ("pp", "dp", "ep")),  # one rank per TP group: step statistics are summed over it
+            ("dp_ep", ("dp", "ep")),  # ranks reading different samples
+            ("dp_cp", ("dp", "cp")),  # data-parallel replicas of expert weights
+            ("dp_cp_ep", ("dp", "cp", "ep")),  # data-parallel replicas of dense weights
+            ("pp_dp_cp_ep", ("pp", "dp", "cp", "ep")),  # one rank per TP group: step statistics are summed over it
         ):
             self._create_groups(name, axes)
         # First and last pipeline stage of each (dp, ep, tp) position: they hold the two copies of tied embeddings.
         if pp > 1:
-            for ranks in self.grid[[0, -1]].permute(1, 2, 3, 0).reshape(-1, 2).tolist():
+            for ranks in self.grid[[0, -1]].permute(1, 2, 3, 4, 0).reshape(-1, 2).tolist():
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups["pipeline_ends"], self.group_ranks["pipeline_ends"] = group, ranks
@@ -154,7 +161,7 @@ class ParallelContext:
     def _create_groups(self, name: str, axes: tuple[str, ...]) -> None:
         """Create one group per slice of the grid spanning ``axes``; keep the one that holds this rank."""
         keep = [AXES.index(a) for a in axes]
-        other = [i for i in range(4) if i not in keep]
+        other = [i for i in range(len(AXES)) if i not in keep]
         slices = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.grid.shape[i] for i in keep))
         for ranks in slices.tolist():
             group = dist.new_group(ranks)
@@ -171,8 +178,8 @@ class ParallelContext:
     @property
     def reduction_groups(self) -> dict[tuple[str, ...], dist.ProcessGroup]:
         """The group of every combination of gradient axes (``Placement.gradient_axes``): the data-parallel
-        replicas of a dense weight span dp × ep, those of an expert weight (sharded over ep) only dp."""
-        return {("dp", "ep"): self.groups["dp_ep"], ("dp",): self.groups["dp"], ("ep",): self.groups["ep"]}
+        replicas of a dense weight span dp × cp × ep, those of an expert weight (sharded over ep) dp × cp."""
+        return {("dp", "cp", "ep"): self.groups["dp_cp_ep"], ("dp", "cp"): self.groups["dp_cp"]}
 
     @property
     def coordinates(self) -> dict[str, int]:
@@ -188,7 +195,8 @@ class ParallelContext:
 
     def describe(self) -> str:
         c = self.coords
-        return f"DP={c.dp}|PP={c.pp}|TP={c.tp}" + (f"|EP={c.ep}" if self.sizes["ep"] > 1 else "")
+        return (f"DP={c.dp}|PP={c.pp}|TP={c.tp}" + (f"|EP={c.ep}" if self.sizes["ep"] > 1 else "")
+                + (f"|CP={c.cp}" if self.sizes["cp"] > 1 else ""))
 
     def destroy(self) -> None:
         if dist.is_initialized():

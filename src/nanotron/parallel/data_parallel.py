@@ -67,8 +67,8 @@ class Bucket:
 class GradientBuckets:
     """Flat gradient and parameter buffers of this rank's parameters, reduced over their data-parallel replicas.
 
-    A bucket only holds parameters that share a reduction group (their gradient axes: dense weights over dp × ep,
-    expert weights over dp), a dtype (an fp32 parameter among bf16 ones keeps its precision) and a weight-decay
+    A bucket only holds parameters that share a reduction group (their gradient axes: dense weights over dp × cp ×
+    ep, expert weights over dp × cp), a dtype (an fp32 parameter among bf16 ones keeps its precision) and a weight-decay
     setting. ``groups`` maps gradient axes to their process group (``ParallelContext.reduction_groups``).
     """
 
@@ -236,7 +236,7 @@ def check_replicas_agree(buckets: GradientBuckets, step: int) -> None:
 
     Replicas apply identical updates, so their weights must be bit-identical; a difference means a bug or a faulty
     device, and continuing would silently train several different models. Each reduction group (dense weights over
-    dp × ep, expert weights over dp) compares its own buckets.
+    dp × cp × ep, expert weights over dp × cp) compares its own buckets.
     """
     by_axes: dict[tuple[str, ...], list[Bucket]] = {}
     for bucket in buckets.buckets:

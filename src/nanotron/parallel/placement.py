@@ -2,16 +2,16 @@
 
 Every model parameter (and persistent buffer) carries a :class:`Placement`. Gradient reduction, grad-norm, ZeRO,
 the replica check and checkpoints read this metadata instead of guessing from shapes or names. On each of the axes
-``dp``, ``ep`` and ``tp`` a parameter is either sharded along one tensor dim or replicated (every rank on that axis
-holds the same values); pipeline stages hold different parameters, except copies tied across stages. Fused
+``dp``, ``cp``, ``ep`` and ``tp`` a parameter is either sharded along one tensor dim or replicated (every rank on
+that axis holds the same values); pipeline stages hold different parameters, except copies tied across stages. Fused
 projections (q|k|v, gate|up) are sharded chunk-wise: each chunk is split evenly, so every rank holds matching slices
 of every chunk.
 
 The axes a parameter is replicated over decide two things:
 
-* its **gradient axes**, the replicated axes among the data axes ``dp`` and ``ep`` (ranks there see different
-  samples): its gradient is summed over them. A dense weight is reduced over ``dp`` × ``ep``; an expert weight,
-  sharded over ``ep``, only over ``dp``.
+* its **gradient axes**, the replicated axes among the data axes ``dp``, ``cp`` and ``ep`` (ranks there see
+  different tokens: other samples, or other parts of the same sequences): its gradient is summed over them. A dense
+  weight is reduced over ``dp`` × ``cp`` × ``ep``; an expert weight, sharded over ``ep``, over ``dp`` × ``cp``.
 * where it is **counted once** (grad-norm, checkpoints): on the rank at coordinate 0 of every replicated axis,
   except the axes over which ZeRO-1 splits its gradient and optimizer state, where every rank holds a different
   piece.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-REPLICA_AXES = ("dp", "ep", "tp")  # axes a parameter is either sharded or replicated over
-DATA_AXES = ("dp", "ep")  # axes whose ranks train on different samples
+REPLICA_AXES = ("dp", "cp", "ep", "tp")  # axes a parameter is either sharded or replicated over
+DATA_AXES = ("dp", "cp", "ep")  # axes whose ranks train on different tokens
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A statistic is anything whose step value is a sum: the loss contributions (each 
 count), per-domain loss sums and token counts, auxiliary losses of any stage. The pipeline schedule adds them up over
 a step's micro-batches on each stage; :func:`sum_over_replicas` then adds them up over pipeline stages and
 data-parallel ranks in one all-reduce, so that every rank ends the step with the same values (and any rank can log
-them). Tensor-parallel ranks compute identical copies, so the sum runs over the ``pp_dp_ep`` group, one rank of
+them). Tensor-parallel ranks compute identical copies, so the sum runs over the ``pp_dp_cp_ep`` group, one rank of
 each TP group. The collective needs the same tensors on every rank: ``template`` names them all, with their shapes,
 and what a stage did not compute (the loss on an inner stage) counts as zero.
 """
@@ -36,8 +36,8 @@ def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]],
                                                                           device=device)).reshape(-1)
         for name in names
     ])
-    if parallel_context.size("pp_dp_ep") > 1:
-        dist.all_reduce(flat, group=parallel_context.groups["pp_dp_ep"])
+    if parallel_context.size("pp_dp_cp_ep") > 1:
+        dist.all_reduce(flat, group=parallel_context.groups["pp_dp_cp_ep"])
     sizes = [torch.Size(template[name]).numel() for name in names]
     return {name: piece.view(template[name]) for name, piece in zip(names, flat.split(sizes))}
 
@@ -53,7 +53,7 @@ def sum_over_all_ranks(values: torch.Tensor, parallel_context: ParallelContext) 
 def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
     """``values`` maximised over the tensor- and data-parallel ranks of this pipeline stage (which hold the same
     modules), in place: a statistic every such rank must agree on, like FP8's step amaxes."""
-    for group in ("tp", "dp_ep"):
+    for group in ("tp", "dp_cp_ep"):
         if parallel_context.size(group) > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.groups[group])
     return values

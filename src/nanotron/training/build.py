@@ -183,7 +183,9 @@ def pipeline_schedule(config: Config, pc: ParallelContext,
                       before_last_backward: Callable[[], None]) -> PipelineSchedule:
     """The micro-batch schedule; with pp=1 it is plain gradient accumulation."""
     p = config.parallelism
-    sequence = config.tokens.sequence_length // (p.tp if p.tp_mode == "REDUCE_SCATTER" else 1)
+    # Each context-parallel rank holds 1/cp of the sequence; sequence parallelism splits that over TP.
+    sequence = config.tokens.sequence_length // p.context_parallel_size // (p.tp if p.tp_mode == "REDUCE_SCATTER"
+                                                                            else 1)
     model_config = config.model.model_config
     shape = (config.tokens.micro_batch_size, sequence, model_config.hidden_size)
     dtype = spec_for_config(model_config).activation_dtype(model_config, config.model.torch_dtype())

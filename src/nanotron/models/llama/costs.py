@@ -52,6 +52,16 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
     )
 
 
+def context_parallel_bytes(c: LlamaConfig, shape: ActivationShape) -> int:
+    """What a context-parallel attention core (``parallel/context_parallel.py``) keeps for the backward beyond a
+    single rank's attention: the gathered keys and values of the whole sequences (2·kv·d per token of the micro-batch)
+    and the boolean mask of the rank's queries over every key (derived from the code, not measured)."""
+    kv = Shard("tp", 0, (c.num_key_value_heads * c.head_dim,), (c.head_dim,)).local_size(
+        c.num_key_value_heads * c.head_dim, shape.tp)
+    queries = shape.sequence_length // shape.cp
+    return int(shape.tokens * shape.cp * 2 * kv * shape.value_bytes + queries * shape.sequence_length)
+
+
 @dataclass(frozen=True)
 class FeedForwardActivations:
     """Bytes per token on one rank of a decoder layer's feed-forward block, for ``decoder_layer_activations``."""
@@ -88,7 +98,8 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     - the attention output, the o_proj input (d·q), and SDPA's fp32 logsumexp (4 bytes per head),
     - what the feed-forward block keeps (``feed_forward``),
 
-    plus the rotary cos/sin tables cast to the model dtype (2·sequence·head_dim·d per micro-batch). Eager, each
+    plus the rotary cos/sin tables cast to the model dtype (2·sequence·head_dim·d per micro-batch) and, under
+    context parallelism, what its attention core keeps (``context_parallel_bytes``). Eager, each
     norm keeps instead its fp32 input copy, the normalised values (for the weight's gradient) and its output:
     8·hidden more bytes per token. Measured per layer on an H200 (1B and 8B shapes, eager and compiled, tp=1 and
     tp=2 in both modes): within 0.1% of these counts. A recomputed layer keeps its input (and, compiled, what
@@ -108,6 +119,8 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
         norms = 2 * (4 * c.hidden_size * shape.residual_share + residual + linear_input)
     attention = d * (2 * q + 3 * kv) + d * q + 4 * heads
     rotary_tables = 2 * shape.sequence_length * c.head_dim * d
+    if shape.cp > 1:  # tables of the rank's own positions, per sequence
+        rotary_tables = 2 * tokens * c.head_dim * d + context_parallel_bytes(c, shape)
     full = int(tokens * (norms + attention + feed_forward.kept) + rotary_tables)
     transient = int(tokens * feed_forward.gradients)
     if not shape.recomputed:

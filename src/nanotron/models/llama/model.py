@@ -21,7 +21,7 @@ from torch import nn
 from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, tie_embeddings
-from nanotron.nn.attention import AttentionMasks, BlockMask, attend
+from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
@@ -48,7 +48,8 @@ class KVCache:
 
 class LlamaAttention(nn.Module):
     """Causal self-attention with grouped-query heads and a fused q|k|v projection (biased with
-    ``attention_bias``, as in Qwen2); ``window`` positions (the query's own included) on sliding layers."""
+    ``attention_bias``, as in Qwen2); ``window`` positions (the query's own included) on sliding layers. The softmax
+    attention itself is the ``core`` child, which parallel mechanisms may swap (context parallelism)."""
 
     def __init__(self, config: LlamaConfig, window: int | None = None):
         super().__init__()
@@ -57,6 +58,7 @@ class LlamaAttention(nn.Module):
         q_width, kv_width = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.attention_bias,
                                chunks=(q_width, kv_width, kv_width))
+        self.core = AttentionCore()
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
@@ -77,7 +79,7 @@ class LlamaAttention(nn.Module):
         q, k = self.encode_positions(q, k, rotary)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        out = attend(q, k, v, mask)
+        out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, q_heads * self.head_dim))
 
     def encode_positions(self, q: torch.Tensor, k: torch.Tensor,
@@ -157,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         caches: dict[str, KVCache] | None = None,
         head: bool = True,
         document_ids: torch.Tensor | None = None,
+        masks: AttentionMasks | None = None,
     ) -> torch.Tensor:
         """Run the parts this module holds: ids -> hidden states -> logits, or any contiguous piece of that;
         ``head=False`` stops before the LM head (see ``CausalLM.forward``).
@@ -168,7 +171,9 @@ class LlamaForCausalLM(nn.Module):
         (``RotaryEmbedding.first_positions``). Its length is the ids': a later pipeline stage, whose hidden states
         sequence parallelism may split, is handed the ids for it; without them its tables cover
         ``max_position_embeddings`` positions and each layer takes the first ones it needs, and its attention masks
-        cover the hidden states' length (which is then the whole sequence's).
+        cover the hidden states' length (which is then the whole sequence's). ``masks`` replaces the masks built
+        from the sequence: a rank holding parts of a sequence (context parallelism) states where its queries and keys
+        sit in it.
         """
         if position_ids is None:
             length = input_ids.shape[1] if input_ids is not None else max(
@@ -177,9 +182,10 @@ class LlamaForCausalLM(nn.Module):
             rotary = self.rotary.first_positions(length, device)
         else:
             rotary = self.rotary(position_ids)
-        tokens = input_ids if input_ids is not None else hidden_states
-        past = next(iter(caches.values())).length if caches else 0
-        masks = AttentionMasks.of_sequence(tokens.shape[1], tokens.device, past, document_ids, attention_mask)
+        if masks is None:
+            tokens = input_ids if input_ids is not None else hidden_states
+            past = next(iter(caches.values())).length if caches else 0
+            masks = AttentionMasks.of_sequence(tokens.shape[1], tokens.device, past, document_ids, attention_mask)
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         for index, layer in self.layers.items():
