@@ -3,7 +3,8 @@
     python scripts/benchmark_table.py            # rewrite the table between the markers in README.md
     python scripts/benchmark_table.py --check    # exit 1 if README.md is not what the records give
 
-The table holds the newest record of each comparison (preset, GPU, GPU count, shape and the set of systems) in
+The table holds the newest record of each comparison (preset, GPU, GPU count, shape, the set of systems and
+nanotron's config overrides) in
 ``benchmarks/results/*.json``, one row per system, each with its tokens/s ratio to the record's reference system
 (nanotron) measured in the same call.
 """
@@ -49,7 +50,7 @@ def newest_comparisons(records: list[tuple[Path, dict]]) -> list[tuple[Path, dic
     newest = {}
     for path, record in sorted(records, key=lambda item: (item[1]["date"], item[1].get("recorded_at", ""))):
         key = (record["preset"], record["gpu"], record.get("world_size", 1), record["sequence_length"],
-               record["micro_batch_size"], tuple(sorted(record["systems"])))
+               record["micro_batch_size"], tuple(sorted(record["systems"])), model_overrides(record))
         newest[key] = (path, record)
     return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["date"], item[0].name))
 
@@ -58,12 +59,22 @@ def _number(value, form: str) -> str:
     return "—" if value is None else format(value, form)
 
 
+def model_overrides(record: dict) -> tuple[str, ...]:
+    """The overrides of the record's nanotron run that change what is trained (the model, its parallelism or its
+    recompute), written ``key=value`` with the key's last part: compiling and precision have rows of their own."""
+    overrides = record["systems"][record.get("reference", "nanotron")].get("overrides") or []
+    return tuple(override.rsplit(".", 1)[-1] for override in overrides
+                 if override.startswith(("model.model_config.", "parallelism.")))
+
+
 def record_label(record: dict) -> str:
-    """Date, GPUs, preset and shape (sequence length × micro-batch size) of a record."""
+    """Date, GPUs, preset, shape (sequence length × micro-batch size) and model overrides of a record."""
     gpus = record.get("world_size", 1)
     devices = f"{gpus} × {gpu_label(record['gpu'])}" if gpus > 1 else gpu_label(record["gpu"])
     shape = f"{record['sequence_length']} × {record['micro_batch_size']}"
-    return f"{record['date']}, {devices}, {record['preset']}, {shape}"
+    overrides = model_overrides(record)
+    changed = f" ({', '.join(overrides)})" if overrides else ""
+    return f"{record['date']}, {devices}, {record['preset']}{changed}, {shape}"
 
 
 def record_rows(record: dict, label: str) -> list[str]:
