@@ -430,3 +430,20 @@ def test_nanotron_run_of_the_benchmark_reads_what_the_trainer_exposes(tiny_data,
     assert result["parameters"] > 0 and result["flops_per_token"] > 0 and result["layout"]["tp"] == 1
     assert result["mfu"] is None  # no peak FLOP/s is known for a CPU
     assert micro_batch[0]["input_ids"].shape == (2, 32)
+
+
+def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
+    """A newer record of the same shape whose nanotron run overrides the model or the parallelism (a recomputed or
+    Qwen2-shaped run) is shown beside the plain one, labelled with those overrides; compiling is not such a change."""
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = _readme(tmp_path)
+    plain, recomputed = _record("2026-12-03", 65_000.0), _record("2026-12-04", 40_000.0)
+    plain["systems"]["nanotron"]["overrides"] = ["model.compile=true"]
+    recomputed["systems"]["nanotron"]["overrides"] = ["model.compile=true", "parallelism.recompute_layer=true"]
+    (results / "plain.json").write_text(json.dumps(plain))
+    (results / "recomputed.json").write_text(json.dumps(recomputed))
+    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
+    labels = re.findall(r"\| \[([^]]+)\]", readme.read_text())
+    assert labels == ["2026-12-03, H200, llama1b, 4096 × 4",
+                      "2026-12-04, H200, llama1b (recompute_layer=true), 4096 × 4"]
