@@ -25,7 +25,7 @@ def build(params: dict[str, nn.Parameter], group, **kw):
     for name, param in params.items():
         holder.register_parameter(name, param)
     annotate_placements(holder)
-    return build_optimizer(params, args(**kw), bucket_mb=1.0, groups={("dp", "ep"): group})
+    return build_optimizer(params, args(**kw), bucket_mb=1.0, groups={("dp", "cp", "ep"): group})
 
 
 def test_weight_decay_groups():
@@ -109,8 +109,8 @@ def test_global_grad_norm_is_accurate_for_large_gradients(group):
     grads = {name: torch.randn(p.shape, generator=generator) * 1e-3 for name, p in params.items()}
     sum((p * grads[name]).sum() for name, p in params.items()).backward()
     buckets.finish_reduction()
-    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "tp": 0},
-                              sizes={"pp": 1, "dp": 1, "ep": 1, "tp": 1},
+    context = SimpleNamespace(coordinates={"pp": 0, "dp": 0, "ep": 0, "cp": 0, "tp": 0},
+                              sizes={"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1},
                               device=torch.device("cpu"))
     exact = torch.cat([g.double() for g in grads.values()]).norm().item()
     assert abs(GlobalGradNorm(buckets, context)().item() - exact) / exact < 1e-7
