@@ -1,0 +1,128 @@
+"""FLOPs and MFU under document masking: attention counts the (query, key) pairs inside each document packed in a
+sample (within a sliding window where a layer has one), not causal attention over the whole sequence; the linears,
+MLP and head count per token as before. Hand counts on packed batches, and the trainer's logged TFLOP/s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import tiny_config_dict
+
+EOS = 9
+QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "tie_word_embeddings": True, "attention_bias": True,
+              "sliding_window_size": 6, "no_rope_layer": 3, "_use_doc_masking": True}
+
+
+def _packed_batch() -> torch.Tensor:
+    """Two samples of 10 tokens: documents of 3, 5 and 2 tokens (each ends with EOS but the cut-off last), and one
+    document of 10."""
+    return torch.tensor([[1, 2, EOS, 3, 4, 5, 6, EOS, 7, 8], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]])
+
+
+def test_pairs_of_documents_with_known_lengths():
+    """Causal: L(L+1)/2 per document, 6 + 15 + 3 + 55 = 79. Window of 4 keys: 1+2+3 = 6, 1+2+3+4+4 = 14, 1+2 = 3,
+    1+2+3+4·7 = 34, in all 57. A window as long as the sequence is no window."""
+    from nanotron.data.loader import packed_documents
+    from nanotron.models.spec import attended_pairs
+
+    documents = packed_documents(_packed_batch(), EOS)["document_ids"]
+    assert documents[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]
+    assert attended_pairs(documents).item() == 79
+    assert attended_pairs(documents, 4).item() == 57
+    assert attended_pairs(documents, 10).item() == 79
+    assert attended_pairs(documents[1:]).item() == 55 == 10 * 11 / 2
+    assert attended_pairs(documents).dtype == torch.float64
+
+
+def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
+    """Qwen2 with a window of 4 on its two RoPE layers and full attention on the NoPE one (hidden 64): 12 · 64 FLOPs
+    per pair, so 768 · (57 + 57 + 79) for the batch; per token, the non-attention FLOPs stay, and attention's whole
+    sequence count (12 · 64 · attended keys per layer) gives way to the pairs'; recompute adds a third of the layers'
+    FLOPs counted the same way."""
+    from nanotron.config import Qwen2Config
+    from nanotron.data.loader import packed_documents
+    from nanotron.models.llama.costs import attended_keys
+    from nanotron.models.qwen2.costs import qwen2_costs
+
+    fields = {k: v for k, v in QWEN2_TINY.items() if k != "is_qwen2_config"} | {"sliding_window_size": 4}
+    config = Qwen2Config(**fields)
+    costs = qwen2_costs(config, 384, 10)
+    assert costs.attention_windows == (4, 4, None) and costs.attention_pair_flops == (768.0,) * 3
+    documents = packed_documents(_packed_batch(), EOS)["document_ids"]
+    attention = costs.document_attention_flops(documents)
+    assert attention.item() == 768 * (57 + 57 + 79)
+
+    whole = 768 * (2 * attended_keys(4, 10) + attended_keys(None, 10))
+    assert costs.attention_flops_per_token == pytest.approx(whole, rel=1e-12)
+    other = costs.flops_per_token - whole
+    assert costs.masked_flops_per_token(20, attention.item()) == pytest.approx(other + 768 * 193 / 20, rel=1e-12)
+    layers = sum(costs.layer_flops) - whole + 768 * 193 / 20
+    assert costs.masked_flops_per_token(20, attention.item(), recompute_layers=True) == pytest.approx(
+        other + 768 * 193 / 20 + layers / 3, rel=1e-12)
+    # the whole sequence's count of attention gives back the unmasked numbers
+    assert costs.masked_flops_per_token(20, 20 * whole) == pytest.approx(costs.flops_per_token, rel=1e-12)
+    assert costs.masked_flops_per_token(20, 20 * whole, True) == pytest.approx(
+        costs.hardware_flops_per_token(True), rel=1e-12)
+
+
+def _hand_attention_flops(micro_batches: list[dict], eos: int, windows: list[int | None], hidden: int) -> int:
+    """12 · hidden FLOPs per pair; each document (cut after every ``eos``) of L tokens has, per layer, Σ_p min(p+1, W)
+    pairs, L(L+1)/2 without a window."""
+    total = 0
+    for mb in micro_batches:
+        for ids in mb["input_ids"].tolist():
+            cuts = [0] + [i + 1 for i, token in enumerate(ids) if token == eos] + [len(ids)]
+            for length in (end - start for start, end in zip(cuts, cuts[1:]) if end > start):
+                for window in windows:
+                    total += 12 * hidden * sum(min(p + 1, window or length) for p in range(length))
+    return total
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
+def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tmp_path, recompute):
+    """The tiny Qwen2 (hidden 64, layers 0 and 1 sliding over 6 keys, layer 2 full) trained from the preprocessed
+    folders at sequence 64 with document masking, logged every 2 steps over 3: each record's TFLOP/s divide back to
+    the hand count of its steps' batches (the step log adds up the steps since the last record), below the causal
+    count over whole sequences; with recomputed layers, the hardware's too."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    run = tmp_path / "run"
+    config = tiny_config_dict(
+        tiny_data, run, model={"dtype": "float32", "init_method": {"std": 0.2}, "model_config": QWEN2_TINY},
+        tokens={"sequence_length": 64, "micro_batch_size": 2, "batch_accumulation_per_replica": 2, "train_steps": 3},
+        checkpoints={"checkpoints_path": str(run), "checkpoint_interval": 1000, "save_final_state": False},
+        logging={"iteration_step_info_interval": 2}, parallelism={"recompute_layer": recompute})
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    trainer = Trainer(config_from_dict(config))
+    try:
+        eos = trainer.document_ends["main"]  # the preprocessed folders'
+        loader = trainer._loader(trainer.config.data_stages[0])  # the batches train() reads: its loader starts alike
+        steps = [loader.next_step() for _ in range(3)]
+        trainer.train()
+    finally:
+        trainer.close()
+    model_config = trainer.config.model.model_config
+    records = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    assert [record["step"] for record in records] == [2, 3]
+
+    windows = [model_config.attention_window(i) for i in range(3)]
+    assert windows == [6, 6, None]
+    costs = trainer.costs
+    other = costs.flops_per_token - 12 * 64 * (6 - 36 / 128 + 6 - 36 / 128 + 32)  # causal: W - W²/2s keys, or s/2
+    layers = sum(costs.layer_flops) - costs.attention_flops_per_token
+    for record, logged_steps in zip(records, [steps[:2], steps[2:]], strict=True):
+        tokens = 2 * 2 * 64 * len(logged_steps)
+        attention = sum(_hand_attention_flops(batches, eos, windows, 64) for batches in logged_steps) / tokens
+        assert any((mb["input_ids"] == eos).any() for batches in logged_steps for mb in batches)
+        expected = other + attention
+        per_gpu = record["tokens_per_sec_per_gpu"]
+        assert record["tflops_per_gpu"] * 1e12 / per_gpu == pytest.approx(expected, rel=1e-9)
+        assert expected < trainer.flops_per_token
+        hardware = expected + (layers + attention) / 3 if recompute else expected
+        assert record["hardware_tflops_per_gpu"] * 1e12 / per_gpu == pytest.approx(hardware, rel=1e-9)
