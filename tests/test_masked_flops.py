@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from helpers import tiny_config_dict
+from distributed import run_distributed_each
+from helpers import _train, tiny_config_dict
 
 EOS = 9
 QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -70,6 +71,17 @@ def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
         costs.hardware_flops_per_token(True), rel=1e-12)
 
 
+def _config(tiny_data, run, **parallelism) -> dict:
+    """The tiny Qwen2 with document masking at sequence 64, 4 samples a step, 3 steps logged at steps 2 and 3."""
+    config = tiny_config_dict(
+        tiny_data, run, model={"dtype": "float32", "init_method": {"std": 0.2}, "model_config": QWEN2_TINY},
+        tokens={"sequence_length": 64, "micro_batch_size": 2, "batch_accumulation_per_replica": 2, "train_steps": 3},
+        checkpoints={"checkpoints_path": str(run), "checkpoint_interval": 1000, "save_final_state": False},
+        logging={"iteration_step_info_interval": 2}, parallelism=parallelism)
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    return config
+
+
 def _hand_attention_flops(micro_batches: list[dict], eos: int, windows: list[int | None], hidden: int) -> int:
     """12 · hidden FLOPs per pair; each document (cut after every ``eos``) of L tokens has, per layer, Σ_p min(p+1, W)
     pairs, L(L+1)/2 without a window."""
@@ -92,14 +104,7 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
 
-    run = tmp_path / "run"
-    config = tiny_config_dict(
-        tiny_data, run, model={"dtype": "float32", "init_method": {"std": 0.2}, "model_config": QWEN2_TINY},
-        tokens={"sequence_length": 64, "micro_batch_size": 2, "batch_accumulation_per_replica": 2, "train_steps": 3},
-        checkpoints={"checkpoints_path": str(run), "checkpoint_interval": 1000, "save_final_state": False},
-        logging={"iteration_step_info_interval": 2}, parallelism={"recompute_layer": recompute})
-    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
-    trainer = Trainer(config_from_dict(config))
+    trainer = Trainer(config_from_dict(_config(tiny_data, tmp_path / "run", recompute_layer=recompute)))
     try:
         eos = trainer.document_ends["main"]  # the preprocessed folders'
         loader = trainer._loader(trainer.config.data_stages[0])  # the batches train() reads: its loader starts alike
@@ -126,3 +131,24 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
         assert expected < trainer.flops_per_token
         hardware = expected + (layers + attention) / 3 if recompute else expected
         assert record["hardware_tflops_per_gpu"] * 1e12 / per_gpu == pytest.approx(hardware, rel=1e-9)
+
+
+def _flops_per_token(records: list[dict]) -> list[float]:
+    return [record["tflops_per_gpu"] * 1e12 / record["tokens_per_sec_per_gpu"] for record in records]
+
+
+LAYOUTS = {"dp2": ({"dp": 2}, {"batch_accumulation_per_replica": 1}), "pp2": ({"pp": 2, "pp_engine": "afab"}, {}),
+           "cp2": ({"context_parallel_size": 2}, {}), "tp2": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, {})}
+
+
+def test_the_count_is_the_steps_whatever_the_layout(tiny_data, tmp_path):
+    """Summed over data-parallel replicas, counted once over pipeline stages, context-parallel and tensor-parallel
+    ranks: every 2-rank layout of the same global batch logs the FLOPs per token of one rank."""
+    reference = _flops_per_token(_train(_config(tiny_data, tmp_path / "reference")))
+    calls = []
+    for name, (parallelism, tokens) in LAYOUTS.items():
+        config = _config(tiny_data, tmp_path / name, **parallelism)
+        config["tokens"] |= tokens
+        calls.append({"config": config})
+    for name, ranks in zip(LAYOUTS, run_distributed_each(_train, 2, calls)):
+        assert _flops_per_token(ranks[0]) == pytest.approx(reference, rel=1e-9), name
