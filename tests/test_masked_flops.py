@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed_each
-from helpers import _train, tiny_config_dict
+from helpers import ROOT, _train, tiny_config_dict
 
 EOS = 9
 QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -152,3 +152,43 @@ def test_the_count_is_the_steps_whatever_the_layout(tiny_data, tmp_path):
         calls.append({"config": config})
     for name, ranks in zip(LAYOUTS, run_distributed_each(_train, 2, calls)):
         assert _flops_per_token(ranks[0]) == pytest.approx(reference, rel=1e-9), name
+
+
+def test_the_benchmark_record_counts_the_pairs_of_its_two_batches(tiny_data, tmp_path, monkeypatch):
+    """``run_nanotron`` on the CPU (CUDA's timers and memory counters stood in) with the tiny Qwen2 under document
+    masking: the record's FLOPs per token are the mean of the hand counts of the two batches its steps alternate,
+    and the causal count, which the peers (attending across documents) compute, is kept beside them."""
+    import argparse
+
+    from nanotron.trainer import Trainer
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(benchmark.PRESETS, "tiny-qwen2", QWEN2_TINY | {"is_llama_config": False})
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(benchmark, "per_rank", lambda value: [value])  # its all-gather goes through CUDA
+    monkeypatch.setattr(benchmark, "timed", lambda step, steps, warmup: ([step(i) or 0.5 for i in range(warmup + steps)]
+                                                                          [warmup:], 0))
+    trained, train_step = [], Trainer.train_step
+
+    def recorded_step(trainer, micro_batches, lr):
+        trained.append((trainer, micro_batches))
+        return train_step(trainer, micro_batches, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", recorded_step)
+    args = argparse.Namespace(data=str(tiny_data["tokenized"]), sequence_length=64, micro_batch_size=2, accumulation=1,
+                              steps=2, warmup=1, save_to=None)
+    result, _ = benchmark.run_nanotron(args, "tiny-qwen2", ["model.compile=false", "model.dtype=float32"])
+    trainer = trained[0][0]
+    eos = trainer.document_ends["main"]
+    assert trained[0][1] is trained[2][1] and trained[0][1] is not trained[1][1]  # two batches, alternating
+    windows = [trainer.config.model.model_config.attention_window(i) for i in range(3)]
+    attention = sum(_hand_attention_flops(batches, eos, windows, 64) for _, batches in trained[:2]) / (2 * 2 * 64)
+    expected = trainer.flops_per_token - trainer.costs.attention_flops_per_token + attention
+    assert result["flops_per_token"] == pytest.approx(expected, rel=1e-9)
+    assert result["tflops_per_gpu"] == pytest.approx(result["tokens_per_sec_per_gpu"] * expected / 1e12, rel=1e-9)
+    assert result["causal_flops_per_token"] == trainer.flops_per_token > expected
