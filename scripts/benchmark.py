@@ -10,7 +10,8 @@ eagerly; ``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan'
 ``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``, none. Step times are
 measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU,
 TFLOP/s/GPU, MFU (FLOPs per token in Megatron-LM's convention, from nanotron's model family: the LM head counted, the
-input-embedding lookup not; for a mixture of experts the parameters a token uses), peak memory (the largest over
+input-embedding lookup not; for a mixture of experts the parameters a token uses; under document masking the
+attention pairs inside the batches' documents), peak memory (the largest over
 ranks, and each rank's), and how much of the peak the weights, gradients and optimizer state take
 (``state_memory_gb``: what is allocated when a step starts, plus the gradients a loop frees after each update) and
 the rest, the activations (``activation_memory_gb``).
@@ -166,23 +167,31 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
     loader = trainer._loader(config.data_stages[0])
     batches = [loader.next_step() for _ in range(2)]  # reused: data loading is not what is measured
     schedule = config.optimizer.learning_rate_scheduler
+    attention_flops = {}  # per batch, under document masking: the FLOPs of the attention pairs it computes
     torch.cuda.reset_peak_memory_stats()
 
     def step(i):
-        trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
+        result = trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
+        if result.attention_flops is not None:
+            attention_flops[i % 2] = result.attention_flops  # read after the timed steps
 
     times, step_start = timed(step, args.steps, args.warmup)
     memory = measured_memory(step_start, baseline, freed_gradient_bytes=0)  # gradient buckets outlive the step
     if profile:
         write_profile(step, profile)
     saves = time_saves(trainer) if args.save_to else None
-    result = summary(times, config.global_batch_tokens, trainer.pc.world_size, trainer.flops_per_token,
+    flops_per_token, counted = trainer.flops_per_token, {}
+    if attention_flops:  # the timed steps alternate the two batches: their mean
+        tokens = config.global_batch_tokens * len(attention_flops)
+        flops_per_token = trainer.costs.masked_flops_per_token(tokens, sum(attention_flops.values()).item())
+        counted = {"causal_flops_per_token": trainer.flops_per_token}
+    result = summary(times, config.global_batch_tokens, trainer.pc.world_size, flops_per_token,
                      trainer.step_log.peak_flops)
     fp8 = config.fp8.recipe if precision(config) == "fp8" else None
-    return result | memory | {"preset": preset, "overrides": overrides, "precision": precision(config),
-                              "fp8_recipe": fp8, "parameters": trainer.num_parameters,
-                              "flops_per_token": trainer.flops_per_token, "layout": trainer.pc.sizes,
-                              "saves": saves}, batches[0]
+    return result | memory | counted | {"preset": preset, "overrides": overrides, "precision": precision(config),
+                                        "fp8_recipe": fp8, "parameters": trainer.num_parameters,
+                                        "flops_per_token": flops_per_token, "layout": trainer.pc.sizes,
+                                        "saves": saves}, batches[0]
 
 
 def run_peer(args, peer: str, micro_batches: list[dict], flops_per_token: float, peak: float | None,
@@ -349,11 +358,12 @@ def main(argv: list[str] | None = None) -> None:
 
         peak = peak_flops(torch.device("cuda"), torch.bfloat16)
         runs = [(PEERS[peer], peer, None) for peer in args.peer]
+        peer_flops = first.get("causal_flops_per_token", first["flops_per_token"])  # peers attend across documents
         if args.torchao:
             runs.append((f"torchao-float8-{args.torchao}", "hf", args.torchao))
         for name, peer, recipe in runs:
             free_memory()
-            systems[name] = run_peer(args, peer, micro_batches, first["flops_per_token"], peak, recipe)
+            systems[name] = run_peer(args, peer, micro_batches, peer_flops, peak, recipe)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if world > 1 and args.peer:

@@ -204,8 +204,8 @@ def test_a_window_of_w_covers_w_tokens_including_the_current_one(window):
 
 def test_sliding_layers_count_their_window_in_the_flops():
     from nanotron.config import LlamaConfig, Qwen2Config
-    from nanotron.models.llama.costs import llama_costs
-    from nanotron.models.qwen2.costs import attended_keys, qwen2_costs
+    from nanotron.models.llama.costs import attended_keys, llama_costs
+    from nanotron.models.qwen2.costs import qwen2_costs
     from nanotron.models.qwen2.model import Qwen2ForCausalLM
 
     sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)

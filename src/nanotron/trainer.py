@@ -88,6 +88,7 @@ class Trainer:
         self.document_ends = document_ends(config, self.datasets)  # per stage; None: no document masking
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
+        self._document_masking = spec_for_config(model_config).document_masking(model_config)
         self.z_loss = spec_for_config(model_config).logit_z_loss(model_config)  # its coefficient; 0: none
         initial = self.checkpoints.initial_checkpoint(self.datasets, self.features)
         self.checkpoints.check_metrics_file(initial)
@@ -108,13 +109,13 @@ class Trainer:
         self.bad_steps = BadStepGuard(config.optimizer.skip_bad_steps, config.optimizer.loss_spike_factor)
         self.progress = self.checkpoints.load_initial_state(initial, self.model, self.optimizer)
 
-        costs = spec_for_config(model_config).costs(model_config, self.model.padded_vocab_size,
-                                                    config.tokens.sequence_length)
-        self.num_parameters = costs.parameters
-        self.flops_per_token = costs.flops_per_token
-        self.hardware_flops_per_token = costs.hardware_flops_per_token(p.recompute_layer)
-        self.step_log = StepLog(config, self.pc, self.flops_per_token, self.hardware_flops_per_token,
-                                self.progress.step)
+        # FLOPs per token over whole causal sequences; under document masking the step log counts each step's pairs
+        self.costs = spec_for_config(model_config).costs(model_config, self.model.padded_vocab_size,
+                                                         config.tokens.sequence_length)
+        self.num_parameters = self.costs.parameters
+        self.flops_per_token = self.costs.flops_per_token
+        self.hardware_flops_per_token = self.costs.hardware_flops_per_token(p.recompute_layer)
+        self.step_log = StepLog(config, self.pc, self.costs, p.recompute_layer, self.progress.step)
         log_summary(config, self.pc, self.model, self.num_parameters)
         for feature in self.features:
             feature.start(self)
@@ -162,12 +163,23 @@ class Trainer:
             template["z_loss"] = ()
         if self.auxiliary_losses is not None:
             template |= self.auxiliary_losses.template(self.config.model.model_config)
+        if self._document_masking:
+            template["attention_flops"] = ()
         return template
+
+    def _attention_flops(self, batches: list[dict[str, torch.Tensor]]) -> Statistics:
+        """Under document masking, the attention FLOPs of this replica's micro-batches (whole sequences), a statistic
+        that one rank of each replica holds (the last stage's first context-parallel rank) so that summed over the
+        replicas it is the step's; a reduction on the device, which the step log reads when it logs."""
+        if not self._document_masking or not self.pc.is_last_stage or self.pc.coord("cp") != 0:
+            return {}
+        return {"attention_flops": sum(self.costs.document_attention_flops(mb["document_ids"]) for mb in batches)}
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
         """The step's statistics, the same on every rank (``lm_loss`` is the step's mean token loss); gradients end
         in the buckets, summed over replicas and tied copies."""
         batches = [{k: v.to(self.pc.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        attention_flops = self._attention_flops(batches)
         if self.pc.size("cp") > 1:
             batches = [split_micro_batch(mb, self.pc.coord("cp"), self.pc.size("cp")) for mb in batches]
         for feature in self.features:
@@ -177,7 +189,7 @@ class Trainer:
         token_count = token_count.clamp(min=1.0)
         batches = [mb | {"token_count": token_count} for mb in batches]
 
-        statistics = self.schedule.run(batches, self.progress.step + 1)
+        statistics = self.schedule.run(batches, self.progress.step + 1) | attention_flops
         self.buckets.finish_reduction()
         if "pipeline_ends" in self.pc.groups:
             sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
@@ -199,7 +211,8 @@ class Trainer:
                 self._after_optimizer_step(skipped=True)
                 self._on_bad_step(step, reason)
                 self._after_step(step, statistics, skipped=True)
-                return StepResult(loss_value, norm_value, lr, {}, skipped=True, model_metrics=self._feature_metrics())
+                return StepResult(loss_value, norm_value, lr, {}, skipped=True, model_metrics=self._feature_metrics(),
+                                  attention_flops=self._step_attention_flops(statistics))
         clip = self.config.optimizer.clip_grad
         self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
         self.buckets.zero()
@@ -217,7 +230,11 @@ class Trainer:
             model_metrics["z_loss"] = statistics["z_loss"].item()
         if self.auxiliary_losses is not None:
             model_metrics |= self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
-        return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics)
+        return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics,
+                          attention_flops=self._step_attention_flops(statistics))
+
+    def _step_attention_flops(self, statistics: Statistics) -> torch.Tensor | None:
+        return statistics["attention_flops"] if self._document_masking else None
 
     def _after_optimizer_step(self, skipped: bool) -> None:
         for feature in self.features:
@@ -276,6 +293,7 @@ class Trainer:
             start = self.progress.lr_schedule_start
             lr = learning_rate_at(step - start, config.optimizer.learning_rate_scheduler, train_steps - start)
             result = self.train_step(loader.next_step(), lr)
+            self.step_log.count(result)
             self.progress.step = step
             interval = config.parallelism.replica_check_interval
             if interval is not None and step % interval == 0:

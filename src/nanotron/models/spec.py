@@ -70,10 +70,47 @@ class ModelCosts:
     layer_flops: tuple[float, ...]
     head_flops: float
     flops_per_token: float
+    # Per decoder layer with attention: the training FLOPs of one (query, key) pair its attention computes and its
+    # sliding window (None: every earlier key); and the part of ``flops_per_token`` (and of ``layer_flops``) that is
+    # causal attention over whole sequences, which document masking replaces by its own pairs' FLOPs.
+    attention_pair_flops: tuple[float, ...] = ()
+    attention_windows: tuple[int | None, ...] = ()
+    attention_flops_per_token: float = 0.0
 
     def hardware_flops_per_token(self, recompute_layers: bool) -> float:
         """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer."""
         return self.flops_per_token + (sum(self.layer_flops) / 3 if recompute_layers else 0.0)
+
+    def document_attention_flops(self, document_ids: torch.Tensor) -> torch.Tensor:
+        """The training FLOPs of every layer's attention over the samples of ``document_ids`` [batch, seq] under
+        document masking: each layer's FLOPs per pair times the pairs its window leaves (``attended_pairs``, counted
+        once per window). A float64 tensor on ``document_ids``' device, so that counting syncs nothing."""
+        pairs = {window: attended_pairs(document_ids, window) for window in dict.fromkeys(self.attention_windows)}
+        total = torch.zeros((), dtype=torch.float64, device=document_ids.device)
+        for flops, window in zip(self.attention_pair_flops, self.attention_windows, strict=True):
+            total = total + flops * pairs[window]
+        return total
+
+    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute_layers: bool = False) -> float:
+        """FLOPs per token (the devices', as ``hardware_flops_per_token``, with ``recompute_layers``) of ``tokens``
+        whose attention took ``attention_flops`` (``document_attention_flops``) instead of causal attention over
+        whole sequences: the linears, MLP and head cost per token what they did."""
+        change = attention_flops / tokens - self.attention_flops_per_token
+        return self.flops_per_token + change + ((sum(self.layer_flops) + change) / 3 if recompute_layers else 0.0)
+
+
+def attended_pairs(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The (query, key) pairs causal attention computes over samples whose tokens are ``document_ids`` [batch, seq]
+    (each document a run of equal ids, as ``data/loader.py`` numbers them) when no query sees another document:
+    L(L + 1) / 2 for a document of L tokens; with a window of W keys (the query's own included), each query attends
+    to min(its place in the document + 1, W). A float64 scalar tensor on ``document_ids``' device."""
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    keys = index - torch.where(starts, index, 0).cummax(dim=-1).values + 1
+    if window is not None:
+        keys = keys.clamp(max=window)
+    return keys.sum().to(torch.float64)
 
 
 @dataclass(frozen=True)

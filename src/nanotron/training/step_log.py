@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from nanotron.config import Config
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
+from nanotron.models.spec import ModelCosts
 from nanotron.parallel.context import ParallelContext
 from nanotron.trackers import Trackers
 
@@ -21,30 +24,60 @@ class StepResult:
     domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
     skipped: bool = False  # a bad step whose update was skipped (``divergence.py``)
     model_metrics: dict = field(default_factory=dict)  # the features' (FP8's ranges), the family's (expert load)
+    # under document masking, the FLOPs of the step's attention (summed over replicas, on the device); None: causal
+    # attention over whole sequences, which ``ModelCosts.flops_per_token`` counts
+    attention_flops: torch.Tensor | None = None
 
 
 class StepLog:
-    """Logs steps on rank 0 (every rank holds the step's statistics); the others only count."""
+    """Logs steps on rank 0 (every rank holds the step's statistics); the others only count.
 
-    def __init__(self, config: Config, pc: ParallelContext, flops_per_token: float, hardware_flops_per_token: float,
+    TFLOP/s and MFU count the model's FLOPs per token (``costs``), with the layers recomputed for the hardware's;
+    under document masking, attention's FLOPs are those of the pairs the steps since the last logged one computed
+    (``count``), added up on the device and read once per logged step.
+    """
+
+    def __init__(self, config: Config, pc: ParallelContext, costs: ModelCosts, recompute_layers: bool,
                  resume_step: int):
         self.config, self.pc = config, pc
-        self.flops_per_token, self.hardware_flops_per_token = flops_per_token, hardware_flops_per_token
+        self.costs, self.recompute_layers = costs, recompute_layers
+        self.flops_per_token = costs.flops_per_token
+        self.hardware_flops_per_token = costs.hardware_flops_per_token(recompute_layers)
+        self._attention_flops: torch.Tensor | None = None  # of the steps counted since the last logged one
+        self._counted_steps = 0
         self.peak_flops = peak_flops(pc.device, config.model.torch_dtype())
         self.metrics = MetricsWriter(config.resolved_metrics_path(), resume_step=resume_step) if pc.rank == 0 else None
         self.trackers = Trackers(config) if pc.rank == 0 else None
+
+    def count(self, result: StepResult) -> None:
+        """Adds up the attention FLOPs of a step under document masking until the next logged step."""
+        if result.attention_flops is not None:
+            previous = self._attention_flops
+            self._attention_flops = result.attention_flops if previous is None else previous + result.attention_flops
+            self._counted_steps += 1
+
+    def _flops_per_token(self) -> tuple[float, float]:
+        """The model's and the hardware's FLOPs per token of the steps since the last logged one (their counted
+        attention under document masking), and starts counting again."""
+        if self._attention_flops is None:
+            return self.flops_per_token, self.hardware_flops_per_token
+        tokens, attention = self.config.global_batch_tokens * self._counted_steps, self._attention_flops.item()
+        self._attention_flops, self._counted_steps = None, 0
+        return (self.costs.masked_flops_per_token(tokens, attention),
+                self.costs.masked_flops_per_token(tokens, attention, self.recompute_layers))
 
     def write(self, result: StepResult, step: int, consumed_tokens: int, per_domain: bool, step_seconds: float,
               mean_step_seconds: float) -> None:
         """Step ``step``, which took ``step_seconds`` (``mean_step_seconds`` on average since the run started);
         ``per_domain``: the data has several domains, whose losses are logged."""
+        flops_per_token, hardware_flops_per_token = self._flops_per_token()
         if self.pc.rank != 0:  # rank 0 logs at logging.log_level
             return
         config = self.config
         tokens_per_sec = config.global_batch_tokens / step_seconds
         per_gpu = tokens_per_sec / self.pc.world_size
-        tflops = per_gpu * self.flops_per_token / 1e12
-        hardware_tflops = per_gpu * self.hardware_flops_per_token / 1e12
+        tflops = per_gpu * flops_per_token / 1e12
+        hardware_tflops = per_gpu * hardware_flops_per_token / 1e12
         record = {
             "step": step,
             "lm_loss": result.loss,
@@ -67,7 +100,7 @@ class StepLog:
         record |= result.model_metrics
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
-        hardware = f" (hw {hardware_tflops:.2f})" if self.hardware_flops_per_token != self.flops_per_token else ""
+        hardware = f" (hw {hardware_tflops:.2f})" if self.recompute_layers else ""
         logger.info(
             f"step {step}/{config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
             f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s ({per_gpu:,.0f}/gpu) | "

@@ -20,16 +20,24 @@ def llama_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) ->
     return decoder_costs(c, padded_vocab_size, sequence_length, [(dense, dense)] * c.num_hidden_layers)
 
 
+def attended_keys(window: int | None, sequence_length: int) -> float:
+    """The keys a query attends to on average over a sequence, in the causal count's continuous form (s / 2 without a
+    window): with a window of W < s, min(position, W) averaged over the positions, W - W² / 2s."""
+    if window is None or window >= sequence_length:
+        return sequence_length / 2
+    return window - window * window / (2 * sequence_length)
+
+
 def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
-                  feed_forward: list[tuple[int, int]], attended_keys: list[float] | None = None) -> ModelCosts:
+                  feed_forward: list[tuple[int, int]], windows: list[int | None] | None = None) -> ModelCosts:
     """Costs of a Llama-style decoder whose layer ``i`` has a feed-forward block of ``feed_forward[i]`` = (parameters,
     parameters each token uses): equal for a dense MLP, fewer for a mixture of experts, whose FLOPs count only
     the experts a token is routed to (and the router).
 
     6 FLOPs per used weight and token (2 forward, 4 backward) for every matmul, plus attention: the scores and the
     weighted sum cost 4 * hidden FLOPs per query and key in the forward, 12 * hidden with the backward, times the
-    keys a query attends to: ``attended_keys[i]`` on average in layer ``i``, s / 2 with the causal mask (the
-    default), so 6 * hidden * s per token and layer. As in Megatron-LM's count,
+    keys a query attends to: s / 2 on average with the causal mask, so 6 * hidden * s per token and layer, and fewer
+    in a layer with a sliding window (``windows[i]``, None: none; ``attended_keys``). As in Megatron-LM's count,
     the LM head's matmul counts and the input-embedding lookup (a gather) does not: a tied matrix counts once, as the
     LM head, and an untied embedding adds parameters but no FLOPs. The norms' weights and the q|k|v biases count
     like weights (a negligible overcount of their multiplications and additions)."""
@@ -41,14 +49,17 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
     embeddings = lm_head * (1 if c.tie_word_embeddings else 2)
     parameters = sum(other + total for total, _ in feed_forward) + embeddings + c.hidden_size
     active = sum(other + used for _, used in feed_forward) + c.hidden_size + lm_head  # not the lookup
-    keys = attended_keys if attended_keys is not None else [sequence_length / 2] * c.num_hidden_layers
-    attention_flops = [12.0 * c.hidden_size * attended for attended in keys]
+    windows = windows if windows is not None else [None] * c.num_hidden_layers
+    attention_flops = [12.0 * c.hidden_size * attended_keys(window, sequence_length) for window in windows]
     return ModelCosts(
         parameters=parameters,
         layer_flops=tuple(6.0 * (other + used) + attention
                           for (_, used), attention in zip(feed_forward, attention_flops, strict=True)),
         head_flops=6.0 * lm_head,
         flops_per_token=6.0 * active + sum(attention_flops),
+        attention_pair_flops=(12.0 * c.hidden_size,) * c.num_hidden_layers,
+        attention_windows=tuple(windows),
+        attention_flops_per_token=sum(attention_flops),
     )
 
 
