@@ -3,9 +3,9 @@
     python scripts/benchmark_table.py            # rewrite the table between the markers in README.md
     python scripts/benchmark_table.py --check    # exit 1 if README.md is not what the records give
 
-The table holds the newest record of each comparison (preset, GPU, GPU count, shape and the set of systems) in
-``benchmarks/results/*.json``, one row per system, each with its tokens/s ratio to the record's reference system
-(nanotron) measured in the same call.
+The table holds the newest record of each comparison (preset, GPU, GPU count, shape, the set of systems and their
+overrides) in ``benchmarks/results/*.json``, one row per system, each with its tokens/s ratio to the record's reference
+system (nanotron) measured in the same call.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ HEADER = ("| record | system | tokens/s | tokens/s/GPU | MFU | peak memory (GB) 
           "first row ÷ system |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 OLD_CONVENTION_NOTE = ("† MFU counted 6 FLOPs per parameter including the input-embedding lookup (the convention "
                        "before Megatron-LM's);\nfor an untied model it reads higher than in Megatron-LM's count.")
+DOC_MASKING_NOTE = ("‡ With document masking (`_use_doc_masking=true`): MFU counts attention as full causal "
+                    "attention,\nof which the skipped masked blocks are not computed, so it overstates.")
 
 
 class RecordError(ValueError):
@@ -45,11 +47,15 @@ def load_records(folder: Path) -> list[tuple[Path, dict]]:
 
 
 def newest_comparisons(records: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
-    """The newest record (by date, then UTC time where recorded) of each comparison, by preset, oldest first."""
+    """The newest record (by date, then UTC time where recorded) of each comparison, by preset, oldest first. Runs
+    of one shape with other overrides (recomputation, another model family, document masking) are other
+    comparisons: neither replaces the other."""
     newest = {}
     for path, record in sorted(records, key=lambda item: (item[1]["date"], item[1].get("recorded_at", ""))):
+        settings = tuple((name, tuple(system.get("overrides") or ()))
+                         for name, system in sorted(record["systems"].items()))
         key = (record["preset"], record["gpu"], record.get("world_size", 1), record["sequence_length"],
-               record["micro_batch_size"], tuple(sorted(record["systems"])))
+               record["micro_batch_size"], settings)
         newest[key] = (path, record)
     return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["date"], item[0].name))
 
@@ -66,14 +72,19 @@ def record_label(record: dict) -> str:
     return f"{record['date']}, {devices}, {record['preset']}, {shape}"
 
 
+def document_masked(system: dict) -> bool:
+    return any(override.endswith("_use_doc_masking=true") for override in system.get("overrides") or ())
+
+
 def record_rows(record: dict, label: str) -> list[str]:
     """One markdown row per system, the reference first; ``label`` fills the first cell of the first row."""
-    dagger = "" if record["convention"] == MFU_CONVENTION else "†"
+    convention = "" if record["convention"] == MFU_CONVENTION else "†"
     names = [record["reference"]] + [name for name in record["systems"] if name != record["reference"]]
     rows = []
     for name in names:
         system = record["systems"][name]
-        mfu = "—" if system["mfu"] is None else f"{system['mfu']:.1%}{dagger}"
+        marks = convention + ("‡" if document_masked(system) else "")
+        mfu = "—" if system["mfu"] is None else f"{system['mfu']:.1%}{marks}"
         ratio = "—" if name == record["reference"] else f"{record['ratios'][name]:.2f}×"
         rows.append(f"| {label if not rows else ''} | {name} | {system['tokens_per_sec']:,.0f} | "
                     f"{_number(system.get('tokens_per_sec_per_gpu'), ',.0f')} | {mfu} | "
@@ -91,6 +102,8 @@ def render(records: list[tuple[Path, dict]], root: Path = ROOT) -> str:
         lines += record_rows(record, f"[{record_label(record)}]({relative})")
     if any(record["convention"] != MFU_CONVENTION for _, record in shown):
         lines += ["", OLD_CONVENTION_NOTE]
+    if any(document_masked(system) for _, record in shown for system in record["systems"].values()):
+        lines += ["", DOC_MASKING_NOTE]
     return "\n".join(lines)
 
 
