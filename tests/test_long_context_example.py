@@ -11,7 +11,7 @@ import yaml
 
 from distributed import run_distributed
 from helpers import _train
-from nanotron.config import config_from_dict
+from nanotron.config import load_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "config_tiny_long.yaml"
 STEPS = 2
@@ -28,7 +28,7 @@ def _with_test_paths(raw: dict, tiny_data: dict[str, Path], run: Path) -> dict:
 
 
 def test_the_long_context_example_is_what_the_readme_says():
-    config = config_from_dict(yaml.safe_load(EXAMPLE.read_text()))
+    config = load_config(EXAMPLE)  # the strict file loader: unknown or duplicate keys would fail here
     model = config.model.model_config
     assert config.parallelism.context_parallel_size == 2 and config.tokens.sequence_length == 8192
     assert model.is_qwen2_config and model._use_doc_masking and model.z_loss_enabled
