@@ -112,7 +112,7 @@ class Trainer:
                                                     config.tokens.sequence_length)
         self.num_parameters = costs.parameters
         self.flops_per_token = costs.flops_per_token
-        self.hardware_flops_per_token = costs.hardware_flops_per_token(p.recompute_layer)
+        self.hardware_flops_per_token = costs.hardware_flops_per_token(p.recompute_layer, p.recompute_granularity)
         self.step_log = StepLog(config, self.pc, self.flops_per_token, self.hardware_flops_per_token,
                                 self.progress.step)
         log_summary(config, self.pc, self.model, self.num_parameters)

@@ -63,17 +63,24 @@ class ModelCosts:
     """Per-token training FLOPs (forward and backward) of a model's parts, and its logical parameter count.
 
     ``layer_flops`` balances the pipeline split together with ``head_flops``; ``flops_per_token`` is the numerator
-    of MFU; recomputing a layer in the backward adds a third of its FLOPs (one more forward).
+    of MFU; recomputing a layer in the backward adds a third of its FLOPs (one more forward), or, selectively, a
+    third of what is not its attention kernels' (``attention_flops``, part of ``layer_flops``; none for a family
+    without attention).
     """
 
     parameters: int
     layer_flops: tuple[float, ...]
     head_flops: float
     flops_per_token: float
+    attention_flops: tuple[float, ...] = ()  # per layer: the attention kernel's (scores and weighted sum)
 
-    def hardware_flops_per_token(self, recompute_layers: bool) -> float:
-        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer."""
-        return self.flops_per_token + (sum(self.layer_flops) / 3 if recompute_layers else 0.0)
+    def hardware_flops_per_token(self, recompute_layers: bool, granularity: str = "full") -> float:
+        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer (of all
+        but its attention kernel with ``parallelism.recompute_granularity: selective``)."""
+        if not recompute_layers:
+            return self.flops_per_token
+        recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if granularity == "selective" else 0.0)
+        return self.flops_per_token + recomputed / 3
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class ActivationShape:
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
     recomputed: bool  # parallelism.recompute_layer
+    selective: bool = False  # parallelism.recompute_granularity: selective (recomputed layers keep attention outputs)
     cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 
