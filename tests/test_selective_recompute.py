@@ -17,10 +17,12 @@ from distributed import run_distributed_each
 from helpers import ROOT, tiny_config_dict
 from nanotron.config import ConfigError, LlamaConfig, apply_overrides, config_from_dict, load_config
 from nanotron.memory import estimate_memory
+from nanotron.models.build import BuildOptions, build_model, padded_vocab_size
 from nanotron.models.llama.costs import llama_costs, llama_layer_activations
 from nanotron.models.llama.model import LlamaForCausalLM
 from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import ATTENTION_OPS, recompute_in_backward
+from nanotron.parallel.context import ParallelContext
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
@@ -137,9 +139,6 @@ def test_compiled_selective_recompute_matches_and_keeps_only_input_and_attention
 
 
 def _build_and_run(config: dict) -> dict:
-    from nanotron.models.build import BuildOptions, build_model
-    from nanotron.parallel.context import ParallelContext
-
     cfg = config_from_dict(config)
     model = build_model(cfg.model.model_config, ParallelContext(), BuildOptions.from_config(cfg))
     ids = torch.randint(0, cfg.model.model_config.vocab_size, (2, cfg.tokens.sequence_length),
@@ -232,3 +231,22 @@ def test_cuda_compiled_selective_recompute_matches_no_recompute(document_masking
     assert_same_gradients(gradients, reference, atol=2e-2, rtol=2e-2)
     if not document_masking:
         assert attention_runs(compiled, ids) == config.num_hidden_layers
+
+
+def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tmp_path):
+    from test_recompute import _train, recompute_config
+
+    plain = recompute_config(tiny_data, tmp_path / "plain", False)
+    selective = apply_overrides(recompute_config(tiny_data, tmp_path / "selective", True),
+                                ["parallelism.recompute_granularity=selective"])
+    (reference,), (got,) = run_distributed_each(_train, 1, [{"config": plain}, {"config": selective}])
+    for expected, step in zip(reference["metrics"], got["metrics"], strict=True):
+        assert step["lm_loss"] == pytest.approx(expected["lm_loss"], rel=0, abs=1e-6), step["step"]
+        assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0, abs=1e-6), step["step"]
+    config = config_from_dict(selective)
+    model = config.model.model_config
+    vocab = padded_vocab_size(model.vocab_size, config.model.make_vocab_size_divisible_by, 1)
+    costs = llama_costs(model, vocab, config.tokens.sequence_length)
+    assert got["model_flops"] == reference["model_flops"] == costs.flops_per_token
+    assert got["hardware_flops"] == costs.hardware_flops_per_token(True, "selective")
+    assert reference["model_flops"] < got["hardware_flops"] < costs.hardware_flops_per_token(True)
