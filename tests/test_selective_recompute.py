@@ -250,3 +250,19 @@ def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tm
     assert got["model_flops"] == reference["model_flops"] == costs.flops_per_token
     assert got["hardware_flops"] == costs.hardware_flops_per_token(True, "selective")
     assert reference["model_flops"] < got["hardware_flops"] < costs.hardware_flops_per_token(True)
+
+
+@pytest.mark.slow
+def test_selective_recompute_with_tensor_and_pipeline_parallelism(tiny_data, tmp_path):
+    """The tensor-parallel layers' collectives run again in the recomputed forward, under the selective policy."""
+    from test_recompute import _train, recompute_config
+
+    plain = recompute_config(tiny_data, tmp_path / "plain", False)
+    selective = recompute_config(tiny_data, tmp_path / "selective", True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
+                                 tp_linear_async_communication=True, recompute_granularity="selective")
+    ((reference,),) = run_distributed_each(_train, 1, [{"config": plain}])
+    (runs,) = run_distributed_each(_train, 4, [{"config": selective}])
+    (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
+    for expected, got in zip(reference["metrics"], metrics, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
