@@ -60,6 +60,7 @@ FULL: dict[str, Any] = {
         "pp_timeout_s": 30.0,
         "replica_check_interval": 7,
         "recompute_layer": True,
+        "recompute_granularity": "selective",
     },
     "model": {
         "model_config": {  # the mixture-of-experts family: every Llama field plus the MoE ones

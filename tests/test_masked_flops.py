@@ -59,7 +59,7 @@ def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
     assert attention.item() == 768 * (57 + 57 + 79)
 
     whole = 768 * (2 * attended_keys(4, 10) + attended_keys(None, 10))
-    assert costs.attention_flops_per_token == pytest.approx(whole, rel=1e-12)
+    assert sum(costs.attention_flops) == pytest.approx(whole, rel=1e-12)
     other = costs.flops_per_token - whole
     assert costs.masked_flops_per_token(20, attention.item()) == pytest.approx(other + 768 * 193 / 20, rel=1e-12)
     layers = sum(costs.layer_flops) - whole + 768 * 193 / 20
@@ -95,7 +95,7 @@ def _hand_attention_flops(micro_batches: list[dict], eos: int, windows: list[int
     return total
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recomputed"])
+@pytest.mark.parametrize("recompute", [None, "full", "selective"], ids=["plain", "recomputed", "selective"])
 def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tmp_path, recompute):
     """The tiny Qwen2 (hidden 64, layers 0 and 1 sliding over 6 keys, layer 2 full) trained from the preprocessed
     folders at sequence 64 with document masking, logged every 2 steps over 3: each record's TFLOP/s divide back to
@@ -104,7 +104,8 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
 
-    trainer = Trainer(config_from_dict(_config(tiny_data, tmp_path / "run", recompute_layer=recompute)))
+    trainer = Trainer(config_from_dict(_config(tiny_data, tmp_path / "run", **(
+        {"recompute_layer": True, "recompute_granularity": recompute} if recompute else {}))))
     try:
         eos = trainer.document_ends["main"]  # the preprocessed folders'
         loader = trainer._loader(trainer.config.data_stages[0])  # the batches train() reads: its loader starts alike
@@ -120,7 +121,7 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
     assert windows == [6, 6, None]
     costs = trainer.costs
     other = costs.flops_per_token - 12 * 64 * (6 - 36 / 128 + 6 - 36 / 128 + 32)  # causal: W - W²/2s keys, or s/2
-    layers = sum(costs.layer_flops) - costs.attention_flops_per_token
+    layers = sum(costs.layer_flops) - sum(costs.attention_flops)
     for record, logged_steps in zip(records, [steps[:2], steps[2:]], strict=True):
         tokens = 2 * 2 * 64 * len(logged_steps)
         attention = sum(_hand_attention_flops(batches, eos, windows, 64) for batches in logged_steps) / tokens
@@ -129,7 +130,8 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
         per_gpu = record["tokens_per_sec_per_gpu"]
         assert record["tflops_per_gpu"] * 1e12 / per_gpu == pytest.approx(expected, rel=1e-9)
         assert expected < trainer.flops_per_token
-        hardware = expected + (layers + attention) / 3 if recompute else expected
+        # a recomputed layer runs its linears again, and its attention too unless selective recompute keeps it
+        hardware = expected + {None: 0, "full": (layers + attention) / 3, "selective": layers / 3}[recompute]
         assert record["hardware_tflops_per_gpu"] * 1e12 / per_gpu == pytest.approx(hardware, rel=1e-9)
 
 
@@ -188,7 +190,7 @@ def test_the_benchmark_record_counts_the_pairs_of_its_two_batches(tiny_data, tmp
     assert trained[0][1] is trained[2][1] and trained[0][1] is not trained[1][1]  # two batches, alternating
     windows = [trainer.config.model.model_config.attention_window(i) for i in range(3)]
     attention = sum(_hand_attention_flops(batches, eos, windows, 64) for _, batches in trained[:2]) / (2 * 2 * 64)
-    expected = trainer.flops_per_token - trainer.costs.attention_flops_per_token + attention
+    expected = trainer.flops_per_token - sum(trainer.costs.attention_flops) + attention
     assert result["flops_per_token"] == pytest.approx(expected, rel=1e-9)
     assert result["tflops_per_gpu"] == pytest.approx(result["tokens_per_sec_per_gpu"] * expected / 1e12, rel=1e-9)
     assert result["causal_flops_per_token"] == trainer.flops_per_token > expected

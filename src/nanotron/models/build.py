@@ -37,6 +37,7 @@ class BuildOptions:
     pp_stage_layers: list[int] | None = None
     sequence_length: int = 2048  # weighs attention in the pipeline split
     recompute_layers: bool = False
+    recompute_granularity: str = "full"  # parallelism.recompute_granularity: full | selective
     compile: bool = False
 
     @classmethod
@@ -47,7 +48,8 @@ class BuildOptions:
             init_std=getattr(model.init_method, "std", model.model_config.initializer_range),
             vocab_multiple=model.make_vocab_size_divisible_by, tp_mode=p.tp_mode,
             tp_overlap=p.tp_linear_async_communication, pp_stage_layers=p.pp_stage_layers,
-            sequence_length=config.tokens.sequence_length, recompute_layers=p.recompute_layer, compile=model.compile,
+            sequence_length=config.tokens.sequence_length, recompute_layers=p.recompute_layer,
+            recompute_granularity=p.recompute_granularity, compile=model.compile,
         )
 
 
@@ -137,7 +139,7 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
                     pc.coordinates, pc.sizes)
     if options.recompute_layers:  # before compiling, so that the compiled forward recomputes too
         for layer in model.layers.values():
-            recompute_in_backward(layer)
+            recompute_in_backward(layer, options.recompute_granularity)
     if options.compile:
         for layer in model.layers.values():
             layer.compile()

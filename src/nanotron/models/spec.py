@@ -63,23 +63,29 @@ class ModelCosts:
     """Per-token training FLOPs (forward and backward) of a model's parts, and its logical parameter count.
 
     ``layer_flops`` balances the pipeline split together with ``head_flops``; ``flops_per_token`` is the numerator
-    of MFU; recomputing a layer in the backward adds a third of its FLOPs (one more forward).
+    of MFU; recomputing a layer in the backward adds a third of its FLOPs (one more forward), or, selectively, a
+    third of what is not its attention kernels' (``attention_flops``, part of ``layer_flops``; none for a family
+    without attention).
     """
 
     parameters: int
     layer_flops: tuple[float, ...]
     head_flops: float
     flops_per_token: float
-    # Per decoder layer with attention: the training FLOPs of one (query, key) pair its attention computes and its
-    # sliding window (None: every earlier key); and the part of ``flops_per_token`` (and of ``layer_flops``) that is
-    # causal attention over whole sequences, which document masking replaces by its own pairs' FLOPs.
+    # Per decoder layer with attention: the attention kernels' FLOPs per token over whole causal sequences (part of
+    # ``layer_flops`` and ``flops_per_token``; document masking replaces them by its own pairs'), the training FLOPs
+    # of one (query, key) pair and the sliding window (None: every earlier key).
+    attention_flops: tuple[float, ...] = ()
     attention_pair_flops: tuple[float, ...] = ()
     attention_windows: tuple[int | None, ...] = ()
-    attention_flops_per_token: float = 0.0
 
-    def hardware_flops_per_token(self, recompute_layers: bool) -> float:
-        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer."""
-        return self.flops_per_token + (sum(self.layer_flops) / 3 if recompute_layers else 0.0)
+    def hardware_flops_per_token(self, recompute_layers: bool, granularity: str = "full") -> float:
+        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer (of all
+        but its attention kernel with ``parallelism.recompute_granularity: selective``)."""
+        if not recompute_layers:
+            return self.flops_per_token
+        recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if granularity == "selective" else 0.0)
+        return self.flops_per_token + recomputed / 3
 
     def document_attention_flops(self, document_ids: torch.Tensor) -> torch.Tensor:
         """The training FLOPs of every layer's attention over the samples of ``document_ids`` [batch, seq] under
@@ -91,12 +97,15 @@ class ModelCosts:
             total = total + flops * pairs[window]
         return total
 
-    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute_layers: bool = False) -> float:
+    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute_layers: bool = False,
+                               granularity: str = "full") -> float:
         """FLOPs per token (the devices', as ``hardware_flops_per_token``, with ``recompute_layers``) of ``tokens``
         whose attention took ``attention_flops`` (``document_attention_flops``) instead of causal attention over
-        whole sequences: the linears, MLP and head cost per token what they did."""
-        change = attention_flops / tokens - self.attention_flops_per_token
-        return self.flops_per_token + change + ((sum(self.layer_flops) + change) / 3 if recompute_layers else 0.0)
+        whole sequences: the linears, MLP and head cost per token what they did, and a fully recomputed layer runs
+        its attention twice."""
+        change = attention_flops / tokens - sum(self.attention_flops)
+        attention_runs = 1 + (1 / 3 if recompute_layers and granularity == "full" else 0)
+        return self.hardware_flops_per_token(recompute_layers, granularity) + change * attention_runs
 
 
 def attended_pairs(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -126,6 +135,7 @@ class ActivationShape:
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
     recomputed: bool  # parallelism.recompute_layer
+    selective: bool = False  # parallelism.recompute_granularity: selective (recomputed layers keep attention outputs)
     cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 

@@ -1,33 +1,74 @@
-"""Full activation recomputation of a module, without changing its place in the module tree."""
+"""Activation recomputation of a module, without changing its place in the module tree: whole (``full``), or all but
+the attention kernels' outputs (``selective``)."""
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+aten = torch.ops.aten
+# The ops whose outputs (the attention output and its log-sum-exp, which their backward reads) selective recomputation
+# keeps: every fused SDPA kernel, and flex attention's higher-order op (its backward runs on CUDA only). SDPA's math
+# path is not one op: it decomposes into matmuls and a softmax whose backward needs the quadratic probabilities, so
+# it is recomputed like the rest of the layer.
+ATTENTION_OPS = frozenset(
+    op for op in (
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        getattr(torch.ops.higher_order, "flex_attention", None),
+    ) if op is not None
+)
 
 
-def recompute_in_backward(module: nn.Module) -> nn.Module:
-    """Make ``module`` keep only its inputs for backward and run its forward again there to rebuild the rest.
+def _keep_attention_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_attention_context() -> tuple[Any, Any]:
+    """``checkpoint``'s ``context_fn`` for selective recomputation: a fresh pair of contexts per call."""
+    return create_selective_checkpoint_contexts(_keep_attention_outputs)
+
+
+def recompute_in_backward(module: nn.Module, granularity: str = "full") -> nn.Module:
+    """Make ``module`` keep only its inputs for backward (and, ``selective``, its attention kernels' outputs) and
+    run its forward again there to rebuild the rest.
 
     A decoder layer's activations (norm outputs, q/k/v, attention output, the SwiGLU intermediates) dominate
-    training memory; dropping them costs one more forward of the layer, about a third more of its FLOPs. The
-    module is patched in place (its ``forward`` becomes an instance attribute) instead of being wrapped, so
+    training memory; dropping them costs one more forward of the layer, about a third more of its FLOPs. At long
+    sequences most of that forward is attention (its FLOPs grow with the sequence, the rest's do not), and keeping
+    its output and log-sum-exp (a few bytes per token and head) saves recomputing it: ``selective`` reruns the
+    norms, projections, RoPE and MLP only (torch's selective activation checkpointing).
+
+    The module is patched in place (its ``forward`` becomes an instance attribute) instead of being wrapped, so
     parameter names, state dicts and checkpoints stay those of the plain model, and ``module.compile()`` still
-    applies: torch.compile traces non-reentrant checkpointing and recomputes inside the compiled backward. With
-    grad disabled (generation, evaluation) the original forward runs directly: nothing would be saved anyway, and
-    checkpointing would only add overhead. Calling this twice changes nothing.
+    applies: torch.compile traces non-reentrant checkpointing, with its selective policy, and recomputes inside the
+    compiled backward. With grad disabled (generation, evaluation) the original forward runs directly: nothing would
+    be saved anyway, and checkpointing would only add overhead. Calling this again replaces the granularity.
     """
-    module.forward = types.MethodType(_forward_recomputed_in_backward, module)
+    if granularity not in ("full", "selective"):
+        raise ValueError(f"recompute granularity {granularity!r}: expected 'full' or 'selective'")
+    forward = functools.partial(_forward_recomputed_in_backward, selective=granularity == "selective")
+    module.forward = types.MethodType(forward, module)
     return module
 
 
-def _forward_recomputed_in_backward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _forward_recomputed_in_backward(self: nn.Module, *args: Any, selective: bool, **kwargs: Any) -> Any:
     # The class's forward, looked up at call time: a deep copy of the module rebinds this method to the copy.
     forward = type(self).forward
     if not torch.is_grad_enabled():
         return forward(self, *args, **kwargs)
-    return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+    # The policy named here, not looked up in a table or passed through: torch.compile traces a context_fn only when
+    # it sees the function itself (and fails on torch's own noop_context_fn, hence no context_fn for full).
+    policy = {"context_fn": keep_attention_context} if selective else {}
+    return checkpoint(forward, self, *args, use_reentrant=False, **policy, **kwargs)

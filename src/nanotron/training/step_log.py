@@ -37,12 +37,11 @@ class StepLog:
     (``count``), added up on the device and read once per logged step.
     """
 
-    def __init__(self, config: Config, pc: ParallelContext, costs: ModelCosts, recompute_layers: bool,
-                 resume_step: int):
-        self.config, self.pc = config, pc
-        self.costs, self.recompute_layers = costs, recompute_layers
+    def __init__(self, config: Config, pc: ParallelContext, costs: ModelCosts, resume_step: int):
+        self.config, self.pc, self.costs = config, pc, costs
+        self.recompute = (config.parallelism.recompute_layer, config.parallelism.recompute_granularity)
         self.flops_per_token = costs.flops_per_token
-        self.hardware_flops_per_token = costs.hardware_flops_per_token(recompute_layers)
+        self.hardware_flops_per_token = costs.hardware_flops_per_token(*self.recompute)
         self._attention_flops: torch.Tensor | None = None  # of the steps counted since the last logged one
         self._counted_steps = 0
         self.peak_flops = peak_flops(pc.device, config.model.torch_dtype())
@@ -64,7 +63,7 @@ class StepLog:
         tokens, attention = self.config.global_batch_tokens * self._counted_steps, self._attention_flops.item()
         self._attention_flops, self._counted_steps = None, 0
         return (self.costs.masked_flops_per_token(tokens, attention),
-                self.costs.masked_flops_per_token(tokens, attention, self.recompute_layers))
+                self.costs.masked_flops_per_token(tokens, attention, *self.recompute))
 
     def write(self, result: StepResult, step: int, consumed_tokens: int, per_domain: bool, step_seconds: float,
               mean_step_seconds: float) -> None:
@@ -100,7 +99,7 @@ class StepLog:
         record |= result.model_metrics
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
-        hardware = f" (hw {hardware_tflops:.2f})" if self.recompute_layers else ""
+        hardware = f" (hw {hardware_tflops:.2f})" if self.recompute[0] else ""
         logger.info(
             f"step {step}/{config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
             f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s ({per_gpu:,.0f}/gpu) | "

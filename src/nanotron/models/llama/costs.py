@@ -57,9 +57,9 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
                           for (_, used), attention in zip(feed_forward, attention_flops, strict=True)),
         head_flops=6.0 * lm_head,
         flops_per_token=6.0 * active + sum(attention_flops),
+        attention_flops=tuple(attention_flops),
         attention_pair_flops=(12.0 * c.hidden_size,) * c.num_hidden_layers,
         attention_windows=tuple(windows),
-        attention_flops_per_token=sum(attention_flops),
     )
 
 
@@ -114,7 +114,10 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     norm keeps instead its fp32 input copy, the normalised values (for the weight's gradient) and its output:
     8·hidden more bytes per token. Measured per layer on an H200 (1B and 8B shapes, eager and compiled, tp=1 and
     tp=2 in both modes): within 0.1% of these counts. A recomputed layer keeps its input (and, compiled, what
-    ``feed_forward.recomputed_kept`` says; measured) and rebuilds the rest during its backward. The backward adds
+    ``feed_forward.recomputed_kept`` says; measured) and rebuilds the rest during its backward; selectively
+    recomputed (``nn/recompute.py``) it also keeps its attention output and log-sum-exp, which the backward does not
+    rebuild (derived from the code: those are the outputs of the attention op the policy saves; not measured). The
+    backward adds
     the feed-forward block's gradients on top of what the layer keeps. Whole heads are on each rank; kv heads are
     replicated when tp exceeds them.
     """
@@ -128,7 +131,8 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
         norms = 2 * (residual + linear_input)
     else:
         norms = 2 * (4 * c.hidden_size * shape.residual_share + residual + linear_input)
-    attention = d * (2 * q + 3 * kv) + d * q + 4 * heads
+    attention_outputs = d * q + 4 * heads  # the attention output (o_proj's input) and SDPA's fp32 logsumexp
+    attention = d * (2 * q + 3 * kv) + attention_outputs
     rotary_tables = 2 * shape.sequence_length * c.head_dim * d
     if shape.cp > 1:  # tables of the rank's own positions, per sequence
         rotary_tables = 2 * tokens * c.head_dim * d + context_parallel_bytes(c, shape)
@@ -137,4 +141,6 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     if not shape.recomputed:
         return full, transient
     kept = tokens * (residual + (feed_forward.recomputed_kept if shape.compiled else 0))
+    if shape.selective:
+        return int(kept + tokens * attention_outputs), int(full + transient - tokens * attention_outputs)
     return int(kept), full + transient
