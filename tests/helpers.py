@@ -202,6 +202,28 @@ def away_from_initial_values(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def transformers_outputs(hf: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    """A saved transformers model's logits over the first prompt and its greedy continuations of every prompt."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0]])).logits[0]
+        greedy = [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return {"logits": logits, "greedy": greedy}
+
+
+def benchmark_on_cpu(monkeypatch, benchmark) -> None:
+    """``scripts/benchmark.py`` (the module ``benchmark``) with CUDA's memory counters, its all-gather and its CUDA
+    event timer stood in, so that ``run_nanotron`` trains the real trainer on the CPU: every step takes 0.5 s."""
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(benchmark, "per_rank", lambda value: [value])
+    monkeypatch.setattr(benchmark, "timed", lambda step, steps, warmup: ([step(i) or 0.5 for i in range(warmup + steps)]
+                                                                          [warmup:], 0))
+
+
 @contextlib.contextmanager
 def killed_on_failure(processes: list[subprocess.Popen]):
     try:

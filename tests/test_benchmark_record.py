@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, tiny_config_dict
+from helpers import ROOT, benchmark_on_cpu, tiny_config_dict
 
 SCRIPTS = ROOT / "scripts"
 if str(SCRIPTS) not in sys.path:
@@ -417,12 +417,7 @@ def test_nanotron_run_of_the_benchmark_reads_what_the_trainer_exposes(tiny_data,
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(benchmark.PRESETS, "tiny", {**TINY_LLAMA, "vocab_size": 384})
-    for name in ("memory_allocated", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(benchmark, "per_rank", lambda value: [value])  # its all-gather goes through CUDA
-    monkeypatch.setattr(benchmark, "timed", lambda step, steps, warmup: ([step(i) or 0.5 for i in range(warmup + steps)]
-                                                                          [warmup:], 0))
+    benchmark_on_cpu(monkeypatch, benchmark)
     args = argparse.Namespace(data=str(tiny_data["tokenized"]), sequence_length=32, micro_batch_size=2, accumulation=1,
                               steps=2, warmup=1, save_to=None)
     result, micro_batch = benchmark.run_nanotron(args, "tiny", ["model.compile=false", "model.dtype=float32"])

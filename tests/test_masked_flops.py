@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed_each
-from helpers import ROOT, _train, tiny_config_dict
+from helpers import ROOT, _train, benchmark_on_cpu, tiny_config_dict
 
 EOS = 9
 QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -169,12 +169,7 @@ def test_the_benchmark_record_counts_the_pairs_of_its_two_batches(tiny_data, tmp
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(benchmark.PRESETS, "tiny-qwen2", QWEN2_TINY | {"is_llama_config": False})
-    for name in ("memory_allocated", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(benchmark, "per_rank", lambda value: [value])  # its all-gather goes through CUDA
-    monkeypatch.setattr(benchmark, "timed", lambda step, steps, warmup: ([step(i) or 0.5 for i in range(warmup + steps)]
-                                                                          [warmup:], 0))
+    benchmark_on_cpu(monkeypatch, benchmark)
     trained, train_step = [], Trainer.train_step
 
     def recorded_step(trainer, micro_batches, lr):

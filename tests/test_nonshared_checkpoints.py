@@ -126,7 +126,7 @@ def test_each_node_keeps_its_own_ranks_files_and_the_run_resumes_exactly(tiny_da
                                  "checkpoints_path_is_shared_file_system": False})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "other.yaml", other)),
                       "holds only the files of ranks 1", "checkpoints_path_is_shared_file_system: false",
-                      "this run's layout is pp=1, dp=1, ep=1, tp=1", "resume at the layout")
+                      "this run's layout is pp=1, dp=1, ep=1, cp=1, tp=1", "resume at the layout")
 
 
 def _placements():

@@ -23,6 +23,7 @@ from helpers import (
     tiny_config_dict,
     tp_config,
     train,
+    transformers_outputs,
     write_config,
 )
 
@@ -62,16 +63,6 @@ def converted(request, tmp_path_factory):
     return {"name": name, "hf": hf, "ckpt": root / "nanotron", "sliding": sliding, "nope": nope, "root": root}
 
 
-def _hf_outputs(hf: Path) -> dict:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPTS[0]])).logits[0]
-        greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    return {"logits": logits, "greedy": greedy}
-
-
 def _nanotron_outputs(ckpt: Path) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
     from nanotron.parallel.context import ParallelContext
@@ -92,7 +83,7 @@ def _nanotron_outputs(ckpt: Path) -> dict:
 def test_logits_and_greedy_generation_match_transformers(converted):
     """Sliding windows shorter than the prompt and the generated text, NoPE layers; prompts of different lengths
     (left padding) with and without the KV cache."""
-    ours, theirs = _nanotron_outputs(converted["ckpt"]), _hf_outputs(converted["hf"])
+    ours, theirs = _nanotron_outputs(converted["ckpt"]), transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
     layers = ours["model"].layers.values()
     assert [i for i, layer in enumerate(layers) if layer.attn.window == WINDOW] == converted["sliding"]
     assert [i for i, layer in enumerate(layers) if not layer.attn.rope] == converted["nope"]

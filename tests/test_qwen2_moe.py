@@ -27,6 +27,7 @@ from helpers import (
     parity_steps,
     tiny_config_dict,
     train,
+    transformers_outputs,
     write_config,
 )
 
@@ -64,16 +65,6 @@ def converted(request, tmp_path_factory):
     return {"hf": hf, "ckpt": root / "nanotron", "moe_layers": moe_layers, "sliding": sliding, "root": root}
 
 
-def _hf_outputs(hf: Path) -> dict:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPTS[0]])).logits[0]
-        greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    return {"logits": logits, "greedy": greedy}
-
-
 def _nanotron_outputs(ckpt: Path) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
     from nanotron.models.moe.model import MoEFeedForward
@@ -97,7 +88,7 @@ def _nanotron_outputs(ckpt: Path) -> dict:
 
 
 def test_logits_and_greedy_generation_match_transformers(converted):
-    ours, theirs = _nanotron_outputs(converted["ckpt"]), _hf_outputs(converted["hf"])
+    ours, theirs = _nanotron_outputs(converted["ckpt"]), transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
     assert ours["moe_layers"] == converted["moe_layers"] and ours["shared"]
     assert ours["sliding"] == converted["sliding"]
     assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
