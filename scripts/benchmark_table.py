@@ -77,6 +77,14 @@ def record_label(record: dict) -> str:
     return f"{record['date']}, {devices}, {record['preset']}{changed}, {shape}"
 
 
+def counted_whole_sequences(system: dict) -> bool:
+    """A document-masked nanotron run recorded before its FLOPs counted only the attention inside documents (such
+    records lack ``causal_flops_per_token``): its MFU counted causal attention over whole sequences, which the run
+    skipped, so it is not shown."""
+    masked = any(override.endswith("_use_doc_masking=true") for override in system.get("overrides") or [])
+    return masked and "causal_flops_per_token" not in system
+
+
 def record_rows(record: dict, label: str) -> list[str]:
     """One markdown row per system, the reference first; ``label`` fills the first cell of the first row."""
     dagger = "" if record["convention"] == MFU_CONVENTION else "†"
@@ -84,7 +92,8 @@ def record_rows(record: dict, label: str) -> list[str]:
     rows = []
     for name in names:
         system = record["systems"][name]
-        mfu = "—" if system["mfu"] is None else f"{system['mfu']:.1%}{dagger}"
+        shown = system["mfu"] is not None and not counted_whole_sequences(system)
+        mfu = f"{system['mfu']:.1%}{dagger}" if shown else "—"
         ratio = "—" if name == record["reference"] else f"{record['ratios'][name]:.2f}×"
         rows.append(f"| {label if not rows else ''} | {name} | {system['tokens_per_sec']:,.0f} | "
                     f"{_number(system.get('tokens_per_sec_per_gpu'), ',.0f')} | {mfu} | "

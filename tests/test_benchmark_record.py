@@ -442,3 +442,21 @@ def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
     labels = re.findall(r"\| \[([^]]+)\]", readme.read_text())
     assert labels == ["2026-12-03, H200, llama1b, 4096 × 4",
                       "2026-12-04, H200, llama1b (recompute_layer=true), 4096 × 4"]
+
+
+def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(tmp_path):
+    """A document-masked run recorded before its FLOPs counted the attention inside documents (no
+    ``causal_flops_per_token``) overstated its MFU: the table leaves it out; a record with the count shows it."""
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = _readme(tmp_path)
+    masked = ["model.compile=true", "model.model_config._use_doc_masking=true"]
+    before, after = _record("2026-12-03", 72_000.0), _record("2026-12-04", 72_000.0)
+    before["systems"]["nanotron"]["overrides"] = after["systems"]["nanotron"]["overrides"] = masked
+    after["systems"]["nanotron"]["causal_flops_per_token"] = 1.0
+    after["micro_batch_size"] = 8  # another comparison, so that both rows are shown
+    (results / "before.json").write_text(json.dumps(before))
+    (results / "after.json").write_text(json.dumps(after))
+    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
+    nanotron_mfus = re.findall(r"\| nanotron \| [\d,]+ \| [\d,]+ \| ([^|]+) \|", readme.read_text())
+    assert nanotron_mfus == ["—", "50.0%"]
