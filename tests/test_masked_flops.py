@@ -143,6 +143,7 @@ LAYOUTS = {"dp2": ({"dp": 2}, {"batch_accumulation_per_replica": 1}), "pp2": ({"
            "cp2": ({"context_parallel_size": 2}, {}), "tp2": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, {})}
 
 
+@pytest.mark.slow  # the count itself is checked on one process in the quick tier
 def test_the_count_is_the_steps_whatever_the_layout(tiny_data, tmp_path):
     """Summed over data-parallel replicas, counted once over pipeline stages, context-parallel and tensor-parallel
     ranks: every 2-rank layout of the same global batch logs the FLOPs per token of one rank."""
