@@ -31,13 +31,14 @@ def test_pairs_of_documents_with_known_lengths():
     from nanotron.data.loader import packed_documents
     from nanotron.models.spec import attended_pairs
 
-    documents = packed_documents(_packed_batch(), EOS)["document_ids"]
-    assert documents[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]
-    assert attended_pairs(documents).item() == 79
-    assert attended_pairs(documents, 4).item() == 57
-    assert attended_pairs(documents, 10).item() == 79
-    assert attended_pairs(documents[1:]).item() == 55 == 10 * 11 / 2
-    assert attended_pairs(documents).dtype == torch.float64
+    packed = packed_documents(_packed_batch(), EOS)
+    assert packed["document_ids"][0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]
+    positions = packed["position_ids"]
+    assert attended_pairs(positions).item() == 79
+    assert attended_pairs(positions, 4).item() == 57
+    assert attended_pairs(positions, 10).item() == 79
+    assert attended_pairs(positions[1:]).item() == 55 == 10 * 11 / 2
+    assert attended_pairs(positions).dtype == torch.float64
 
 
 def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
@@ -54,8 +55,8 @@ def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
     config = Qwen2Config(**fields)
     costs = qwen2_costs(config, 384, 10)
     assert costs.attention_windows == (4, 4, None) and costs.attention_pair_flops == (768.0,) * 3
-    documents = packed_documents(_packed_batch(), EOS)["document_ids"]
-    attention = costs.document_attention_flops(documents)
+    positions = packed_documents(_packed_batch(), EOS)["position_ids"]
+    attention = costs.document_attention_flops(positions)
     assert attention.item() == 768 * (57 + 57 + 79)
 
     whole = 768 * (2 * attended_keys(4, 10) + attended_keys(None, 10))

@@ -173,7 +173,7 @@ class Trainer:
         replicas it is the step's; a reduction on the device, which the step log reads when it logs."""
         if not self._document_masking or not self.pc.is_last_stage or self.pc.coord("cp") != 0:
             return {}
-        return {"attention_flops": sum(self.costs.document_attention_flops(mb["document_ids"]) for mb in batches)}
+        return {"attention_flops": sum(self.costs.document_attention_flops(mb["position_ids"]) for mb in batches)}
 
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
         """The step's statistics, the same on every rank (``lm_loss`` is the step's mean token loss); gradients end

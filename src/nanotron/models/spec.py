@@ -87,12 +87,13 @@ class ModelCosts:
         recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if granularity == "selective" else 0.0)
         return self.flops_per_token + recomputed / 3
 
-    def document_attention_flops(self, document_ids: torch.Tensor) -> torch.Tensor:
-        """The training FLOPs of every layer's attention over the samples of ``document_ids`` [batch, seq] under
-        document masking: each layer's FLOPs per pair times the pairs its window leaves (``attended_pairs``, counted
-        once per window). A float64 tensor on ``document_ids``' device, so that counting syncs nothing."""
-        pairs = {window: attended_pairs(document_ids, window) for window in dict.fromkeys(self.attention_windows)}
-        total = torch.zeros((), dtype=torch.float64, device=document_ids.device)
+    def document_attention_flops(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The training FLOPs of every layer's attention over samples whose tokens sit at ``position_ids`` [batch,
+        seq] in their documents (document masking; ``data/loader.py`` restarts them per document): each layer's
+        FLOPs per pair times the pairs its window leaves (``attended_pairs``, counted once per window). A float64
+        tensor on the positions' device, so that counting syncs nothing."""
+        pairs = {window: attended_pairs(position_ids, window) for window in dict.fromkeys(self.attention_windows)}
+        total = torch.zeros((), dtype=torch.float64, device=position_ids.device)
         for flops, window in zip(self.attention_pair_flops, self.attention_windows, strict=True):
             total = total + flops * pairs[window]
         return total
@@ -108,15 +109,11 @@ class ModelCosts:
         return self.hardware_flops_per_token(recompute_layers, granularity) + change * attention_runs
 
 
-def attended_pairs(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """The (query, key) pairs causal attention computes over samples whose tokens are ``document_ids`` [batch, seq]
-    (each document a run of equal ids, as ``data/loader.py`` numbers them) when no query sees another document:
-    L(L + 1) / 2 for a document of L tokens; with a window of W keys (the query's own included), each query attends
-    to min(its place in the document + 1, W). A float64 scalar tensor on ``document_ids``' device."""
-    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    keys = index - torch.where(starts, index, 0).cummax(dim=-1).values + 1
+def attended_pairs(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The (query, key) pairs causal attention computes when no query sees another document: a query at position p
+    of its document (``position_ids``) attends to p + 1 keys, at most W with a window of W (the query's own
+    included); L(L + 1) / 2 for a whole document of L tokens. A float64 scalar tensor on the positions' device."""
+    keys = position_ids + 1
     if window is not None:
         keys = keys.clamp(max=window)
     return keys.sum().to(torch.float64)
