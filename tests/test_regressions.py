@@ -8,7 +8,9 @@ import errno
 import importlib.util
 import json
 import logging
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,10 +23,12 @@ from helpers import assert_user_error, cli, doremi_config, tiny_config_dict, tra
 
 @pytest.mark.parametrize("missing", ["triton", "torch older than 2.6"])
 def test_triton_kernels_that_cannot_load_are_reported_once_on_cuda_and_never_on_cpu(monkeypatch, caplog, missing):
-    """The loader imported without Triton, or with a torch whose ``torch.library`` lacks ``triton_op``: no kernel
-    runs, a CPU asks silently, and the first CUDA ask logs one warning with the import error and the fix."""
+    """The loader imported on a CUDA machine without Triton, or with a torch whose ``torch.library`` lacks
+    ``triton_op``: no kernel runs, a CPU asks silently, and the first CUDA ask logs one warning with the import error
+    and the fix."""
     from nanotron.nn import kernels as loaded
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     if missing == "triton":
         monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
     else:
@@ -41,6 +45,18 @@ def test_triton_kernels_that_cannot_load_are_reported_once_on_cuda_and_never_on_
     message = caplog.records[0].getMessage()
     assert kernels.UNAVAILABLE in message and "torch>=2.6" in message
     assert ("triton" in kernels.UNAVAILABLE) if missing == "triton" else ("triton_op" in kernels.UNAVAILABLE)
+
+
+def test_importing_the_trainer_without_a_gpu_loads_no_compiler():
+    """Registering the Triton ops imports inductor and dynamo (over a second per process, every rank of every run):
+    without a CUDA device or Triton's interpreter no kernel can run, and none is registered."""
+    code = ("import sys, nanotron.trainer, nanotron.cli; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env={**environment, "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "[]", done.stdout
 
 
 def test_every_triton_kernel_module_loads_through_the_one_loader():
