@@ -157,7 +157,8 @@ def nanotron_config(args, preset: str, overrides: list[str]):
     return config_from_dict(apply_overrides(raw, overrides))
 
 
-def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None = None) -> tuple[dict, list[dict]]:
+def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None = None,
+                 activations: Path | None = None) -> tuple[dict, list[dict]]:
     from nanotron.optim.lr_schedule import learning_rate_at
     from nanotron.trainer import Trainer
 
@@ -179,6 +180,8 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
     memory = measured_memory(step_start, baseline, freed_gradient_bytes=0)  # gradient buckets outlive the step
     if profile:
         write_profile(step, profile)
+    if activations:
+        write_activations(trainer, step, activations)
     saves = time_saves(trainer) if args.save_to else None
     flops_per_token, counted = trainer.flops_per_token, {}
     if attention_flops:  # the timed steps alternate the two batches: their mean
@@ -253,6 +256,43 @@ def write_profile(step_fn, path: Path, steps: int = 3) -> None:
     path.write_text(operators + "\n\n" + "\n".join(lines) + "\n\n" + idle_gaps(profiler, steps) + "\n")
 
 
+def live_blocks() -> dict[int, int]:
+    """The caching allocator's allocated blocks: address -> requested bytes."""
+    return {block["address"]: block["requested_size"] for segment in torch.cuda.memory_snapshot()
+            for block in segment["blocks"] if block["state"] == "active_allocated"}
+
+
+def write_activations(trainer, step_fn, path: Path) -> None:
+    """What one step's forward keeps for its backward, seen when the loss is about to be computed: the allocations
+    made since the step started and still alive, grouped by size (largest total first). Sizes name their tensors:
+    with ``t`` tokens per micro-batch, ``t·h·2`` bytes is a bf16 hidden state, ``t·ffn·2`` an MLP activation."""
+    attribute = "head_loss" if trainer.head_loss is not None else "_loss"
+    loss, seen = getattr(trainer, attribute), {}
+
+    def observed(*args, **kwargs):
+        if not seen:
+            seen.update(live_blocks())
+        return loss(*args, **kwargs)
+
+    torch.cuda.synchronize()
+    before = live_blocks()
+    setattr(trainer, attribute, observed)
+    try:
+        step_fn(0)
+    finally:
+        setattr(trainer, attribute, loss)
+    sizes: dict[int, int] = {}
+    for address, size in seen.items():
+        if address not in before:
+            sizes[size] = sizes.get(size, 0) + 1
+    total = sum(size * count for size, count in sizes.items())
+    lines = [f"kept by the forward at the loss: {total / 1e9:.2f} GB in {sum(sizes.values())} allocations",
+             "    GB   count  bytes each"]
+    for size, count in sorted(sizes.items(), key=lambda item: -item[0] * item[1]):
+        lines.append(f"{size * count / 1e9:6.2f}  {count:6d}  {size}")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def idle_gaps(profiler, steps: int, shown: int = 25) -> str:
     """When the GPU waits for the host: the gaps between one kernel's end and the next one's start, in total per
     step and the longest, each with the kernels around it (what the host was launching late)."""
@@ -301,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also train the compiled Hugging Face loop with torchao's float8 training of this "
                              "recipe (needs --peer hf, its bf16 counterpart; install torchao first)")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
+    parser.add_argument("--activations", type=Path,
+                        help="also write what the forward keeps for the backward, by allocation size, here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
     parser.add_argument("--save-to", type=Path, help="also time checkpoint saves (foreground, background) into here")
     parser.add_argument("--name", help="the record's name: benchmarks/results/<date>-<gpu>-<name>.json (default: "
@@ -346,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("error: the benchmark needs a CUDA device")
 
-    first, micro_batches = run_nanotron(args, args.preset, args.override, args.profile)
+    first, micro_batches = run_nanotron(args, args.preset, args.override, args.profile, args.activations)
     second = None
     if args.versus or args.versus_override:
         free_memory()

@@ -5,10 +5,11 @@
 At the Llama 1B attention shape (32 query heads over 8 key/value heads, head dimension 64, bf16, one sequence) each
 variant runs forward, then forward + backward, of causal attention: ``sdpa-<backend>`` is
 ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` held to one backend (``default`` lets torch
-choose, as the model does), ``sdpa-repeat-cudnn`` repeats the key/value heads first (the path for backends without
-grouped heads), ``flex`` is compiled flex attention with a causal ``BlockMask`` (the path of sliding windows and
-document masking). Reported per variant: median milliseconds (CUDA events) and TFLOP/s over the causal FLOPs
-(``2·s²·d`` per head forward; the backward counted as twice the forward, as the MFU of a training step counts it).
+choose, as the model does); ``sdpa-repeat-cudnn`` repeats the key/value heads first (the path for backends without
+grouped heads); ``sdpa-cudnn-contiguous`` copies the heads-first views the model hands over into contiguous
+tensors; ``flex`` is compiled flex attention with a causal ``BlockMask`` (the path of sliding windows and document
+masking). Reported per variant: median milliseconds (CUDA events) and TFLOP/s over the causal FLOPs (``2·s²·d`` per
+head forward; the backward counted as twice the forward, as the MFU of a training step counts it).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def sdpa(backend: str | None, repeat: bool = False):
+def sdpa(backend: str | None, repeat: bool = False, contiguous: bool = False):
     def run(q, k, v, _mask):
+        if contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if repeat:
             k, v = k.repeat_interleave(HEADS // KV_HEADS, dim=1), v.repeat_interleave(HEADS // KV_HEADS, dim=1)
         if backend is None:
@@ -69,7 +72,8 @@ def main() -> None:
     parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
     args = parser.parse_args()
     variants = {f"sdpa-{name}": sdpa(name) for name in BACKENDS}
-    variants |= {"sdpa-default": sdpa(None), "sdpa-repeat-cudnn": sdpa("cudnn", repeat=True), "flex": flex()}
+    variants |= {"sdpa-default": sdpa(None), "sdpa-repeat-cudnn": sdpa("cudnn", repeat=True),
+                 "sdpa-cudnn-contiguous": sdpa("cudnn", contiguous=True), "flex": flex()}
     results = []
     for length in args.sequence_lengths:
         q = torch.randn(1, length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -78,7 +82,8 @@ def main() -> None:
         for tensor in (q, k, v):
             tensor.requires_grad_()
         grad = torch.randn_like(q)
-        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda")
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda",
+                                  _compile=True)  # as the model builds it: no dense mask
         forward_flops = 2 * length * length * HEAD_DIM * HEADS  # causal: half of 4·s²·d
         for name, attention in variants.items():
             try:

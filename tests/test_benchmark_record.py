@@ -427,6 +427,37 @@ def test_nanotron_run_of_the_benchmark_reads_what_the_trainer_exposes(tiny_data,
     assert micro_batch[0]["input_ids"].shape == (2, 32)
 
 
+def test_the_activation_census_counts_what_is_allocated_between_the_step_start_and_the_loss(tiny_data, tmp_path,
+                                                                                          monkeypatch):
+    """``--activations``: the allocator's blocks are read once at the step's start and once when the trainer's loss
+    is called (the forward done); the new ones are what the forward keeps, grouped by size. The loss is restored."""
+    import argparse
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(benchmark.PRESETS, "tiny", {**TINY_LLAMA, "vocab_size": 384})
+    benchmark_on_cpu(monkeypatch, benchmark)
+    reads = iter([{1: 100}, {1: 100, 2: 64, 3: 64, 4: 1000}])
+    monkeypatch.setattr(benchmark, "live_blocks", lambda: next(reads))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    args = argparse.Namespace(data=str(tiny_data["tokenized"]), sequence_length=32, micro_batch_size=2, accumulation=1,
+                              steps=2, warmup=1, save_to=None)
+    census = tmp_path / "activations.txt"
+    captured = {}
+    real_write = benchmark.write_activations
+
+    def write(trainer, step, path):
+        captured["loss"] = trainer.head_loss if trainer.head_loss is not None else trainer._loss
+        real_write(trainer, step, path)
+        captured["after"] = trainer.head_loss if trainer.head_loss is not None else trainer._loss
+
+    monkeypatch.setattr(benchmark, "write_activations", write)
+    benchmark.run_nanotron(args, "tiny", ["model.compile=false", "model.dtype=float32"], activations=census)
+    lines = census.read_text().splitlines()
+    assert lines[0] == "kept by the forward at the loss: 0.00 GB in 3 allocations"
+    assert [line.split() for line in lines[2:]] == [["0.00", "1", "1000"], ["0.00", "2", "64"]]
+    assert captured["after"] is captured["loss"]
+
+
 def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
     """A newer record of the same shape whose nanotron run overrides the model or the parallelism (a recomputed or
     Qwen2-shaped run) is shown beside the plain one, labelled with those overrides; compiling is not such a change."""
