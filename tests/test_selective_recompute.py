@@ -105,6 +105,7 @@ def test_eager_selective_recompute_matches_and_runs_attention_once_per_layer():
     assert runs == {None: layers, "full": 2 * layers, "selective": layers}
 
 
+@pytest.mark.slow  # compiling takes most of the quick tier's slowest test; the eager policy test stays quick
 def test_compiled_selective_recompute_matches_and_keeps_only_input_and_attention_outputs():
     """torch.compile traces the selective policy: the compiled backward runs attention's backward from the kept
     output and log-sum-exp, and the layer saves exactly what the memory planner counts (measured on CPU; on CUDA the
