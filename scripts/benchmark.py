@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -426,4 +427,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception:
+        # The trainer's process group and loader workers outlive an exception, and the interpreter then waits for
+        # them at exit forever: a failed run reports and ends.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
