@@ -4,8 +4,6 @@ document), so that each equals the reference's loss on that document run alone."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from distributed import run_distributed
@@ -43,7 +41,8 @@ def _reference_and_per_document_losses(reference: dict, proxy: dict) -> dict:
     def losses(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = forward_logits(feature.reference, trainer.pc, ids[None], None, None, None, last_only=False,
                                 gather=False)
-        return vocab_parallel_token_losses(logits, labels[None], trainer.pc.groups["tp"], 384)[0]
+        return vocab_parallel_token_losses(logits, labels[None], trainer.pc.groups["tp"],
+                                           feature.reference.config.vocab_size)[0]
 
     computed, alone, across, packed = [], [], [], 0
     for mb in batches:
