@@ -241,7 +241,7 @@ def test_full_config_sets_every_optional_field_to_a_non_default_value():
         if value == default and key.rsplit(".", 1)[-1] not in SINGLE_VALUED
     ]
     # The DoReMi domain lists need one entry per folder of every stage, and these stages have 2, 1 and 1 domains;
-    # context parallelism composes neither with DoReMi nor with the router losses this config sets.
+    # context parallelism composes neither with DoReMi nor with the experts' capacity this config sets.
     assert left_at_default == ["parallelism.context_parallel_size", "doremi.domain_names", "doremi.domain_weights"]
 
 

@@ -87,8 +87,9 @@ def test_a_ranks_masks_are_its_rows_of_the_whole_sequences_masks():
                                           "parallelism.context_parallel_size = 4"),
     ({"tokens": {"sequence_length": 36}, "parallelism": {"tp": 4}},
      "tokens.sequence_length / parallelism.context_parallel_size (18) must be divisible by parallelism.tp (4)"),
-    ({"model_config": {"is_llamoe_config": True, "moe_num_experts": 4, "num_experts_per_tok": 2}},
-     "router losses and capacity"),
+    ({"model_config": {"is_llamoe_config": True, "moe_num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_capacity_factor": 1.5}},
+     "model.model_config.moe_capacity_factor (1.5): the experts' capacity drops assignments"),
     ({"model_config": {"is_mamba_config": True}}, "context_parallel_size (2) needs an attention model"),
 ])
 def test_layouts_cp_cannot_run_are_refused_naming_the_key(tiny_data, tmp_path, changes, fragment):

@@ -192,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
 
-    evaluation = commands.add_parser("eval", help="held-out loss and perplexity per dataset folder")
+    evaluation = commands.add_parser(
+        "eval", help="held-out loss and perplexity per dataset folder",
+        description="Held-out loss and perplexity per dataset folder, under plain causal attention over each window "
+                    "(also for a checkpoint trained with _use_doc_masking: true): comparable with transformers'.")
     evaluation.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
     evaluation.add_argument("--data", type=Path, nargs="+", required=True, help="preprocessed folders, one per domain")
     evaluation.add_argument("--tp", type=int, default=1)

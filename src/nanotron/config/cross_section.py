@@ -118,11 +118,10 @@ def _context_parallelism(cfg: Config) -> Iterator[str]:
         yield (f"parallelism.context_parallel_size ({cp}) needs an attention model: a Mamba model ({key} with "
                "is_mamba_config: true) scans the sequence in order; set it to 1")
     moe = getattr(c, "moe", None)
-    if moe is not None and (moe.aux_loss_coef or moe.z_loss_coef or moe.capacity_factor is not None):
-        yield (f"{key}: the experts' router losses and capacity (aux loss coefficient {moe.aux_loss_coef}, z-loss "
-               f"coefficient {moe.z_loss_coef}, capacity factor {moe.capacity_factor}) are per whole sequence, which "
-               f"no rank holds under parallelism.context_parallel_size ({cp}) yet: set the coefficients to 0 and "
-               "the capacity factor to null, or context_parallel_size: 1")
+    if moe is not None and moe.capacity_factor is not None:
+        yield (f"{key}.moe_capacity_factor ({moe.capacity_factor}): the experts' capacity drops assignments by "
+               "their order in the whole micro-batch, which no rank holds under parallelism.context_parallel_size "
+               f"({cp}); set moe_capacity_factor: null (dropless), or context_parallel_size: 1")
     if cfg.doremi is not None:
         yield (f"doremi with parallelism.context_parallel_size ({cp}) is not supported yet: DoReMi's reference "
                "losses are per whole sequence; set context_parallel_size: 1")

@@ -208,8 +208,12 @@ class DoReMiProxy(DomainMixture):
 
     @torch.no_grad()
     def _reference_losses(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        logits = forward_logits(self.reference, self.pc, micro_batch["input_ids"], None, None, None,
-                                last_only=False, gather=False)
+        """The reference's token losses on the micro-batch, read as the proxy's forward reads it: under document
+        masking with the same per-document positions and documents, so that the excess losses compare like with
+        like."""
+        logits = forward_logits(self.reference, self.pc, micro_batch["input_ids"], micro_batch.get("position_ids"),
+                                None, None, last_only=False, gather=False,
+                                document_ids=micro_batch.get("document_ids"))
         if logits is None:  # not the last pipeline stage
             return None
         return vocab_parallel_token_losses(logits, micro_batch["labels"], self.pc.groups["tp"],

@@ -4,6 +4,10 @@ Each folder is read in order, window after window (the same windows of ``sequenc
 training, without shuffling), so the same folder always gives the same number. Evaluate on folders that training
 did not see (e.g. a validation split preprocessed separately). The loss is the mean over all target tokens;
 perplexity is its exponential. A folder shorter than one window is an error, not a loss of 0.
+
+Attention is plain causal attention over each window, whatever the checkpoint was trained with: for a model trained
+with document masking (``_use_doc_masking: true``) the loss is still the plain causal one, comparable with
+``transformers``' on the same windows.
 """
 
 from __future__ import annotations

@@ -163,17 +163,21 @@ def _until_eos(row: list[int], eos_token_id: int | None) -> list[int]:
 
 def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, positions: torch.Tensor | None,
                    mask: torch.Tensor | None, caches: dict[str, object] | None, last_only: bool = True,
-                   gather: bool = True) -> torch.Tensor | None:
+                   gather: bool = True, document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """Logits over the padded vocabulary on the last stage (None elsewhere), gathered over TP unless ``gather``
     is False (then each TP rank keeps its vocabulary shard).
 
-    Only the last position's ([batch, vocab]) unless ``last_only`` is False ([batch, seq, vocab]).
+    Only the last position's ([batch, vocab]) unless ``last_only`` is False ([batch, seq, vocab]). ``document_ids``
+    (with ``positions`` restarting in each document, as a micro-batch under document masking holds them) keep
+    attention inside each document packed in ``ids``.
     """
     hidden_size = model.config.hidden_size
     dtype = spec_for_config(model.config).activation_dtype(model.config, next(model.parameters()).dtype)
     p2p = P2P(pc, (ids.shape[0], ids.shape[1], hidden_size), dtype, timeout_s=600.0)
     hidden = None if pc.is_first_stage else p2p.recv_forward()
-    out = model(input_ids=ids, hidden_states=hidden, position_ids=positions, attention_mask=mask, caches=caches)
+    documents = {} if document_ids is None else {"document_ids": document_ids}  # only families with attention take it
+    out = model(input_ids=ids, hidden_states=hidden, position_ids=positions, attention_mask=mask, caches=caches,
+                **documents)
     if not pc.is_last_stage:
         p2p.send_forward(out)
         return None

@@ -17,6 +17,13 @@ which the trainer hands the model (``context_parallel_masks``): the attention ru
 indices against every key's, so sliding windows and document masking need nothing more. The model is never told
 about the exchange: its attention block hands its queries, keys, values and mask to whatever core it holds.
 
+**Whole-sequence statistics.** A mixture of experts' router losses are per sequence: the load-balancing loss weighs
+each expert's mean routing probability by its share of the sequence's selections, the z-loss averages over the
+sequence's tokens. Both are linear in the per-token terms once the whole sequence's selection counts (and so its
+length) are known, so each rank computes its own tokens' part of them, and those parts add up over the cp ranks
+like the token losses. The counts are what must be summed over the cp group before use: the model's
+``SequenceSum`` modules (``nn/sequence_sum.py``) become ``ContextParallelSequenceSum``, an all-reduce over cp.
+
 Parameters are replicated over cp; their gradients, each rank's over its own tokens, are summed over dp × cp
 (× ep) like data parallelism (``Placement.gradient_axes``).
 """
@@ -28,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask, attend
+from nanotron.nn.sequence_sum import SequenceSum
 
 SEQUENCE_DIM = 2  # of keys and values, [batch, heads, sequence, head_dim]
 
@@ -127,10 +135,42 @@ class ContextParallelAttention(AttentionCore):
         return attend(q, k, v, mask)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over ``group``; backward: all-reduce of the gradient. Every rank's loss reads the sum, and
+    the objective is the sum of the ranks' losses (gradients are summed over the group), so the gradient of a
+    rank's part is the sum of every rank's gradient of its loss with respect to the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+class ContextParallelSequenceSum(SequenceSum):
+    """Per-sequence sums over this rank's tokens -> over the whole sequences, summed over the cp group."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+
+    def forward(self, sums: torch.Tensor) -> torch.Tensor:
+        return _SumOverGroup.apply(sums, self.group)
+
+
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Swap every attention core of ``model`` for its context-parallel form over ``group`` (on the meta device,
-    before weights exist; cores hold no parameters, so names and placements do not change)."""
+    """Swap every attention core and every sequence sum of ``model`` for its context-parallel form over ``group``
+    (on the meta device, before weights exist; neither holds parameters, so names and placements do not change)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, AttentionCore):
                 setattr(module, name, ContextParallelAttention(group))
+            elif isinstance(child, SequenceSum):
+                setattr(module, name, ContextParallelSequenceSum(group))

@@ -25,13 +25,18 @@ knows it) gives the same value and gradients for any split of the global batch o
   routing is uniform;
 - z-loss (ST-MoE): the mean over the sequence's tokens of ``logsumexp(logits)^2``, which keeps logits small.
 
-Both are averaged over the MoE layers and computed in fp32. Every forward leaves its ``RouterRecord`` on the
-block; ``router_losses`` collects them after each micro-batch of a pipeline stage.
+Both are averaged over the MoE layers and computed in fp32. Given the whole sequence's selection counts (``f_e``
+and the sequence's length), both are sums of per-token terms: a rank that holds part of each sequence (context
+parallelism) records its own tokens' part, and the parts add up over those ranks. The counts are completed by the
+block's ``sequence_sum`` (``nn/sequence_sum.py``: nothing to do on one rank, a sum over the ranks under context
+parallelism). Every forward leaves its ``RouterRecord`` on the block; ``router_losses`` collects them after each
+micro-batch of a pipeline stage.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +48,7 @@ from nanotron.models.init import normal
 from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
 from nanotron.models.spec import Initializer
 from nanotron.nn.linear import Linear
+from nanotron.nn.sequence_sum import SequenceSum
 from nanotron.nn.swiglu import swiglu
 from nanotron.parallel.statistics import Statistics
 
@@ -58,7 +64,8 @@ class Routing:
 
 @dataclass
 class RouterRecord:
-    """What one forward of a block reports: auxiliary loss sums over its sequences (differentiable) and counts."""
+    """What one forward of a block reports: auxiliary loss sums over its sequences (differentiable; this rank's
+    tokens' part where the sequences are split over ranks) and counts."""
 
     balance: torch.Tensor  # sum over sequences of E * sum_e f_e * P_e
     z: torch.Tensor  # sum over sequences of mean_t logsumexp(logits_t)^2
@@ -66,18 +73,23 @@ class RouterRecord:
     dropped: torch.Tensor  # assignments dropped by the capacity limit
 
 
-def route(logits: torch.Tensor, top_k: int, normalize: bool,
-          capacity_factor: float | None) -> tuple[Routing, RouterRecord]:
-    """Top-k routing of ``logits`` [sequences, positions, E] (fp32), and the record of its auxiliary terms."""
+def route(logits: torch.Tensor, top_k: int, normalize: bool, capacity_factor: float | None,
+          sequence_sum: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums) -> tuple[Routing, RouterRecord]:
+    """Top-k routing of ``logits`` [sequences, positions, E] (fp32), and the record of its auxiliary terms.
+
+    ``sequence_sum`` turns per-sequence sums over these positions into the whole sequences' (the default: these
+    positions are the whole sequences)."""
     sequences, positions, experts = logits.shape
     probs = logits.softmax(-1)
     top_probs, top_experts = probs.topk(top_k, dim=-1)
     weights = top_probs / top_probs.sum(-1, keepdim=True) if normalize else top_probs
 
     chosen = torch.zeros_like(probs).scatter_add_(-1, top_experts, torch.ones_like(top_probs))  # [S, P, E] 0/1
-    share = chosen.sum(1) / (positions * top_k)  # f_e per sequence; a selection count, no gradient
-    balance = experts * (share * probs.mean(1)).sum()
-    z = logits.logsumexp(-1).pow(2).mean(-1).sum()
+    selections = sequence_sum(chosen.sum(1))  # [S, E] of the whole sequences; counts, no gradient
+    length = selections.sum(-1, keepdim=True) / top_k  # [S, 1] tokens of each whole sequence
+    share = selections / (length * top_k)  # f_e per sequence
+    balance = experts * (share * probs.sum(1) / length).sum()
+    z = (logits.logsumexp(-1).pow(2).sum(-1, keepdim=True) / length).sum()
     tokens_per_expert = chosen.sum((0, 1))
 
     tokens = sequences * positions
@@ -188,10 +200,12 @@ class MoEFeedForward(nn.Module):
     ``exchange(experts, tokens, tokens_per_expert)`` runs the experts on tokens grouped by expert: here directly;
     expert parallelism replaces it with an all-to-all to the ranks that hold them. The shared expert is a
     one-expert ``GroupedExperts`` that every token visits, so that tensor parallelism and FP8 treat it as they treat
-    the routed experts; it stays whole on every expert-parallel rank. ``auxiliary_share`` is the part of the
-    auxiliary losses this copy of the block backpropagates (tensor parallelism computes the router on every rank and
-    sums its gradients, so each rank takes 1/tp). The router and the shared expert's gate stay in the model dtype
-    when the decoder's linears take low-precision products (``keeps_model_dtype``): their outputs weigh experts.
+    the routed experts; it stays whole on every expert-parallel rank. ``sequence_sum`` completes the router's
+    per-sequence counts where a rank holds parts of sequences (context parallelism swaps it). ``auxiliary_share`` is
+    the part of the auxiliary losses this copy of the block backpropagates (tensor parallelism computes the router on
+    every rank and sums its gradients, so each rank takes 1/tp). The router and the shared expert's gate stay in the
+    model dtype when the decoder's linears take low-precision products (``keeps_model_dtype``): their outputs weigh
+    experts.
     """
 
     keeps_model_dtype = ("router", "shared_expert_gate")
@@ -207,6 +221,7 @@ class MoEFeedForward(nn.Module):
             self.shared_expert = GroupedExperts(1, config.hidden_size, s.shared_ffn)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.exchange = run_experts
+        self.sequence_sum = SequenceSum()
         self.auxiliary_share = 1.0
         self.record: RouterRecord | None = None
 
@@ -215,7 +230,7 @@ class MoEFeedForward(nn.Module):
         sequences, positions, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         logits = self.router(tokens).float().view(sequences, positions, -1)
-        routing, self.record = route(logits, s.top_k, s.normalize_topk, s.capacity_factor)
+        routing, self.record = route(logits, s.top_k, s.normalize_topk, s.capacity_factor, self.sequence_sum)
 
         # Assignment rows in token order (each token's k copies side by side when nothing is dropped), then the
         # permutation that groups them by expert; the combine applies the inverse permutation and sums per token.
