@@ -10,12 +10,19 @@ sequence's document ids beside the rank's (``key_document_ids``), which the keys
 
 **Attention.** Everything in a decoder layer but attention works token by token, so only attention needs the
 other ranks: ``apply_context_parallel`` swaps every attention core (``nn/attention.py``) for a
-``ContextParallelAttention``, which all-gathers the keys and values of the whole sequence over the cp group in one
-autograd collective (``gather_sequence_chunks``: its backward reduce-scatters their gradients back to the ranks
-that computed them) and puts them in global order. The local queries then attend to them under the layer's mask,
-which the trainer hands the model (``context_parallel_masks``): the attention rule evaluated at the queries' global
-indices against every key's, so sliding windows and document masking need nothing more. The model is never told
-about the exchange: its attention block hands its queries, keys, values and mask to whatever core it holds.
+``ContextParallelAttention``, which all-gathers the keys and values of the whole sequence over the cp group (their
+gradients are reduce-scattered back to the ranks that computed them) and puts them in global order. The local
+queries then attend to them under the layer's mask, which the trainer hands the model (``context_parallel_masks``):
+the attention rule evaluated at the queries' global indices against every key's, so sliding windows and document
+masking need nothing more. The model is never told about the exchange: its attention block hands its queries, keys,
+values and mask to whatever core it holds.
+
+**Overlap.** The exchange goes by groups of kv heads (up to ``MAX_HEAD_GROUPS``), each group's query heads attending
+to its kv heads only (``overlapped_attention``): forward launches every group's all-gather at once and waits for
+each right before its group's attention, so a group's keys travel while the previous group's attention computes;
+backward launches a group's reduce-scatter as soon as its gradients exist and computes the previous group's
+meanwhile. Groups share no keys, so any attention kernel serves as it is (no log-sum-exp merge). With one kv head
+on the rank there is one collective and nothing overlaps. The gain on GPUs is not measured: it needs several GPUs.
 
 **Whole-sequence statistics.** A mixture of experts' router losses are per sequence: the load-balancing loss weighs
 each expert's mean routing probability by its share of the sequence's selections, the z-loss averages over the
@@ -38,6 +45,7 @@ from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask, atte
 from nanotron.nn.sequence_sum import SequenceSum
 
 SEQUENCE_DIM = 2  # of keys and values, [batch, heads, sequence, head_dim]
+MAX_HEAD_GROUPS = 4  # of kv heads whose exchanges overlap the attention of the others
 
 
 def token_indices(rank: int, size: int, sequence_length: int, device: torch.device | None = None) -> torch.Tensor:
@@ -91,24 +99,36 @@ def _to_rank_order(grad: torch.Tensor, size: int) -> torch.Tensor:
     return ranks.flatten(SEQUENCE_DIM + 1, SEQUENCE_DIM + 2).flatten(0, 1)
 
 
+def _start_gather(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Launch the all-gather of every rank's [batch, ...] ``x`` into [size * batch, ...] (rank after rank); the
+    result is valid once the returned work is waited for."""
+    gathered = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return gathered, dist.all_gather_into_tensor(gathered, x.contiguous(), group=group, async_op=True)
+
+
+def _start_reduce_scatter(grad: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """Launch the reduce-scatter of the gradient of a gathered sequence ([batch, ..., sequence, d], global order):
+    each rank's queries contribute to every key's gradient; the sum belongs to the rank holding that key."""
+    size = dist.get_world_size(group)
+    chunks = _to_rank_order(grad, size).contiguous()
+    out = torch.empty((chunks.shape[0] // size, *chunks.shape[1:]), dtype=grad.dtype, device=grad.device)
+    return out, dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True)
+
+
 class _GatherSequenceChunks(torch.autograd.Function):
-    """All-gather of every rank's two chunks into the whole sequence; backward: reduce-scatter of the gradient
-    (each rank's queries contribute to every key's gradient; the sum belongs to the rank holding that key)."""
+    """All-gather of every rank's two chunks into the whole sequence; backward: reduce-scatter of the gradient."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        size = dist.get_world_size(group)
-        gathered = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
-        return _to_global_order(gathered, size)
+        gathered, work = _start_gather(x, group)
+        work.wait()
+        return _to_global_order(gathered, dist.get_world_size(group))
 
     @staticmethod
     def backward(ctx, grad):
-        size = dist.get_world_size(ctx.group)
-        chunks = _to_rank_order(grad, size).contiguous()
-        out = torch.empty((chunks.shape[0] // size, *chunks.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, chunks, group=ctx.group)
+        out, work = _start_reduce_scatter(grad, ctx.group)
+        work.wait()
         return out, None
 
 
@@ -117,10 +137,99 @@ def gather_sequence_chunks(x: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     return _GatherSequenceChunks.apply(x, group)
 
 
+def head_groups(kv_heads: int) -> list[int]:
+    """The numbers of kv heads of the groups whose exchange overlaps the attention of the others: as many groups as
+    kv heads up to ``MAX_HEAD_GROUPS``, sizes as equal as they can be. Only the first group's gather (and the last
+    one's reduce-scatter) is not hidden, a quarter of the exchange at four groups; every further group adds a
+    collective and an attention call of its own, smaller ones."""
+    groups = min(kv_heads, MAX_HEAD_GROUPS)
+    return [kv_heads // groups + (g < kv_heads % groups) for g in range(groups)]
+
+
+class _Exchange:
+    """The collectives of one grouped exchange in flight, shared by its autograd nodes: the gathers launched in
+    forward (each dropped once waited for), the reduce-scatters launched in backward."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.gathers: list[tuple[torch.Tensor, dist.Work] | None] = []
+        self.reduce_scatters: list[dist.Work] = []
+
+
+class _LaunchGathers(torch.autograd.Function):
+    """Forward: launch the all-gather of every group's keys and values (one tensor each) and return the local
+    tensors launched, which link each group's ``_AwaitGather`` to ``k`` and ``v``. Backward: it runs once every
+    group's ``_AwaitGather`` has launched its reduce-scatter; it waits for them and returns the keys' and values'
+    gradients."""
+
+    @staticmethod
+    def forward(ctx, k, v, exchange, kv_sizes):
+        ctx.exchange = exchange
+        launched = [torch.cat([k_g, v_g]) for k_g, v_g in zip(k.split(kv_sizes, dim=1), v.split(kv_sizes, dim=1))]
+        exchange.gathers = [_start_gather(kv_g, exchange.group) for kv_g in launched]
+        return tuple(launched)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for work in ctx.exchange.reduce_scatters:
+            work.wait()
+        grad_k, grad_v = zip(*(grad.chunk(2) for grad in grads))
+        return torch.cat(grad_k, dim=1), torch.cat(grad_v, dim=1), None, None
+
+
+class _AwaitGather(torch.autograd.Function):
+    """Forward: wait for group ``index``'s all-gather and put it in sequence order. Backward: launch the
+    reduce-scatter of its gradient and return the buffer it fills (``_LaunchGathers`` waits before reading it)."""
+
+    @staticmethod
+    def forward(ctx, launched, exchange, index):  # launched: the local tensor gathered, the graph's link to k and v
+        ctx.exchange = exchange
+        gathered, work = exchange.gathers[index]
+        exchange.gathers[index] = None
+        work.wait()
+        return _to_global_order(gathered, dist.get_world_size(exchange.group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, work = _start_reduce_scatter(grad, ctx.exchange.group)
+        ctx.exchange.reduce_scatters.append(work)
+        return out, None, None
+
+
+@torch.compiler.disable
+def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask,
+                         group: dist.ProcessGroup) -> torch.Tensor:
+    """``attend`` of the local queries over the keys and values of every cp rank in ``group``, one group of kv heads
+    (``head_groups``, with the query heads that read them) at a time, so that each collective but the first
+    (forward) and the last (backward) runs while another group's attention computes. Groups share no keys, so their
+    outputs are concatenated, never merged: no kernel has to return its log-sum-exp.
+
+    Forward launches every group's all-gather at once (NCCL runs them one after the other on its stream, gloo in its
+    threads), and waits for each right before its group's attention. Backward needs no code of its own: the
+    autograd engine runs the ready node created last first, so it computes the last group's attention gradients,
+    then (``_AwaitGather``, created right before that attention) launches their reduce-scatter, then goes on with
+    the previous group; ``_LaunchGathers``, created before all of them, waits for the reduce-scatters at the end.
+    With NCCL a wait makes the compute stream wait for that collective only. Everything stays in one autograd graph,
+    so activation recomputation (``nn/recompute.py``) treats the attention like the rest of the layer, where a
+    backward differentiating a per-group graph of its own would recompute the layer once per group (and selective
+    recomputation refuses a second backward of a region). Eager inside a compiled layer (flex attention keeps its own
+    compiled kernel): async collectives do not trace."""
+    kv_sizes = head_groups(k.shape[1])
+    if len(kv_sizes) == 1:  # nothing to overlap
+        k, v = gather_sequence_chunks(torch.cat([k, v]), group).chunk(2)
+        return attend(q, k, v, mask)
+    exchange = _Exchange(group)
+    launched = _LaunchGathers.apply(k, v, exchange, kv_sizes)
+    q_per_kv = q.shape[1] // k.shape[1]
+    outs = [attend(q_g, *_AwaitGather.apply(kv_g, exchange, index).chunk(2), mask)
+            for index, (q_g, kv_g) in enumerate(zip(q.split([n * q_per_kv for n in kv_sizes], dim=1), launched))]
+    return torch.cat(outs, dim=1)
+
+
 class ContextParallelAttention(AttentionCore):
     """An attention core for queries holding this rank's tokens (``token_indices``): the keys and values of the
-    whole sequence are gathered from the cp group (one collective for both), then the queries attend to them where
-    the mask (``context_parallel_masks``) allows."""
+    whole sequence come from the cp group, group of kv heads after group of kv heads (``overlapped_attention``), and
+    the queries attend to them where the mask (``context_parallel_masks``) allows."""
 
     def __init__(self, group: dist.ProcessGroup):
         super().__init__()
@@ -131,8 +240,7 @@ class ContextParallelAttention(AttentionCore):
         if mask is None:
             raise ValueError("a context-parallel rank's queries are parts of the sequence: give the model the masks "
                              "of context_parallel_masks")
-        k, v = gather_sequence_chunks(torch.cat([k, v]), self.group).chunk(2)
-        return attend(q, k, v, mask)
+        return overlapped_attention(q, k, v, mask, self.group)
 
 
 class _SumOverGroup(torch.autograd.Function):
