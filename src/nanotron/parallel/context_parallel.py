@@ -196,7 +196,6 @@ class _AwaitGather(torch.autograd.Function):
         return out, None, None
 
 
-@torch.compiler.disable
 def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask,
                          group: dist.ProcessGroup) -> torch.Tensor:
     """``attend`` of the local queries over the keys and values of every cp rank in ``group``, one group of kv heads
@@ -213,7 +212,7 @@ def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     so activation recomputation (``nn/recompute.py``) treats the attention like the rest of the layer, where a
     backward differentiating a per-group graph of its own would recompute the layer once per group (and selective
     recomputation refuses a second backward of a region). Eager inside a compiled layer (flex attention keeps its own
-    compiled kernel): async collectives do not trace."""
+    compiled kernel): async collectives do not trace; ``ContextParallelAttention`` excludes it from compilation."""
     kv_sizes = head_groups(k.shape[1])
     if len(kv_sizes) == 1:  # nothing to overlap
         k, v = gather_sequence_chunks(torch.cat([k, v]), group).chunk(2)
@@ -234,13 +233,16 @@ class ContextParallelAttention(AttentionCore):
     def __init__(self, group: dist.ProcessGroup):
         super().__init__()
         self.group = group
+        # Excluded from compilation here, not by decorating the function: the decorator imports dynamo (over a
+        # second) in every process that imports this module, context parallelism or not.
+        self.overlapped_attention = torch.compiler.disable(overlapped_attention)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         if mask is None:
             raise ValueError("a context-parallel rank's queries are parts of the sequence: give the model the masks "
                              "of context_parallel_masks")
-        return overlapped_attention(q, k, v, mask, self.group)
+        return self.overlapped_attention(q, k, v, mask, self.group)
 
 
 class _SumOverGroup(torch.autograd.Function):
