@@ -43,7 +43,7 @@ def fake_systems(monkeypatch):
     (their arguments recorded); everything else (arguments, names, ratios, the record, its file) is the script's."""
     calls = {"nanotron": [], "peers": []}
 
-    def run_nanotron(args, preset, overrides, profile=None):
+    def run_nanotron(args, preset, overrides, profile=None, activations=None):
         calls["nanotron"].append((preset, list(overrides)))
         fp8 = _fp8_enabled(overrides)
         speed = 80_000.0 if fp8 else 64_000.0
