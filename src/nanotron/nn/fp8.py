@@ -33,6 +33,19 @@ On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torc
 emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
 dequantised values in fp32, so the CPU tests exercise the numerics of the GPU path. ``torch._scaled_mm`` needs
 every dimension to be a multiple of 16; other products (MoE experts' token counts) are padded with zeros.
+
+MoE experts (``FP8ExpertMatmul``) run their two products, gate|up then down, each as one grouped GEMM over all
+experts (``torch._scaled_grouped_mm``: an sm_90 GPU; the CPU emulates it as above, from the same casts and scales),
+with no loop over experts and no host sync. That op takes e4m3 operands and rowwise scales only, so the experts use
+that recipe on every path, whatever ``fp8.recipe`` and ``fp8.gradient_format`` say for the linears: the forward
+scales each token and each (expert, output row) along the input features; the input gradient each token of the
+output gradient and each (expert, input column) of the weight along the output features; the weight gradient
+``dW_e = g_eᵀ x_e`` sums over expert e's tokens only, so both operands are scaled per (expert, feature) over those
+tokens (``quantize_per_group``): scaled over all tokens, one expert's large values would flush another's to zero.
+Each expert's tokens are padded to a multiple of 16 rows (the weight gradient's reduced dimension must be 16-byte
+aligned), in a buffer whose size depends on the token count only. Where the grouped op does not run (other GPUs,
+widths not a multiple of 16) the experts take a loop of per-expert products (``FP8Matmul``) with the same recipe.
+Under the ``delayed`` recipe too the experts scale from the current amax: they keep no history.
 """
 
 from __future__ import annotations
@@ -404,9 +417,11 @@ GROUPED_ALIGNMENT = 16  # torch._scaled_grouped_mm: every feature dimension, and
 EXPERTS_RECIPE = FP8Recipe(E4M3, rowwise=True)  # the only scaling and format torch._scaled_grouped_mm takes
 
 
-def _has_scaled_grouped_mm(device: torch.device) -> bool:
-    return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(device) == (9, 0))
+def _runs_scaled_grouped_mm(device: torch.device) -> bool:
+    """Where ``torch._scaled_grouped_mm`` runs: an sm_90 GPU, and meta tensors (its shape and layout checks)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    return device.type == "meta" or (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def group_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
@@ -449,7 +464,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     The op runs on an sm_90 GPU, and on meta tensors (its shape, layout and dtype checks, which CPU tests use to
     check the calls made on the GPU). Elsewhere an emulation takes the same FP8 values and scales, dequantises them
     and multiplies each group in fp32, as ``fp8_mm``'s emulation does."""
-    if a.device.type == "meta" or _has_scaled_grouped_mm(a.device):
+    if _runs_scaled_grouped_mm(a.device):
         return torch._scaled_grouped_mm(a, b, a_scale.reciprocal(), b_scale.reciprocal(), offs=offsets,
                                         out_dtype=torch.bfloat16, use_fast_accum=fast_accumulation).to(out_dtype)
     groups = offsets.shape[0]
@@ -527,8 +542,7 @@ class FP8ExpertMatmul(FP8Matmul):
         """Whether ``grouped`` runs for ``x`` and these [experts, out, in] weights: on a GPU with
         ``torch._scaled_grouped_mm`` (sm_90), on the CPU (its emulation) and on the meta device (its checks), with
         every feature dimension a multiple of ``GROUPED_ALIGNMENT`` (the op's demand; the loop pads the others)."""
-        device = x.device
-        return ((device.type in ("cpu", "meta") or _has_scaled_grouped_mm(device))
+        return ((x.device.type == "cpu" or _runs_scaled_grouped_mm(x.device))
                 and all(d % GROUPED_ALIGNMENT == 0 for w in weights for d in w.shape[1:]))
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -542,11 +556,11 @@ def fp8_converter(args):
 
     Every module with a swappable ``matmul`` inside ``layers`` is converted except those their parent module lists
     in ``keeps_model_dtype`` (MoE routers: their logits choose experts) and the names matching
-    ``fp8.exclude_modules``; so are MoE experts (their ``expert_matmul``: per-expert FP8 products, each expert's
-    weights and tokens scaled on their own, from the current amax even with the delayed recipe). The embedding
-    and the LM head are outside the decoder layers and stay in the model dtype. A tensor-parallel linear scales each
-    operand as the whole tensor is scaled (``SplitFeatures``); MoE experts split over tensor-parallel ranks still
-    scale each rank's slices on their own.
+    ``fp8.exclude_modules``; so are MoE experts (their ``expert_matmul``: ``FP8ExpertMatmul``, grouped products with
+    rowwise scales from the current amax whatever the recipe, see the module's docstring). The embedding and the LM
+    head are outside the decoder layers and stay in the model dtype. A tensor-parallel linear scales each operand as
+    the whole tensor is scaled (``SplitFeatures``); MoE experts split over tensor-parallel ranks still scale each
+    rank's slices on their own.
     """
     import re
 
