@@ -214,12 +214,14 @@ def _train_counting_grouped_products(config: dict) -> dict:
 @pytest.mark.slow
 def test_a_tiny_mixture_trains_with_grouped_fp8_experts_next_to_its_twin(tiny_data, tmp_path):
     """The tiny LlaMoE with ``fp8.recipe: rowwise``: its experts run the grouped products (two MoE layers, six
-    grouped products each per micro-batch), it learns, and its loss stays within 2% of the non-FP8 twin's."""
-    def config(name: str, enabled: bool) -> dict:
-        return moe_config(tiny_data, tmp_path / name) | {"fp8": {"enabled": enabled, "recipe": "rowwise"}}
+    grouped products each per micro-batch), it learns, and its loss stays within 2% of the non-FP8 twin's; with its
+    experts split over tp=2 (each rank's slice of the feed-forward width) it runs them too and follows tp=1."""
+    def config(name: str, enabled: bool, tp: int = 1) -> dict:
+        return moe_config(tiny_data, tmp_path / name, tp=tp) | {"fp8": {"enabled": enabled, "recipe": "rowwise"}}
 
     plain, low = (run_distributed(_train_counting_grouped_products, 1, config=config(name, enabled))[0]
                   for name, enabled in (("plain", False), ("fp8", True)))
+    tp2 = run_distributed(_train_counting_grouped_products, 2, config=config("tp2", True, tp=2))
     micro_batches = len(low["records"]) * config("fp8", True)["tokens"]["batch_accumulation_per_replica"]
     assert plain["grouped_products"] == 0 and low["experts"] == 2
     assert low["grouped_products"] == 2 * 6 * micro_batches
@@ -227,6 +229,9 @@ def test_a_tiny_mixture_trains_with_grouped_fp8_experts_next_to_its_twin(tiny_da
     assert last < first - 0.5 and low["records"][-1]["lm_loss"] < low["records"][0]["lm_loss"] - 0.5
     assert low["records"][-1]["lm_loss"] != last
     assert abs(low["records"][-1]["lm_loss"] - last) <= 0.02 * last
+    assert [rank["grouped_products"] for rank in tp2] == [low["grouped_products"]] * 2
+    for a, b in zip(low["records"], tp2[0]["records"], strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=5e-3), a["step"]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
