@@ -33,6 +33,19 @@ On a GPU with FP8 tensor cores (compute capability 8.9+) the products are ``torc
 emulation quantises exactly the same way (the same scales, the same casts to the float8 dtypes) and multiplies the
 dequantised values in fp32, so the CPU tests exercise the numerics of the GPU path. ``torch._scaled_mm`` needs
 every dimension to be a multiple of 16; other products (MoE experts' token counts) are padded with zeros.
+
+MoE experts (``FP8ExpertMatmul``) run their two products, gate|up then down, each as one grouped GEMM over all
+experts (``torch._scaled_grouped_mm``: an sm_90 GPU; the CPU emulates it as above, from the same casts and scales),
+with no loop over experts and no host sync. That op takes e4m3 operands and rowwise scales only, so the experts use
+that recipe on every path, whatever ``fp8.recipe`` and ``fp8.gradient_format`` say for the linears: the forward
+scales each token and each (expert, output row) along the input features; the input gradient each token of the
+output gradient and each (expert, input column) of the weight along the output features; the weight gradient
+``dW_e = g_eᵀ x_e`` sums over expert e's tokens only, so both operands are scaled per (expert, feature) over those
+tokens (``quantize_per_group``): scaled over all tokens, one expert's large values would flush another's to zero.
+Each expert's tokens are padded to a multiple of 16 rows (the weight gradient's reduced dimension must be 16-byte
+aligned), in a buffer whose size depends on the token count only. Where the grouped op does not run (other GPUs,
+widths not a multiple of 16) the experts take a loop of per-expert products (``FP8Matmul``) with the same recipe.
+Under the ``delayed`` recipe too the experts scale from the current amax: they keep no history.
 """
 
 from __future__ import annotations
@@ -178,6 +191,11 @@ class FP8RangeCounts(nn.Module):
         self.counts[row] += torch.stack([saturated, flushed, saturated.new_tensor(x.numel())])
 
 
+def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The factor that scales values up to ``amax`` onto the float8 ``dtype``'s range."""
+    return torch.finfo(dtype).max / amax.clamp(min=1e-12)
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, amax: torch.Tensor | None = None,
              ranges: FP8RangeCounts | None = None, operand: int = INPUT) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` cast to the float8 ``dtype`` after scaling by ``fp8_max / amax`` (over the whole tensor, or along
@@ -187,7 +205,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, dim: int | None = None, amax: 
     if amax is None:
         amax = tensor_amax(x32) if dim is None else x32.abs().amax(dim=dim, keepdim=True)
     finfo = torch.finfo(dtype)
-    scale = finfo.max / amax.clamp(min=1e-12)
+    scale = fp8_scale(amax, dtype)
     scaled = x32 * scale
     if ranges is not None:
         ranges.record(operand, x32, scaled, dtype)
@@ -393,22 +411,161 @@ class FP8Matmul:
         return _FP8Linear.apply(x, weight, bias, self.recipe, self.amaxes, self.ranges, self.split)
 
 
+# --- MoE experts: the two products of all experts as grouped GEMMs ------------------------------------------------
+
+GROUPED_ALIGNMENT = 16  # torch._scaled_grouped_mm: every feature dimension, and every group's rows, a multiple of it
+EXPERTS_RECIPE = FP8Recipe(E4M3, rowwise=True)  # the only scaling and format torch._scaled_grouped_mm takes
+
+
+def _runs_scaled_grouped_mm(device: torch.device) -> bool:
+    """Where ``torch._scaled_grouped_mm`` runs: an sm_90 GPU, and meta tensors (its shape and layout checks)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return False
+    return device.type == "meta" or (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def group_of_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each of ``rows`` rows, for the int32 cumulative group ends ``offsets`` (on the device)."""
+    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
+
+
+@torch.library.custom_op("nanotron::fp8_grouped_mm_emulation", mutates_args=())
+def _emulated_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_grouped_mm``'s products on dequantised fp32 operands, one group at a time in fp32, returned in
+    bf16 as the op returns them: rows of ``a`` grouped against ``b`` [groups, K, N], or the reduced dimension grouped
+    (``a`` [M, T], ``b`` [T, N]) giving [groups, M, N]. An opaque op, so that the compiler traces neither its loop nor
+    its read of the offsets, and keeps the bf16 rounding (fused, a cast to bf16 and back is not rounded)."""
+    ends = offsets.tolist()
+    spans = list(zip([0, *ends[:-1]], ends))
+    if b.dim() == 3:
+        out = torch.cat([a[start:end] @ b[group] for group, (start, end) in enumerate(spans)])
+    else:
+        out = torch.stack([a[:, start:end] @ b[start:end] for start, end in spans])
+    return out.to(torch.bfloat16)
+
+
+@_emulated_grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1], dtype=torch.bfloat16)
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[-1], dtype=torch.bfloat16)
+
+
+def fp8_grouped_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                   offsets: torch.Tensor, out_dtype: torch.dtype, fast_accumulation: bool = False) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` with ``fp8_mm``'s conventions (scales multiply to quantise; the product is bf16,
+    then cast to ``out_dtype``), for e4m3 operands in its layouts: ``a`` row-major, ``b`` column-major, ``offsets``
+    the int32 cumulative ends of the groups, the last one covering every row. Two forms:
+
+    - ``a`` [M, K] with its rows grouped, ``b`` [groups, K, N]; scales [M] and [groups, N]; gives [M, N];
+    - ``a`` [M, T] and ``b`` [T, N] with T grouped; scales [groups * M] and [groups * N] (group-major), one per
+      (group, row of ``a``) and (group, column of ``b``); gives [groups, M, N].
+
+    The op runs on an sm_90 GPU, and on meta tensors (its shape, layout and dtype checks, which CPU tests use to
+    check the calls made on the GPU). Elsewhere an emulation takes the same FP8 values and scales, dequantises them
+    and multiplies each group in fp32, as ``fp8_mm``'s emulation does."""
+    if _runs_scaled_grouped_mm(a.device):
+        return torch._scaled_grouped_mm(a, b, a_scale.reciprocal(), b_scale.reciprocal(), offs=offsets,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast_accumulation).to(out_dtype)
+    groups = offsets.shape[0]
+    if b.dim() == 3:
+        a32, b32 = a.float() / a_scale[:, None], b.float() / b_scale[:, None, :]
+    else:
+        group = group_of_rows(offsets, a.shape[1])
+        a32 = a.float() / a_scale.view(groups, -1)[group].t()
+        b32 = b.float() / b_scale.view(groups, -1)[group]
+    return _emulated_grouped_mm(a32, b32, offsets).to(out_dtype)
+
+
+def quantize_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
+                       ranges: FP8RangeCounts | None = None, operand: int = INPUT
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, features] cast to ``dtype`` with one scale per (group, feature) from the amax over that group's
+    rows only: the scaling of a product that sums over each group's rows (an expert's weight gradient sums over its
+    tokens). Scaled over all rows, one expert's large values would push every other expert's towards FP8's
+    subnormals and zero. Groups are whole blocks of ``GROUPED_ALIGNMENT`` rows: the amax is taken per block, then per
+    group by one scatter, with no host sync. Returns the FP8 tensor and the scales [groups, features]."""
+    rows, features = x.shape
+    blocks = x.float().view(rows // GROUPED_ALIGNMENT, GROUPED_ALIGNMENT, features)
+    block_group = group_of_rows(offsets, rows)[::GROUPED_ALIGNMENT]
+    amax = blocks.new_zeros(offsets.shape[0], features).scatter_reduce(
+        0, block_group[:, None].expand(-1, features), blocks.abs().amax(1), "amax")
+    xq, _ = quantize(blocks, dtype, amax=amax[block_group][:, None], ranges=ranges, operand=operand)
+    return xq.view(rows, features), fp8_scale(amax, dtype)
+
+
+class _FP8GroupedLinear(torch.autograd.Function):
+    """``y_g = x_g W_gᵀ`` for every group g of ``x``'s rows (an expert's tokens) at once, ``weight`` [groups, out,
+    in], as three grouped FP8 products with rowwise scales along each product's reduced dimension: the forward's x
+    per token and W per (expert, output row); the input gradient's g per token and W per (expert, input column); the
+    weight gradient's g and x per (expert, feature) over the expert's own tokens (``quantize_per_group``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ranges: FP8RangeCounts | None):
+        ctx.ranges = ranges
+        ctx.save_for_backward(x, weight, offsets)
+        xq, x_scale = quantize(x, E4M3, -1, ranges=ranges, operand=INPUT)
+        wq, w_scale = quantize(weight, E4M3, -1, ranges=ranges, operand=WEIGHT)
+        return fp8_grouped_mm(xq, x_scale.squeeze(-1), wq.transpose(-2, -1), w_scale.squeeze(-1), offsets, x.dtype,
+                              fast_accumulation=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, offsets = ctx.saved_tensors
+        ranges = ctx.ranges
+        # dx_g = g_g W_g: reduce over the output features.
+        g_rows, g_row_scale = quantize(grad, E4M3, -1, ranges=ranges, operand=GRADIENT)
+        w_cols, w_col_scale = quantize(weight.transpose(-2, -1), E4M3, -1, ranges=ranges, operand=WEIGHT)
+        grad_input = fp8_grouped_mm(g_rows, g_row_scale.squeeze(-1), w_cols.contiguous().transpose(-2, -1),
+                                    w_col_scale.squeeze(-1), offsets, grad.dtype)
+        # dW_g = g_gᵀ x_g: reduce over the group's tokens.
+        g_cols, g_col_scale = quantize_per_group(grad, offsets, E4M3, ranges, GRADIENT)
+        x_cols, x_col_scale = quantize_per_group(x, offsets, E4M3, ranges, INPUT)
+        grad_weight = fp8_grouped_mm(g_cols.t().contiguous(), g_col_scale.flatten(), x_cols.t().contiguous().t(),
+                                     x_col_scale.flatten(), offsets, grad.dtype)
+        return grad_input, grad_weight, None, None
+
+
+class FP8ExpertMatmul(FP8Matmul):
+    """MoE experts' ``expert_matmul``: rowwise scales and e4m3 gradients, whatever ``fp8.recipe`` and
+    ``fp8.gradient_format`` say for the linears, because ``torch._scaled_grouped_mm`` takes only those; every path
+    of the experts then rounds alike. ``grouped`` runs one product for all experts (``_FP8GroupedLinear``) where
+    ``groups`` says so; elsewhere the experts' loop calls it per expert (``FP8Matmul``: ``torch._scaled_mm``)."""
+
+    token_alignment = GROUPED_ALIGNMENT
+
+    def __init__(self, ranges: FP8RangeCounts | None = None):
+        super().__init__(EXPERTS_RECIPE, ranges=ranges)
+
+    @staticmethod
+    def groups(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """Whether ``grouped`` runs for ``x`` and these [experts, out, in] weights: on a GPU with
+        ``torch._scaled_grouped_mm`` (sm_90), on the CPU (its emulation) and on the meta device (its checks), with
+        every feature dimension a multiple of ``GROUPED_ALIGNMENT`` (the op's demand; the loop pads the others)."""
+        return ((x.device.type == "cpu" or _runs_scaled_grouped_mm(x.device))
+                and all(d % GROUPED_ALIGNMENT == 0 for w in weights for d in w.shape[1:]))
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``x`` [rows, in] grouped by ``offsets`` (int32 cumulative ends, each group a multiple of
+        ``GROUPED_ALIGNMENT`` rows, the last ending at the last row) times each group's ``weight`` [out, in]ᵀ."""
+        return _FP8GroupedLinear.apply(x, weight, offsets, self.ranges)
+
+
 def fp8_converter(args):
     """A module converter (``build_model(converters=...)``) giving the decoder layers' linears FP8 matmuls.
 
     Every module with a swappable ``matmul`` inside ``layers`` is converted except those their parent module lists
     in ``keeps_model_dtype`` (MoE routers: their logits choose experts) and the names matching
-    ``fp8.exclude_modules``; so are MoE experts (their ``expert_matmul``: per-expert FP8 products, each expert's
-    weights and tokens scaled on their own, from the current amax even with the delayed recipe). The embedding
-    and the LM head are outside the decoder layers and stay in the model dtype. A tensor-parallel linear scales each
-    operand as the whole tensor is scaled (``SplitFeatures``); MoE experts split over tensor-parallel ranks still
-    scale each rank's slices on their own.
+    ``fp8.exclude_modules``; so are MoE experts (their ``expert_matmul``: ``FP8ExpertMatmul``, grouped products with
+    rowwise scales from the current amax whatever the recipe, see the module's docstring). The embedding and the LM
+    head are outside the decoder layers and stay in the model dtype. A tensor-parallel linear scales each operand as
+    the whole tensor is scaled (``SplitFeatures``); MoE experts split over tensor-parallel ranks still scale each
+    rank's slices on their own.
     """
     import re
 
     recipe = FP8Recipe(FORMATS[args.gradient_format], args.recipe == "rowwise", args.recipe == "delayed")
     excluded = [re.compile(pattern) for pattern in args.exclude_modules]
-    experts_recipe = FP8Recipe(recipe.gradient_dtype, recipe.rowwise)
 
     def range_counts(module: nn.Module) -> FP8RangeCounts | None:
         if not args.log_out_of_range:
@@ -424,7 +581,7 @@ def fp8_converter(args):
             if not name.startswith("layers.") or name in kept or any(pattern.search(name) for pattern in excluded):
                 continue
             if hasattr(module, "expert_matmul"):
-                module.expert_matmul = FP8Matmul(experts_recipe, ranges=range_counts(module))
+                module.expert_matmul = FP8ExpertMatmul(range_counts(module))
             elif hasattr(module, "matmul"):
                 if recipe.delayed:  # a child module: its history is model state, saved and loaded by name
                     module.fp8_amaxes = AmaxHistory(args.amax_history_length)

@@ -137,7 +137,10 @@ class GroupedExperts(nn.Module):
     the expert offsets, with no host sync; elsewhere a loop over experts is the reference. ``grouped_mm`` forces
     one or the other (tests compare them). ``expert_matmul``, set per instance by a module converter (FP8), is a
     ``F.linear``-like product that the loop then uses for each expert's two matmuls; if it has a ``token_alignment``,
-    each expert's tokens are padded with zero rows to a multiple of it.
+    each expert's tokens are padded with zero rows to a multiple of it. If it also has grouped products
+    (``grouped(x, weight, offsets)``, where its ``groups(x, *weights)`` says they run: FP8's
+    ``torch._scaled_grouped_mm``), the experts run as two of them over aligned groups, with no loop and no host
+    sync (``_grouped_layout``); ``grouped_mm = False`` forces the loop there too.
     """
 
     grouped_mm: bool | None = None  # None: grouped GEMMs where they are supported
@@ -161,6 +164,11 @@ class GroupedExperts(nn.Module):
             hidden = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(swiglu(hidden), self.down_proj.transpose(-2, -1), offs=offsets)
         matmul = self.expert_matmul or F.linear
+        if (self.grouped_mm is not False and hasattr(matmul, "grouped")
+                and matmul.groups(x, self.gate_up_proj, self.down_proj)):
+            x, rows, offsets = _grouped_layout(x, tokens_per_expert, matmul.token_alignment)
+            hidden = swiglu(matmul.grouped(x, self.gate_up_proj, offsets))
+            return matmul.grouped(hidden, self.down_proj, offsets).index_select(0, rows)
         alignment = getattr(matmul, "token_alignment", 1)
         if alignment > 1:
             x, rows, counts = _aligned_groups(x, tokens_per_expert, alignment)
@@ -185,13 +193,32 @@ def _aligned_groups(x: torch.Tensor, tokens_per_expert: torch.Tensor, alignment:
     of aligned and unaligned experts, past the recompile limit. Counts that are multiples by construction pass
     that test every time. The compiler also specialises a count of zero (and the product tests for an empty
     input), so no count is zero either."""
+    rows, padded = _aligned_rows(tokens_per_expert, alignment, x.shape[0])
+    counts = padded.tolist()
+    return x.new_zeros(sum(counts), x.shape[1]).index_copy(0, rows, x), rows, counts
+
+
+def _grouped_layout(x: torch.Tensor, tokens_per_expert: torch.Tensor, alignment: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_aligned_groups`` for grouped products, without a host sync: the padded tokens, the row of every token among
+    them, and the groups' int32 cumulative ends. The padded total depends on the counts, so the tensor takes the
+    most it can need, ``x``'s rows rounded up plus ``alignment`` per expert (a shape known from ``x``'s alone), and
+    the last expert's group runs to its end: every row belongs to a group and the rows past the tokens are zeros,
+    which add nothing to the products, the amaxes or the gradients."""
+    rows, padded = _aligned_rows(tokens_per_expert, alignment, x.shape[0])
+    capacity = -(-x.shape[0] // alignment) * alignment + alignment * tokens_per_expert.shape[0]
+    ends = torch.cat([padded.cumsum(0)[:-1], padded.new_full((1,), capacity)]).to(torch.int32)
+    return x.new_zeros(capacity, x.shape[1]).index_copy(0, rows, x), rows, ends
+
+
+def _aligned_rows(tokens_per_expert: torch.Tensor, alignment: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row of each of the ``tokens`` tokens once every expert's group is padded to a multiple of ``alignment``
+    (at least one), and the padded counts."""
     padded = ((tokens_per_expert + alignment - 1) // alignment * alignment).clamp(min=alignment)
     ends = tokens_per_expert.cumsum(0)
     shift = (padded.cumsum(0) - padded) - (ends - tokens_per_expert)  # each group's start, padded minus unpadded
-    token = torch.arange(x.shape[0], device=x.device)
-    rows = token + shift[torch.searchsorted(ends, token, right=True)]
-    counts = padded.tolist()
-    return x.new_zeros(sum(counts), x.shape[1]).index_copy(0, rows, x), rows, counts
+    token = torch.arange(tokens, device=tokens_per_expert.device)
+    return token + shift[torch.searchsorted(ends, token, right=True)], padded
 
 
 class MoEFeedForward(nn.Module):
