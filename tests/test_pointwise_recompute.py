@@ -6,6 +6,7 @@ config, the memory planner and the hardware FLOPs."""
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import gc
 import weakref
@@ -19,10 +20,12 @@ from torch.utils.checkpoint import checkpoint
 
 from distributed import run_distributed_each
 from helpers import ROOT
-from nanotron.config import ConfigError, config_from_dict, load_config
+from nanotron.config import ConfigError, LlaMoEConfig, config_from_dict, load_config
 from nanotron.memory import estimate_memory
 from nanotron.models.build import padded_vocab_size
 from nanotron.models.llama.costs import llama_costs, llama_layer_activations
+from nanotron.models.moe.costs import moe_layer_activations
+from nanotron.models.moe.model import LlaMoEForCausalLM
 from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import MATMUL_OPS, keep_matmul_and_attention_context, recompute_in_backward
 from test_recompute import _train, recompute_config
@@ -44,7 +47,7 @@ ONE_LAYER = dataclasses.replace(SMALL, num_hidden_layers=1)
 LINEARS_PER_LAYER = 4  # q|k|v, o_proj, gate|up, down_proj
 
 
-class ForwardOutputs(TorchDispatchMode):
+class OpOutputs(TorchDispatchMode):
     """Holds a weak reference to every tensor the ops it sees return, and counts the matmuls among them."""
 
     def __init__(self) -> None:
@@ -94,7 +97,7 @@ def eager_layer_keeps(layer, hidden, rotary, not_activations: set[int]) -> tuple
         saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), ForwardOutputs() as forward:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), OpOutputs() as forward:
         out = layer(hidden, rotary)
     gc.collect()
     for tensor in (ref() for ref in forward.outputs):
@@ -102,7 +105,7 @@ def eager_layer_keeps(layer, hidden, rotary, not_activations: set[int]) -> tuple
             saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     for storage in not_activations | {out.untyped_storage().data_ptr()}:
         saved.pop(storage, None)
-    with ForwardOutputs() as backward:
+    with OpOutputs() as backward:
         out.sum().backward()
     return sum(saved.values()), forward.matmuls, backward.matmuls
 
@@ -129,6 +132,24 @@ def test_eager_pointwise_recompute_keeps_input_matmul_and_attention_outputs_and_
     # The backward's own products only (two per linear), as without recomputation; full recomputation reruns the
     # forward's.
     assert backward_matmuls == measured[None][2] == 2 * LINEARS_PER_LAYER < measured["full"][2]
+
+
+def test_eager_pointwise_moe_layer_keeps_what_the_planner_counts():
+    """A mixture-of-experts layer keeps the router's logits and every expert's products, whatever the routing."""
+    config = LlaMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4,
+                          num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = LlaMoEForCausalLM(config, config.vocab_size)
+    hidden, rotary, not_activations = layer_inputs(model)
+    plain, _, _ = eager_layer_keeps(copy.deepcopy(model).layers["0"], hidden, rotary, not_activations)
+    layer = recompute_in_backward(copy.deepcopy(model).layers["0"], "pointwise")
+    kept, _, _ = eager_layer_keeps(layer, hidden, rotary, not_activations)
+    shape = ActivationShape(tokens=BATCH * SEQ, sequence_length=SEQ, tp=1, value_bytes=4, residual_share=1.0,
+                            linear_input_share=1.0, compiled=False, recomputed=True, granularity="pointwise")
+    counted, _ = moe_layer_activations(config, 0, shape)
+    assert 0 <= kept - counted < 64  # the block's record of the step's routing (a few scalars) is not an activation
+    assert kept < plain
 
 
 PROBE_RUNS = collections.Counter()
@@ -192,16 +213,28 @@ def test_compiled_pointwise_recompute_matches_and_keeps_what_the_planner_counts(
     assert collections.Counter(event.name for event in prof.events())["aten::mm"] == 2 * LINEARS_PER_LAYER
 
 
-def test_pointwise_training_matches_and_adds_no_hardware_flops(tiny_data, tmp_path):
-    plain = recompute_config(tiny_data, tmp_path / "plain", False)
-    pointwise = recompute_config(tiny_data, tmp_path / "pointwise", True, recompute_granularity="pointwise")
-    (reference,), (got,) = run_distributed_each(_train, 1, [{"config": plain}, {"config": pointwise}])
+@pytest.fixture(scope="module")
+def single_process_runs(tiny_data, tmp_path_factory) -> dict[str, dict]:
+    """Training without recomputation and with pointwise recomputation, on one process."""
+    root = tmp_path_factory.mktemp("pointwise")
+    configs = {"plain": recompute_config(tiny_data, root / "plain", False),
+               "pointwise": recompute_config(tiny_data, root / "pointwise", True, recompute_granularity="pointwise")}
+    results = run_distributed_each(_train, 1, [{"config": config} for config in configs.values()])
+    return {name: {"config": config, **result} for (name, config), (result,) in zip(configs.items(), results)}
+
+
+def assert_same_training(reference: list[dict], metrics: list[dict], **tolerance: float) -> None:
+    for expected, got in zip(reference, metrics, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], **tolerance), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], **tolerance), got["step"]
+
+
+def test_pointwise_training_matches_and_adds_no_hardware_flops(single_process_runs):
+    reference, got = single_process_runs["plain"], single_process_runs["pointwise"]
     metrics = reference["metrics"]
     assert metrics[-1]["lm_loss"] < metrics[0]["lm_loss"] - 0.3 and all(m["grad_norm"] > 0 for m in metrics)
-    for expected, step in zip(metrics, got["metrics"], strict=True):
-        assert step["lm_loss"] == pytest.approx(expected["lm_loss"], rel=0, abs=1e-6), step["step"]
-        assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0, abs=1e-6), step["step"]
-    config = config_from_dict(pointwise)
+    assert_same_training(metrics, got["metrics"], rel=0, abs=1e-6)
+    config = config_from_dict(got["config"])
     model = config.model.model_config
     vocab = padded_vocab_size(model.vocab_size, config.model.make_vocab_size_divisible_by, 1)
     costs = llama_costs(model, vocab, config.tokens.sequence_length)
@@ -210,31 +243,23 @@ def test_pointwise_training_matches_and_adds_no_hardware_flops(tiny_data, tmp_pa
     assert costs.masked_flops_per_token(1000, 1e9, True, "pointwise") == costs.masked_flops_per_token(1000, 1e9)
 
 
-def test_pointwise_recompute_with_tensor_parallelism_all_reduce(tiny_data, tmp_path):
+def test_pointwise_recompute_with_tensor_parallelism_all_reduce(single_process_runs, tiny_data, tmp_path):
     """The row-parallel linears' outputs are kept and all-reduced in the forward: summed in place, the recomputed
     forward would have summed them again."""
-    plain = recompute_config(tiny_data, tmp_path / "plain", False)
-    pointwise = recompute_config(tiny_data, tmp_path / "pointwise", True, tp=2, tp_mode="ALL_REDUCE",
-                                 recompute_granularity="pointwise")
-    ((reference,),) = run_distributed_each(_train, 1, [{"config": plain}])
-    (runs,) = run_distributed_each(_train, 2, [{"config": pointwise}])
+    config = recompute_config(tiny_data, tmp_path, True, tp=2, tp_mode="ALL_REDUCE", recompute_granularity="pointwise")
+    (runs,) = run_distributed_each(_train, 2, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
-    for expected, got in zip(reference["metrics"], metrics, strict=True):
-        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
-        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
+    assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
 
 
 @pytest.mark.slow
-def test_pointwise_recompute_with_sequence_and_pipeline_parallelism(tiny_data, tmp_path):
-    plain = recompute_config(tiny_data, tmp_path / "plain", False)
-    pointwise = recompute_config(tiny_data, tmp_path / "pointwise", True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
-                                 tp_linear_async_communication=True, recompute_granularity="pointwise")
-    ((reference,),) = run_distributed_each(_train, 1, [{"config": plain}])
-    (runs,) = run_distributed_each(_train, 4, [{"config": pointwise}])
+def test_pointwise_recompute_with_sequence_and_pipeline_parallelism(single_process_runs, tiny_data, tmp_path):
+    """The sequence-parallel collectives, the overlapped column-parallel backward and 1F1B's late backwards."""
+    config = recompute_config(tiny_data, tmp_path, True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
+                              tp_linear_async_communication=True, recompute_granularity="pointwise")
+    (runs,) = run_distributed_each(_train, 4, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
-    for expected, got in zip(reference["metrics"], metrics, strict=True):
-        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
-        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
+    assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
 
 
 def test_pointwise_key_is_checked_and_needs_recompute_layer():
@@ -251,7 +276,8 @@ def test_pointwise_key_is_checked_and_needs_recompute_layer():
 def test_memory_planner_counts_what_a_pointwise_layer_keeps(compiled):
     overrides = ["model.loss_chunk_tokens=0", f"model.compile={compiled}"]
     plain = load_config(TINY, overrides)
-    selective = load_config(TINY, overrides + POINTWISE[:1] + ["parallelism.recompute_granularity=selective"])
+    selective = load_config(TINY, overrides + ["parallelism.recompute_layer=true",
+                                               "parallelism.recompute_granularity=selective"])
     pointwise = load_config(TINY, overrides + POINTWISE)
     c, t = pointwise.model.model_config, pointwise.tokens
     tokens, d = t.micro_batch_size * t.sequence_length, 4  # fp32

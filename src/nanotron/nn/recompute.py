@@ -32,7 +32,9 @@ ATTENTION_OPS = frozenset(
 )
 
 # The matrix products linear layers and experts dispatch to (those this torch has): nearly all of a layer's FLOPs
-# besides attention's.
+# besides attention's. (SDPA's math path runs bmm too: pointwise keeps its quadratic scores, where no recomputation
+# keeps the probabilities.) A kept output must not be modified in place afterwards, or the recomputed forward would
+# modify the kept tensor again: tensor parallelism's forward all-reduce sums a row-parallel product into a copy.
 MATMUL_OPS = frozenset(
     getattr(aten, name).default
     for name in ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm") if hasattr(aten, name)
