@@ -133,7 +133,7 @@ def test_compiled_selective_recompute_matches_and_keeps_only_input_and_attention
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         layer(hidden, rotary).sum().backward()  # plain causal attention, as in the model's forward
     shape = ActivationShape(tokens=BATCH * SEQ, sequence_length=SEQ, tp=1, value_bytes=4, residual_share=1.0,
-                            linear_input_share=1.0, compiled=False, recomputed=True, selective=True)
+                            linear_input_share=1.0, compiled=False, recomputed=True, granularity="selective")
     kept, _ = llama_layer_activations(config, 0, shape)
     q_width = config.num_attention_heads * config.head_dim
     assert sum(saved.values()) == kept == BATCH * SEQ * 4 * (config.hidden_size + q_width + config.num_attention_heads)
@@ -163,7 +163,8 @@ def test_recompute_granularity_key_defaults_to_full_and_is_checked():
     assert load_config(TINY).parallelism.recompute_granularity == "full"
     assert load_config(TINY, ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=SELECTIVE"]
                        ).parallelism.recompute_granularity == "selective"
-    with pytest.raises(ConfigError, match=r"recompute_granularity must be one of full, selective \(got 'attention'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"recompute_granularity must be one of full, selective, pointwise \(got 'attention'\)"):
         load_config(TINY, ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=attention"])
     with pytest.raises(ConfigError, match=r"parallelism.recompute_granularity: selective takes effect only with "
                                           r"parallelism.recompute_layer: true; set recompute_layer to true"):
@@ -186,7 +187,7 @@ def test_memory_planner_counts_the_attention_outputs_selective_recompute_keeps(c
     shape = dict(tokens=tokens, sequence_length=t.sequence_length, tp=1, value_bytes=d, residual_share=1.0,
                  linear_input_share=1.0, compiled=compiled, recomputed=True)
     full_kept, full_rebuilt = llama_layer_activations(c, 0, ActivationShape(**shape))
-    kept, rebuilt = llama_layer_activations(c, 0, ActivationShape(**shape, selective=True))
+    kept, rebuilt = llama_layer_activations(c, 0, ActivationShape(**shape, granularity="selective"))
     assert (kept, rebuilt) == (full_kept + attention_outputs, full_rebuilt - attention_outputs)
     (full_stage,), (selective_stage,) = (estimate_memory(cfg, gpu_memory_gb=80).stages for cfg in (full, selective))
     assert selective_stage.activations > full_stage.activations

@@ -26,8 +26,9 @@ How each part is computed, and why:
   What a decoder layer saves cannot be read from its parameters: each family models it
   (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
   layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input (and, with
-  ``recompute_granularity: selective``, its attention output and log-sum-exp), and the backward rebuilds one layer
-  at a time. The last stage adds the final norm, which is never compiled.
+  ``recompute_granularity: selective``, its attention output and log-sum-exp; with ``pointwise``, those and its
+  matmuls' outputs), and the backward rebuilds one layer at a time. The last stage adds the final norm, which is
+  never compiled.
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
   (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
@@ -191,7 +192,8 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
                    f"{t.sequence_length} tokens, {t.batch_accumulation_per_replica} per step, {config.model.dtype}"
                    + (", compiled" if config.model.compile else ", eager")
                    + (", recomputed layers" if p.recompute_layer else "")
-                   + (" (selective)" if p.recompute_layer and p.recompute_granularity == "selective" else ""))
+                   + (f" ({p.recompute_granularity})" if p.recompute_layer and p.recompute_granularity != "full"
+                      else ""))
     return MemoryEstimate(description, stages_at(t.micro_batch_size), gpu_memory_gb, t.micro_batch_size, largest)
 
 
@@ -282,7 +284,7 @@ def _activation_shape(config: Config, micro_batch_size: int) -> ActivationShape:
         tp=config.parallelism.tp, value_bytes=config.model.torch_dtype().itemsize, residual_share=residual_share,
         linear_input_share=linear_input_share, compiled=config.model.compile,
         recomputed=config.parallelism.recompute_layer, cp=config.parallelism.context_parallel_size,
-        selective=config.parallelism.recompute_layer and config.parallelism.recompute_granularity == "selective",
+        granularity=config.parallelism.recompute_granularity,
     )
 
 

@@ -9,8 +9,9 @@ from nanotron.config.rules import Spellings, at_least, canonical_spellings, posi
 # nanotron matched these enum names case-insensitively; one spelling is stored so that equal configs compare equal.
 PipelineEngine = Annotated[Literal["afab", "1f1b"], Spellings(fold=str.lower)]
 TensorParallelMode = Annotated[Literal["ALL_REDUCE", "REDUCE_SCATTER"], Spellings(fold=str.upper)]
-# Megatron-LM's names (upstream nanotron's RecomputeGranularity enum spells them in capitals).
-RecomputeGranularity = Annotated[Literal["full", "selective"], Spellings(fold=str.lower)]
+# Megatron-LM's names (upstream nanotron's RecomputeGranularity enum spells them in capitals), and nanotron's
+# ``pointwise``.
+RecomputeGranularity = Annotated[Literal["full", "selective", "pointwise"], Spellings(fold=str.lower)]
 
 
 @dataclass
@@ -28,8 +29,9 @@ class ParallelismArgs:
     replica_check_interval: int | None = 100  # steps between weight checksums across data-parallel replicas
     # Recompute each decoder layer's activations in backward (saves memory, ~1/3 more layer FLOPs).
     recompute_layer: bool = False
-    # With recompute_layer, what the backward rebuilds (nn/recompute.py): the whole layer (full), or all but the
-    # attention kernels' outputs, which are kept (selective: ~6% more layer FLOPs at long sequences instead of ~1/3).
+    # With recompute_layer, what the backward rebuilds (nn/recompute.py): the whole layer (full), all but the
+    # attention kernels' outputs, which are kept (selective: ~6% more layer FLOPs at long sequences instead of ~1/3),
+    # or all but the matmuls' and attention kernels' outputs (pointwise: only elementwise ops rerun).
     recompute_granularity: RecomputeGranularity = "full"
 
     def __post_init__(self) -> None:
@@ -47,10 +49,10 @@ class ParallelismArgs:
                 "parallelism.tp_linear_async_communication: true needs parallelism.tp_mode: REDUCE_SCATTER "
                 "(only that mode overlaps communication with compute); change one of them"
             )
-        if self.recompute_granularity == "selective" and not self.recompute_layer:
+        if self.recompute_granularity != "full" and not self.recompute_layer:
             yield (
-                "parallelism.recompute_granularity: selective takes effect only with parallelism.recompute_layer: "
-                "true; set recompute_layer to true, or remove recompute_granularity"
+                f"parallelism.recompute_granularity: {self.recompute_granularity} takes effect only with "
+                "parallelism.recompute_layer: true; set recompute_layer to true, or remove recompute_granularity"
             )
         yield from positive("parallelism.pp_timeout_s", self.pp_timeout_s)
         if self.replica_check_interval is not None:

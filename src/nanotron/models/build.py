@@ -37,7 +37,7 @@ class BuildOptions:
     pp_stage_layers: list[int] | None = None
     sequence_length: int = 2048  # weighs attention in the pipeline split
     recompute_layers: bool = False
-    recompute_granularity: str = "full"  # parallelism.recompute_granularity: full | selective
+    recompute_granularity: str = "full"  # parallelism.recompute_granularity: full | selective | pointwise
     compile: bool = False
 
     @classmethod

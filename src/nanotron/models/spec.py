@@ -81,8 +81,10 @@ class ModelCosts:
 
     def hardware_flops_per_token(self, recompute_layers: bool, granularity: str = "full") -> float:
         """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer (of all
-        but its attention kernel with ``parallelism.recompute_granularity: selective``)."""
-        if not recompute_layers:
+        but its attention kernel with ``parallelism.recompute_granularity: selective``). ``pointwise`` adds none: it
+        reruns only elementwise ops (norms, RoPE, SwiGLU's product, residual adds), which the model's count, of
+        matmuls and attention, leaves out too."""
+        if not recompute_layers or granularity == "pointwise":
             return self.flops_per_token
         recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if granularity == "selective" else 0.0)
         return self.flops_per_token + recomputed / 3
@@ -132,7 +134,9 @@ class ActivationShape:
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
     recomputed: bool  # parallelism.recompute_layer
-    selective: bool = False  # parallelism.recompute_granularity: selective (recomputed layers keep attention outputs)
+    # parallelism.recompute_granularity, with ``recomputed``: what else than its input a recomputed layer keeps
+    # (selective: its attention outputs; pointwise: those and its matmuls' outputs)
+    granularity: str = "full"
     cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 

@@ -76,7 +76,9 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        # Summed into a copy, never into x: x is a row-parallel matmul's output, which pointwise recomputation
+        # (nn/recompute.py) keeps for the backward; summed in place, its recomputed forward would sum it again.
+        return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -7,7 +7,7 @@ own feed-forward sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanotron.config import LlamaConfig
 from nanotron.models.spec import ActivationShape, ModelCosts
@@ -80,18 +80,27 @@ class FeedForwardActivations:
     kept: float  # kept for the backward
     gradients: float  # the gradients its backward holds at once, on top of what the layer keeps
     recomputed_kept: float  # what a compiled layer still keeps when it is recomputed (the compiler saves it)
+    # The outputs of its matmuls that the layer's backward reads (part of ``kept``): what a pointwise-recomputed layer
+    # keeps of the block.
+    products: float
+    # The block's output where a matmul makes it: an eager pointwise-recomputed layer keeps it too (the checkpoint
+    # caches every matmul's output, although no backward reads this one; the compiler drops it).
+    output_product: float = 0.0
 
 
 def swiglu_activations(ffn: int, value_bytes: int) -> FeedForwardActivations:
     """A SwiGLU MLP ``ffn`` wide on this rank keeps its gate|up output, which the SwiGLU backward reads, and the SwiGLU
     output, the down_proj input (3d·ffn); its backward adds their gradients (3d·ffn)."""
     d = value_bytes
-    return FeedForwardActivations(kept=3 * d * ffn, gradients=3 * d * ffn, recomputed_kept=d * ffn)
+    return FeedForwardActivations(kept=3 * d * ffn, gradients=3 * d * ffn, recomputed_kept=d * ffn,
+                                  products=2 * d * ffn)
 
 
 def llama_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> tuple[int, int]:
-    """``ModelSpec.layer_activations`` of the dense Llama (``decoder_layer_activations`` with its SwiGLU MLP)."""
-    return decoder_layer_activations(c, shape, swiglu_activations(c.intermediate_size // shape.tp, shape.value_bytes))
+    """``ModelSpec.layer_activations`` of the dense Llama (``decoder_layer_activations`` with its SwiGLU MLP, whose
+    output is the down projection's)."""
+    mlp = swiglu_activations(c.intermediate_size // shape.tp, shape.value_bytes)
+    return decoder_layer_activations(c, shape, replace(mlp, output_product=shape.value_bytes * c.hidden_size))
 
 
 def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
@@ -116,8 +125,11 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     tp=2 in both modes): within 0.1% of these counts. A recomputed layer keeps its input (and, compiled, what
     ``feed_forward.recomputed_kept`` says; measured) and rebuilds the rest during its backward; selectively
     recomputed (``nn/recompute.py``) it also keeps its attention output and log-sum-exp, which the backward does not
-    rebuild (derived from the code: those are the outputs of the attention op the policy saves; not measured). The
-    backward adds
+    rebuild (derived from the code: those are the outputs of the attention op the policy saves; not measured).
+    Pointwise-recomputed it keeps its input, its attention outputs and its matmuls' outputs: the fused q|k|v output,
+    o_proj's (on every token of the micro-batch: the row-parallel partial sums, from which the residual after
+    attention is rebuilt) and ``feed_forward.products``, eagerly also ``feed_forward.output_product``; measured on
+    CPU, eager and compiled (tests/test_pointwise_recompute.py), not on a GPU. The backward adds
     the feed-forward block's gradients on top of what the layer keeps. Whole heads are on each rank; kv heads are
     replicated when tp exceeds them.
     """
@@ -140,7 +152,13 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     transient = int(tokens * feed_forward.gradients)
     if not shape.recomputed:
         return full, transient
+    if shape.granularity == "pointwise":
+        # The outputs of q|k|v, of the attention op and the feed-forward block's products: kept without recomputation
+        # too, and not rebuilt by the backward. o_proj's output and, eagerly, the block's are kept only here.
+        shared = d * (q + 2 * kv) + attention_outputs + feed_forward.products
+        own = d * c.hidden_size + (0 if shape.compiled else feed_forward.output_product)
+        return int(tokens * (residual + shared + own)), int(full + transient - tokens * shared)
     kept = tokens * (residual + (feed_forward.recomputed_kept if shape.compiled else 0))
-    if shape.selective:
+    if shape.granularity == "selective":
         return int(kept + tokens * attention_outputs), int(full + transient - tokens * attention_outputs)
     return int(kept), full + transient

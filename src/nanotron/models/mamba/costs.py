@@ -40,7 +40,10 @@ def mamba_layer_activations(c: MambaConfig, layer: int, shape: ActivationShape) 
 
     and per block the fp32 A (4e·n). Measured per layer on an H200 (130M and 1.4B shapes, bf16): within 0.02%,
     when y was fp32; with y in the model dtype the step peaks fell by the 2e per token this count drops, to within
-    0.1% of it. A recomputed block keeps its input (measured). No transient is added for the backward: at both
+    0.1% of it. A recomputed block keeps its input (measured). Pointwise-recomputed (``nn/recompute.py``) it also
+    keeps its matmuls' outputs the backward reads and its Triton ops' outputs: x|z, the conv output, dt|B|C,
+    dt_proj's output, y and the chunk states (derived from the code, not measured: on CPU the scan and convolution
+    run plain torch, which is recomputed). No transient is added for the backward: at both
     shapes, with and without recomputation, the step peaks came within 0.3% of the count without one (the loss's
     backward, which runs first, needs more). Eager blocks peaked up to 14% above this count: they are refused.
     """
@@ -53,4 +56,7 @@ def mamba_layer_activations(c: MambaConfig, layer: int, shape: ActivationShape) 
     chunk_states = 4 * n * e / SCAN_CHUNK
     per_token = residual + d * h * shape.linear_input_share + 6 * d * e + 4 * e + chunk_states + d * (r + 4 * n)
     full = int(tokens * per_token + 4 * e * n)
-    return (int(tokens * residual), full) if shape.recomputed else (full, 0)
+    if not shape.recomputed:
+        return full, 0
+    kept = residual + (d * (5 * e + r + 2 * n) + chunk_states if shape.granularity == "pointwise" else 0)
+    return int(tokens * kept), int(full - tokens * (kept - residual))

@@ -40,17 +40,22 @@ def moe_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) ->
     are those of the experts each token visits (derived from ``models/moe/model.py``, not measured): per token its
     ``k`` copies, the experts' gate|up and SwiGLU outputs and their outputs, and the router's fp32 logits and
     probabilities; the backward holds the gradients of the ``k`` gate|up and SwiGLU outputs. A shared expert adds a
-    SwiGLU MLP's terms, its output and its gate's (which multiply each other)."""
+    SwiGLU MLP's terms, its output and its gate's (which multiply each other). Its matmuls' outputs, which pointwise
+    recomputation keeps, are the router's logits, the experts' gate|up outputs and outputs (weighted by the router:
+    the backward reads them) and the shared expert's and its gate's."""
     s = c.moe
     if s is None or layer not in s.layers:
         return llama_layer_activations(c, layer, shape)
     k, d, ffn = s.top_k, shape.value_bytes, s.ffn // shape.tp
     kept = k * d * (2 * c.hidden_size + 3 * ffn) + 3 * 4 * s.num_experts
     gradients, recomputed_kept = k * 3 * d * ffn, k * d * ffn
+    products = d * s.num_experts + k * d * (2 * ffn + c.hidden_size)
     if s.shared_ffn is not None:
         shared = swiglu_activations(s.shared_ffn // shape.tp, d)
         kept += shared.kept + d * (c.hidden_size + 1)
         gradients += shared.gradients
         recomputed_kept += shared.recomputed_kept
-    experts = FeedForwardActivations(kept=kept, gradients=gradients, recomputed_kept=recomputed_kept)
+        products += shared.products + d * (c.hidden_size + 1)
+    experts = FeedForwardActivations(kept=kept, gradients=gradients, recomputed_kept=recomputed_kept,
+                                     products=products)
     return decoder_layer_activations(c, shape, experts)
