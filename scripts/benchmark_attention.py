@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchmark_fused_loss import timed
 from benchmark_record import command_line, git_commit, gpu_label
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -49,21 +50,6 @@ def flex():
     return lambda q, k, v, mask: compiled(q, k, v, block_mask=mask, enable_gqa=True)
 
 
-def median_ms(step, repeats: int) -> float:
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequence-lengths", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -87,9 +73,8 @@ def main() -> None:
         forward_flops = 2 * length * length * HEAD_DIM * HEADS  # causal: half of 4·s²·d
         for name, attention in variants.items():
             try:
-                forward = median_ms(lambda: attention(q, k, v, mask), args.repeats)
-                both = median_ms(lambda: torch.autograd.grad(attention(q, k, v, mask), (q, k, v), grad),
-                                 args.repeats)
+                forward = timed(lambda: attention(q, k, v, mask), args.repeats)[0]
+                both = timed(lambda: torch.autograd.grad(attention(q, k, v, mask), (q, k, v), grad), args.repeats)[0]
             except RuntimeError as error:  # a backend that refuses this shape
                 results.append({"sequence_length": length, "variant": name, "error": str(error).split("\n")[0]})
                 print(f"s {length:6d} {name:18s} refused: {str(error).splitlines()[0][:120]}", flush=True)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from distributed import run_distributed_each
 from helpers import ROOT
-from nanotron.config import ConfigError, LlaMoEConfig, config_from_dict, load_config
+from nanotron.config import LlaMoEConfig, config_from_dict, load_config
 from nanotron.memory import estimate_memory
 from nanotron.models.build import padded_vocab_size
 from nanotron.models.llama.costs import llama_costs, llama_layer_activations
@@ -260,16 +260,6 @@ def test_pointwise_recompute_with_sequence_and_pipeline_parallelism(single_proce
     (runs,) = run_distributed_each(_train, 4, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
-
-
-def test_pointwise_key_is_checked_and_needs_recompute_layer():
-    assert load_config(TINY, ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=POINTWISE"]
-                       ).parallelism.recompute_granularity == "pointwise"
-    with pytest.raises(ConfigError, match=r"parallelism.recompute_granularity: pointwise takes effect only with "
-                                          r"parallelism.recompute_layer: true; set recompute_layer to true"):
-        load_config(TINY, ["parallelism.recompute_granularity=pointwise"])
-    with pytest.raises(ValueError, match="expected one of full, selective, pointwise"):
-        recompute_in_backward(torch.nn.Linear(2, 2), "pointwse")
 
 
 @pytest.mark.parametrize("compiled", [False, True])

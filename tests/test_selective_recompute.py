@@ -159,17 +159,20 @@ def test_the_config_key_reaches_the_built_model(tiny_data, tmp_path):
     assert got["attention_runs"] == reference["attention_runs"] == got["layers"]
 
 
-def test_recompute_granularity_key_defaults_to_full_and_is_checked():
+@pytest.mark.parametrize("granularity", ["selective", "pointwise"])
+def test_recompute_granularity_key_defaults_to_full_and_is_checked(granularity):
     assert load_config(TINY).parallelism.recompute_granularity == "full"
-    assert load_config(TINY, ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=SELECTIVE"]
-                       ).parallelism.recompute_granularity == "selective"
+    assert load_config(TINY, ["parallelism.recompute_layer=true",
+                              f"parallelism.recompute_granularity={granularity.upper()}"]
+                       ).parallelism.recompute_granularity == granularity
     with pytest.raises(ConfigError,
                        match=r"recompute_granularity must be one of full, selective, pointwise \(got 'attention'\)"):
         load_config(TINY, ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=attention"])
-    with pytest.raises(ConfigError, match=r"parallelism.recompute_granularity: selective takes effect only with "
+    with pytest.raises(ConfigError, match=rf"parallelism.recompute_granularity: {granularity} takes effect only with "
                                           r"parallelism.recompute_layer: true; set recompute_layer to true"):
-        load_config(TINY, ["parallelism.recompute_granularity=selective"])
-    with pytest.raises(ValueError, match="recompute granularity 'attention'"):
+        load_config(TINY, [f"parallelism.recompute_granularity={granularity}"])
+    with pytest.raises(ValueError, match="recompute granularity 'attention'.*expected one of full, selective, "
+                                         "pointwise"):
         recompute_in_backward(torch.nn.Linear(2, 2), "attention")
 
 
