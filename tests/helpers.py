@@ -71,10 +71,12 @@ WORDS = (
 
 def run_with_triton_interpreter(code: str) -> None:
     """Run ``code`` in a fresh Python with Triton's interpreter on (it is chosen when Triton is imported), the tests
-    folder importable: how the CPU checks the GPU's Triton kernels against their plain-torch references."""
+    folder importable: how the CPU checks the GPU's Triton kernels against their plain-torch references. A GPU is
+    hidden from it, so that it runs as on a CPU machine (the interpreter's tensors live on the CPU)."""
     pytest.importorskip("triton")
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); {code}"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], env=environment,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 

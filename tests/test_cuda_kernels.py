@@ -134,7 +134,7 @@ def test_causal_conv_kernels_match_the_reference_on_cuda():
 def test_compiled_mamba_mixer_matches_the_reference_mixer():
     """The GPU path (compiled mixer: conv and scan kernels) against the same mixer run eagerly with the plain-torch
     conv and loop scan, output and every parameter's gradient, in fp32."""
-    import nanotron.models.mamba as mamba
+    import nanotron.models.mamba.model as mamba
     import nanotron.nn.causal_conv1d as conv
     from nanotron.config import MambaConfig
     from nanotron.nn.selective_scan import selective_scan_reference
