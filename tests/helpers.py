@@ -7,6 +7,7 @@ interpreter) and on a GPU. A test file imports from here (and runs functions on 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -23,6 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanotron.config import LlamaConfig
+from nanotron.models.llama.model import LlamaForCausalLM
+from nanotron.nn.recompute import ATTENTION_OPS, recompute_in_backward
 
 ROOT = Path(__file__).resolve().parents[1]
 TIER_VARIABLE = "NANOTRON_TEST_TIER"
@@ -702,3 +708,96 @@ def datatrove_folder(folder: Path, documents: list[str], tokenizer: Path, **opti
                              eos_token="<|endoftext|>", **options)
     step.run(iter(Document(text=text, id=str(i)) for i, text in enumerate(documents)), rank=0, world_size=1)
     return folder
+
+
+def first_step_then_train(config: dict) -> dict:
+    """Loss and gradient pieces of the first step (no update), then the config's training steps, without the
+    logits and weights of ``_run``. The process group stays for the next call of the same spawn."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    loss, grads = first_step_gradients(trainer)
+    trainer.buckets.zero()
+    trainer.train()
+    metrics = []
+    if trainer.pc.rank == 0:
+        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    return {"loss": loss.item(), "grads": grads, "metrics": metrics, "sharded": trainer.buckets.buckets[0].sharded}
+
+
+# --- Activation recomputation: training runs, and a small Llama's losses and gradients --------------------------------
+
+RECOMPUTE_STEPS = 6
+
+
+def recompute_config(tiny_data, folder, recompute: bool, **parallelism) -> dict:
+    parallelism = tiny_config_dict(tiny_data, folder)["parallelism"] | parallelism | {"recompute_layer": recompute}
+    return tiny_config_dict(tiny_data, folder, parallelism=parallelism, tokens={"train_steps": RECOMPUTE_STEPS},
+                            checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
+
+
+def train_with_flops(config: dict) -> dict:
+    """The run's metrics (on rank 0) and its model and hardware FLOPs per token."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()
+    metrics = []
+    if trainer.pc.rank == 0:
+        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+    flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.hardware_flops_per_token}
+    return {"metrics": metrics, **flops}
+
+
+SMALL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64)
+BATCH, SEQ = 2, 16
+
+
+class AttentionCalls(TorchDispatchMode):
+    """Counts the attention kernels' forward ops that run (an op selective recomputation hands back from its cache
+    in the backward never reaches this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+def small_llama(config: LlamaConfig = SMALL, device: str = "cpu") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, config.vocab_size).to(device)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    return model
+
+
+def recomputed(model: LlamaForCausalLM, granularity: str | None, compiled: bool = False) -> LlamaForCausalLM:
+    model = copy.deepcopy(model)
+    for layer in model.layers.values():
+        if granularity is not None:
+            recompute_in_backward(layer, granularity)
+        if compiled:
+            layer.compile()
+    return model
+
+
+def loss_and_gradients(model, ids: torch.Tensor, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(input_ids=ids, **inputs).float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def ids_for(config: LlamaConfig, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def assert_same_gradients(got: dict, expected: dict, atol: float, rtol: float = 0.0) -> None:
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=rtol, atol=atol, msg=name)

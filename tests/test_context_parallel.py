@@ -4,13 +4,11 @@ tp, dp (ZeRO-1) and pp, and resumes across cp sizes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from distributed import run_distributed, run_distributed_each
-from helpers import _train, assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
+from helpers import _train, assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
 from nanotron.config import ConfigError, config_from_dict
 from nanotron.nn.attention import AttentionMasks, allowed
 from nanotron.parallel.context_parallel import context_parallel_masks, split_micro_batch, token_indices
@@ -121,21 +119,6 @@ def test_the_world_size_counts_cp(tiny_data, tmp_path):
 # --- parity with one rank holding the whole sequence ------------------------------------------------------------------
 
 
-def _run(config: dict) -> dict:
-    """Loss and gradient pieces of the first step (no update), then the config's training steps. The process group
-    stays for the next call of the same spawn (as ``helpers._run``)."""
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    loss, grads = first_step_gradients(trainer)
-    trainer.buckets.zero()
-    trainer.train()
-    metrics = []
-    if trainer.pc.rank == 0:
-        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    return {"loss": loss.item(), "grads": grads, "metrics": metrics, "sharded": trainer.buckets.buckets[0].sharded}
-
-
 def _assert_same_training(reference: dict, ranks: list[dict], layout: str) -> None:
     """The first step's loss and (unless ZeRO-1 split them) gradients, then every step's loss and grad-norm, within
     1e-5 of one rank's; the step line's tokens/s per GPU counts every rank."""
@@ -152,13 +135,14 @@ def _assert_same_training(reference: dict, ranks: list[dict], layout: str) -> No
 
 @pytest.fixture(scope="module")
 def one_rank(tiny_data, tmp_path_factory) -> dict:
-    (reference,) = run_distributed(_run, 1, config=cp_config(tiny_data, tmp_path_factory.mktemp("cp1")))
+    config = cp_config(tiny_data, tmp_path_factory.mktemp("cp1"))
+    (reference,) = run_distributed(first_step_then_train, 1, config=config)
     assert_reference_trains(reference["metrics"], parity_steps())
     return reference
 
 
 def test_cp2_trains_as_one_rank_with_a_window_and_documents(one_rank, tiny_data, tmp_path):
-    ranks = run_distributed(_run, 2, config=cp_config(tiny_data, tmp_path / "cp2", cp=2))
+    ranks = run_distributed(first_step_then_train, 2, config=cp_config(tiny_data, tmp_path / "cp2", cp=2))
     _assert_same_training(one_rank, ranks, "cp2")
 
 
@@ -176,7 +160,7 @@ LAYOUTS = {"cp2_tp2": {"cp": 2, "tp": 2}, "cp2_dp2_zero1": {"cp": 2, "dp": 2, "z
 def test_cp2_composes_with_tp_dp_zero1_and_pp(one_rank, tiny_data, tmp_path):
     """One 4-rank spawn for the three layouts; the grid keeps cp next to tp (consecutive ranks, inside a node)."""
     calls = [{"config": cp_config(tiny_data, tmp_path / name, **layout)} for name, layout in LAYOUTS.items()]
-    for name, ranks in zip(LAYOUTS, run_distributed_each(_run, 4, calls)):
+    for name, ranks in zip(LAYOUTS, run_distributed_each(first_step_then_train, 4, calls)):
         _assert_same_training(one_rank, ranks, name)
 
 

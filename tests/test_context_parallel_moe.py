@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from distributed import run_distributed, run_distributed_each
-from helpers import assemble, assert_reference_trains, parity_steps, tiny_config_dict
-from test_context_parallel import _run
+from helpers import assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
 
 # Coefficients large enough that the router losses move the gradients well past the tolerance.
 EXPERTS = {"is_llamoe_config": True, "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_aux_loss_coef": 0.1,
@@ -36,14 +35,14 @@ ROUTER_METRICS = ("moe_load_balancing_loss", "moe_z_loss", "moe_max_expert_load"
 def test_router_losses_train_under_cp_as_on_one_rank(tiny_data, tmp_path):
     """One process, then cp2 x dp2 and cp2 x ep2 in one 4-rank spawn: the first step's loss and the gradient of
     every tensor (the router's included), then every step's loss, grad-norm and router statistics, within 1e-5."""
-    (reference,) = run_distributed(_run, 1, config=moe_config(tiny_data, tmp_path / "cp1"))
+    (reference,) = run_distributed(first_step_then_train, 1, config=moe_config(tiny_data, tmp_path / "cp1"))
     assert_reference_trains(reference["metrics"], parity_steps())
     assert all(m["moe_load_balancing_loss"] >= 0.99 and m["moe_z_loss"] > 0 for m in reference["metrics"])
     expected = assemble([reference], "grads")
     assert expected["layers.0.mlp.router.weight"].abs().sum() > 0
 
     calls = [{"config": moe_config(tiny_data, tmp_path / name, **layout)} for name, layout in LAYOUTS.items()]
-    for layout, ranks in zip(LAYOUTS, run_distributed_each(_run, 4, calls), strict=True):
+    for layout, ranks in zip(LAYOUTS, run_distributed_each(first_step_then_train, 4, calls), strict=True):
         assert ranks[0]["loss"] == pytest.approx(reference["loss"], rel=1e-5), layout
         for name, grad in assemble(ranks, "grads").items():
             torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=f"{layout}: {name}")

@@ -74,3 +74,19 @@ def test_no_family_is_named_outside_its_package_and_the_registry():
         used |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
         offenders += [f"{path.relative_to(PACKAGE)}: {name}" for name in family_names if name in used]
     assert not offenders, offenders
+
+
+def test_no_test_file_imports_another():
+    """Shared test code lives in helpers.py and distributed.py: a test file imported by another runs its module code
+    (fixtures, constants) twice under two names and couples the files."""
+    imported = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            imported += [(path.name, name) for name in names if name.startswith("test_")]
+    assert not imported, imported

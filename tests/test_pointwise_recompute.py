@@ -19,7 +19,20 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from distributed import run_distributed_each
-from helpers import ROOT
+from helpers import (
+    BATCH,
+    ROOT,
+    SEQ,
+    SMALL,
+    AttentionCalls,
+    assert_same_gradients,
+    ids_for,
+    loss_and_gradients,
+    recompute_config,
+    recomputed,
+    small_llama,
+    train_with_flops,
+)
 from nanotron.config import LlaMoEConfig, config_from_dict, load_config
 from nanotron.memory import estimate_memory
 from nanotron.models.build import padded_vocab_size
@@ -28,18 +41,6 @@ from nanotron.models.moe.costs import moe_layer_activations
 from nanotron.models.moe.model import LlaMoEForCausalLM
 from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import MATMUL_OPS, keep_matmul_and_attention_context, recompute_in_backward
-from test_recompute import _train, recompute_config
-from test_selective_recompute import (
-    BATCH,
-    SEQ,
-    SMALL,
-    AttentionCalls,
-    assert_same_gradients,
-    ids_for,
-    loss_and_gradients,
-    recomputed,
-    small_llama,
-)
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 POINTWISE = ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=pointwise"]
@@ -219,7 +220,7 @@ def single_process_runs(tiny_data, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("pointwise")
     configs = {"plain": recompute_config(tiny_data, root / "plain", False),
                "pointwise": recompute_config(tiny_data, root / "pointwise", True, recompute_granularity="pointwise")}
-    results = run_distributed_each(_train, 1, [{"config": config} for config in configs.values()])
+    results = run_distributed_each(train_with_flops, 1, [{"config": config} for config in configs.values()])
     return {name: {"config": config, **result} for (name, config), (result,) in zip(configs.items(), results)}
 
 
@@ -247,7 +248,7 @@ def test_pointwise_recompute_with_tensor_parallelism_all_reduce(single_process_r
     """The row-parallel linears' outputs are kept and all-reduced in the forward: summed in place, the recomputed
     forward would have summed them again."""
     config = recompute_config(tiny_data, tmp_path, True, tp=2, tp_mode="ALL_REDUCE", recompute_granularity="pointwise")
-    (runs,) = run_distributed_each(_train, 2, [{"config": config}])
+    (runs,) = run_distributed_each(train_with_flops, 2, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
 
@@ -257,7 +258,7 @@ def test_pointwise_recompute_with_sequence_and_pipeline_parallelism(single_proce
     """The sequence-parallel collectives, the overlapped column-parallel backward and 1F1B's late backwards."""
     config = recompute_config(tiny_data, tmp_path, True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
                               tp_linear_async_communication=True, recompute_granularity="pointwise")
-    (runs,) = run_distributed_each(_train, 4, [{"config": config}])
+    (runs,) = run_distributed_each(train_with_flops, 4, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
 

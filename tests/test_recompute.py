@@ -4,35 +4,13 @@ unchanged parameter names, FLOP figures that count the extra forward, and a conf
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
 from torch import nn
 
 from distributed import run_distributed_each
-from helpers import tiny_config_dict, write_config
-
-STEPS = 6
-
-
-def recompute_config(tiny_data, folder, recompute: bool, **parallelism) -> dict:
-    parallelism = tiny_config_dict(tiny_data, folder)["parallelism"] | parallelism | {"recompute_layer": recompute}
-    return tiny_config_dict(tiny_data, folder, parallelism=parallelism, tokens={"train_steps": STEPS},
-                            checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
-
-
-def _train(config: dict) -> dict:
-    from nanotron.config import config_from_dict
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    trainer.train()
-    metrics = []
-    if trainer.pc.rank == 0:
-        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.hardware_flops_per_token}
-    return {"metrics": metrics, **flops}
+from helpers import RECOMPUTE_STEPS, recompute_config, tiny_config_dict, train_with_flops, write_config
 
 
 def _saved_for_backward(config: dict) -> dict:
@@ -63,14 +41,14 @@ def single_process_runs(tiny_data, tmp_path_factory) -> tuple[dict, dict]:
     """Training without, then with recomputation, on one process."""
     root = tmp_path_factory.mktemp("recompute")
     calls = [{"config": recompute_config(tiny_data, root / f"recompute-{on}", on)} for on in (False, True)]
-    (plain,), (recomputed,) = run_distributed_each(_train, 1, calls)
+    (plain,), (recomputed,) = run_distributed_each(train_with_flops, 1, calls)
     return plain, recomputed
 
 
 def test_recomputed_training_matches_and_reports_hardware_flops(single_process_runs):
     plain, recomputed = single_process_runs
     reference = plain["metrics"]
-    assert [r["step"] for r in reference] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in reference] == list(range(1, RECOMPUTE_STEPS + 1))
     assert reference[-1]["lm_loss"] < reference[0]["lm_loss"] - 0.3 and all(r["grad_norm"] > 0 for r in reference)
     for expected, got in zip(reference, recomputed["metrics"], strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=0, abs=1e-6), got["step"]
@@ -88,7 +66,7 @@ def test_recompute_with_tensor_and_pipeline_parallelism(single_process_runs, tin
     reference = single_process_runs[0]["metrics"]
     config = recompute_config(tiny_data, tmp_path, True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
                               tp_linear_async_communication=True)
-    (runs,) = run_distributed_each(_train, 4, [{"config": config}])
+    (runs,) = run_distributed_each(train_with_flops, 4, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     for expected, got in zip(reference, metrics, strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]

@@ -11,15 +11,27 @@ import dataclasses
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed import run_distributed_each
-from helpers import ROOT, tiny_config_dict
+from helpers import (
+    BATCH,
+    ROOT,
+    SEQ,
+    SMALL,
+    AttentionCalls,
+    assert_same_gradients,
+    ids_for,
+    loss_and_gradients,
+    recompute_config,
+    recomputed,
+    small_llama,
+    tiny_config_dict,
+    train_with_flops,
+)
 from nanotron.config import ConfigError, LlamaConfig, apply_overrides, config_from_dict, load_config
 from nanotron.memory import estimate_memory
 from nanotron.models.build import BuildOptions, build_model, padded_vocab_size
 from nanotron.models.llama.costs import llama_costs, llama_layer_activations
-from nanotron.models.llama.model import LlamaForCausalLM
 from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import ATTENTION_OPS, recompute_in_backward
 from nanotron.parallel.context import ParallelContext
@@ -29,48 +41,6 @@ BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
 SELECTIVE = ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=selective"]
 # Names the profiler gives the attention kernels' forward ops (flex attention's is a Triton template on CUDA).
 ATTENTION_OP_NAMES = frozenset(op.name() for op in ATTENTION_OPS if isinstance(op, torch._ops.OpOverload))
-SMALL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64)
-BATCH, SEQ = 2, 16
-
-
-class AttentionCalls(TorchDispatchMode):
-    """Counts the attention kernels' forward ops that run (an op selective recomputation hands back from its cache
-    in the backward never reaches this mode)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in ATTENTION_OPS
-        return func(*args, **(kwargs or {}))
-
-
-def small_llama(config: LlamaConfig = SMALL, device: str = "cpu") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config, config.vocab_size).to(device)
-    for parameter in model.parameters():
-        torch.nn.init.normal_(parameter, std=0.1)
-    return model
-
-
-def recomputed(model: LlamaForCausalLM, granularity: str | None, compiled: bool = False) -> LlamaForCausalLM:
-    model = copy.deepcopy(model)
-    for layer in model.layers.values():
-        if granularity is not None:
-            recompute_in_backward(layer, granularity)
-        if compiled:
-            layer.compile()
-    return model
-
-
-def loss_and_gradients(model, ids: torch.Tensor, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss = model(input_ids=ids, **inputs).float().logsumexp(-1).mean()
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 def attention_runs(model, ids: torch.Tensor, **inputs) -> int:
     """Attention kernels' forward ops run by one forward and backward, counted by the profiler (which sees the ones
     a compiled graph calls)."""
@@ -78,16 +48,6 @@ def attention_runs(model, ids: torch.Tensor, **inputs) -> int:
         loss_and_gradients(model, ids, **inputs)
     names = collections.Counter(event.name for event in prof.events())
     return sum(names[name] for name in ATTENTION_OP_NAMES)
-
-
-def ids_for(config: LlamaConfig, device: str = "cpu") -> torch.Tensor:
-    return torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
-
-
-def assert_same_gradients(got: dict, expected: dict, atol: float, rtol: float = 0.0) -> None:
-    assert got.keys() == expected.keys()
-    for name, grad in expected.items():
-        torch.testing.assert_close(got[name], grad, rtol=rtol, atol=atol, msg=name)
 
 
 def test_eager_selective_recompute_matches_and_runs_attention_once_per_layer():
@@ -239,12 +199,10 @@ def test_cuda_compiled_selective_recompute_matches_no_recompute(document_masking
 
 
 def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tmp_path):
-    from test_recompute import _train, recompute_config
-
     plain = recompute_config(tiny_data, tmp_path / "plain", False)
     selective = apply_overrides(recompute_config(tiny_data, tmp_path / "selective", True),
                                 ["parallelism.recompute_granularity=selective"])
-    (reference,), (got,) = run_distributed_each(_train, 1, [{"config": plain}, {"config": selective}])
+    (reference,), (got,) = run_distributed_each(train_with_flops, 1, [{"config": plain}, {"config": selective}])
     for expected, step in zip(reference["metrics"], got["metrics"], strict=True):
         assert step["lm_loss"] == pytest.approx(expected["lm_loss"], rel=0, abs=1e-6), step["step"]
         assert step["grad_norm"] == pytest.approx(expected["grad_norm"], rel=0, abs=1e-6), step["step"]
@@ -260,13 +218,11 @@ def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tm
 @pytest.mark.slow
 def test_selective_recompute_with_tensor_and_pipeline_parallelism(tiny_data, tmp_path):
     """The tensor-parallel layers' collectives run again in the recomputed forward, under the selective policy."""
-    from test_recompute import _train, recompute_config
-
     plain = recompute_config(tiny_data, tmp_path / "plain", False)
     selective = recompute_config(tiny_data, tmp_path / "selective", True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
                                  tp_linear_async_communication=True, recompute_granularity="selective")
-    ((reference,),) = run_distributed_each(_train, 1, [{"config": plain}])
-    (runs,) = run_distributed_each(_train, 4, [{"config": selective}])
+    ((reference,),) = run_distributed_each(train_with_flops, 1, [{"config": plain}])
+    (runs,) = run_distributed_each(train_with_flops, 4, [{"config": selective}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     for expected, got in zip(reference["metrics"], metrics, strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
