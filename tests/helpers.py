@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanotron.config import LlamaConfig
 from nanotron.models.llama.model import LlamaForCausalLM
-from nanotron.nn.recompute import ATTENTION_OPS, recompute_in_backward
+from nanotron.nn.recompute import ATTENTION_OPS, compile_layer, recompute_in_backward
 
 ROOT = Path(__file__).resolve().parents[1]
 TIER_VARIABLE = "NANOTRON_TEST_TIER"
@@ -783,7 +783,7 @@ def recomputed(model: LlamaForCausalLM, granularity: str | None, compiled: bool 
         if granularity is not None:
             recompute_in_backward(layer, granularity)
         if compiled:
-            layer.compile()
+            compile_layer(layer)
     return model
 
 

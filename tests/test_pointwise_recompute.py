@@ -284,3 +284,38 @@ def test_memory_planner_counts_what_a_pointwise_layer_keeps(compiled):
               for name, cfg in (("plain", plain), ("selective", selective), ("pointwise", pointwise))}
     assert stages["selective"] < stages["pointwise"] < stages["plain"]
     assert "recomputed layers (pointwise)" in estimate_memory(pointwise, gpu_memory_gb=80).description
+
+
+def test_compiled_recomputed_moe_layer_is_one_graph_with_the_router_losses():
+    """A mixture-of-experts block records its router's auxiliary terms on itself. In a checkpointed region
+    torch.compile refused that side effect and left the whole layer eager (under half the speed on the GPU), so the
+    compiled layer must trace as one graph, and its loss with the auxiliary terms must backpropagate as eager."""
+    config = LlaMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, moe_num_experts=4,
+                          num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = LlaMoEForCausalLM(config, config.vocab_size).to(torch.bfloat16)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    model.layers["0"].mlp.experts.grouped_mm = True  # the GPU's path: one grouped product, no host sync
+    hidden, rotary, _ = layer_inputs(model)
+    hidden = hidden.detach().to(torch.bfloat16)
+    rotary = tuple(r.to(torch.bfloat16) for r in rotary)
+
+    def loss_and_grads(layer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x = hidden.clone().requires_grad_()
+        out = layer(x, rotary)
+        record = layer.mlp.record
+        loss = out.float().square().mean() + 0.3 * record.balance + 0.1 * record.z
+        loss.backward()
+        return loss.detach(), {"input": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
+
+    reference_loss, reference = loss_and_grads(copy.deepcopy(model).layers["0"])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    loss, gradients = loss_and_grads(recomputed(model, "pointwise", compiled=True).layers["0"])
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-2, atol=1e-3)
+    assert reference["mlp.router.weight"].abs().sum() > 0  # the auxiliary terms reach the router
+    assert_same_gradients(gradients, reference, atol=2e-2, rtol=2e-2)

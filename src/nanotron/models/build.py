@@ -12,7 +12,7 @@ from nanotron.config import Config
 from nanotron.models.init import init_parameters
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
-from nanotron.nn.recompute import recompute_in_backward
+from nanotron.nn.recompute import compile_layer, recompute_in_backward
 from nanotron.parallel.context import GridPosition, ParallelContext
 from nanotron.parallel.context_parallel import apply_context_parallel
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
@@ -142,5 +142,5 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
             recompute_in_backward(layer, options.recompute_granularity)
     if options.compile:
         for layer in model.layers.values():
-            layer.compile()
+            compile_layer(layer)
     return model
