@@ -109,11 +109,12 @@ class MixedPrecisionAdamW:
 
 def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, bucket_mb: float,
                     groups: dict[tuple[str, ...], dist.ProcessGroup], declared_no_decay: set[str] = frozenset(),
-                    ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
-    """Gradient buckets (fp32 when accumulating in fp32) reduced over ``groups`` (gradient axes -> process group,
-    ``ParallelContext.reduction_groups``) and the optimizer over their shards."""
+                    single_micro_batch: bool = False) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
+    """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
+    ``groups`` (gradient axes -> process group, ``ParallelContext.reduction_groups``) and the optimizer over their
+    shards; ``single_micro_batch``: every step has one micro-batch per replica."""
     exclude = args.weight_decay_exclude_named_params
     no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
     buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups,
-                              shard=args.zero_stage == 1)
+                              shard=args.zero_stage == 1, single_micro_batch=single_micro_batch)
     return buckets, MixedPrecisionAdamW(buckets, args)
