@@ -18,7 +18,7 @@ How each part is computed, and why:
   copy on another pipeline stage keeps its dtype). ZeRO-1 reduce-scatters into a slice of the full buffer, so the
   buffer keeps its full size.
 - **master weights**: the optimizer's fp32 copy of its shard (``optimizer.py`` clones the shard even when the model
-  is fp32). **Adam moments**: two more fp32 tensors of the same shard. With ``zero_stage: 1`` the shard of a
+  is fp32). **Adam moments**: two more tensors of the same shard, fp32 or ``optimizer.adam_moments_dtype``. With ``zero_stage: 1`` the shard of a
   parameter is 1/n of it, n the ranks of its gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense
   weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
@@ -260,6 +260,10 @@ def _stage_state(config: Config, stage: int) -> _StageState:
     )
 
 
+def _moment_bytes(config: Config) -> int:
+    return getattr(torch, config.optimizer.adam_moments_dtype).itemsize
+
+
 def _fp8_weight_elements(module: nn.Module) -> int:
     """Weight elements of ``module`` if a converter gave it an FP8 matmul (the bias stays in the model dtype)."""
     if not any(isinstance(value, FP8Matmul) for value in vars(module).values()):
@@ -384,7 +388,7 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     return StageMemory(
         stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes,
         gradients=state.gradient_bytes, master_weights=int(4 * state.optimizer_elements),
-        adam_moments=int(8 * state.optimizer_elements),
+        adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
         activations=in_flight * kept + backward, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )
 
