@@ -130,6 +130,11 @@ def precision(config) -> str:
     return {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(config.model.dtype, config.model.dtype)
 
 
+def adam_moments(config) -> str:
+    """The dtype of the optimizer's Adam moments (``bf16`` is a lower-precision option), as ``precision`` writes it."""
+    return {"bfloat16": "bf16", "float32": "fp32"}[config.optimizer.adam_moments_dtype]
+
+
 def nanotron_config(args, preset: str, overrides: list[str]):
     """The bench config (examples/config_llama1b_bench.yaml) with the preset's model, the command's shape and
     ``overrides`` (section.key=value)."""
@@ -193,7 +198,8 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
                      trainer.step_log.peak_flops)
     fp8 = config.fp8.recipe if precision(config) == "fp8" else None
     return result | memory | counted | {"preset": preset, "overrides": overrides, "precision": precision(config),
-                                        "fp8_recipe": fp8, "parameters": trainer.num_parameters,
+                                        "fp8_recipe": fp8, "adam_moments": adam_moments(config),
+                                        "parameters": trainer.num_parameters,
                                         "flops_per_token": flops_per_token, "layout": trainer.pc.sizes,
                                         "saves": saves}, batches[0]
 

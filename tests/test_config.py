@@ -120,6 +120,7 @@ FULL: dict[str, Any] = {
         "adam_eps": 1e-6,
         "adam_beta1": 0.8,
         "adam_beta2": 0.99,
+        "adam_moments_dtype": "bfloat16",
         "torch_adam_is_fused": False,
         "skip_bad_steps": 2,
         "loss_spike_factor": 3.0,

@@ -38,7 +38,7 @@ EXPECTED_LITERALS = {
     "optimizer.learning_rate_scheduler.lr_decay_style", "logging.log_level", "logging.log_level_replica",
     "logging.wandb.mode", "fp8.recipe", "fp8.gradient_format", "model.model_config._attn_implementation",
     "model.model_config.flex_attention_mask", "model.model_config.moe_config.token_dispatcher_type",
-    "parallelism.recompute_granularity",
+    "parallelism.recompute_granularity", "optimizer.adam_moments_dtype",
 }
 
 

@@ -10,14 +10,15 @@ from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_, adamw_upda
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_compiled_adamw_matches_the_reference():
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_compiled_adamw_matches_the_reference(moments):
     device = torch.device("cuda")
     compiled = adamw_update_function(device, fused=True)
     assert compiled is not adamw_update_
     generator = torch.Generator(device).manual_seed(0)
     for numel in (1000, 3 * 2**20 + 7):  # two sizes: one compiled kernel serves every shard size
         state = {"master": torch.randn(numel, device=device, generator=generator)}
-        state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(state["master"]), torch.zeros_like(state["master"])
+        state["exp_avg"], state["exp_avg_sq"] = (torch.zeros_like(state["master"], dtype=moments) for _ in range(2))
         fast = {k: v.clone() for k, v in state.items()}
         weights, fast_weights = (torch.empty(numel, dtype=torch.bfloat16, device=device) for _ in range(2))
         for step in range(1, 4):
@@ -26,8 +27,9 @@ def test_compiled_adamw_matches_the_reference():
                                                  torch.tensor(0.7, device=device), device)
             adamw_update_(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], weights, hyper)
             compiled(fast["master"], grad, fast["exp_avg"], fast["exp_avg_sq"], fast_weights, hyper)
-        for key in state:
-            torch.testing.assert_close(fast[key], state[key], rtol=1e-6, atol=1e-7)
+        for key in state:  # bf16 moments: a fused computation may round the other way
+            tolerance = 2**-7 if state[key].dtype == torch.bfloat16 else 1e-6
+            torch.testing.assert_close(fast[key], state[key], rtol=tolerance, atol=1e-7)
         assert torch.equal(fast_weights, fast["master"].to(torch.bfloat16))
 
 

@@ -13,10 +13,12 @@ How each part is computed, and why:
   shared by two modules (tied embeddings on one stage) counts once; the last stage's own copy of a tied embedding
   counts there.
 - **gradients**: one flat buffer of the same elements (``data_parallel.py``): fp32 with
-  ``optimizer.accumulate_grad_in_fp32``, else the parameter's dtype. ZeRO-1 reduce-scatters into a slice of the
-  full buffer, so the buffer keeps its full size.
+  ``optimizer.accumulate_grad_in_fp32`` where gradients are summed in it, else the parameter's dtype
+  (``gradient_dtype``: with one micro-batch per step, a parameter with no replicas over its gradient axes and no
+  copy on another pipeline stage keeps its dtype). ZeRO-1 reduce-scatters into a slice of the full buffer, so the
+  buffer keeps its full size.
 - **master weights**: the optimizer's fp32 copy of its shard (``optimizer.py`` clones the shard even when the model
-  is fp32). **Adam moments**: two more fp32 tensors of the same shard. With ``zero_stage: 1`` the shard of a
+  is fp32). **Adam moments**: two more tensors of the same shard, fp32 or ``optimizer.adam_moments_dtype``. With ``zero_stage: 1`` the shard of a
   parameter is 1/n of it, n the ranks of its gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense
   weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
@@ -53,7 +55,8 @@ parallelism (28.27 GB, two ranks with gloo on one H200), the 8B shape at dp=2 wi
 H200 with recomputed layers and bf16 gradients (135.7 GB; 142.1 GB in FP8): within 1%. The tp=2 layout peaked at
 30.4 GB at an older commit with NCCL on two GPUs, 7% above the estimate by the size of one rank's bf16 logits
 (2.1 GB), not of any parameter state; that difference is not explained. Compiled Mamba at 130M (24.6 GB; 7.0 GB
-with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
+with recomputed layers) and 1.4B (76.6 GB): within 0.3%. The one-GPU runs of one micro-batch per step among these
+were measured with fp32 gradient buffers, which such runs no longer allocate (the 1B's estimate is 2.47 GB lower).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import ActivationShape, ModelSpec
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.parallel.context import GridPosition
+from nanotron.parallel.data_parallel import gradient_dtype
 from nanotron.parallel.pipeline_partition import held_layers
 from nanotron.parallel.placement import get_placement
 from nanotron.parallel.tensor_parallel import REDUCE_SCATTER
@@ -239,17 +243,25 @@ def _stage_state(config: Config, stage: int) -> _StageState:
     model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
     weight_bytes = gradient_bytes = 0
     optimizer_elements = 0.0
+    single_micro_batch = config.tokens.batch_accumulation_per_replica == 1
     for param in model.parameters():  # each shared parameter once
         elements, element_bytes = param.numel(), param.element_size()
         weight_bytes += elements * element_bytes
-        gradient_bytes += elements * (4 if optimizer.accumulate_grad_in_fp32 else element_bytes)
-        replicas = math.prod(sizes[axis] for axis in get_placement(param).gradient_axes)
+        placement = get_placement(param)
+        replicas = math.prod(sizes[axis] for axis in placement.gradient_axes)
+        grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch, replicas,
+                                    bool(placement.pipeline_copies))
+        gradient_bytes += elements * grad_dtype.itemsize
         optimizer_elements += elements / replicas if optimizer.zero_stage == 1 else elements
     return _StageState(
         layers=held_layers(model), weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
         optimizer_elements=optimizer_elements, fp8_weight_elements=sum(map(_fp8_weight_elements, model.modules())),
         padded_vocab_size=model.padded_vocab_size,
     )
+
+
+def _moment_bytes(config: Config) -> int:
+    return getattr(torch, config.optimizer.adam_moments_dtype).itemsize
 
 
 def _fp8_weight_elements(module: nn.Module) -> int:
@@ -376,7 +388,7 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     return StageMemory(
         stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes,
         gradients=state.gradient_bytes, master_weights=int(4 * state.optimizer_elements),
-        adam_moments=int(8 * state.optimizer_elements),
+        adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
         activations=in_flight * kept + backward, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )
 

@@ -98,6 +98,7 @@ class Trainer:
         self.buckets, self.optimizer = build_optimizer(
             self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.reduction_groups,
             declared_names(self.model, "no_weight_decay_parameters"),
+            single_micro_batch=config.tokens.batch_accumulation_per_replica == 1,
         )
         self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         self.schedule = pipeline_schedule(config, self.pc, self._stage_forward, self._before_last_backward)

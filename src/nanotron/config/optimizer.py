@@ -3,11 +3,16 @@
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from nanotron.config.rules import at_least, positive
+from nanotron.config.rules import Spellings, at_least, positive
 
 LR_KEY = "optimizer.learning_rate_scheduler"
+MomentsDType = Annotated[Literal["float32", "bfloat16"],
+                         Spellings(fold=str.lower, aliases={"fp32": "float32", "bf16": "bfloat16"})]
+# The largest Adam beta that bf16 moments take: bf16 keeps 8 significant bits (a relative spacing of 2^-7 = 0.0078),
+# so ``beta * m + (1 - beta) * x`` with a smaller ``1 - beta`` can round back to ``m`` (at 0.999, always does).
+BF16_MOMENTS_MAX_BETA = 0.99
 
 
 @dataclass
@@ -47,6 +52,7 @@ class OptimizerArgs:
     adam_eps: float = 1e-8
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+    adam_moments_dtype: MomentsDType = "float32"  # bfloat16: a lower-precision option, fp32 arithmetic and masters
     torch_adam_is_fused: bool = True
     skip_bad_steps: int = 0  # bad steps in a row whose update is skipped before the run stops (0: stop at the first)
     loss_spike_factor: float | None = None  # a loss above this times the recent mean counts as a bad step
@@ -67,6 +73,11 @@ class OptimizerArgs:
             beta = getattr(self, name)
             if not 0 <= beta < 1:
                 yield f"optimizer.{name} must be in [0, 1) (got {beta})"
+            elif self.adam_moments_dtype == "bfloat16" and beta > BF16_MOMENTS_MAX_BETA:
+                yield (f"optimizer.{name} ({beta}) must be <= {BF16_MOMENTS_MAX_BETA} with optimizer.adam_moments_dtype "
+                       f"bfloat16: bf16 keeps 8 significant bits, so a moment updated by beta * m + (1 - beta) * x "
+                       f"with so small a 1 - beta rounds back to its old value (at 0.999 the second moment never "
+                       f"decays); lower optimizer.{name} or set optimizer.adam_moments_dtype: float32")
         for i, pattern in enumerate(self.weight_decay_exclude_named_params or []):
             try:
                 re.compile(pattern)

@@ -43,21 +43,25 @@ class GlobalGradNorm:
     def __init__(self, buckets: GradientBuckets, parallel_context: ParallelContext):
         coords, sizes = parallel_context.coordinates, parallel_context.sizes
         self.device = parallel_context.device
-        self.pieces: list[torch.Tensor] = []
+        # Pieces by dtype (gradient buffers are fp32 or the model dtype, ``gradient_dtype``): a multi-tensor kernel
+        # takes one dtype, and a mixed list would fall back to a kernel per piece.
+        self.pieces: dict[torch.dtype, list[torch.Tensor]] = {}
         for name, values, split_axes, in_param in buckets.grad_pieces():
             param = buckets.params[name]
             placement = get_placement(param)
             if not placement.is_unique_copy(coords, split_axes):
                 continue
             duplicates = placement.duplicate_rows(coords, sizes)
-            self.pieces += _counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values]
+            counted = _counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values]
+            self.pieces.setdefault(values.dtype, []).extend(counted)
 
     def __call__(self) -> torch.Tensor:
         # One multi-tensor pass reads every gradient once (a pow and a sum per piece would write a squared copy).
-        # CUDA reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4 for a
-        # million elements, so the CPU accumulates in fp64.
+        # The norms accumulate in fp32 whatever the gradients' dtype (without ``dtype`` a bf16 piece's norm would be
+        # bf16). CUDA reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4
+        # for a million elements, so the CPU accumulates in fp64.
         accumulate = torch.float64 if self.device.type == "cpu" else torch.float32
-        norms = torch._foreach_norm(self.pieces, 2, dtype=accumulate) if self.pieces else []
+        norms = [norm for pieces in self.pieces.values() for norm in torch._foreach_norm(pieces, 2, dtype=accumulate)]
         total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros((), device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(total)

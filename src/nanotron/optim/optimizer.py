@@ -5,8 +5,12 @@ updates that would vanish when added to a bf16 weight are kept. After each step 
 the model's parameters (and, with ZeRO-1, all-gathered over data-parallel ranks). Without ZeRO a rank's shard is the
 whole bucket; with ZeRO-1 it is 1/dp of it, so masters and Adam moments take 1/dp of the memory.
 
+The Adam moments are fp32, or bf16 with ``optimizer.adam_moments_dtype: bfloat16`` (the update still computes in
+fp32, ``adamw.py``); masters stay fp32 either way.
+
 Checkpoints need state per logical parameter, not per shard: ``bucket_states`` gathers one bucket at a time over
-data-parallel ranks and cuts it into parameters; ``load_bucket_states`` does the reverse.
+data-parallel ranks and cuts it into parameters; ``load_bucket_states`` does the reverse. Checkpoints hold fp32
+moments whatever their dtype in training, so a run resumes with either setting.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ class MixedPrecisionAdamW:
         self.buckets = buckets
         self.args = args
         self.masters = [b.params[b.shard].detach().float().clone() for b in buckets.buckets]
-        self.exp_avgs = [torch.zeros_like(m) for m in self.masters]
-        self.exp_avg_sqs = [torch.zeros_like(m) for m in self.masters]
+        moments_dtype = getattr(torch, args.adam_moments_dtype)
+        self.exp_avgs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.masters]
+        self.exp_avg_sqs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.masters]
         self.step_count = 0
         self.device = buckets.buckets[0].params.device
         self._update = adamw_update_function(self.device, args.torch_adam_is_fused)
@@ -65,7 +70,7 @@ class MixedPrecisionAdamW:
             master.copy_(bucket.params[bucket.shard])
 
     def local_state_numel(self) -> int:
-        """Elements of fp32 optimizer state held by this rank (masters and both moments)."""
+        """Elements of optimizer state held by this rank (masters and both moments)."""
         return sum(m.numel() for m in self.masters) * 3
 
     # --- checkpointing -------------------------------------------------------------------------------------------
@@ -74,9 +79,10 @@ class MixedPrecisionAdamW:
         return {"master": self.masters, "exp_avg": self.exp_avgs, "exp_avg_sq": self.exp_avg_sqs}[kind][index]
 
     def bucket_states(self) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
-        """Per bucket: {parameter name: {state kind: tensor of the parameter's local shape}}.
+        """Per bucket: {parameter name: {state kind: fp32 tensor of the parameter's local shape}}.
 
-        Collective over data-parallel ranks under ZeRO-1 (the shards are all-gathered), local otherwise.
+        Collective over data-parallel ranks under ZeRO-1 (the shards are all-gathered), local otherwise. bf16 moments
+        are upcast, a bucket at a time.
         """
         buckets = self.buckets
         kinds = STATE_KINDS if self.step_count else ("master",)
@@ -89,13 +95,14 @@ class MixedPrecisionAdamW:
                     dist.all_gather_into_tensor(whole, shard.contiguous(), group=bucket.group)
                 else:
                     whole = shard
-                full[kind] = whole
+                full[kind] = whole.float()
             yield {name: {kind: full[kind][slice(*bucket.ranges[name])].view(bucket.shapes[name]) for kind in full}
                    for name in bucket.names}
 
     @torch.no_grad()
     def load_bucket_states(self, read: Callable[[str, str, torch.Tensor], None], step: int) -> None:
-        """Fill masters and moments; ``read(name, kind, out)`` fills ``out`` (the parameter's local shape) in fp32."""
+        """Fill masters and moments; ``read(name, kind, out)`` fills ``out`` (the parameter's local shape) in fp32,
+        which the moments' dtype then rounds."""
         for index, bucket in enumerate(self.buckets.buckets):
             for kind in STATE_KINDS:
                 whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.masters[index].device)
@@ -109,11 +116,12 @@ class MixedPrecisionAdamW:
 
 def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, bucket_mb: float,
                     groups: dict[tuple[str, ...], dist.ProcessGroup], declared_no_decay: set[str] = frozenset(),
-                    ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
-    """Gradient buckets (fp32 when accumulating in fp32) reduced over ``groups`` (gradient axes -> process group,
-    ``ParallelContext.reduction_groups``) and the optimizer over their shards."""
+                    single_micro_batch: bool = False) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
+    """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
+    ``groups`` (gradient axes -> process group, ``ParallelContext.reduction_groups``) and the optimizer over their
+    shards; ``single_micro_batch``: every step has one micro-batch per replica."""
     exclude = args.weight_decay_exclude_named_params
     no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
     buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups,
-                              shard=args.zero_stage == 1)
+                              shard=args.zero_stage == 1, single_micro_batch=single_micro_batch)
     return buckets, MixedPrecisionAdamW(buckets, args)

@@ -1,7 +1,7 @@
 """Data parallelism: gradients in flat buckets, reduced over replicas while the backward pass is still running.
 
-Every local parameter gets a slice of a flat gradient buffer (fp32 with ``accumulate_grad_in_fp32``, else the model
-dtype) and of a flat parameter buffer (the parameter's storage). Buffers are cut into buckets of about
+Every local parameter gets a slice of a flat gradient buffer (``gradient_dtype``: fp32 with ``accumulate_grad_in_fp32``
+where gradients are summed in it, else the model dtype) and of a flat parameter buffer (the parameter's storage). Buffers are cut into buckets of about
 ``model.ddp_bucket_cap_mb``, filled in reverse registration order, which is roughly the order in which the backward
 pass produces gradients. A post-accumulate-grad hook adds each micro-batch's gradient into the buffer; the first
 gradient of a parameter in a step is copied instead, so the buffer never needs a separate zeroing pass. During the
@@ -27,6 +27,21 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from nanotron.parallel.placement import get_placement
+
+
+def gradient_dtype(param_dtype: torch.dtype, accumulate_in_fp32: bool, single_micro_batch: bool, replicas: int,
+                   tied_across_stages: bool) -> torch.dtype:
+    """The dtype of a parameter's slice of the gradient buffer.
+
+    ``accumulate_in_fp32`` asks for fp32 so that the sums made in the buffer are made in fp32: the micro-batches of a
+    step (added by the hook), the reduction over ``replicas`` and the tied copies' sum over pipeline stages
+    (``sync_tied_copies``). Where none of them happens the buffer only ever holds the backward's gradient, which is
+    in the parameter's dtype: fp32 would hold the same numbers in twice the bytes, written by the hook and read by
+    the grad norm and the optimizer every step. Any other sum of a gradient (sequence-parallel weights over TP, kv
+    heads shared by TP ranks) happens in autograd, in the parameter's dtype, before the gradient reaches the buffer.
+    """
+    summed = not single_micro_batch or replicas > 1 or tied_across_stages
+    return torch.float32 if accumulate_in_fp32 and summed else param_dtype
 
 
 @dataclass
@@ -70,12 +85,17 @@ class GradientBuckets:
     A bucket only holds parameters that share a reduction group (their gradient axes: dense weights over dp × cp ×
     ep, expert weights over dp × cp), a dtype (an fp32 parameter among bf16 ones keeps its precision) and a weight-decay
     setting. ``groups`` maps gradient axes to their process group (``ParallelContext.reduction_groups``).
+    ``single_micro_batch`` promises one gradient per parameter and step (``batch_accumulation_per_replica`` 1), which
+    lets buckets that are not reduced keep their gradients in the parameter's dtype (``gradient_dtype``); a second
+    gradient in a step then is an error rather than a sum in lower precision.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], accumulate_in_fp32: bool,
-                 bucket_bytes: int, groups: dict[tuple[str, ...], dist.ProcessGroup], shard: bool):
+                 bucket_bytes: int, groups: dict[tuple[str, ...], dist.ProcessGroup], shard: bool,
+                 single_micro_batch: bool = False):
         self.params = params
         self.shard_over_replicas = shard
+        self.single_micro_batch = single_micro_batch
         self.final_micro_batch = False
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[str, Bucket] = {}
@@ -87,16 +107,20 @@ class GradientBuckets:
                     kind = (get_placement(params[name]).gradient_axes, params[name].dtype)
                     by_kind.setdefault(kind, []).append(name)
             for (axes, dtype), names in by_kind.items():
-                grad_dtype = torch.float32 if accumulate_in_fp32 else dtype
+                replicas = dist.get_world_size(groups[axes])
+                grad_dtype = gradient_dtype(dtype, accumulate_in_fp32, single_micro_batch, replicas, False)
                 element_bytes = torch.finfo(grad_dtype).bits // 8
                 current: list[str] = []
                 for name in names:
-                    alone = bool(get_placement(params[name]).pipeline_copies)
-                    if alone and current:
-                        self._add_bucket(current, decay, grad_dtype, axes, groups[axes])
-                        current = []
+                    if get_placement(params[name]).pipeline_copies:  # a tied copy: a bucket of its own
+                        if current:
+                            self._add_bucket(current, decay, grad_dtype, axes, groups[axes])
+                            current = []
+                        tied_dtype = gradient_dtype(dtype, accumulate_in_fp32, single_micro_batch, replicas, True)
+                        self._add_bucket([name], decay, tied_dtype, axes, groups[axes])
+                        continue
                     current.append(name)
-                    if alone or sum(params[n].numel() for n in current) * element_bytes >= bucket_bytes:
+                    if sum(params[n].numel() for n in current) * element_bytes >= bucket_bytes:
                         self._add_bucket(current, decay, grad_dtype, axes, groups[axes])
                         current = []
                 if current:
@@ -141,6 +165,9 @@ class GradientBuckets:
             bucket = buckets.bucket_of[name]
             start, end = bucket.ranges[name]
             if name in bucket.written:
+                if buckets.single_micro_batch:
+                    raise RuntimeError(f"{name} got a second gradient in a step of one micro-batch: its gradient "
+                                       "buffer may be in the model dtype, where a sum would lose precision")
                 bucket.grads[start:end].add_(param.grad.flatten())
             else:  # the multi-tensor copy converts bf16 to fp32 at memory speed, unlike copy_ (measured on H200)
                 torch._foreach_copy_([bucket.grads[start:end]], [param.grad.flatten()])

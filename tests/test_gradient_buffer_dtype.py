@@ -1,0 +1,170 @@
+"""Gradient buffers in the model dtype where nothing is summed in them (``data_parallel.gradient_dtype``): which
+buckets get which dtype, that training is unchanged, and what the memory planner counts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import run_distributed, run_distributed_each
+from helpers import ROOT, tiny_config_dict
+from nanotron.config import LRSchedulerArgs, OptimizerArgs, load_config
+from nanotron.memory import estimate_memory
+from nanotron.optim.optimizer import build_optimizer
+from nanotron.parallel.placement import Placement, Shard, annotate_placements, get_placement, set_placement
+
+DENSE_AXES, EXPERT_AXES = ("dp", "cp", "ep"), ("dp", "cp")
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group in this process: the reduction group of a run without data parallelism."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def annotated(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    holder = nn.Module()
+    for name, param in params.items():
+        holder.register_parameter(name, param)
+    annotate_placements(holder)
+    return params
+
+
+def build(params: dict[str, nn.Parameter], groups: dict, single_micro_batch: bool, accumulate_in_fp32: bool = True):
+    args = OptimizerArgs(learning_rate_scheduler=LRSchedulerArgs(learning_rate=1e-2),
+                         accumulate_grad_in_fp32=accumulate_in_fp32)
+    return build_optimizer(params, args, bucket_mb=1.0, groups=groups, single_micro_batch=single_micro_batch)
+
+
+def grad_dtypes(buckets) -> dict[str, torch.dtype]:
+    return {name: bucket.grads.dtype for bucket in buckets.buckets for name in bucket.names}
+
+
+def bf16_and_fp32_params() -> dict[str, nn.Parameter]:
+    return {"w": nn.Parameter(torch.ones(8, dtype=torch.bfloat16)), "router": nn.Parameter(torch.ones(4))}
+
+
+@pytest.mark.parametrize("single_micro_batch, accumulate_in_fp32, expected", [
+    (True, True, torch.bfloat16),  # one gradient, no replica, no tied copy: nothing is summed
+    (False, True, torch.float32),  # micro-batches are summed in the buffer
+    (False, False, torch.bfloat16),  # asked for sums in the model dtype
+])
+def test_a_bucket_is_fp32_only_where_gradients_are_summed_in_it(group, single_micro_batch, accumulate_in_fp32,
+                                                                 expected):
+    buckets, _ = build(annotated(bf16_and_fp32_params()), {DENSE_AXES: group}, single_micro_batch, accumulate_in_fp32)
+    assert grad_dtypes(buckets) == {"w": expected, "router": torch.float32}  # an fp32 parameter keeps fp32
+
+
+def test_a_weight_tied_across_pipeline_stages_keeps_an_fp32_buffer(group):
+    params = annotated(bf16_and_fp32_params())
+    set_placement(params["w"], replace(get_placement(params["w"]), pipeline_copies=(0, 1)))  # summed over stages
+    buckets, _ = build(params, {DENSE_AXES: group}, single_micro_batch=True)
+    assert grad_dtypes(buckets)["w"] == torch.float32
+
+
+def test_a_model_dtype_buffer_holds_the_backward_gradient_exactly_and_refuses_a_second_one(group):
+    param = nn.Parameter(torch.linspace(-1, 1, 64, dtype=torch.bfloat16))
+    buckets, _ = build(annotated({"w": param}), {DENSE_AXES: group}, single_micro_batch=True)
+    (param.float() ** 3).sum().backward()
+    buckets.final_micro_batch = True
+    buckets.finish_reduction()
+    expected = (3 * param.detach().float() ** 2).to(torch.bfloat16)  # the gradient autograd writes, in bf16
+    assert buckets.gradient("w").dtype == torch.bfloat16 and torch.equal(buckets.gradient("w"), expected)
+    with pytest.raises(RuntimeError, match="second gradient in a step of one micro-batch"):
+        (param.float() * 2).sum().backward()  # a sum in bf16 would round: a broken promise is an error
+
+
+def _dense_and_expert_buckets() -> dict:
+    """Two ranks as two expert-parallel ranks: the dense weight is reduced over both (fp32 buffer), each rank's
+    expert is its own (bf16 buffer). Returns the dtypes, the reduced gradients and the global grad norm."""
+    from nanotron.optim.clip import GlobalGradNorm
+    from nanotron.parallel.context import ParallelContext
+
+    pc = ParallelContext(ep=2)
+    rank = pc.coord("ep")
+    dense = nn.Parameter(torch.full((4,), 1.0 + rank, dtype=torch.bfloat16))
+    expert = nn.Parameter(torch.full((4,), 3.0 + rank, dtype=torch.bfloat16))
+    set_placement(dense, Placement("dense", (4,)))
+    set_placement(expert, Placement("expert", (8,), (Shard("ep", 0),)))
+    buckets, _ = build({"dense": dense, "expert": expert}, pc.reduction_groups, single_micro_batch=True)
+    buckets.final_micro_batch = True
+    (dense.float() ** 2 / 3).sum().add((expert.float() ** 2 / 3).sum()).backward()
+    buckets.finish_reduction()
+    return {"dtypes": grad_dtypes(buckets), "norm": GlobalGradNorm(buckets, pc)().item(),
+            "dense": buckets.gradient("dense").clone(), "expert": buckets.gradient("expert").clone()}
+
+
+def test_over_two_ranks_the_reduced_bucket_is_fp32_and_the_unreduced_one_bf16():
+    results = run_distributed(_dense_and_expert_buckets, 2)
+    # Each rank's backward gradients, 2x/3 computed in fp32 and stored in the parameters' dtype.
+    denses, experts = ([(torch.full((4,), 2 * (start + r)) / 3).to(torch.bfloat16) for r in range(2)]
+                       for start in (1.0, 3.0))
+    dense_sum = denses[0].float() + denses[1].float()
+    for rank, result in enumerate(results):
+        assert result["dtypes"] == {"dense": torch.float32, "expert": torch.bfloat16}
+        assert torch.equal(result["dense"], dense_sum)  # summed in fp32
+        assert torch.equal(result["expert"], experts[rank])
+    exact = (dense_sum.double().square().sum() + sum(e.double().square().sum() for e in experts)).sqrt().item()
+    assert results[0]["norm"] == results[1]["norm"] == pytest.approx(exact, rel=1e-6)
+
+
+# --- training: bf16 buffers give the run of fp32 buffers --------------------------------------------------------
+
+
+def _train_bf16(config: dict, fp32_buffers: bool) -> dict:
+    """Train ``config``; with ``fp32_buffers`` every bucket is built as if micro-batches were summed in it."""
+    import nanotron.trainer as trainer_module
+    from nanotron.config import config_from_dict
+
+    build_all = trainer_module.build_optimizer
+    if fp32_buffers:
+        trainer_module.build_optimizer = lambda *a, **k: build_all(*a, **(k | {"single_micro_batch": False}))
+    try:
+        trainer = trainer_module.Trainer(config_from_dict(config))
+    finally:
+        trainer_module.build_optimizer = build_all
+    dtypes = {bucket.grads.dtype for bucket in trainer.buckets.buckets}
+    trainer.train()
+    lines = trainer.config.resolved_metrics_path().read_text().splitlines()
+    return {"dtypes": dtypes, "metrics": [json.loads(line) for line in lines]}
+
+
+def test_bf16_training_with_model_dtype_buffers_equals_fp32_buffers(tiny_data, tmp_path):
+    def config(name):
+        return tiny_config_dict(tiny_data, tmp_path / name, model={"dtype": "bfloat16"},
+                                tokens={"batch_accumulation_per_replica": 1, "train_steps": 4})
+
+    narrow, wide = run_distributed_each(_train_bf16, 1, [{"config": config("narrow"), "fp32_buffers": False},
+                                                         {"config": config("wide"), "fp32_buffers": True}])
+    assert narrow[0]["dtypes"] == {torch.bfloat16} and wide[0]["dtypes"] == {torch.float32}
+    for got, expected in zip(narrow[0]["metrics"], wide[0]["metrics"], strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-6, abs=0)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6, abs=0)
+        assert got["grad_norm"] > 0
+
+
+# --- the memory planner ----------------------------------------------------------------------------------------
+
+
+def tiny_bf16_stages(*overrides: str):
+    config = load_config(ROOT / "examples" / "config_tiny_llama.yaml", ["model.dtype=bfloat16", *overrides])
+    return estimate_memory(config, gpu_memory_gb=80).stages
+
+
+def test_the_planner_counts_model_dtype_gradients_where_nothing_is_summed():
+    (one,) = tiny_bf16_stages("tokens.batch_accumulation_per_replica=1")
+    (two,) = tiny_bf16_stages("tokens.batch_accumulation_per_replica=2")
+    (replicated,) = tiny_bf16_stages("tokens.batch_accumulation_per_replica=1", "parallelism.dp=2")
+    assert one.gradients == one.weights  # bf16 weights, bf16 gradients
+    assert two.gradients == replicated.gradients == 2 * one.weights  # fp32
+    # Pipeline stages: the embedding and the head tied to it are summed over the two ends, in fp32.
+    embedding_bytes = 4096 * 128 * 2
+    for stage in tiny_bf16_stages("tokens.batch_accumulation_per_replica=1", "parallelism.pp=2"):
+        assert stage.gradients == stage.weights + embedding_bytes
