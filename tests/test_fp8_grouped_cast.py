@@ -1,0 +1,81 @@
+"""The grouped FP8 experts' backward casts as Triton kernels (``cast_per_group``: one pass for the amaxes, one that
+reads each tile once and writes both layouts) against the plain-torch casts they replace (``quantize_per_group``,
+``quantize`` per row, the weight's per-column cast), bit for bit: under Triton's interpreter on the CPU, and on a
+CUDA device, where ``_FP8GroupedLinear`` with the kernels also equals its plain-torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_with_triton_interpreter
+
+COUNTS = [5, 19, 0, 24, 40]  # one expert without tokens (16 zero rows once aligned), none a multiple of 16
+E4M3_MAX = 448.0
+
+
+def grouped_input(rows: int, columns: int, offsets: torch.Tensor, tokens: torch.Tensor, device: str,
+                  generator: torch.Generator) -> torch.Tensor:
+    """bf16 [rows, columns] grouped by ``offsets``, zero outside the ``tokens`` rows (the alignment's padding), each
+    group at its own magnitude. On the CPU every scale is a power of two and every scaled value on e4m3's grid, so
+    that no cast rounds: Triton's interpreter rounds some values at the top of a binade down a whole binade. Every
+    row then holds ±448·2^-e (its group's e) in column 0, and every (group, column c) 448·2^-(e+c%3) in the group's
+    first row, above the others (e4m3 values of at least 2^-2, times 2^-(e+c%3)). On CUDA the values are random."""
+    from nanotron.nn.fp8 import E4M3, group_of_rows
+
+    group = group_of_rows(offsets, rows)
+    exponent = (group % 3).float()[:, None] + (torch.arange(columns) % 3).float()[None, :]
+    base = torch.randn(rows, columns, generator=generator) * 16
+    if device == "cpu":
+        base = base.clamp(-440, 440).to(E4M3).float()
+        base = torch.where(base.abs() < 0.25, 0.0, base)
+        base[:, 0] = E4M3_MAX * torch.where(torch.rand(rows, generator=generator) < 0.5, -1.0, 1.0)
+        base[torch.cat([offsets.new_zeros(1), offsets[:-1]]).clamp(max=rows - 1).long(), 1:] = E4M3_MAX
+    x = base * 2.0 ** -exponent
+    token_rows = torch.zeros(rows, dtype=torch.bool)
+    token_rows[tokens] = True
+    return torch.where(token_rows[:, None], x, 0.0).to(torch.bfloat16).to(device)
+
+
+def assert_same_fp8(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+
+
+def check_cast_per_group(device: str = "cpu") -> None:
+    """``cast_per_group`` against the plain-torch casts, bit for bit (FP8 values and scales): the experts' layout of
+    ``COUNTS`` (an empty expert's 16 zero rows, tiles spanning several groups, a last tile past the rows), a group
+    without rows at all, feature counts that are not a multiple of the tile, and the weight's batch of matrices."""
+    from nanotron.models.moe.model import _grouped_layout
+    from nanotron.nn.fp8 import E4M3, GROUPED_ALIGNMENT, GROUPED_BLOCK_C, GROUPED_BLOCKS, cast_per_group, quantize
+    from nanotron.nn.fp8 import quantize_per_group
+
+    generator = torch.Generator().manual_seed(0)
+    layout = _grouped_layout(torch.zeros(sum(COUNTS), 1), torch.tensor(COUNTS), GROUPED_ALIGNMENT)
+    rows = layout[0].shape[0]
+    assert rows % (GROUPED_BLOCKS * GROUPED_ALIGNMENT) and layout[2].tolist() == [16, 48, 64, 96, 176]
+    cases = [(rows, layout[2], layout[1]), (80, torch.tensor([32, 32, 80]), torch.arange(80))]
+    for columns in (48, GROUPED_BLOCK_C + 16):
+        for rows, offsets, tokens in cases:
+            x = grouped_input(rows, columns, offsets, tokens, device, generator)
+            offsets = offsets.to(torch.int32).to(device)
+            out_t, column_scale, out, row_scale = cast_per_group(x[None], offsets, E4M3, True)
+            want, want_column_scale = quantize_per_group(x, offsets, E4M3)
+            want_rows, want_row_scale = quantize(x, E4M3, -1)
+            assert_same_fp8(out_t[0], want.t().contiguous(), f"per group, {rows}x{columns}")
+            assert torch.equal(column_scale[0], want_column_scale), f"group scales, {rows}x{columns}"
+            assert_same_fp8(out[0], want_rows, f"rowwise, {rows}x{columns}")
+            assert torch.equal(row_scale[0], want_row_scale.squeeze(-1)), f"row scales, {rows}x{columns}"
+            alone = cast_per_group(x[None], offsets, E4M3, False)
+            assert torch.equal(alone[0], out_t) and torch.equal(alone[1], column_scale) and not alone[2].numel()
+
+    weight = torch.stack([grouped_input(32, 48, torch.tensor([32]), torch.arange(32), device, generator)
+                          for _ in range(3)])
+    out_t, scale, _, _ = cast_per_group(weight, torch.tensor([32], dtype=torch.int32, device=device), E4M3, False)
+    want, want_scale = quantize(weight.transpose(-2, -1), E4M3, -1)
+    assert_same_fp8(out_t, want.contiguous(), "weight")
+    assert torch.equal(scale[:, 0], want_scale.squeeze(-1)), "weight scales"
+
+
+def test_the_grouped_cast_kernels_equal_the_plain_casts_under_the_interpreter():
+    run_with_triton_interpreter("from test_fp8_grouped_cast import check_cast_per_group; check_cast_per_group()")
