@@ -47,8 +47,15 @@ def check_cast_per_group(device: str = "cpu") -> None:
     ``COUNTS`` (an empty expert's 16 zero rows, tiles spanning several groups, a last tile past the rows), a group
     without rows at all, feature counts that are not a multiple of the tile, and the weight's batch of matrices."""
     from nanotron.models.moe.model import _grouped_layout
-    from nanotron.nn.fp8 import E4M3, GROUPED_ALIGNMENT, GROUPED_BLOCK_C, GROUPED_BLOCKS, cast_per_group, quantize
-    from nanotron.nn.fp8 import quantize_per_group
+    from nanotron.nn.fp8 import (
+        E4M3,
+        GROUPED_ALIGNMENT,
+        GROUPED_BLOCK_C,
+        GROUPED_BLOCKS,
+        cast_per_group,
+        quantize,
+        quantize_per_group,
+    )
 
     generator = torch.Generator().manual_seed(0)
     layout = _grouped_layout(torch.zeros(sum(COUNTS), 1), torch.tensor(COUNTS), GROUPED_ALIGNMENT)
@@ -77,5 +84,62 @@ def check_cast_per_group(device: str = "cpu") -> None:
     assert torch.equal(scale[:, 0], want_scale.squeeze(-1)), "weight scales"
 
 
+def check_grouped_linear(device: str = "cpu") -> None:
+    """``_FP8GroupedLinear``'s output and gradients with the backward's casts as kernels (three ``cast_per_group``
+    calls: the output gradient in both layouts, the input, the weight) equal those of its plain-torch casts, bit for
+    bit: the same FP8 values and scales in the same layouts reach the same grouped products. On the CPU (Triton's
+    interpreter) ``available`` is made to say yes, and the products are the emulation's."""
+    from unittest import mock
+
+    from nanotron.models.moe.model import _grouped_layout
+    from nanotron.nn import fp8
+
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.tensor(COUNTS)
+    _, tokens, offsets = _grouped_layout(torch.zeros(sum(COUNTS), 1), counts, fp8.GROUPED_ALIGNMENT)
+    rows = int(offsets[-1])
+    x = grouped_input(rows, 32, offsets, tokens, device, generator)
+    grad = grouped_input(rows, 48, offsets, tokens, device, generator)
+    weight = torch.stack([grouped_input(48, 32, torch.tensor([48]), torch.arange(48), device, generator)
+                          for _ in COUNTS])
+    offsets = offsets.to(device)
+
+    def run() -> list[torch.Tensor]:
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fp8._FP8GroupedLinear.apply(xi, wi, offsets, None)
+        out.backward(grad)
+        return [out, xi.grad, wi.grad]
+
+    casts = []
+    kernel = fp8.cast_per_group
+    with mock.patch.object(fp8, "cast_per_group", lambda *args: casts.append(args[3]) or kernel(*args)), \
+            mock.patch.object(fp8, "available", lambda device: True):
+        with_kernels = run()
+    assert casts == [True, False, False]
+    with mock.patch.object(fp8, "available", lambda device: False):
+        plain = run()
+    for name, got, want in zip(("output", "dx", "dW"), with_kernels, plain):
+        assert torch.equal(got, want), name
+        assert got.abs().sum() > 0, name
+
+
 def test_the_grouped_cast_kernels_equal_the_plain_casts_under_the_interpreter():
     run_with_triton_interpreter("from test_fp8_grouped_cast import check_cast_per_group; check_cast_per_group()")
+
+
+def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_under_the_interpreter():
+    run_with_triton_interpreter("from test_fp8_grouped_cast import check_grouped_linear; check_grouped_linear()")
+
+
+needs_fp8_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                                   reason="needs a CUDA GPU with FP8 casts (compute capability 8.9+)")
+
+
+@needs_fp8_gpu
+def test_the_grouped_cast_kernels_equal_the_plain_casts_on_cuda():
+    check_cast_per_group("cuda")
+
+
+@needs_fp8_gpu
+def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_on_cuda():
+    check_grouped_linear("cuda")
