@@ -143,3 +143,30 @@ def test_the_grouped_cast_kernels_equal_the_plain_casts_on_cuda():
 @needs_fp8_gpu
 def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_on_cuda():
     check_grouped_linear("cuda")
+
+
+@needs_fp8_gpu
+def test_compiled_grouped_linear_runs_the_cast_kernels_in_one_graph():
+    """Compiled whole (``fullgraph``: ``cast_per_group`` is a ``triton_op``, no graph break), the grouped linear with
+    the kernels follows the eager one: the compiler may compute a scale an ulp away from the division (see
+    ``test_cuda_kernels.py``), which moves a few casts by one FP8 step, not the products as a whole."""
+    from nanotron.models.moe.model import _grouped_layout
+    from nanotron.nn import fp8
+
+    torch.manual_seed(0)
+    counts = torch.tensor(COUNTS, device="cuda")
+    x, _, offsets = _grouped_layout(torch.randn(sum(COUNTS), 64, device="cuda", dtype=torch.bfloat16), counts, 16)
+    weight = torch.randn(len(COUNTS), 96, 64, device="cuda", dtype=torch.bfloat16) * 0.05
+    grad = torch.randn(x.shape[0], 96, device="cuda", dtype=torch.bfloat16)
+
+    def forward(xi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
+        return fp8._FP8GroupedLinear.apply(xi, wi, offsets, None)
+
+    results = []
+    for run in (forward, torch.compile(forward, fullgraph=True)):  # compiled, the backward is compiled with it
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = run(xi, wi)
+        out.backward(grad)
+        results.append([out.detach().float(), xi.grad.float(), wi.grad.float()])
+    for name, eager, compiled in zip(("output", "dx", "dW"), *results):
+        assert (compiled - eager).norm() <= 1e-2 * eager.norm(), name
