@@ -43,8 +43,10 @@ output gradient and each (expert, input column) of the weight along the output f
 ``dW_e = g_eᵀ x_e`` sums over expert e's tokens only, so both operands are scaled per (expert, feature) over those
 tokens (``quantize_per_group``): scaled over all tokens, one expert's large values would flush another's to zero.
 Each expert's tokens are padded to a multiple of 16 rows (the weight gradient's reduced dimension must be 16-byte
-aligned), in a buffer whose size depends on the token count only. Where the grouped op does not run (other GPUs,
-widths not a multiple of 16) the experts take a loop of per-expert products (``FP8Matmul``) with the same recipe.
+aligned), in a buffer whose size depends on the token count only. On CUDA the backward casts each operand with two
+Triton kernels (``cast_per_group``: the amaxes, then each tile read once and written in both layouts). Where the
+grouped op does not run (other GPUs, widths not a multiple of 16) the experts take a loop of per-expert products
+(``FP8Matmul``) with the same recipe.
 Under the ``delayed`` recipe too the experts scale from the current amax: they keep no history.
 """
 
@@ -608,6 +610,15 @@ def quantize_for_grouped_backward(x: torch.Tensor, offsets: torch.Tensor, dtype:
     if ranges is None and available(x.device):
         out_t, column_scale, out, row_scale = cast_per_group(x[None], offsets, dtype, rowwise)
         return out_t[0], column_scale[0], out[0] if rowwise else None, row_scale[0] if rowwise else None
+    return quantize_for_grouped_backward_reference(x, offsets, dtype, rowwise, ranges, operand)
+
+
+def quantize_for_grouped_backward_reference(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
+                                            rowwise: bool = False, ranges: FP8RangeCounts | None = None,
+                                            operand: int = INPUT
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                       torch.Tensor | None]:
+    """``quantize_for_grouped_backward``'s plain-torch casts, on every device (the kernels' reference)."""
     columns, column_scale = quantize_per_group(x, offsets, dtype, ranges, operand)
     out = row_scale = None
     if rowwise:
@@ -625,6 +636,12 @@ def quantize_weight_columns(weight: torch.Tensor, dtype: torch.dtype, ranges: FP
         ends = torch.full((1,), weight.shape[1], dtype=torch.int32, device=weight.device)
         out_t, scale, _, _ = cast_per_group(weight, ends, dtype, False)
         return out_t, scale[:, 0]
+    return quantize_weight_columns_reference(weight, dtype, ranges)
+
+
+def quantize_weight_columns_reference(weight: torch.Tensor, dtype: torch.dtype,
+                                      ranges: FP8RangeCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight_columns``'s plain-torch cast, on every device (the kernel's reference)."""
     wq, scale = quantize(weight.transpose(-2, -1), dtype, -1, ranges=ranges, operand=WEIGHT)
     return wq.contiguous(), scale.squeeze(-1)
 
