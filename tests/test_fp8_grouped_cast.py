@@ -87,8 +87,9 @@ def check_cast_per_group(device: str = "cpu") -> None:
 def check_grouped_linear(device: str = "cpu") -> None:
     """``_FP8GroupedLinear``'s output and gradients with the backward's casts as kernels (three ``cast_per_group``
     calls: the output gradient in both layouts, the input, the weight) equal those of its plain-torch casts, bit for
-    bit: the same FP8 values and scales in the same layouts reach the same grouped products. On the CPU (Triton's
-    interpreter) ``available`` is made to say yes, and the products are the emulation's."""
+    bit: the same FP8 values and scales in the same layouts reach the same grouped products. While ``ranges``
+    counts the casts' ranges the plain-torch casts run, counting every cast. On the CPU (Triton's interpreter)
+    ``available`` is made to say yes, and the products are the emulation's."""
     from unittest import mock
 
     from nanotron.models.moe.model import _grouped_layout
@@ -104,9 +105,9 @@ def check_grouped_linear(device: str = "cpu") -> None:
                           for _ in COUNTS])
     offsets = offsets.to(device)
 
-    def run() -> list[torch.Tensor]:
+    def run(ranges: fp8.FP8RangeCounts | None = None) -> list[torch.Tensor]:
         xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fp8._FP8GroupedLinear.apply(xi, wi, offsets, None)
+        out = fp8._FP8GroupedLinear.apply(xi, wi, offsets, ranges)
         out.backward(grad)
         return [out, xi.grad, wi.grad]
 
@@ -115,11 +116,15 @@ def check_grouped_linear(device: str = "cpu") -> None:
     with mock.patch.object(fp8, "cast_per_group", lambda *args: casts.append(args[3]) or kernel(*args)), \
             mock.patch.object(fp8, "available", lambda device: True):
         with_kernels = run()
-    assert casts == [True, False, False]
+        assert casts == [True, False, False]
+        ranges = fp8.FP8RangeCounts().to(device)
+        counted = run(ranges)  # counting the casts' ranges takes the plain-torch casts
+        assert casts == [True, False, False] and ranges.counts[:, 2].tolist() == [2 * x.numel(), 2 * weight.numel(),
+                                                                                 2 * grad.numel()]
     with mock.patch.object(fp8, "available", lambda device: False):
         plain = run()
-    for name, got, want in zip(("output", "dx", "dW"), with_kernels, plain):
-        assert torch.equal(got, want), name
+    for name, got, counted_got, want in zip(("output", "dx", "dW"), with_kernels, counted, plain):
+        assert torch.equal(got, want) and torch.equal(counted_got, want), name
         assert got.abs().sum() > 0, name
 
 
