@@ -52,7 +52,7 @@ def test_the_triton_kernels_equal_the_plain_torch_references():
 
 
 def written_kernel_arguments() -> dict[str, list[str]]:
-    """Each Triton kernel's arguments (Mamba's, and FP8's gradient cast) that torch.compile's analysis of its IR
+    """Each Triton kernel's arguments (Mamba's, and FP8's casts) that torch.compile's analysis of its IR
     takes as written, for sm_90 (the analysis only reads the IR, so a CPU build can run it)."""
     import triton
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
@@ -74,12 +74,16 @@ def written_kernel_arguments() -> dict[str, list[str]]:
                   "BLOCK_N": 16, "NUM_STAGES": 1}
     conv_sizes = {"length": 64, "channels": 16, "x_seq": 64 * 32, "x_row": 32, "KERNEL": 4, "HAS_BIAS": True,
                   "BLOCK_T": 32, "BLOCK_C": 128}
+    grouped_sizes = {"rows": 64, "columns": 64, "groups": 2, "FP8_MAX": 448.0, "ROW_AMAX": True, "ROWWISE": True,
+                     "GROUPS": 2, "BLOCKS": 4, "BLOCK_ROWS": 16, "BLOCK_C": 128}
     kernels = {"scan forward": (scan._forward_kernel, scan_sizes), "scan backward": (scan._backward_kernel, scan_sizes),
                "conv forward": (conv._conv_forward_kernel, conv_sizes),
                "conv pre-activation gradient": (conv._preactivation_gradient_kernel, conv_sizes),
                "conv input gradient": (conv._input_gradient_kernel, conv_sizes),
                "fp8 cast": (fp8._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
-                                                            "RECORD_AMAX": True, "BLOCK_R": 32, "BLOCK_C": 128})}
+                                                            "RECORD_AMAX": True, "BLOCK_R": 32, "BLOCK_C": 128}),
+               "fp8 grouped amax": (fp8._grouped_amax_kernel, grouped_sizes),
+               "fp8 grouped cast": (fp8._grouped_cast_kernel, grouped_sizes)}
     triton.runtime.driver.set_active(Hopper())
     written = {}
     for name, (kernel, sizes) in kernels.items():
@@ -108,7 +112,9 @@ def test_compiled_graphs_copy_no_input_of_the_kernels():
         "conv forward": ["out_ptr"],
         "conv pre-activation gradient": ["dpre_ptr"],
         "conv input gradient": ["dx_ptr"],
-        "fp8 cast": ["amax_ptr", "out_ptr", "out_t_ptr"]}
+        "fp8 cast": ["amax_ptr", "out_ptr", "out_t_ptr"],
+        "fp8 grouped amax": ["group_amax_ptr", "row_amax_ptr"],
+        "fp8 grouped cast": ["out_ptr", "out_t_ptr"]}
 
 
 def test_the_backward_prefetches_only_where_its_grid_overflows_one_wave(monkeypatch):

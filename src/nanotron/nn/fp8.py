@@ -43,8 +43,10 @@ output gradient and each (expert, input column) of the weight along the output f
 ``dW_e = g_eᵀ x_e`` sums over expert e's tokens only, so both operands are scaled per (expert, feature) over those
 tokens (``quantize_per_group``): scaled over all tokens, one expert's large values would flush another's to zero.
 Each expert's tokens are padded to a multiple of 16 rows (the weight gradient's reduced dimension must be 16-byte
-aligned), in a buffer whose size depends on the token count only. Where the grouped op does not run (other GPUs,
-widths not a multiple of 16) the experts take a loop of per-expert products (``FP8Matmul``) with the same recipe.
+aligned), in a buffer whose size depends on the token count only. On CUDA the backward casts each operand with two
+Triton kernels (``cast_per_group``: the amaxes, then each tile read once and written in both layouts). Where the
+grouped op does not run (other GPUs, widths not a multiple of 16) the experts take a loop of per-expert products
+(``FP8Matmul``) with the same recipe.
 Under the ``delayed`` recipe too the experts scale from the current amax: they keep no history.
 """
 
@@ -494,11 +496,163 @@ def quantize_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtyp
     return xq.view(rows, features), fp8_scale(amax, dtype)
 
 
+if triton is not None:
+    # Tiles of whole 16-row blocks: GROUPED_BLOCKS blocks of GROUPED_ALIGNMENT rows × GROUPED_BLOCK_C columns. Untimed
+    # (scripts/benchmark_fp8_cast.py --grouped sweeps them); the dense cast's 32 × 128 on 4 warps was within 8% of the
+    # fastest tile at every shape.
+    GROUPED_BLOCKS, GROUPED_BLOCK_C, GROUPED_WARPS = 4, 128, 4
+
+    @triton.jit
+    def _block_groups(first_rows, ends, groups):
+        """The group of each 16-row block starting at ``first_rows``: how many of the groups' ``ends`` lie at or
+        before its first row (``searchsorted(offsets, row, right=True)``), the last group for the blocks past the
+        last end (none, where the last end is the last row, but the blocks past the rows: their values are masked to
+        zeros). It takes the ends loaded, not their pointer: torch.compile's analysis takes a pointer passed to a
+        function as written, and would copy the offsets before every call."""
+        return tl.minimum(tl.sum((ends[None, :] <= first_rows[:, None]).to(tl.int32), axis=1), groups - 1)
+
+    @triton.jit
+    def _grouped_amax_kernel(x_ptr, offsets_ptr, group_amax_ptr, row_amax_ptr, rows, columns, groups,
+                             ROW_AMAX: tl.constexpr, GROUPS: tl.constexpr, BLOCKS: tl.constexpr,
+                             BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+        # A tile [BLOCKS, BLOCK_ROWS, BLOCK_C] of matrix ``batch``: each 16-row block lies in one group, and the tile's
+        # blocks may lie in several. Atomic max of non-negative floats: the order of the tiles does not matter.
+        batch = tl.program_id(2).to(tl.int64)
+        block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        r = block[:, None] * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[None, :]
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, :, None] < rows) & (c[None, None, :] < columns)
+        x = tl.load(x_ptr + (batch * rows + r[:, :, None]) * columns + c[None, None, :], mask=mask, other=0.0)
+        magnitudes = tl.abs(x.to(tl.float32))
+        ends = tl.load(offsets_ptr + tl.arange(0, GROUPS), mask=tl.arange(0, GROUPS) < groups, other=2**31 - 1)
+        group = _block_groups(block * BLOCK_ROWS, ends, groups)
+        block_amax = tl.max(magnitudes, axis=1)  # [BLOCKS, BLOCK_C]
+        if tl.min(group, axis=0) == tl.max(group, axis=0):  # the usual tile, inside one group: one atomic per column
+            tl.atomic_max(group_amax_ptr + (batch * groups + tl.min(group, axis=0)) * columns + c,
+                          tl.max(block_amax, axis=0), mask=c < columns)
+        else:
+            tl.atomic_max(group_amax_ptr + (batch * groups + group[:, None]) * columns + c[None, :], block_amax,
+                          mask=(c < columns)[None, :])
+        if ROW_AMAX:
+            tl.atomic_max(row_amax_ptr + batch * rows + r, tl.max(magnitudes, axis=2), mask=r < rows)
+
+    @triton.jit
+    def _grouped_cast_kernel(x_ptr, offsets_ptr, column_scale_ptr, row_scale_ptr, out_t_ptr, out_ptr, rows, columns,
+                             groups, FP8_MAX: tl.constexpr, ROWWISE: tl.constexpr, GROUPS: tl.constexpr,
+                             BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+        # FP8_MAX a compile-time constant, as in _cast_both_layouts_kernel. The tile is read once; its per-(group,
+        # column) scales are loaded once per 16-row block.
+        batch = tl.program_id(2).to(tl.int64)
+        block = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        r = block[:, None] * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[None, :]
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, :, None] < rows) & (c[None, None, :] < columns)
+        x = tl.load(x_ptr + (batch * rows + r[:, :, None]) * columns + c[None, None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        ends = tl.load(offsets_ptr + tl.arange(0, GROUPS), mask=tl.arange(0, GROUPS) < groups, other=2**31 - 1)
+        group = _block_groups(block * BLOCK_ROWS, ends, groups)
+        scale = tl.load(column_scale_ptr + (batch * groups + group[:, None]) * columns + c[None, :],
+                        mask=(c < columns)[None, :], other=0.0)
+        y = tl.clamp(x * scale[:, None, :], -FP8_MAX, FP8_MAX).to(out_t_ptr.dtype.element_ty)
+        tl.store(out_t_ptr + (batch * columns + c[:, None, None]) * rows + r[None, :, :], tl.permute(y, (2, 0, 1)),
+                 mask=tl.permute(mask, (2, 0, 1)))
+        if ROWWISE:
+            row_scale = tl.load(row_scale_ptr + batch * rows + r, mask=r < rows, other=0.0)
+            y = tl.clamp(x * row_scale[:, :, None], -FP8_MAX, FP8_MAX).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + (batch * rows + r[:, :, None]) * columns + c[None, None, :], y, mask=mask)
+
+    def _cast_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool, launch,
+                        tile: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``cast_per_group``'s two passes, each kernel launched through ``launch`` (``wrap_triton`` in the op; the
+        kernel itself in the benchmark) at ``tile`` (16-row blocks, columns, warps)."""
+        batch, rows, columns = x.shape
+        groups = offsets.shape[0]
+        x = x.contiguous()
+        blocks, block_c, warps = tile
+        grid = (triton.cdiv(rows, blocks * GROUPED_ALIGNMENT), triton.cdiv(columns, block_c), batch)
+        sizes = dict(GROUPS=triton.next_power_of_2(groups), BLOCKS=blocks, BLOCK_ROWS=GROUPED_ALIGNMENT,
+                     BLOCK_C=block_c, num_warps=warps)
+        group_amax = torch.zeros((batch, groups, columns), dtype=torch.float32, device=x.device)
+        row_amax = torch.zeros((batch, rows) if rowwise else (0,), dtype=torch.float32, device=x.device)
+        launch(_grouped_amax_kernel)[grid](x, offsets, group_amax, row_amax, rows, columns, groups,
+                                           ROW_AMAX=rowwise, **sizes)
+        column_scale, row_scale = fp8_scale(group_amax, dtype), fp8_scale(row_amax, dtype)
+        out_t = torch.empty((batch, columns, rows), dtype=dtype, device=x.device)
+        out = torch.empty((batch, rows, columns) if rowwise else (0,), dtype=dtype, device=x.device)
+        launch(_grouped_cast_kernel)[grid](x, offsets, column_scale, row_scale, out_t, out, rows, columns, groups,
+                                           FP8_MAX=torch.finfo(dtype).max, ROWWISE=rowwise, **sizes)
+        return out_t, column_scale, out, row_scale
+
+    @triton_op("nanotron::fp8_cast_per_group", mutates_args={})
+    def cast_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Matrices ``x`` [batch, rows, columns], their rows grouped by ``offsets`` (int32 cumulative ends, every
+        group whole 16-row blocks, the last end ``rows``), cast to ``dtype`` as ``quantize_per_group`` casts each:
+        returns them transposed [batch, columns, rows] with their scales [batch, groups, columns], and where
+        ``rowwise`` also row-major with one scale per row, as ``quantize(x, dtype, -1)`` (scales [batch, rows]; else
+        both empty). Two passes over ``x``: the amaxes (atomics), then the casts, each tile read once and written in
+        both layouts."""
+        return _cast_per_group(x, offsets, dtype, rowwise, wrap_triton,
+                               (GROUPED_BLOCKS, GROUPED_BLOCK_C, GROUPED_WARPS))
+
+
+def quantize_for_grouped_backward(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool = False,
+                                  ranges: FP8RangeCounts | None = None, operand: int = INPUT
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``x`` [rows, features] (grouped by ``offsets``) cast as the grouped backward's products take it: per (group,
+    feature) (``quantize_per_group``) and transposed, [features, rows] row-major (the weight gradient's product
+    reduces over the rows), with scales [groups, features]; and where ``rowwise`` (the output gradient, an operand of
+    the input gradient's product too) also per row over all features, row-major, with scales [rows] (else None).
+
+    On CUDA ``cast_per_group`` reads ``x`` twice, for the amaxes and for both casts, where the compiled plain-torch
+    casts ran about ten kernels with a gather and transposed copies. With ``ranges`` (a diagnostics mode: counting
+    saturated and flushed values needs the scaled tensor) the plain-torch casts run on every device."""
+    if ranges is None and available(x.device):
+        out_t, column_scale, out, row_scale = cast_per_group(x[None], offsets, dtype, rowwise)
+        return out_t[0], column_scale[0], out[0] if rowwise else None, row_scale[0] if rowwise else None
+    return quantize_for_grouped_backward_reference(x, offsets, dtype, rowwise, ranges, operand)
+
+
+def quantize_for_grouped_backward_reference(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
+                                            rowwise: bool = False, ranges: FP8RangeCounts | None = None,
+                                            operand: int = INPUT
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                       torch.Tensor | None]:
+    """``quantize_for_grouped_backward``'s plain-torch casts, on every device (the kernels' reference)."""
+    columns, column_scale = quantize_per_group(x, offsets, dtype, ranges, operand)
+    out = row_scale = None
+    if rowwise:
+        out, row_scale = quantize(x, dtype, -1, ranges=ranges, operand=operand)
+        row_scale = row_scale.squeeze(-1)
+    return columns.t().contiguous(), column_scale, out, row_scale
+
+
+def quantize_weight_columns(weight: torch.Tensor, dtype: torch.dtype, ranges: FP8RangeCounts | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [groups, out, in] cast with one scale per (group, input column) over the output rows, written
+    transposed, [groups, in, out] row-major (the input gradient's product takes it column-major), with scales
+    [groups, in]. On CUDA without ``ranges`` by ``cast_per_group``, each group a matrix of one group of rows."""
+    if ranges is None and available(weight.device):
+        ends = torch.full((1,), weight.shape[1], dtype=torch.int32, device=weight.device)
+        out_t, scale, _, _ = cast_per_group(weight, ends, dtype, False)
+        return out_t, scale[:, 0]
+    return quantize_weight_columns_reference(weight, dtype, ranges)
+
+
+def quantize_weight_columns_reference(weight: torch.Tensor, dtype: torch.dtype,
+                                      ranges: FP8RangeCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_weight_columns``'s plain-torch cast, on every device (the kernel's reference)."""
+    wq, scale = quantize(weight.transpose(-2, -1), dtype, -1, ranges=ranges, operand=WEIGHT)
+    return wq.contiguous(), scale.squeeze(-1)
+
+
 class _FP8GroupedLinear(torch.autograd.Function):
     """``y_g = x_g W_gᵀ`` for every group g of ``x``'s rows (an expert's tokens) at once, ``weight`` [groups, out,
     in], as three grouped FP8 products with rowwise scales along each product's reduced dimension: the forward's x
     per token and W per (expert, output row); the input gradient's g per token and W per (expert, input column); the
-    weight gradient's g and x per (expert, feature) over the expert's own tokens (``quantize_per_group``)."""
+    weight gradient's g and x per (expert, feature) over the expert's own tokens (``quantize_per_group``). On CUDA
+    the backward's casts are Triton kernels (``quantize_for_grouped_backward``, ``quantize_weight_columns``), except
+    while ``ranges`` counts the casts' ranges."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ranges: FP8RangeCounts | None):
@@ -513,16 +667,15 @@ class _FP8GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight, offsets = ctx.saved_tensors
         ranges = ctx.ranges
+        g_cols_t, g_col_scale, g_rows, g_row_scale = quantize_for_grouped_backward(grad, offsets, E4M3, True, ranges,
+                                                                                   GRADIENT)
+        x_cols_t, x_col_scale, _, _ = quantize_for_grouped_backward(x, offsets, E4M3, False, ranges, INPUT)
+        w_cols_t, w_col_scale = quantize_weight_columns(weight, E4M3, ranges)
         # dx_g = g_g W_g: reduce over the output features.
-        g_rows, g_row_scale = quantize(grad, E4M3, -1, ranges=ranges, operand=GRADIENT)
-        w_cols, w_col_scale = quantize(weight.transpose(-2, -1), E4M3, -1, ranges=ranges, operand=WEIGHT)
-        grad_input = fp8_grouped_mm(g_rows, g_row_scale.squeeze(-1), w_cols.contiguous().transpose(-2, -1),
-                                    w_col_scale.squeeze(-1), offsets, grad.dtype)
+        grad_input = fp8_grouped_mm(g_rows, g_row_scale, w_cols_t.transpose(-2, -1), w_col_scale, offsets, grad.dtype)
         # dW_g = g_gᵀ x_g: reduce over the group's tokens.
-        g_cols, g_col_scale = quantize_per_group(grad, offsets, E4M3, ranges, GRADIENT)
-        x_cols, x_col_scale = quantize_per_group(x, offsets, E4M3, ranges, INPUT)
-        grad_weight = fp8_grouped_mm(g_cols.t().contiguous(), g_col_scale.flatten(), x_cols.t().contiguous().t(),
-                                     x_col_scale.flatten(), offsets, grad.dtype)
+        grad_weight = fp8_grouped_mm(g_cols_t, g_col_scale.flatten(), x_cols_t.t(), x_col_scale.flatten(), offsets,
+                                     grad.dtype)
         return grad_input, grad_weight, None, None
 
 

@@ -1,5 +1,5 @@
 """Triton, the optional dependency of the fused GPU kernels, loaded in one place for the modules that have them
-(``fp8.py``: the gradient cast, ``swiglu.py``: the backward, ``causal_conv1d.py`` and ``selective_scan.py``: Mamba).
+(``fp8.py``: the gradient casts, ``swiglu.py``: the backward, ``causal_conv1d.py`` and ``selective_scan.py``: Mamba).
 
 Each of them defines its kernels only when Triton loaded (``triton`` is not None) and runs them where ``available``
 says so; everywhere else it runs its plain-torch reference. The kernels need Triton and a torch with
