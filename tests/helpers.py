@@ -77,11 +77,14 @@ WORDS = (
 
 def run_with_triton_interpreter(code: str) -> None:
     """Run ``code`` in a fresh Python with Triton's interpreter on (it is chosen when Triton is imported), the tests
-    folder importable: how the CPU checks the GPU's Triton kernels against their plain-torch references. A GPU is
-    hidden from it, so that it runs as on a CPU machine (the interpreter's tensors live on the CPU)."""
+    folder importable: how the CPU checks the GPU's Triton kernels against their plain-torch references. On a GPU
+    host the CUDA tests check the kernels themselves, and the interpreter is not run: torch 2.11's ``wrap_triton``
+    refuses the interpreter's kernels, so every such check failed there."""
     pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the kernels themselves (tests/test_cuda_kernels.py and the CUDA tests beside this one)")
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); {code}"
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=environment,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

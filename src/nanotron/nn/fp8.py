@@ -497,10 +497,10 @@ def quantize_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtyp
 
 
 if triton is not None:
-    # Tiles of whole 16-row blocks: GROUPED_BLOCKS blocks of GROUPED_ALIGNMENT rows × GROUPED_BLOCK_C columns. Untimed
-    # (scripts/benchmark_fp8_cast.py --grouped sweeps them); the dense cast's 32 × 128 on 4 warps was within 8% of the
-    # fastest tile at every shape.
-    GROUPED_BLOCKS, GROUPED_BLOCK_C, GROUPED_WARPS = 4, 128, 4
+    # Tiles of whole 16-row blocks: GROUPED_BLOCKS blocks of GROUPED_ALIGNMENT rows × GROUPED_BLOCK_C columns. Of the
+    # seven tiles ``scripts/benchmark_fp8_cast.py --grouped`` sweeps, 128 × 64 on 4 warps was the fastest at every
+    # mixtral shape on an H200 (benchmarks/results/kernels/2026-12-03-h200-fp8-grouped-cast.json).
+    GROUPED_BLOCKS, GROUPED_BLOCK_C, GROUPED_WARPS = 8, 64, 4
 
     @triton.jit
     def _block_groups(first_rows, ends, groups):
