@@ -27,9 +27,14 @@ def test_compiled_adamw_matches_the_reference(moments):
                                                  torch.tensor(0.7, device=device), device)
             adamw_update_(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], weights, hyper)
             compiled(fast["master"], grad, fast["exp_avg"], fast["exp_avg_sq"], fast_weights, hyper)
-        for key in state:  # bf16 moments: a fused computation may round the other way
-            tolerance = 2**-7 if state[key].dtype == torch.bfloat16 else 1e-6
-            torch.testing.assert_close(fast[key], state[key], rtol=tolerance, atol=1e-7)
+        if moments == torch.float32:
+            for key in state:
+                torch.testing.assert_close(fast[key], state[key], rtol=1e-6, atol=1e-7)
+        else:  # the fused kernel's fp32 moments may round to the neighbouring bf16 value, and the next steps read it
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(fast[key], state[key], rtol=2**-6, atol=2**-9)
+            # each step moves a master by about lr (1e-3); a moment one bf16 step away moves it by under 1%
+            torch.testing.assert_close(fast["master"], state["master"], rtol=0, atol=1e-4)
         assert torch.equal(fast_weights, fast["master"].to(torch.bfloat16))
 
 
