@@ -93,7 +93,7 @@ def uneven_group_ends(rows: int, groups: int) -> torch.Tensor:
 def time_grouped_cast(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool, reference) -> dict:
     """One grouped cast: the compiled plain-torch casts and ``cast_per_group``'s kernels at each tile, checked."""
     def kernels(tile):
-        return _cast_per_group(x, offsets, dtype, rowwise, lambda kernel: kernel, tile)
+        return _cast_per_group(x, offsets, dtype, rowwise, tile)
 
     def bits(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.element_size() == 1 else t

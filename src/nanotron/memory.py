@@ -18,9 +18,9 @@ How each part is computed, and why:
   copy on another pipeline stage keeps its dtype). ZeRO-1 reduce-scatters into a slice of the full buffer, so the
   buffer keeps its full size.
 - **master weights**: the optimizer's fp32 copy of its shard (``optimizer.py`` clones the shard even when the model
-  is fp32). **Adam moments**: two more tensors of the same shard, fp32 or ``optimizer.adam_moments_dtype``. With ``zero_stage: 1`` the shard of a
-  parameter is 1/n of it, n the ranks of its gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense
-  weight, dp·cp for an expert), else everything.
+  is fp32). **Adam moments**: two more tensors of the same shard, fp32 or ``optimizer.adam_moments_dtype``. With
+  ``zero_stage: 1`` the shard of a parameter is 1/n of it, n the ranks of its gradient axes
+  (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
   gathered keys and values and its mask. In flight on stage ``s`` of ``pp``:

@@ -74,10 +74,11 @@ class OptimizerArgs:
             if not 0 <= beta < 1:
                 yield f"optimizer.{name} must be in [0, 1) (got {beta})"
             elif self.adam_moments_dtype == "bfloat16" and beta > BF16_MOMENTS_MAX_BETA:
-                yield (f"optimizer.{name} ({beta}) must be <= {BF16_MOMENTS_MAX_BETA} with optimizer.adam_moments_dtype "
-                       f"bfloat16: bf16 keeps 8 significant bits, so a moment updated by beta * m + (1 - beta) * x "
-                       f"with so small a 1 - beta rounds back to its old value (at 0.999 the second moment never "
-                       f"decays); lower optimizer.{name} or set optimizer.adam_moments_dtype: float32")
+                yield (f"optimizer.{name} ({beta}) must be <= {BF16_MOMENTS_MAX_BETA} with "
+                       "optimizer.adam_moments_dtype bfloat16: bf16 keeps 8 significant bits, so a moment updated by "
+                       "beta * m + (1 - beta) * x with so small a 1 - beta rounds back to its old value (at 0.999 the "
+                       f"second moment never decays); lower optimizer.{name} or set optimizer.adam_moments_dtype: "
+                       "float32")
         for i, pattern in enumerate(self.weight_decay_exclude_named_params or []):
             try:
                 re.compile(pattern)

@@ -1,12 +1,12 @@
 """Data parallelism: gradients in flat buckets, reduced over replicas while the backward pass is still running.
 
 Every local parameter gets a slice of a flat gradient buffer (``gradient_dtype``: fp32 with ``accumulate_grad_in_fp32``
-where gradients are summed in it, else the model dtype) and of a flat parameter buffer (the parameter's storage). Buffers are cut into buckets of about
-``model.ddp_bucket_cap_mb``, filled in reverse registration order, which is roughly the order in which the backward
-pass produces gradients. A post-accumulate-grad hook adds each micro-batch's gradient into the buffer; the first
-gradient of a parameter in a step is copied instead, so the buffer never needs a separate zeroing pass. During the
-last micro-batch of a step, a bucket is reduced as soon as all its gradients have arrived, so communication overlaps
-the rest of the backward pass; earlier micro-batches only accumulate.
+where gradients are summed in it, else the model dtype) and of a flat parameter buffer (the parameter's storage).
+Buffers are cut into buckets of about ``model.ddp_bucket_cap_mb``, filled in reverse registration order, which is
+roughly the order in which the backward pass produces gradients. A post-accumulate-grad hook adds each micro-batch's
+gradient into the buffer; the first gradient of a parameter in a step is copied instead, so the buffer never needs a
+separate zeroing pass. During the last micro-batch of a step, a bucket is reduced as soon as all its gradients have
+arrived, so communication overlaps the rest of the backward pass; earlier micro-batches only accumulate.
 
 Reduction is a SUM (each rank's loss is already divided by the global token count). Without ZeRO each bucket is
 all-reduced. With ZeRO-1 (``shard=True``) each bucket is split into equal shards, one per data-parallel rank, and
