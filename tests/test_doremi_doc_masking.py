@@ -4,10 +4,11 @@ document), so that each equals the reference's loss on that document run alone."
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import doremi_config, tiny_config_dict
+from helpers import MAMBA, doremi_config, tiny_config_dict
 
 QWEN2_DOCUMENTS = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -71,3 +72,24 @@ def test_reference_losses_equal_each_document_run_alone(tiny_data, doremi_domain
     torch.testing.assert_close(result["computed"], result["alone"], rtol=1e-5, atol=1e-5)
     # The losses across documents (the reference's forward without the documents) differ clearly.
     assert (result["across"] - result["alone"]).abs().max() > 1e-2
+
+
+def test_a_reference_that_cannot_mask_documents_is_refused_before_training(tiny_data, doremi_domains, tmp_path):
+    """A Mamba reads a packed sample on through its documents: its losses cannot be those of each document alone,
+    so a proxy that masks documents refuses it with one line naming both keys, before any model is built."""
+
+    from nanotron.config import ConfigError, config_from_dict
+    from nanotron.features.doremi import reference_checkpoint
+    from nanotron.trainer import Trainer
+
+    reference_run = tmp_path / "reference"
+    reference = tiny_config_dict(tiny_data, reference_run, tokens={"train_steps": 1},
+                                 checkpoints={"checkpoints_path": str(reference_run), "checkpoint_interval": 1000})
+    reference["model"]["model_config"] = MAMBA
+    Trainer(config_from_dict(reference)).train()
+    proxy = _with_documents(doremi_config(tiny_data, doremi_domains, tmp_path / "proxy", reference=reference_run,
+                                          steps=1))
+    with pytest.raises(ConfigError, match=r"_use_doc_masking is true, but the reference .* is a mamba model"):
+        reference_checkpoint(config_from_dict(proxy))
+    proxy["model"]["model_config"] = proxy["model"]["model_config"] | {"_use_doc_masking": False}
+    assert reference_checkpoint(config_from_dict(proxy)) is not None

@@ -24,6 +24,7 @@ go to ``domain_weights.jsonl`` in ``checkpoints_path`` and to metrics.jsonl.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from nanotron.data.dataset import domain_name
 from nanotron.errors import CheckpointError
 from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
+from nanotron.models.registry import spec_for_config, spec_named
+from nanotron.models.spec import ModelSpec
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
 from nanotron.training.hooks import Feature
@@ -56,11 +59,23 @@ def reference_checkpoint(config: Config) -> Path:
         raise ConfigError(f"doremi.ref_model_resume_checkpoint_path {path} does not exist; train the reference "
                           "first (examples/doremi/train_reference.py) or fix the path")
     checkpoint = resolve_checkpoint(path)
-    vocab = read_metadata(checkpoint)["model"]["vocab_size"]
-    if vocab != config.model.model_config.vocab_size:
-        raise ConfigError(f"the reference {checkpoint} has a vocabulary of {vocab} but model.model_config.vocab_size "
-                          f"is {config.model.model_config.vocab_size}: reference and proxy must share a tokenizer")
+    model = read_metadata(checkpoint)["model"]
+    proxy = config.model.model_config
+    if model["vocab_size"] != proxy.vocab_size:
+        raise ConfigError(f"the reference {checkpoint} has a vocabulary of {model['vocab_size']} but "
+                          f"model.model_config.vocab_size is {proxy.vocab_size}: reference and proxy must share a "
+                          "tokenizer")
+    if spec_for_config(proxy).document_masking(proxy) and not _masks_documents(spec_named(model["type"], checkpoint)):
+        raise ConfigError(f"model.model_config._use_doc_masking is true, but the reference {checkpoint} is a "
+                          f"{model['type']} model, which cannot keep each document apart: its losses would not be "
+                          "those of the documents the proxy reads; train an attention-family reference, or set "
+                          "_use_doc_masking: false")
     return checkpoint
+
+
+def _masks_documents(spec: ModelSpec) -> bool:
+    """Whether the family's model takes ``document_ids`` (attention families; a state-space model reads on)."""
+    return "document_ids" in inspect.signature(spec.model_class.forward).parameters
 
 
 _DOMAIN_NAMING = "named by doremi.domain_names, else by the folders of data_stages[0].data.dataset.dataset_folder"
