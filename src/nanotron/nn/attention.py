@@ -117,8 +117,8 @@ class AttentionMasks:
                 return allowed(query_index[q], key_index[k], window)
             return allowed(query_index[q], key_index[k], window, query_document[b, q], key_document[b, k])
 
-        return create_block_mask(mask_mod, batch, None, len(query_index), len(key_index),
-                                 device=query_index.device, _compile=query_index.is_cuda)
+        build = _compiled_create_block_mask() if query_index.is_cuda else create_block_mask
+        return build(mask_mod, batch, None, len(query_index), len(key_index), device=query_index.device)
 
 
 class AttentionCore(nn.Module):
@@ -130,8 +130,17 @@ class AttentionCore(nn.Module):
         return attend(q, k, v, mask)
 
 
-_compiled_flex = None
+_compiled_flex = _compiled_block_mask = None
 _reported = False
+
+
+def _compiled_create_block_mask():
+    """create_block_mask compiled once per process: eager, it evaluates the mask over every (query, key) pair, the
+    dense mask flex attention exists to avoid (torch's ``_compile=True`` flag did the same and is deprecated)."""
+    global _compiled_block_mask
+    if _compiled_block_mask is None:
+        _compiled_block_mask = torch.compile(create_block_mask)
+    return _compiled_block_mask
 
 
 def _compiled_flex_attention():
