@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from benchmark_fused_loss import timed
-from benchmark_record import command_line, git_commit, gpu_label
+from benchmark_record import kernel_record
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -68,8 +66,8 @@ def main() -> None:
         for tensor in (q, k, v):
             tensor.requires_grad_()
         grad = torch.randn_like(q)
-        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda",
-                                  _compile=True)  # as the model builds it: no dense mask
+        mask = torch.compile(create_block_mask)(lambda b, h, qi, ki: qi >= ki, None, None, length, length,
+                                                device="cuda")  # as the model builds it: no dense mask
         forward_flops = 2 * length * length * HEAD_DIM * HEADS  # causal: half of 4·s²·d
         for name, attention in variants.items():
             try:
@@ -85,13 +83,9 @@ def main() -> None:
             results.append(row)
             print(f"s {length:6d} {name:18s} fwd {forward:8.2f} ms {row['forward_tflops']:6.0f} TFLOP/s   "
                   f"fwd+bwd {both:8.2f} ms {row['forward_backward_tflops']:6.0f} TFLOP/s", flush=True)
-    commit = (args.commit, False) if args.commit else git_commit()
-    record = {"name": "attention", "gpu": gpu_label(torch.cuda.get_device_name()), "torch": torch.__version__,
-              "commit": commit[0][:7] if commit else None, "dirty": commit[1] if commit else None,
-              "command": command_line(sys.argv, dict(os.environ)),
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "batch": 1,
-                        "dtype": "bfloat16"},
-              "results": results}
+    record = kernel_record("attention", args.commit, results, shape={"heads": HEADS, "kv_heads": KV_HEADS,
+                                                                     "head_dim": HEAD_DIM, "batch": 1,
+                                                                     "dtype": "bfloat16"})
     if args.output:
         args.output.write_text(json.dumps(record, indent=1) + "\n")
 

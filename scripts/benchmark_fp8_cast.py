@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import triton
+from benchmark_record import kernel_record
 from triton.testing import do_bench
 
 from nanotron.nn.fp8 import (
@@ -115,10 +116,10 @@ def time_grouped_cast(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
     return row
 
 
-def grouped_main(output: Path) -> None:
+def grouped_main(output: Path, commit: str | None) -> None:
     dtype = torch.float8_e4m3fn if torch.cuda.get_device_capability() >= (8, 9) else E5M2
     offsets = uneven_group_ends(GROUPED_ROWS, GROUPS)
-    results = {"format": str(dtype), "group_ends": offsets.tolist(), "activations": [], "weights": []}
+    results = {"activations": [], "weights": []}
     for features in GROUPED_FEATURES:
         x = torch.randn(GROUPED_ROWS, features, device="cuda", dtype=torch.bfloat16)
         for rowwise in (False, True):
@@ -138,18 +139,20 @@ def grouped_main(output: Path) -> None:
             return out_t, scale[:, None]
 
         results["weights"].append(time_grouped_cast(weight, ends, dtype, False, reference))
-    output.write_text(json.dumps(results, indent=1) + "\n")
+    record = kernel_record("fp8-grouped-cast", commit, results, format=str(dtype), group_ends=offsets.tolist())
+    output.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True, help="results as JSON")
     parser.add_argument("--grouped", action="store_true", help="the MoE experts' grouped casts instead")
+    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: this benchmark needs a CUDA device")
     if args.grouped:
-        return grouped_main(args.output)
+        return grouped_main(args.output, args.commit)
     results = []
     for rows, columns in SHAPES:
         x = torch.randn(rows, columns, device="cuda", dtype=torch.bfloat16)
@@ -167,7 +170,7 @@ def main() -> None:
               f"best tile {best['tile']} {best['ms']:.3f} ms (with the amax), "
               f"{rows * columns * 4 / best['ms'] / 1e9:.2f} TB/s")
         results.append(row)
-    args.output.write_text(json.dumps(results, indent=1) + "\n")
+    args.output.write_text(json.dumps(kernel_record("fp8-cast", args.commit, results), indent=1) + "\n")
 
 
 if __name__ == "__main__":

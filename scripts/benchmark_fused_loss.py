@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from benchmark_record import kernel_record
 
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.linear_cross_entropy import ChunkPasses, linear_cross_entropy
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
@@ -123,7 +125,7 @@ def main() -> None:
             print(f"mbs {micro_batch} {name:24s} {ms:7.2f} ms  {peak:6.2f} GB  error {error:.2e}", flush=True)
             torch._dynamo.reset()
     if args.output:
-        args.output.write_text(json.dumps(results, indent=1))
+        args.output.write_text(json.dumps(kernel_record("fused-loss", args.commit, results), indent=1) + "\n")
     dist.destroy_process_group()
 
 

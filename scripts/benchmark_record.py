@@ -13,9 +13,11 @@ lookup not).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +129,18 @@ def git_commit(root: Path = ROOT) -> tuple[str, bool] | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit.stdout.strip(), bool(status.stdout.strip())
+
+
+def kernel_record(name: str, commit: str | None, results, **fields) -> dict:
+    """The record of a kernel benchmark (the ``scripts/benchmark_*.py`` that time one kernel): its ``name``, the GPU,
+    torch, the commit measured (``commit`` where the checkout has no git metadata) and the command, then ``fields``
+    and the ``results``."""
+    import torch
+
+    measured = (commit, False) if commit else git_commit()
+    return {"name": name, "gpu": gpu_label(torch.cuda.get_device_name()), "torch": torch.__version__,
+            "commit": measured[0][:7] if measured else None, "dirty": measured[1] if measured else None,
+            "command": command_line(sys.argv, dict(os.environ)), **fields, "results": results}
 
 
 def tensor_bytes(tensors) -> int:
