@@ -51,17 +51,19 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
     return [Path(folder) for folder in folders]
 
 
-def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard") -> None:
-    """Refuse ``tokens`` (the ids of the ``kind`` file ``path``) if one lies outside ``[0, vocab_size)``: it would index
-    past the embedding (an IndexError, or a device-side assert on a GPU) far from its cause. Reads the ids in chunks of
-    bounded memory, a few GB/s from the page cache. ``remedy`` ends the error: what is wrong and what to do."""
+def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard",
+                    first: int = 0) -> None:
+    """Refuse ``tokens`` (the ids of the ``kind`` file ``path`` from its token ``first`` on) if one lies outside
+    ``[0, vocab_size)``: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from
+    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``remedy`` ends the error:
+    what is wrong and what to do."""
     for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
         chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
         if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
             continue
         position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
-        raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {start + position}, outside the "
-                        f"vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
+        raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {first + start + position}, "
+                        f"outside the vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
 
 
 class TokenStream(Protocol):

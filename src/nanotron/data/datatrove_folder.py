@@ -52,10 +52,14 @@ class DatatroveTokens(ConcatenatedArrays):
     Every id is checked against ``vocab_size`` when the folder is opened (datatrove records no id range, so the files
     are read, a few GB/s from the page cache, unless the token size cannot hold an id outside the vocabulary), and the
     files are checked against their index and metadata: a folder that cannot be trained on is named before training
-    starts. ``ids_checked`` skips the id check for a folder already checked by this run (the copy a worker opens).
+    starts. ``id_share`` (part, parts) is the share of every file's ids this process reads: the ranks of a run split
+    the reading (the trainer passes its rank and world size and raises on every rank what any of them found), so a
+    run reads its dataset once, not once per rank; None skips the check for a folder already checked by this run (the
+    copy a worker opens).
     """
 
-    def __init__(self, folder: str | Path, vocab_size: int, token_size: int | None = None, ids_checked: bool = False):
+    def __init__(self, folder: str | Path, vocab_size: int, token_size: int | None = None,
+                 id_share: tuple[int, int] | None = (0, 1)):
         self.folder = Path(folder)
         self.name = domain_name(self.folder)
         self.vocab_size = vocab_size
@@ -77,9 +81,11 @@ class DatatroveTokens(ConcatenatedArrays):
             raise DataError(f"token_size_in_bytes must be 2 or 4, got {self.token_size}")
         dtype = np.dtype(f"<u{self.token_size}")
         arrays = [self._open(file, dtype, recorded[file][2]) for file in files]
-        if not ids_checked and np.iinfo(dtype).max >= vocab_size:
+        if id_share is not None and np.iinfo(dtype).max >= vocab_size:
+            part, parts = id_share
             for file, tokens in zip(files, arrays):
-                check_token_ids(file, tokens, vocab_size, self._id_remedy(), kind="file")
+                start, end = len(tokens) * part // parts, len(tokens) * (part + 1) // parts
+                check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start)
         self._concatenate(arrays)
         self.segment_lengths = tuple(len(tokens) for tokens in arrays)  # windows never cross a file's end
 
@@ -113,7 +119,7 @@ class DatatroveTokens(ConcatenatedArrays):
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers); their ids were checked here.
-        return DatatroveTokens, (self.folder, self.vocab_size, self.token_size, True)
+        return DatatroveTokens, (self.folder, self.vocab_size, self.token_size, None)
 
 
 def _read_file_metadata(file: Path) -> tuple[str | None, int | None, int | None]:
@@ -160,16 +166,18 @@ class DatatroveDataset(BlendedDataset):
     tokens, stride ``sequence_length + 1``, cut per file; blended by ``weights`` (default: the token counts).
 
     ``vocab_size`` is the model's vocabulary, which every id is checked against (datatrove records only the
-    tokenizer's name); ``token_size`` is upstream's ``token_size_in_bytes``, needed only for files without metadata.
+    tokenizer's name; ``id_share``: this process's share of the reading, ``DatatroveTokens``); ``token_size`` is
+    upstream's ``token_size_in_bytes``, needed only for files without metadata.
     The folders must name one tokenizer. ``tokenizer_fingerprints`` are None: datatrove records no fingerprint, so the
     tokenizer is known by its name only (``tokenizer_names``).
     """
 
     def __init__(self, folders: str | Path | Sequence[str | Path], weights: Sequence[float] | None,
-                 sequence_length: int, seed: int, vocab_size: int, token_size: int | None = None):
+                 sequence_length: int, seed: int, vocab_size: int, token_size: int | None = None,
+                 id_share: tuple[int, int] = (0, 1)):
         folders = folder_list(folders)
         check_sequence_length(sequence_length)
-        streams = [DatatroveTokens(folder, vocab_size, token_size) for folder in folders]
+        streams = [DatatroveTokens(folder, vocab_size, token_size, id_share) for folder in folders]
         self.vocab_size = vocab_size
         self.eos_token_id = None  # datatrove records none: it is the tokenizer's
         self.tokenizer_names = [stream.tokenizer_name for stream in streams]

@@ -110,8 +110,7 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
     if isinstance(source, HFDatasetArgs):
         dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
     elif _holds_datatrove_files(source.dataset_folder):
-        dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed,
-                                   vocab_size=source.vocab_size or vocab, token_size=source.token_size_in_bytes)
+        dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab)
         named = {name for name in dataset.tokenizer_names if name is not None}
         if source.tokenizer_name is not None and named - {source.tokenizer_name}:
             raise DataError(f"data stage {stage.name!r}: the folders were tokenized with {', '.join(sorted(named))} "
@@ -121,6 +120,23 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
         dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
     for feature in features:
         dataset.domain_names = feature.domain_names(stage, dataset.domain_names)
+    return dataset
+
+
+def _datatrove_read_by_all_ranks(pc: ParallelContext, source: DatasetArgs, weights: list[float] | None,
+                                  sequence_length: int, seed: int, vocab_size: int) -> DatatroveDataset:
+    """A datatrove stage, each rank checking the ids of its share of every file (datatrove records no id range, so
+    the check reads the data: once per run, not once per rank, which from a network file system took minutes for
+    every rank of every run); what any rank found stops every rank with its message."""
+    dataset, problem = None, None
+    try:
+        dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed, vocab_size=vocab_size,
+                                   token_size=source.token_size_in_bytes, id_share=(pc.rank, pc.world_size))
+    except DataError as error:
+        problem = str(error)
+    problem = first_problem(problem, pc.world_size)
+    if problem is not None:
+        raise DataError(problem)
     return dataset
 
 
