@@ -167,6 +167,7 @@ def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_under_t
     run_with_triton_interpreter("from test_fp8_grouped_cast import check_grouped_linear; check_grouped_linear()")
 
 
+@pytest.mark.slow  # compiling takes most of it; the eager interpreter tests check the same kernels in the quick tier
 def test_the_compiled_grouped_linear_with_the_cast_kernels_equals_eager_under_the_interpreter():
     run_with_triton_interpreter("from test_fp8_grouped_cast import check_compiled_grouped_linear; "
                                 "check_compiled_grouped_linear()")
