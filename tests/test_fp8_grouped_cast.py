@@ -189,7 +189,7 @@ def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_on_cuda
 
 @needs_fp8_gpu
 def test_compiled_grouped_linear_runs_the_cast_kernels_in_one_graph():
-    """Compiled whole (``fullgraph``: ``cast_per_group`` is a ``triton_op``, no graph break), the grouped linear with
+    """Compiled whole (``fullgraph``: ``cast_per_group`` is an opaque op, no graph break), the grouped linear with
     the kernels follows the eager one: the compiler may compute a scale an ulp away from the division (see
     ``test_cuda_kernels.py``), which moves a few casts by one FP8 step, not the products as a whole."""
     from nanotron.models.moe.model import _grouped_layout
