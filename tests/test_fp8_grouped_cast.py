@@ -1,7 +1,7 @@
 """The grouped FP8 experts' backward casts as Triton kernels (``cast_per_group``: one pass for the amaxes, one that
 reads each tile once and writes both layouts) against the plain-torch casts they replace (``quantize_per_group``,
 ``quantize`` per row, the weight's per-column cast), bit for bit: under Triton's interpreter on the CPU, and on a
-CUDA device, where ``_FP8GroupedLinear`` with the kernels also equals its plain-torch path."""
+CUDA device, where ``fp8_grouped_linear`` with the kernels also equals its plain-torch path."""
 
 from __future__ import annotations
 
@@ -85,11 +85,10 @@ def check_cast_per_group(device: str = "cpu") -> None:
 
 
 def check_grouped_linear(device: str = "cpu") -> None:
-    """``_FP8GroupedLinear``'s output and gradients with the backward's casts as kernels (three ``cast_per_group``
+    """``fp8_grouped_linear``'s output and gradients with the backward's casts as kernels (three ``cast_per_group``
     calls: the output gradient in both layouts, the input, the weight) equal those of its plain-torch casts, bit for
-    bit: the same FP8 values and scales in the same layouts reach the same grouped products. While ``ranges``
-    counts the casts' ranges the plain-torch casts run, counting every cast. On the CPU (Triton's interpreter)
-    ``available`` is made to say yes, and the products are the emulation's."""
+    bit: the same FP8 values and scales in the same layouts reach the same grouped products. On the CPU (Triton's
+    interpreter) ``available`` is made to say yes, and the products are the emulation's."""
     from unittest import mock
 
     from nanotron.models.moe.model import _grouped_layout
@@ -105,9 +104,9 @@ def check_grouped_linear(device: str = "cpu") -> None:
                           for _ in COUNTS])
     offsets = offsets.to(device)
 
-    def run(ranges: fp8.FP8RangeCounts | None = None) -> list[torch.Tensor]:
+    def run() -> list[torch.Tensor]:
         xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fp8._FP8GroupedLinear.apply(xi, wi, offsets, ranges)
+        out = fp8.fp8_grouped_linear(xi, wi, offsets)
         out.backward(grad)
         return [out, xi.grad, wi.grad]
 
@@ -116,23 +115,17 @@ def check_grouped_linear(device: str = "cpu") -> None:
     with mock.patch.object(fp8, "cast_per_group", lambda *args: casts.append(args[3]) or kernel(*args)), \
             mock.patch.object(fp8, "available", lambda device: True):
         with_kernels = run()
-        assert casts == [True, False, False]
-        ranges = fp8.FP8RangeCounts().to(device)
-        counted = run(ranges)  # counting the casts' ranges takes the plain-torch casts
-        assert casts == [True, False, False] and ranges.counts[:, 2].tolist() == [2 * x.numel(), 2 * weight.numel(),
-                                                                                 2 * grad.numel()]
+    assert casts == [True, False, False]
     with mock.patch.object(fp8, "available", lambda device: False):
         plain = run()
-    for name, got, counted_got, want in zip(("output", "dx", "dW"), with_kernels, counted, plain):
-        assert torch.equal(got, want) and torch.equal(counted_got, want), name
-        assert got.abs().sum() > 0, name
+    for name, got, want in zip(("output", "dx", "dW"), with_kernels, plain):
+        assert torch.equal(got, want) and got.abs().sum() > 0, name
 
 
 def check_compiled_grouped_linear() -> None:
     """Compiled whole with the kernels (``fullgraph``: ``cast_per_group`` is an opaque op with its shapes registered,
-    so the compiled backward calls it as eager code does), ``_FP8GroupedLinear`` gives eager's output and gradients
-    bit for bit on the CPU (the compiler's kernels are C++ here). On an H200 the kernels traced into the compiled
-    backward as a ``triton_op`` gave a zero input gradient."""
+    so the compiled backward calls it as eager code does), ``fp8_grouped_linear`` gives eager's output and gradients
+    bit for bit on the CPU (the compiler's kernels are C++ here)."""
     from unittest import mock
 
     from nanotron.models.moe.model import _grouped_layout
@@ -146,7 +139,7 @@ def check_compiled_grouped_linear() -> None:
                           for _ in COUNTS])
 
     def forward(xi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
-        return fp8._FP8GroupedLinear.apply(xi, wi, offsets, None)
+        return fp8.fp8_grouped_linear(xi, wi, offsets)
 
     results = []
     with mock.patch.object(fp8, "available", lambda device: True):
@@ -188,10 +181,10 @@ def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_on_cuda
 
 
 @needs_fp8_gpu
-def test_compiled_grouped_linear_runs_the_cast_kernels_in_one_graph():
-    """Compiled whole (``fullgraph``: ``cast_per_group`` is an opaque op, no graph break), the grouped linear with
-    the kernels follows the eager one: the compiler may compute a scale an ulp away from the division (see
-    ``test_cuda_kernels.py``), which moves a few casts by one FP8 step, not the products as a whole."""
+def test_the_compiled_grouped_linear_gives_the_eager_gradients_on_cuda():
+    """Compiled whole (``fullgraph``: its forward and backward are opaque ops, no graph break), the grouped linear
+    gives eager's output and gradients. In its place an ``autograd.Function`` compiled on an H200 gave an output
+    detached from its backward: every gradient zero."""
     from nanotron.models.moe.model import _grouped_layout
     from nanotron.nn import fp8
 
@@ -202,7 +195,7 @@ def test_compiled_grouped_linear_runs_the_cast_kernels_in_one_graph():
     grad = torch.randn(x.shape[0], 96, device="cuda", dtype=torch.bfloat16)
 
     def forward(xi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
-        return fp8._FP8GroupedLinear.apply(xi, wi, offsets, None)
+        return fp8.fp8_grouped_linear(xi, wi, offsets)
 
     results = []
     for run in (forward, torch.compile(forward, fullgraph=True)):  # compiled, the backward is compiled with it
@@ -211,4 +204,4 @@ def test_compiled_grouped_linear_runs_the_cast_kernels_in_one_graph():
         out.backward(grad)
         results.append([out.detach().float(), xi.grad.float(), wi.grad.float()])
     for name, eager, compiled in zip(("output", "dx", "dW"), *results):
-        assert (compiled - eager).norm() <= 1e-2 * eager.norm(), name
+        assert eager.norm() > 0 and (compiled - eager).norm() <= 1e-6 * eager.norm(), name

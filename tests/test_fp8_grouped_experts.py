@@ -129,11 +129,12 @@ def test_the_grouped_layout_aligns_every_group_without_reading_the_counts():
 
 @pytest.mark.skipif(not hasattr(torch, "_scaled_grouped_mm"), reason="this torch has no torch._scaled_grouped_mm")
 def test_the_gpu_calls_meet_the_ops_contract_on_meta_tensors(monkeypatch):
-    """On meta tensors the experts make the calls of the GPU path, through ``torch._scaled_grouped_mm``'s meta
-    function: its checks (e4m3 operands, ``a`` row-major and ``b`` column-major with 16-byte strides, fp32 scales of
-    the shapes it wants, int32 offsets, bf16 output) accept all six, and they meet the CUDA kernel's further checks
-    (trailing dimension of ``a`` and both of ``b`` multiples of 16). The meta checks are live: a row-major ``b`` is
-    refused. No host sync: a ``.tolist()`` of meta tensors would fail."""
+    """On meta tensors the grouped linear's forward and backward (the bodies of its ops, whose registered shapes the
+    module sees on meta) make the calls of the GPU path, through ``torch._scaled_grouped_mm``'s meta function: its
+    checks (e4m3 operands, ``a`` row-major and ``b`` column-major with 16-byte strides, fp32 scales of the shapes it
+    wants, int32 offsets, bf16 output) accept all six calls of the experts' two products, and they meet the CUDA
+    kernel's further checks (trailing dimension of ``a`` and both of ``b`` multiples of 16). The meta checks are
+    live: a row-major ``b`` is refused. No host sync: a ``.tolist()`` of meta tensors would fail."""
     calls = []
     real = torch._scaled_grouped_mm
 
@@ -146,12 +147,18 @@ def test_the_gpu_calls_meet_the_ops_contract_on_meta_tensors(monkeypatch):
         module = GroupedExperts(4, 64, 32).bfloat16()
         x = torch.empty(37, 64, dtype=torch.bfloat16, requires_grad=True)
         counts = torch.empty(4, dtype=torch.int64)
+        x_grouped, _, offsets = _grouped_layout(x, counts, fp8.GROUPED_ALIGNMENT)
+        hidden = torch.empty(x_grouped.shape[0], 32, dtype=torch.bfloat16)
     module.expert_matmul = FP8ExpertMatmul()
     out = module(x, counts)
     out.sum().backward()
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert x.grad.shape == x.shape and module.gate_up_proj.grad.shape == module.gate_up_proj.shape
     assert module.down_proj.grad.shape == module.down_proj.shape
+    for operand, weight in ((x_grouped, module.gate_up_proj), (hidden, module.down_proj)):
+        out = fp8.grouped_linear_products(operand, weight, offsets)
+        grads = fp8.grouped_linear_gradient_products(out, operand, weight, offsets)
+        assert [g.shape for g in grads] == [operand.shape, weight.shape]
     assert len(calls) == 6
     for a_shape, b_shape in calls:
         assert a_shape[-1] % 16 == 0 and b_shape[-2] % 16 == 0 and b_shape[-1] % 16 == 0, (a_shape, b_shape)
@@ -170,6 +177,18 @@ def test_experts_off_a_multiple_of_16_take_the_per_expert_loop(monkeypatch):
     module.expert_matmul = FP8ExpertMatmul()
     out, *_ = run(module, torch.randn(48, 32), counts, torch.randn(48, 32))
     assert not calls and out.isfinite().all()
+
+
+def test_counting_the_casts_ranges_takes_the_per_expert_loop(monkeypatch):
+    """``fp8.log_out_of_range`` (a diagnostic) counts every cast; the grouped op takes tensors only, so the experts
+    run the loop then, and count its casts: each expert's two products, forward and backward."""
+    calls = counting_grouped_products(monkeypatch)
+    module, counts = experts(), torch.tensor(COUNTS)
+    module.expert_matmul = FP8ExpertMatmul(fp8.FP8RangeCounts())
+    out, *_ = run(module, torch.randn(48, 32), counts, torch.randn(48, 32))
+    recorded = module.expert_matmul.ranges.counts
+    assert not calls and out.isfinite().all()
+    assert (recorded[:, 2] > 0).all()  # inputs, weights and gradients were all cast and counted
 
 
 @pytest.mark.slow
@@ -250,3 +269,19 @@ def test_scaled_grouped_mm_matches_the_emulation_on_the_gpu(monkeypatch):
     emulated = run(module, x, counts, grad)
     for name, got, want in zip(("output", "dx", "dW gate_up", "dW down"), real, emulated):
         assert relative_error(got, want) < 2 ** -7, name
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+                         and hasattr(torch, "_scaled_grouped_mm")), reason="needs an sm_90 GPU with _scaled_grouped_mm")
+def test_compiled_grouped_experts_give_the_eager_gradients_on_the_gpu():
+    """The experts compiled as a model compiles them (``module.compile()``) give eager's output and gradients on an
+    H100/H200: the gradients reach the experts' weights (an ``autograd.Function`` there once lost them all)."""
+    module = experts(hidden=256, ffn=512, num_experts=8, dtype=torch.bfloat16).cuda()
+    module.expert_matmul = FP8ExpertMatmul()
+    counts = torch.tensor([300, 0, 17, 511, 64, 1, 100, 31], device="cuda")
+    x, grad = (torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    eager = run(module, x, counts, grad)
+    module.compile(fullgraph=True)
+    compiled = run(module, x, counts, grad)
+    for name, got, want in zip(("output", "dx", "dW gate_up", "dW down"), compiled, eager):
+        assert want.norm() > 0 and relative_error(got, want) < 1e-3, name

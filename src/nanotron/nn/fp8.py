@@ -479,9 +479,7 @@ def fp8_grouped_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sc
     return _emulated_grouped_mm(a32, b32, offsets).to(out_dtype)
 
 
-def quantize_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
-                       ranges: FP8RangeCounts | None = None, operand: int = INPUT
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [rows, features] cast to ``dtype`` with one scale per (group, feature) from the amax over that group's
     rows only: the scaling of a product that sums over each group's rows (an expert's weight gradient sums over its
     tokens). Scaled over all rows, one expert's large values would push every other expert's towards FP8's
@@ -492,7 +490,7 @@ def quantize_per_group(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtyp
     block_group = group_of_rows(offsets, rows)[::GROUPED_ALIGNMENT]
     amax = blocks.new_zeros(offsets.shape[0], features).scatter_reduce(
         0, block_group[:, None].expand(-1, features), blocks.abs().amax(1), "amax")
-    xq, _ = quantize(blocks, dtype, amax=amax[block_group][:, None], ranges=ranges, operand=operand)
+    xq, _ = quantize(blocks, dtype, amax=amax[block_group][:, None])
     return xq.view(rows, features), fp8_scale(amax, dtype)
 
 
@@ -606,8 +604,7 @@ if triton is not None:
                 x.new_empty((batch, rows) if rowwise else (0,), dtype=torch.float32))
 
 
-def quantize_for_grouped_backward(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool = False,
-                                  ranges: FP8RangeCounts | None = None, operand: int = INPUT
+def quantize_for_grouped_backward(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, rowwise: bool = False
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``x`` [rows, features] (grouped by ``offsets``) cast as the grouped backward's products take it: per (group,
     feature) (``quantize_per_group``) and transposed, [features, rows] row-major (the weight gradient's product
@@ -615,84 +612,111 @@ def quantize_for_grouped_backward(x: torch.Tensor, offsets: torch.Tensor, dtype:
     the input gradient's product too) also per row over all features, row-major, with scales [rows] (else None).
 
     On CUDA ``cast_per_group`` reads ``x`` twice, for the amaxes and for both casts, where the compiled plain-torch
-    casts ran about ten kernels with a gather and transposed copies. With ``ranges`` (a diagnostics mode: counting
-    saturated and flushed values needs the scaled tensor) the plain-torch casts run on every device."""
-    if ranges is None and available(x.device):
+    casts ran about ten kernels with a gather and transposed copies."""
+    if available(x.device):
         out_t, column_scale, out, row_scale = cast_per_group(x[None], offsets, dtype, rowwise)
         return out_t[0], column_scale[0], out[0] if rowwise else None, row_scale[0] if rowwise else None
-    return quantize_for_grouped_backward_reference(x, offsets, dtype, rowwise, ranges, operand)
+    return quantize_for_grouped_backward_reference(x, offsets, dtype, rowwise)
 
 
 def quantize_for_grouped_backward_reference(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
-                                            rowwise: bool = False, ranges: FP8RangeCounts | None = None,
-                                            operand: int = INPUT
+                                            rowwise: bool = False
                                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                        torch.Tensor | None]:
     """``quantize_for_grouped_backward``'s plain-torch casts, on every device (the kernels' reference)."""
-    columns, column_scale = quantize_per_group(x, offsets, dtype, ranges, operand)
+    columns, column_scale = quantize_per_group(x, offsets, dtype)
     out = row_scale = None
     if rowwise:
-        out, row_scale = quantize(x, dtype, -1, ranges=ranges, operand=operand)
+        out, row_scale = quantize(x, dtype, -1)
         row_scale = row_scale.squeeze(-1)
     return columns.t().contiguous(), column_scale, out, row_scale
 
 
-def quantize_weight_columns(weight: torch.Tensor, dtype: torch.dtype, ranges: FP8RangeCounts | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_columns(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [groups, out, in] cast with one scale per (group, input column) over the output rows, written
     transposed, [groups, in, out] row-major (the input gradient's product takes it column-major), with scales
-    [groups, in]. On CUDA without ``ranges`` by ``cast_per_group``, each group a matrix of one group of rows."""
-    if ranges is None and available(weight.device):
+    [groups, in]. On CUDA by ``cast_per_group``, each group a matrix of one group of rows."""
+    if available(weight.device):
         ends = torch.full((1,), weight.shape[1], dtype=torch.int32, device=weight.device)
         out_t, scale, _, _ = cast_per_group(weight, ends, dtype, False)
         return out_t, scale[:, 0]
-    return quantize_weight_columns_reference(weight, dtype, ranges)
+    return quantize_weight_columns_reference(weight, dtype)
 
 
-def quantize_weight_columns_reference(weight: torch.Tensor, dtype: torch.dtype,
-                                      ranges: FP8RangeCounts | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_columns_reference(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_weight_columns``'s plain-torch cast, on every device (the kernel's reference)."""
-    wq, scale = quantize(weight.transpose(-2, -1), dtype, -1, ranges=ranges, operand=WEIGHT)
+    wq, scale = quantize(weight.transpose(-2, -1), dtype, -1)
     return wq.contiguous(), scale.squeeze(-1)
 
 
-class _FP8GroupedLinear(torch.autograd.Function):
+def grouped_linear_products(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``fp8_grouped_linear``'s forward: the casts and the grouped product (on meta tensors too: the op's checks)."""
+    xq, x_scale = quantize(x, E4M3, -1)
+    wq, w_scale = quantize(weight, E4M3, -1)
+    return fp8_grouped_mm(xq, x_scale.squeeze(-1), wq.transpose(-2, -1), w_scale.squeeze(-1), offsets, x.dtype,
+                          fast_accumulation=True)
+
+
+def grouped_linear_gradient_products(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_grouped_linear``'s backward: the input and weight gradients' casts and grouped products."""
+    g_cols_t, g_col_scale, g_rows, g_row_scale = quantize_for_grouped_backward(grad, offsets, E4M3, True)
+    x_cols_t, x_col_scale, _, _ = quantize_for_grouped_backward(x, offsets, E4M3, False)
+    w_cols_t, w_col_scale = quantize_weight_columns(weight, E4M3)
+    # dx_g = g_g W_g: reduce over the output features.
+    grad_input = fp8_grouped_mm(g_rows, g_row_scale, w_cols_t.transpose(-2, -1), w_col_scale, offsets, grad.dtype)
+    # dW_g = g_gᵀ x_g: reduce over the group's tokens.
+    grad_weight = fp8_grouped_mm(g_cols_t, g_col_scale.flatten(), x_cols_t.t(), x_col_scale.flatten(), offsets,
+                                 grad.dtype)
+    return grad_input, grad_weight
+
+
+@torch.library.custom_op("nanotron::fp8_grouped_linear", mutates_args=())
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``y_g = x_g W_gᵀ`` for every group g of ``x``'s rows (an expert's tokens) at once, ``weight`` [groups, out,
     in], as three grouped FP8 products with rowwise scales along each product's reduced dimension: the forward's x
     per token and W per (expert, output row); the input gradient's g per token and W per (expert, input column); the
     weight gradient's g and x per (expert, feature) over the expert's own tokens (``quantize_per_group``). On CUDA
-    the backward's casts are Triton kernels (``quantize_for_grouped_backward``, ``quantize_weight_columns``), except
-    while ``ranges`` counts the casts' ranges."""
+    the backward's casts are Triton kernels (``quantize_for_grouped_backward``, ``quantize_weight_columns``).
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, ranges: FP8RangeCounts | None):
-        ctx.ranges = ranges
-        ctx.save_for_backward(x, weight, offsets)
-        xq, x_scale = quantize(x, E4M3, -1, ranges=ranges, operand=INPUT)
-        wq, w_scale = quantize(weight, E4M3, -1, ranges=ranges, operand=WEIGHT)
-        return fp8_grouped_mm(xq, x_scale.squeeze(-1), wq.transpose(-2, -1), w_scale.squeeze(-1), offsets, x.dtype,
-                              fast_accumulation=True)
+    Forward and backward are opaque ops with the gradient registered, not an ``autograd.Function``: compiled on an
+    H200 (torch 2.11), that function's output came out detached from its backward, every expert's gradient zero;
+    the CUDA tests check the compiled gradients against eager's."""
+    return grouped_linear_products(x, weight, offsets)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, offsets = ctx.saved_tensors
-        ranges = ctx.ranges
-        g_cols_t, g_col_scale, g_rows, g_row_scale = quantize_for_grouped_backward(grad, offsets, E4M3, True, ranges,
-                                                                                   GRADIENT)
-        x_cols_t, x_col_scale, _, _ = quantize_for_grouped_backward(x, offsets, E4M3, False, ranges, INPUT)
-        w_cols_t, w_col_scale = quantize_weight_columns(weight, E4M3, ranges)
-        # dx_g = g_g W_g: reduce over the output features.
-        grad_input = fp8_grouped_mm(g_rows, g_row_scale, w_cols_t.transpose(-2, -1), w_col_scale, offsets, grad.dtype)
-        # dW_g = g_gᵀ x_g: reduce over the group's tokens.
-        grad_weight = fp8_grouped_mm(g_cols_t, g_col_scale.flatten(), x_cols_t.t(), x_col_scale.flatten(), offsets,
-                                     grad.dtype)
-        return grad_input, grad_weight, None, None
+
+@fp8_grouped_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("nanotron::fp8_grouped_linear_backward", mutates_args=())
+def _grouped_linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_linear_gradient_products(grad, x, weight, offsets)
+
+
+@_grouped_linear_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+      ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _save_grouped_linear_inputs(ctx, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_linear_gradients(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    return (*_grouped_linear_backward(grad, *ctx.saved_tensors), None)
+
+
+fp8_grouped_linear.register_autograd(_grouped_linear_gradients, setup_context=_save_grouped_linear_inputs)
 
 
 class FP8ExpertMatmul(FP8Matmul):
     """MoE experts' ``expert_matmul``: rowwise scales and e4m3 gradients, whatever ``fp8.recipe`` and
     ``fp8.gradient_format`` say for the linears, because ``torch._scaled_grouped_mm`` takes only those; every path
-    of the experts then rounds alike. ``grouped`` runs one product for all experts (``_FP8GroupedLinear``) where
+    of the experts then rounds alike. ``grouped`` runs one product for all experts (``fp8_grouped_linear``) where
     ``groups`` says so; elsewhere the experts' loop calls it per expert (``FP8Matmul``: ``torch._scaled_mm``)."""
 
     token_alignment = GROUPED_ALIGNMENT
@@ -700,18 +724,19 @@ class FP8ExpertMatmul(FP8Matmul):
     def __init__(self, ranges: FP8RangeCounts | None = None):
         super().__init__(EXPERTS_RECIPE, ranges=ranges)
 
-    @staticmethod
-    def groups(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    def groups(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """Whether ``grouped`` runs for ``x`` and these [experts, out, in] weights: on a GPU with
         ``torch._scaled_grouped_mm`` (sm_90), on the CPU (its emulation) and on the meta device (its checks), with
-        every feature dimension a multiple of ``GROUPED_ALIGNMENT`` (the op's demand; the loop pads the others)."""
-        return ((x.device.type == "cpu" or _runs_scaled_grouped_mm(x.device))
+        every feature dimension a multiple of ``GROUPED_ALIGNMENT`` (the op's demand; the loop pads the others).
+        While ``ranges`` counts the casts' ranges (``fp8.log_out_of_range``, a diagnostic) the loop runs: it counts
+        every cast of the same values, and the grouped op takes tensors only."""
+        return (self.ranges is None and (x.device.type == "cpu" or _runs_scaled_grouped_mm(x.device))
                 and all(d % GROUPED_ALIGNMENT == 0 for w in weights for d in w.shape[1:]))
 
     def grouped(self, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x`` [rows, in] grouped by ``offsets`` (int32 cumulative ends, each group a multiple of
         ``GROUPED_ALIGNMENT`` rows, the last ending at the last row) times each group's ``weight`` [out, in]ᵀ."""
-        return _FP8GroupedLinear.apply(x, weight, offsets, self.ranges)
+        return fp8_grouped_linear(x, weight, offsets)
 
 
 def fp8_converter(args):
