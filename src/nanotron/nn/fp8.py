@@ -649,12 +649,26 @@ def quantize_weight_columns_reference(weight: torch.Tensor, dtype: torch.dtype) 
     return wq.contiguous(), scale.squeeze(-1)
 
 
-def grouped_linear_products(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``fp8_grouped_linear``'s forward: the casts and the grouped product (on meta tensors too: the op's checks)."""
-    xq, x_scale = quantize(x, E4M3, -1)
-    wq, w_scale = quantize(weight, E4M3, -1)
-    return fp8_grouped_mm(xq, x_scale.squeeze(-1), wq.transpose(-2, -1), w_scale.squeeze(-1), offsets, x.dtype,
-                          fast_accumulation=True)
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``y_g = x_g W_gᵀ`` for every group g of ``x``'s rows (an expert's tokens) at once, ``weight`` [groups, out,
+    in], as three grouped FP8 products with rowwise scales along each product's reduced dimension: the forward's x
+    per token and W per (expert, output row); the input gradient's g per token and W per (expert, input column); the
+    weight gradient's g and x per (expert, feature) over the expert's own tokens (``quantize_per_group``). On CUDA
+    the backward's casts are Triton kernels (``quantize_for_grouped_backward``, ``quantize_weight_columns``).
+
+    The forward's casts are plain torch, which the compiler fuses with the ops before them; the product and the
+    backward are opaque ops with the gradient registered, not an ``autograd.Function``: compiled on an H200 (torch
+    2.11) that function's output came out detached from its backward, every expert's gradient zero. The CUDA tests
+    check the compiled gradients against eager's."""
+    xq, x_scale = quantize(x.detach(), E4M3, -1)
+    wq, w_scale = quantize(weight.detach(), E4M3, -1)
+    return _grouped_linear(x, weight, offsets, xq, x_scale.squeeze(-1), wq, w_scale.squeeze(-1))
+
+
+def grouped_linear_product(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                           offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_grouped_linear``'s forward product of the cast ``x`` and ``weight`` (per row), on meta tensors too."""
+    return fp8_grouped_mm(xq, x_scale, wq.transpose(-2, -1), w_scale, offsets, out_dtype, fast_accumulation=True)
 
 
 def grouped_linear_gradient_products(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
@@ -672,21 +686,16 @@ def grouped_linear_gradient_products(grad: torch.Tensor, x: torch.Tensor, weight
 
 
 @torch.library.custom_op("nanotron::fp8_grouped_linear", mutates_args=())
-def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``y_g = x_g W_gᵀ`` for every group g of ``x``'s rows (an expert's tokens) at once, ``weight`` [groups, out,
-    in], as three grouped FP8 products with rowwise scales along each product's reduced dimension: the forward's x
-    per token and W per (expert, output row); the input gradient's g per token and W per (expert, input column); the
-    weight gradient's g and x per (expert, feature) over the expert's own tokens (``quantize_per_group``). On CUDA
-    the backward's casts are Triton kernels (``quantize_for_grouped_backward``, ``quantize_weight_columns``).
-
-    Forward and backward are opaque ops with the gradient registered, not an ``autograd.Function``: compiled on an
-    H200 (torch 2.11), that function's output came out detached from its backward, every expert's gradient zero;
-    the CUDA tests check the compiled gradients against eager's."""
-    return grouped_linear_products(x, weight, offsets)
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, xq: torch.Tensor,
+                    x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The forward product of ``x`` and ``weight`` cast (``xq``, ``wq`` and their scales), the gradient flowing to
+    ``x`` and ``weight``."""
+    return grouped_linear_product(xq, x_scale, wq, w_scale, offsets, x.dtype)
 
 
-@fp8_grouped_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+@_grouped_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor,
+      wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
@@ -703,14 +712,14 @@ def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, offsets: torch.
 
 
 def _save_grouped_linear_inputs(ctx, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:3])  # x, weight, offsets: the backward casts them its own ways
 
 
-def _grouped_linear_gradients(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-    return (*_grouped_linear_backward(grad, *ctx.saved_tensors), None)
+def _grouped_linear_gradients(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    return (*_grouped_linear_backward(grad, *ctx.saved_tensors), None, None, None, None, None)
 
 
-fp8_grouped_linear.register_autograd(_grouped_linear_gradients, setup_context=_save_grouped_linear_inputs)
+_grouped_linear.register_autograd(_grouped_linear_gradients, setup_context=_save_grouped_linear_inputs)
 
 
 class FP8ExpertMatmul(FP8Matmul):
