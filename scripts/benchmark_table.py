@@ -50,7 +50,8 @@ def newest_comparisons(records: list[tuple[Path, dict]]) -> list[tuple[Path, dic
     newest = {}
     for path, record in sorted(records, key=lambda item: (item[1]["date"], item[1].get("recorded_at", ""))):
         key = (record["preset"], record["gpu"], record.get("world_size", 1), record["sequence_length"],
-               record["micro_batch_size"], tuple(sorted(record["systems"])), model_overrides(record))
+               record["micro_batch_size"], tuple(sorted(record["systems"])), model_overrides(record),
+               tuple(system_label(name, system) for name, system in sorted(record["systems"].items())))
         newest[key] = (path, record)
     return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["date"], item[0].name))
 
@@ -65,6 +66,13 @@ def model_overrides(record: dict) -> tuple[str, ...]:
     overrides = record["systems"][record.get("reference", "nanotron")].get("overrides") or []
     return tuple(override.rsplit(".", 1)[-1] for override in overrides
                  if override.startswith(("model.model_config.", "parallelism.")))
+
+
+def system_label(name: str, system: dict) -> str:
+    """The system's name, with its FP8 recipe where it trained in FP8 and its name does not say so."""
+    if system.get("precision") != "fp8" or "fp8" in name:
+        return name
+    return f"{name} (FP8 {system['fp8_recipe']})" if system.get("fp8_recipe") else f"{name} (FP8)"
 
 
 def record_label(record: dict) -> str:
@@ -95,7 +103,7 @@ def record_rows(record: dict, label: str) -> list[str]:
         shown = system["mfu"] is not None and not counted_whole_sequences(system)
         mfu = f"{system['mfu']:.1%}{dagger}" if shown else "—"
         ratio = "—" if name == record["reference"] else f"{record['ratios'][name]:.2f}×"
-        rows.append(f"| {label if not rows else ''} | {name} | {system['tokens_per_sec']:,.0f} | "
+        rows.append(f"| {label if not rows else ''} | {system_label(name, system)} | {system['tokens_per_sec']:,.0f} | "
                     f"{_number(system.get('tokens_per_sec_per_gpu'), ',.0f')} | {mfu} | "
                     f"{system['peak_memory_gb']:.1f} | {_number(system.get('activation_memory_gb'), '.1f')} | "
                     f"{ratio} |")

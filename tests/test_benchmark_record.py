@@ -475,6 +475,21 @@ def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
                       "2026-12-04, H200, llama1b (recompute_layer=true), 4096 × 4"]
 
 
+def test_a_run_in_fp8_says_so_and_is_a_comparison_of_its_own(tmp_path):
+    """A nanotron run trained in FP8 under the plain name (one precision per call) is labelled with its recipe, and
+    a newer FP8 record does not hide the bf16 one of the same shape."""
+    results = tmp_path / "results"
+    results.mkdir()
+    readme = _readme(tmp_path)
+    bf16, fp8 = _record("2026-12-03", 65_000.0), _record("2026-12-04", 80_000.0)
+    fp8["systems"]["nanotron"].update(precision="fp8", fp8_recipe="delayed")
+    (results / "bf16.json").write_text(json.dumps(bf16))
+    (results / "fp8.json").write_text(json.dumps(fp8))
+    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
+    names = re.findall(r"\| (nanotron[^|]*?) \| [\d,]+ \|", readme.read_text())
+    assert names == ["nanotron", "nanotron (FP8 delayed)"]
+
+
 def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(tmp_path):
     """A document-masked run recorded before its FLOPs counted the attention inside documents (no
     ``causal_flops_per_token``) overstated its MFU: the table leaves it out; a record with the count shows it."""
