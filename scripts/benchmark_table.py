@@ -50,7 +50,7 @@ def newest_comparisons(records: list[tuple[Path, dict]]) -> list[tuple[Path, dic
     newest = {}
     for path, record in sorted(records, key=lambda item: (item[1]["date"], item[1].get("recorded_at", ""))):
         key = (record["preset"], record["gpu"], record.get("world_size", 1), record["sequence_length"],
-               record["micro_batch_size"], tuple(sorted(record["systems"])), model_overrides(record),
+               record["micro_batch_size"], model_overrides(record),
                tuple(system_label(name, system) for name, system in sorted(record["systems"].items())))
         newest[key] = (path, record)
     return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["date"], item[0].name))
