@@ -79,6 +79,16 @@ class Bucket:
         return pieces
 
 
+def _copy_gradient(buffer: torch.Tensor, grad: torch.Tensor) -> None:
+    """``buffer.copy_(grad)`` at memory speed. Measured on an H200 over the mixtral shape's 3.6G gradient elements:
+    between equal dtypes ``copy_`` (a device-to-device memcpy) takes 3.7 ms where the multi-tensor copy takes 6.3;
+    from bf16 to fp32 the multi-tensor copy takes 7.9 ms where ``copy_`` takes 10.6."""
+    if buffer.dtype == grad.dtype:
+        buffer.copy_(grad)
+    else:
+        torch._foreach_copy_([buffer], [grad])
+
+
 class GradientBuckets:
     """Flat gradient and parameter buffers of this rank's parameters, reduced over their data-parallel replicas.
 
@@ -169,8 +179,8 @@ class GradientBuckets:
                     raise RuntimeError(f"{name} got a second gradient in a step of one micro-batch: its gradient "
                                        "buffer may be in the model dtype, where a sum would lose precision")
                 bucket.grads[start:end].add_(param.grad.flatten())
-            else:  # the multi-tensor copy converts bf16 to fp32 at memory speed, unlike copy_ (measured on H200)
-                torch._foreach_copy_([bucket.grads[start:end]], [param.grad.flatten()])
+            else:
+                _copy_gradient(bucket.grads[start:end], param.grad.flatten())
                 bucket.written.add(name)
             param.grad = None
             if buckets.final_micro_batch:
