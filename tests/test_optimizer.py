@@ -116,6 +116,17 @@ def test_global_grad_norm_is_accurate_for_large_gradients(group):
     assert abs(GlobalGradNorm(buckets, context)().item() - exact) / exact < 1e-7
 
 
+def test_coalesced_joins_only_views_that_follow_each_other_in_one_buffer():
+    from nanotron.optim.clip import coalesced
+
+    buffer, other = torch.arange(20.0), torch.arange(5.0)
+    pieces = [buffer[0:3], buffer[3:8], buffer[10:12], buffer[12:20], other[0:2], other[2:5]]
+    joined = coalesced(pieces)
+    assert [(p.storage_offset(), p.numel()) for p in joined] == [(0, 8), (10, 10), (0, 5)]
+    assert joined[0]._base is buffer and joined[2]._base is other
+    assert torch.equal(torch.cat(joined), torch.cat(pieces))
+
+
 SCALES = torch.rand(64, generator=torch.Generator().manual_seed(0)) + 1.0
 
 

@@ -33,6 +33,24 @@ def _counted(values: torch.Tensor, in_param: slice, duplicates: list[tuple[int, 
     return [piece for piece in kept if piece.numel()]
 
 
+def coalesced(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``pieces`` with every run of views that follow each other in one flat buffer joined into one view.
+
+    A bucket's counted gradients are usually one contiguous run (every parameter counted), so the norm reduces a
+    few long vectors instead of a piece per parameter."""
+    joined: list[torch.Tensor] = []
+    for piece in pieces:
+        last = joined[-1] if joined else None
+        base = piece._base
+        if (last is not None and base is not None and last._base is base and base.dim() == 1
+                and last.storage_offset() + last.numel() == piece.storage_offset()):
+            start = last.storage_offset() - base.storage_offset()
+            joined[-1] = base[start:start + last.numel() + piece.numel()]
+        else:
+            joined.append(piece)
+    return joined
+
+
 class GlobalGradNorm:
     """The global gradient norm of ``buckets``, called once per step.
 
@@ -54,6 +72,7 @@ class GlobalGradNorm:
             duplicates = placement.duplicate_rows(coords, sizes)
             counted = _counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values]
             self.pieces.setdefault(values.dtype, []).extend(counted)
+        self.pieces = {dtype: coalesced(pieces) for dtype, pieces in self.pieces.items()}
 
     def __call__(self) -> torch.Tensor:
         # One multi-tensor pass reads every gradient once (a pow and a sum per piece would write a squared copy).
