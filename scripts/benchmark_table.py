@@ -69,10 +69,14 @@ def model_overrides(record: dict) -> tuple[str, ...]:
 
 
 def system_label(name: str, system: dict) -> str:
-    """The system's name, with its FP8 recipe where it trained in FP8 and its name does not say so."""
-    if system.get("precision") != "fp8" or "fp8" in name:
-        return name
-    return f"{name} (FP8 {system['fp8_recipe']})" if system.get("fp8_recipe") else f"{name} (FP8)"
+    """The system's name, with the labelled options it trained with where its name does not say so: its FP8 recipe
+    and bf16 Adam moments."""
+    options = []
+    if system.get("precision") == "fp8" and "fp8" not in name:
+        options.append(f"FP8 {system['fp8_recipe']}" if system.get("fp8_recipe") else "FP8")
+    if system.get("adam_moments") == "bf16" and "moments" not in name:
+        options.append("bf16 moments")
+    return f"{name} ({', '.join(options)})" if options else name
 
 
 def record_label(record: dict) -> str:
