@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from benchmark_record import kernel_record
+from benchmark_record import kernel_record, median_cuda_ms
 
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.linear_cross_entropy import ChunkPasses, linear_cross_entropy
@@ -55,15 +55,8 @@ def timed(step, repeats: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], (torch.cuda.max_memory_allocated() - before) / 1e9
+    ms = median_cuda_ms(step, repeats, warmup=0)
+    return ms, (torch.cuda.max_memory_allocated() - before) / 1e9
 
 
 def matmul_floor(hidden: torch.Tensor, weight: torch.Tensor, generator: torch.Generator, repeats: int) -> float:

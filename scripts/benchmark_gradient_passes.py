@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from benchmark_record import kernel_record
+from benchmark_record import kernel_record, median_cuda_ms
 
 from nanotron.optim.clip import coalesced
 from nanotron.parallel.data_parallel import _copy_gradient
@@ -38,21 +38,6 @@ NORMS = {
     "vector_norm coalesced": lambda pieces: [torch.linalg.vector_norm(p, dtype=torch.float32)
                                              for p in coalesced(pieces)],
 }
-
-
-def median_ms(step, repeats: int) -> float:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def measured(kind: str, buffer_dtype: torch.dtype, method: str, ms: float, moved_bytes: int) -> dict:
@@ -75,12 +60,12 @@ def main() -> None:
         slices = list(buffer.split([g.numel() for g in grads]))
         size = buffer.element_size()
         for method, copy in COPIES.items():
-            ms = median_ms(lambda: [copy(s, g) for s, g in zip(slices, grads)], args.repeats)
+            ms = median_cuda_ms(lambda: [copy(s, g) for s, g in zip(slices, grads)], args.repeats)
             assert all(torch.equal(s, g.to(buffer_dtype)) for s, g in zip(slices, grads))
             results.append(measured("copy", buffer_dtype, method, ms, total * (grads[0].element_size() + size)))
         exact = torch.linalg.vector_norm(buffer, dtype=torch.float64)
         for method, norm in NORMS.items():
-            ms = median_ms(lambda: norm(slices), args.repeats)
+            ms = median_cuda_ms(lambda: norm(slices), args.repeats)
             assert torch.isclose(torch.stack(norm(slices)).double().norm(), exact, rtol=1e-4)
             results.append(measured("norm", buffer_dtype, method, ms, total * size))
     if args.output:

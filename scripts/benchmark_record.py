@@ -143,6 +143,24 @@ def kernel_record(name: str, commit: str | None, results, **fields) -> dict:
             "command": command_line(sys.argv, dict(os.environ)), **fields, "results": results}
 
 
+def median_cuda_ms(step, repeats: int, warmup: int = 3) -> float:
+    """The median time of ``step()`` on the current CUDA device (ms, CUDA events), after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
     storages = {}
