@@ -21,7 +21,7 @@ import torch
 from benchmark_record import kernel_record, median_cuda_ms
 
 from nanotron.optim.clip import coalesced
-from nanotron.parallel.data_parallel import _copy_gradient
+from nanotron.parallel.data_parallel import copy_gradient
 
 LAYERS, EXPERTS, HIDDEN, FFN, VOCAB = 16, 8, 2048, 4096, 32000
 SHAPES = ([(EXPERTS, 2 * FFN, HIDDEN), (EXPERTS, HIDDEN, FFN), (3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN)] * LAYERS
@@ -29,7 +29,7 @@ SHAPES = ([(EXPERTS, 2 * FFN, HIDDEN), (EXPERTS, HIDDEN, FFN), (3 * HIDDEN, HIDD
 COPIES = {
     "copy_": lambda buffer, grad: buffer.copy_(grad),
     "foreach_copy_": lambda buffer, grad: torch._foreach_copy_([buffer], [grad]),
-    "hook (_copy_gradient)": _copy_gradient,
+    "hook (copy_gradient)": copy_gradient,
 }
 NORMS = {
     "foreach_norm per parameter": lambda pieces: torch._foreach_norm(pieces, 2, dtype=torch.float32),
