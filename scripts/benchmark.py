@@ -14,7 +14,8 @@ input-embedding lookup not; for a mixture of experts the parameters a token uses
 attention pairs inside the batches' documents), peak memory (the largest over
 ranks, and each rank's), and how much of the peak the weights, gradients and optimizer state take
 (``state_memory_gb``: what is allocated when a step starts, plus the gradients a loop frees after each update) and
-the rest, the activations (``activation_memory_gb``).
+the rest, the activations (``activation_memory_gb``), and what the forward holds when the backward starts
+(``kept_for_backward_gb``: unlike the peak, it does not depend on when a loop allocates its gradients).
 
 ``--versus`` and ``--versus-override`` train a second nanotron run in the same command, another preset (a Llama of
 the Mamba's size) or the same one with other overrides (FP8 against bf16); ``--torchao`` also trains the compiled
@@ -29,6 +30,7 @@ prints its rows; ``scripts/benchmark_table.py`` writes the README's table from t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from benchmark_peers import LIBRARIES, PEERS, build_peer, library_problem, peer_problem
 from benchmark_record import (
     RESULTS,
+    BackwardStart,
     build_record,
     command_line,
     git_commit,
@@ -102,14 +105,17 @@ def summary(times: list[float], tokens_per_step: int, world: int, flops_per_toke
             "tflops_per_gpu": tflops, "mfu": tflops * 1e12 / peak if peak else None}
 
 
-def measured_memory(step_start: int, baseline: int, freed_gradient_bytes: int) -> dict:
-    """Peak, state and activation memory of the run just timed, on this rank and over all ranks (the largest)."""
+def measured_memory(step_start: int, baseline: int, freed_gradient_bytes: int, backward: BackwardStart) -> dict:
+    """Peak, state and activation memory of the run just timed, on this rank and over all ranks (the largest; a
+    rank without a loss, a pipeline stage before the last, has no ``kept_for_backward_gb``)."""
     mine = {"peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
-    mine |= memory_fields(torch.cuda.max_memory_allocated(), step_start, baseline, freed_gradient_bytes)
+    mine |= memory_fields(torch.cuda.max_memory_allocated(), step_start, baseline, freed_gradient_bytes,
+                          backward.bytes)
     result = {}
     for key, value in mine.items():
-        ranks = per_rank(value)
-        result |= {key: max(ranks), f"{key}_per_rank": ranks}
+        ranks = [None if r != r else r for r in per_rank(float("nan") if value is None else value)]
+        known = [r for r in ranks if r is not None]
+        result |= {key: max(known) if known else None, f"{key}_per_rank": ranks}
     return result
 
 
@@ -182,8 +188,16 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
         if result.attention_flops is not None:
             attention_flops[i % 2] = result.attention_flops  # read after the timed steps
 
-    times, step_start = timed(step, args.steps, args.warmup)
-    memory = measured_memory(step_start, baseline, freed_gradient_bytes=0)  # gradient buckets outlive the step
+    backward = BackwardStart(torch.cuda.memory_allocated)
+
+    def watched_step(i):
+        backward.new_step()
+        step(i)
+
+    with watched_losses(trainer, backward):
+        times, step_start = timed(watched_step, args.steps, args.warmup)
+    # gradient buckets outlive the step: none are freed
+    memory = measured_memory(step_start, baseline, freed_gradient_bytes=0, backward=backward)
     if profile:
         write_profile(step, profile)
     if activations:
@@ -211,10 +225,10 @@ def run_peer(args, peer: str, micro_batches: list[dict], flops_per_token: float,
     loop = build_peer(peer, PRESETS[args.preset], args.sequence_length, "cuda", args.hf_experts, float8_recipe)
     try:
         batches = [{key: mb[key].cuda() for key in ("input_ids", "labels")} for mb in micro_batches]
-        freed = {}
+        freed, backward = {}, BackwardStart(torch.cuda.memory_allocated)
         torch.cuda.reset_peak_memory_stats()
-        times, step_start = timed(loop.step_function(batches, freed), args.steps, args.warmup)
-        memory = measured_memory(step_start, baseline, freed["gradient_bytes"])
+        times, step_start = timed(loop.step_function(batches, freed, backward), args.steps, args.warmup)
+        memory = measured_memory(step_start, baseline, freed["gradient_bytes"], backward)
     finally:
         loop.restore()
     tokens = sum(mb["input_ids"].numel() for mb in batches)
@@ -267,6 +281,24 @@ def live_blocks() -> dict[int, int]:
     """The caching allocator's allocated blocks: address -> requested bytes."""
     return {block["address"]: block["requested_size"] for segment in torch.cuda.memory_snapshot()
             for block in segment["blocks"] if block["state"] == "active_allocated"}
+
+
+@contextlib.contextmanager
+def watched_losses(trainer, backward: BackwardStart):
+    """``backward`` watches every loss the trainer computes (the fused head's or the loss on the logits)."""
+    attribute = "head_loss" if trainer.head_loss is not None else "_loss"
+    loss = getattr(trainer, attribute)
+
+    def watched(*args, **kwargs):
+        result = loss(*args, **kwargs)
+        backward.watch(result[0])
+        return result
+
+    setattr(trainer, attribute, watched)
+    try:
+        yield
+    finally:
+        setattr(trainer, attribute, loss)
 
 
 def write_activations(trainer, step_fn, path: Path) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from benchmark_record import tensor_bytes
+from benchmark_record import BackwardStart, tensor_bytes
 
 # --peer name -> the system's name in the record.
 PEERS = {"hf": "hf-compiled", "hf-eager": "hf-eager", "liger": "liger", "torchtitan": "torchtitan",
@@ -91,13 +91,16 @@ class TrainingLoop:
         default=lambda parameters: torch.nn.utils.clip_grad_norm_(parameters, 1.0))
     restore: Callable[[], None] = field(default=lambda: None)
 
-    def step_function(self, micro_batches: list[dict], freed: dict) -> Callable[[int], None]:
+    def step_function(self, micro_batches: list[dict], freed: dict, backward: BackwardStart) -> Callable[[int], None]:
         """One training step per call; the first records in ``freed["gradient_bytes"]`` the gradients' bytes, which
-        the loop frees after every update (``zero_grad(set_to_none=True)``)."""
+        the loop frees after every update (``zero_grad(set_to_none=True)``); ``backward`` watches every loss."""
 
         def step(i: int) -> None:
+            backward.new_step()
             for micro_batch in micro_batches:
-                (self.loss_of(micro_batch) / len(micro_batches)).backward()
+                loss = self.loss_of(micro_batch) / len(micro_batches)
+                backward.watch(loss)
+                loss.backward()
             if i == 0:
                 freed["gradient_bytes"] = tensor_bytes(p.grad for p in self.parameters if p.grad is not None)
             self.clip(self.parameters)

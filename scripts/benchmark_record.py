@@ -4,10 +4,10 @@ README's performance table. Everything here is pure (no GPU), so the schema is t
 
 A record holds the run's facts (date and UTC time, preset, GPU, commit, torch, the command, the shape) and
 ``systems``: each measured system's ``tokens_per_sec``, ``mfu``, ``peak_memory_gb`` and, where measured,
-``state_memory_gb`` (weights, gradients and optimizer state) and ``activation_memory_gb`` (the peak minus that
-state). ``ratios`` maps every other system to the ``reference`` system's tokens/s over its own, all from the same
-call. ``convention`` names how FLOPs were counted for MFU: ``megatron`` (the LM head counted, the input-embedding
-lookup not).
+``state_memory_gb`` (weights, gradients and optimizer state), ``activation_memory_gb`` (the peak minus that state)
+and ``kept_for_backward_gb`` (what the forward holds when the backward starts, ``BackwardStart``). ``ratios`` maps
+every other system to the ``reference`` system's tokens/s over its own, all from the same call. ``convention`` names
+how FLOPs were counted for MFU: ``megatron`` (the LM head counted, the input-embedding lookup not).
 """
 
 from __future__ import annotations
@@ -170,15 +170,46 @@ def tensor_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def memory_fields(peak_bytes: int, step_start_bytes: int, baseline_bytes: int, freed_gradient_bytes: int) -> dict:
+def memory_fields(peak_bytes: int, step_start_bytes: int, baseline_bytes: int, freed_gradient_bytes: int,
+                  backward_start_bytes: int | None = None) -> dict:
     """How a system's peak splits, from what was allocated: ``state_memory_gb``, its weights, gradients and optimizer
     state, is what it holds when a step starts (after the first step, so the optimizer state exists), less what was
     allocated before it was built (``baseline_bytes``: an earlier run's leftovers), plus the gradients its loop frees
     after every update (``freed_gradient_bytes``, read after a backward); ``activation_memory_gb`` is the rest of the
-    peak (activations, logits, workspaces)."""
+    peak (activations, logits, workspaces); ``kept_for_backward_gb`` (None where not read) is what was allocated when
+    the step's first backward started beyond what the step started with (``BackwardStart``)."""
     state = step_start_bytes - baseline_bytes + freed_gradient_bytes
+    kept = None if backward_start_bytes is None else (backward_start_bytes - step_start_bytes) / 1e9
     return {"state_memory_gb": state / 1e9,
-            "activation_memory_gb": (peak_bytes - step_start_bytes - freed_gradient_bytes) / 1e9}
+            "activation_memory_gb": (peak_bytes - step_start_bytes - freed_gradient_bytes) / 1e9,
+            "kept_for_backward_gb": kept}
+
+
+class BackwardStart:
+    """The bytes allocated when a step's first backward starts, read by a gradient hook on the step's first loss.
+
+    The peak less the weights, gradients and optimizer state understates the activations of a loop that frees its
+    gradients after every update (``zero_grad(set_to_none=True)``): its peak comes early in the backward, before most
+    gradients exist again, yet all of them are subtracted. What is allocated when the backward starts, less what the
+    step started with, is what the forward kept for the backward (activations and the loss's inputs) whatever a loop
+    does with its gradients. ``new_step()`` before each step; ``watch(loss)`` on every loss the step computes.
+    """
+
+    def __init__(self, allocated):
+        self.allocated = allocated  # () -> bytes allocated now, e.g. torch.cuda.memory_allocated
+        self.bytes: int | None = None
+        self._armed = False
+
+    def new_step(self) -> None:
+        self._armed = True
+
+    def watch(self, loss) -> None:
+        if self._armed and loss.requires_grad:
+            self._armed = False
+            loss.register_hook(self._record)
+
+    def _record(self, grad) -> None:
+        self.bytes = self.allocated()
 
 
 def installed_versions(names: tuple[str, ...]) -> dict[str, str]:

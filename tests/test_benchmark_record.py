@@ -182,7 +182,33 @@ def test_memory_split_from_what_was_allocated():
     """A run that found 1 GB left by an earlier one, started its steps at 6 GB (weights, optimizer state), freed
     2 GB of gradients after each update and peaked at 10 GB: 7 GB of state, 2 GB of activations."""
     fields = benchmark_record.memory_fields(10 * 10**9, 6 * 10**9, 10**9, 2 * 10**9)
-    assert fields == {"state_memory_gb": pytest.approx(7.0), "activation_memory_gb": pytest.approx(2.0)}
+    assert fields == {"state_memory_gb": pytest.approx(7.0), "activation_memory_gb": pytest.approx(2.0),
+                      "kept_for_backward_gb": None}
+    with_backward = benchmark_record.memory_fields(10 * 10**9, 6 * 10**9, 10**9, 2 * 10**9, 9 * 10**9)
+    assert with_backward["kept_for_backward_gb"] == pytest.approx(3.0)
+
+
+def test_the_backward_start_is_read_once_per_step_when_its_first_loss_gets_its_gradient():
+    """Two micro-batches per step: the memory is read when the first loss's backward starts (after its forward
+    allocated, before its gradient frees anything), not at the second loss, and again in the next step."""
+    allocated = {"now": 0}
+    start = benchmark_record.BackwardStart(lambda: allocated["now"])
+    weight = torch.ones(3, requires_grad=True)
+    readings = []
+    for step in range(2):
+        start.new_step()
+        for micro_batch in range(2):
+            allocated["now"] = 100 * step + 10 * micro_batch + 5  # what the forward of this micro-batch holds
+            loss = (weight * (micro_batch + 1)).sum()
+            start.watch(loss)
+            allocated["now"] += 1  # allocated after the loss, before its backward: still counted
+            loss.backward()
+        readings.append(start.bytes)
+    assert readings == [6, 106]
+    assert torch.equal(weight.grad, torch.full((3,), 6.0))  # the hook leaves the gradients alone
+    start.new_step()
+    start.watch(torch.ones(1))  # a loss without a graph (no gradient to wait for) is not watched
+    assert start._armed
 
 
 def test_tensor_bytes_counts_a_shared_buffer_once():
@@ -208,12 +234,13 @@ def _batches(vocab: int, count: int = 2) -> list[dict]:
 
 
 def _train_two_steps(loop, batches) -> dict:
-    freed = {}
-    step = loop.step_function(batches, freed)
+    freed, backward = {}, benchmark_record.BackwardStart(lambda: 7)
+    step = loop.step_function(batches, freed, backward)
     before = [p.detach().clone() for p in loop.parameters]
     step(0)
     step(1)
     assert all(p.grad is None for p in loop.parameters)  # freed after every update, as measured
+    assert backward.bytes == 7  # read when a loss's backward started
     assert all(not torch.equal(a, p) for a, p in zip(before, loop.parameters) if a.dim() == 2)
     return freed
 
@@ -424,6 +451,7 @@ def test_nanotron_run_of_the_benchmark_reads_what_the_trainer_exposes(tiny_data,
     assert result["step_time_s"] == 0.5 and result["tokens_per_sec"] == 2 * 32 / 0.5
     assert result["parameters"] > 0 and result["flops_per_token"] > 0 and result["layout"]["tp"] == 1
     assert result["mfu"] is None  # no peak FLOP/s is known for a CPU
+    assert result["kept_for_backward_gb"] == 0.0  # read when the loss's backward started (the counters read 0)
     assert micro_batch[0]["input_ids"].shape == (2, 32)
 
 
