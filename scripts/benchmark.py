@@ -284,42 +284,47 @@ def live_blocks() -> dict[int, int]:
 
 
 @contextlib.contextmanager
-def watched_losses(trainer, backward: BackwardStart):
-    """``backward`` watches every loss the trainer computes (the fused head's or the loss on the logits)."""
+def loss_replaced(trainer, replacement):
+    """The trainer's loss (the fused head's, or the loss on the logits) replaced by ``replacement(loss)`` within the
+    block, restored after it."""
     attribute = "head_loss" if trainer.head_loss is not None else "_loss"
     loss = getattr(trainer, attribute)
-
-    def watched(*args, **kwargs):
-        result = loss(*args, **kwargs)
-        backward.watch(result[0])
-        return result
-
-    setattr(trainer, attribute, watched)
+    setattr(trainer, attribute, replacement(loss))
     try:
         yield
     finally:
         setattr(trainer, attribute, loss)
 
 
+def watched_losses(trainer, backward: BackwardStart):
+    """``backward`` watches every loss the trainer computes."""
+    def watching(loss):
+        def watched(*args, **kwargs):
+            result = loss(*args, **kwargs)
+            backward.watch(result[0])
+            return result
+        return watched
+
+    return loss_replaced(trainer, watching)
+
+
 def write_activations(trainer, step_fn, path: Path) -> None:
     """What one step's forward keeps for its backward, seen when the loss is about to be computed: the allocations
     made since the step started and still alive, grouped by size (largest total first). Sizes name their tensors:
     with ``t`` tokens per micro-batch, ``t·h·2`` bytes is a bf16 hidden state, ``t·ffn·2`` an MLP activation."""
-    attribute = "head_loss" if trainer.head_loss is not None else "_loss"
-    loss, seen = getattr(trainer, attribute), {}
+    seen = {}
 
-    def observed(*args, **kwargs):
-        if not seen:
-            seen.update(live_blocks())
-        return loss(*args, **kwargs)
+    def observing(loss):
+        def observed(*args, **kwargs):
+            if not seen:
+                seen.update(live_blocks())
+            return loss(*args, **kwargs)
+        return observed
 
     torch.cuda.synchronize()
     before = live_blocks()
-    setattr(trainer, attribute, observed)
-    try:
+    with loss_replaced(trainer, observing):
         step_fn(0)
-    finally:
-        setattr(trainer, attribute, loss)
     sizes: dict[int, int] = {}
     for address, size in seen.items():
         if address not in before:
