@@ -218,17 +218,22 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
                                         "saves": saves}, batches[0]
 
 
-def run_peer(args, peer: str, micro_batches: list[dict], flops_per_token: float, peak: float | None,
+def run_peer(args, name: str, peer: str, micro_batches: list[dict], flops_per_token: float, peak: float | None,
              float8_recipe: str | None = None) -> dict:
-    """A peer on one GPU on nanotron's first batch: the same tokens per step, FLOPs per token and peak FLOP/s."""
+    """A peer on one GPU on nanotron's first batch: the same tokens per step, FLOPs per token and peak FLOP/s; its
+    profile in ``--profile-peers``/<name>.txt when asked."""
     baseline = torch.cuda.memory_allocated()
     loop = build_peer(peer, PRESETS[args.preset], args.sequence_length, "cuda", args.hf_experts, float8_recipe)
     try:
         batches = [{key: mb[key].cuda() for key in ("input_ids", "labels")} for mb in micro_batches]
         freed, backward = {}, BackwardStart(torch.cuda.memory_allocated)
         torch.cuda.reset_peak_memory_stats()
-        times, step_start = timed(loop.step_function(batches, freed, backward), args.steps, args.warmup)
+        step = loop.step_function(batches, freed, backward)
+        times, step_start = timed(step, args.steps, args.warmup)
         memory = measured_memory(step_start, baseline, freed["gradient_bytes"], backward)
+        if args.profile_peers:
+            args.profile_peers.mkdir(parents=True, exist_ok=True)
+            write_profile(step, args.profile_peers / f"{name}.txt")
     finally:
         loop.restore()
     tokens = sum(mb["input_ids"].numel() for mb in batches)
@@ -385,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also train the compiled Hugging Face loop with torchao's float8 training of this "
                              "recipe (needs --peer hf, its bf16 counterpart; install torchao first)")
     parser.add_argument("--profile", type=Path, help="also write the profiler table of 3 nanotron steps here")
+    parser.add_argument("--profile-peers", type=Path,
+                        help="also write each peer's profiler table of 3 steps into this folder, as <system>.txt")
     parser.add_argument("--activations", type=Path,
                         help="also write what the forward keeps for the backward, by allocation size, here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
@@ -449,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
             runs.append((f"torchao-float8-{args.torchao}", "hf", args.torchao))
         for name, peer, recipe in runs:
             free_memory()
-            systems[name] = run_peer(args, peer, micro_batches, peer_flops, peak, recipe)
+            systems[name] = run_peer(args, name, peer, micro_batches, peer_flops, peak, recipe)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if world > 1 and args.peer:

@@ -56,7 +56,7 @@ def fake_systems(monkeypatch):
     speeds = {("hf", None): 66_000.0, ("hf-eager", None): 49_000.0, ("liger", None): 61_600.0,
               ("torchtitan", None): 59_600.0, ("hf", "tensorwise"): 74_000.0}
 
-    def run_peer(args, peer, micro_batches, flops_per_token, peak, float8_recipe=None):
+    def run_peer(args, name, peer, micro_batches, flops_per_token, peak, float8_recipe=None):
         calls["peers"].append((peer, float8_recipe, flops_per_token, peak))
         speed = speeds[(peer, float8_recipe)]
         return {"tokens_per_sec": speed, "tokens_per_sec_per_gpu": speed, "mfu": speed * flops_per_token / peak,
