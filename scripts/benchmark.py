@@ -141,6 +141,15 @@ def adam_moments(config) -> str:
     return {"bfloat16": "bf16", "float32": "fp32"}[config.optimizer.adam_moments_dtype]
 
 
+def masters(config) -> str:
+    """How the optimizer holds the fp32 masters of the model's weights: ``remainders`` (the bf16 weights plus 16 bits,
+    ``optimizer.store_param_remainders``) or ``fp32`` copies."""
+    from nanotron.optim.param_remainders import stores_remainders
+
+    dtype = getattr(torch, config.model.dtype)
+    return "remainders" if stores_remainders(dtype, config.optimizer.store_param_remainders) else "fp32"
+
+
 def nanotron_config(args, preset: str, overrides: list[str]):
     """The bench config (examples/config_llama1b_bench.yaml) with the preset's model, the command's shape and
     ``overrides`` (section.key=value)."""
@@ -213,6 +222,7 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
     fp8 = config.fp8.recipe if precision(config) == "fp8" else None
     return result | memory | counted | {"preset": preset, "overrides": overrides, "precision": precision(config),
                                         "fp8_recipe": fp8, "adam_moments": adam_moments(config),
+                                        "masters": masters(config),
                                         "parameters": trainer.num_parameters,
                                         "flops_per_token": flops_per_token, "layout": trainer.pc.sizes,
                                         "saves": saves}, batches[0]

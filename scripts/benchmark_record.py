@@ -65,8 +65,9 @@ def nanotron_names(first: dict, second: dict | None) -> tuple[str, str | None]:
     """Names of one or two nanotron runs of a call (each a dict with ``preset`` and ``precision``): ``nanotron``
     alone; by precision when two runs compare precisions (``nanotron-fp8`` / ``nanotron-bf16``); by the Adam
     moments' dtype when they compare those (``nanotron-bf16-moments`` / ``nanotron-fp32-moments``; runs recorded
-    without ``adam_moments`` had fp32 moments); else the second run is named for its preset (``--versus``), or
-    ``nanotron-versus`` when only other overrides differ."""
+    without ``adam_moments`` had fp32 moments); by how they hold the masters (``nanotron-remainders-masters`` /
+    ``nanotron-fp32-masters``); else the second run is named for its preset (``--versus``), or ``nanotron-versus``
+    when only other overrides differ."""
     if second is None:
         return "nanotron", None
     if first["precision"] != second["precision"]:
@@ -74,6 +75,9 @@ def nanotron_names(first: dict, second: dict | None) -> tuple[str, str | None]:
     moments = [run.get("adam_moments", "fp32") for run in (first, second)]
     if moments[0] != moments[1]:
         return f"nanotron-{moments[0]}-moments", f"nanotron-{moments[1]}-moments"
+    masters = [run.get("masters", "fp32") for run in (first, second)]
+    if masters[0] != masters[1]:
+        return f"nanotron-{masters[0]}-masters", f"nanotron-{masters[1]}-masters"
     if first["preset"] != second["preset"]:
         return "nanotron", f"nanotron-{second['preset']}"
     return "nanotron", "nanotron-versus"

@@ -49,10 +49,12 @@ def test_decayed_and_exempt_parameters_live_in_separate_buckets(group):
     assert torch.all(params["w"] < 1) and torch.equal(params["norm"], torch.ones(4))
 
 
-def test_bf16_model_updates_fp32_masters_and_copies_back(group):
+@pytest.mark.parametrize("remainders", [True, False])
+def test_bf16_model_updates_fp32_masters_and_copies_back(group, remainders):
+    """Masters held as an fp32 copy or as the bf16 weights' remainders keep what the weights cannot."""
     param = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
-    buckets, optimizer = build({"w": param}, group, weight_decay=0.0)
-    assert optimizer.masters[0].dtype == torch.float32
+    buckets, optimizer = build({"w": param}, group, weight_decay=0.0, store_param_remainders=remainders)
+    assert optimizer.master_state[0].dtype == (torch.int16 if remainders else torch.float32)
     for _ in range(3):
         (param.float() * 1e-3).sum().backward()
         buckets.finish_reduction()
@@ -60,7 +62,7 @@ def test_bf16_model_updates_fp32_masters_and_copies_back(group):
         buckets.zero()
     # 3 Adam steps of 1e-5 are invisible in bf16 around 1.0 but kept by the fp32 master.
     assert torch.equal(param, torch.ones(8, dtype=torch.bfloat16))
-    torch.testing.assert_close(optimizer.masters[0], torch.full((8,), 1 - 3e-5), rtol=0, atol=1e-7)
+    torch.testing.assert_close(optimizer.master(0), torch.full((8,), 1 - 3e-5), rtol=0, atol=1e-7)
 
 
 def test_parameter_without_gradient_in_a_step_has_zero_gradient(group):

@@ -17,10 +17,11 @@ How each part is computed, and why:
   (``gradient_dtype``: with one micro-batch per step, a parameter with no replicas over its gradient axes and no
   copy on another pipeline stage keeps its dtype). ZeRO-1 reduce-scatters into a slice of the full buffer, so the
   buffer keeps its full size.
-- **master weights**: the optimizer's fp32 copy of its shard (``optimizer.py`` clones the shard even when the model
-  is fp32). **Adam moments**: two more tensors of the same shard, fp32 or ``optimizer.adam_moments_dtype``. With
-  ``zero_stage: 1`` the shard of a parameter is 1/n of it, n the ranks of its gradient axes
-  (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert), else everything.
+- **master weights**: the optimizer's fp32 masters of its shard: 2 bytes per bf16 weight, the bits the weight lacks
+  (``optim/param_remainders.py``), with ``optimizer.store_param_remainders`` (the default), else 4 bytes, an fp32
+  copy (even when the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
+  ``optimizer.adam_moments_dtype``. With ``zero_stage: 1`` the shard of a parameter is 1/n of it, n the ranks of its
+  gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
   gathered keys and values and its mask. In flight on stage ``s`` of ``pp``:
@@ -72,6 +73,7 @@ from nanotron.models.build import BuildOptions, build_stage, padded_vocab_size
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import ActivationShape, ModelSpec
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
+from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.context import GridPosition
 from nanotron.parallel.data_parallel import gradient_dtype
 from nanotron.parallel.pipeline_partition import held_layers
@@ -222,13 +224,14 @@ def memory_summary(config: Config, stage: int, gpu_memory_gb: float | None) -> s
 
 @dataclass(frozen=True)
 class _StageState:
-    """A stage's parameters on one rank: its layers, their bytes, the fp32 elements of the optimizer's shard of them,
-    and the padded vocabulary its model was built with."""
+    """A stage's parameters on one rank: its layers, their bytes, the elements of the optimizer's shard of them and
+    the bytes of those shards' masters, and the padded vocabulary its model was built with."""
 
     layers: range
     weight_bytes: int
     gradient_bytes: int
     optimizer_elements: float
+    master_bytes: float
     fp8_weight_elements: int  # weights of the linears that FP8 converts
     padded_vocab_size: int
 
@@ -242,7 +245,7 @@ def _stage_state(config: Config, stage: int) -> _StageState:
     converters = (fp8_converter(config.fp8),) if config.fp8 is not None and config.fp8.enabled else ()
     model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
     weight_bytes = gradient_bytes = 0
-    optimizer_elements = 0.0
+    optimizer_elements = master_bytes = 0.0
     single_micro_batch = config.tokens.batch_accumulation_per_replica == 1
     for param in model.parameters():  # each shared parameter once
         elements, element_bytes = param.numel(), param.element_size()
@@ -252,10 +255,13 @@ def _stage_state(config: Config, stage: int) -> _StageState:
         grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch, replicas,
                                     bool(placement.pipeline_copies))
         gradient_bytes += elements * grad_dtype.itemsize
-        optimizer_elements += elements / replicas if optimizer.zero_stage == 1 else elements
+        shard_elements = elements / replicas if optimizer.zero_stage == 1 else elements
+        optimizer_elements += shard_elements
+        master_bytes += shard_elements * master_element_bytes(param.dtype, optimizer.store_param_remainders)
     return _StageState(
         layers=held_layers(model), weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
-        optimizer_elements=optimizer_elements, fp8_weight_elements=sum(map(_fp8_weight_elements, model.modules())),
+        optimizer_elements=optimizer_elements, master_bytes=master_bytes,
+        fp8_weight_elements=sum(map(_fp8_weight_elements, model.modules())),
         padded_vocab_size=model.padded_vocab_size,
     )
 
@@ -387,7 +393,7 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
         logits = in_flight * logits_kept + max(logits_transient - backward, 0)
     return StageMemory(
         stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes,
-        gradients=state.gradient_bytes, master_weights=int(4 * state.optimizer_elements),
+        gradients=state.gradient_bytes, master_weights=int(state.master_bytes),
         adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
         activations=in_flight * kept + backward, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )

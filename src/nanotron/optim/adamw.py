@@ -1,4 +1,4 @@
-"""The AdamW update of one flat shard: fp32 master, moments and gradient in, the model's weights out.
+"""The AdamW update of one flat shard: fp32 masters, moments and gradient in, the model's weights out.
 
 Written once in plain torch, the same arithmetic as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
 moments). On CUDA it is compiled into a single kernel per shard that also applies the clipping factor to the
@@ -10,6 +10,9 @@ The moments may be stored in bf16 (``optimizer.adam_moments_dtype``, as DeepSeek
 precision-aware optimizer do): the same function reads them into fp32, updates them in fp32 and rounds them once on
 store, which saves 8 of the ~30 bytes an update moves per parameter. Stored in fp32 they are updated in place.
 
+The masters are a tensor of their own, or the bf16 weights and their 16 remainder bits (``param_remainders.py``):
+either way the update computes on the same fp32 numbers.
+
 Hyperparameters arrive as 0-dim tensors on the shard's device: the learning rate changes every step, and a Python
 float would either recompile the kernel or need a host-to-device copy that waits for the GPU.
 """
@@ -20,6 +23,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from nanotron.optim.param_remainders import joined, split_
 
 
 @dataclass
@@ -46,26 +51,40 @@ class AdamWHyperparameters:
                    scalar(1 - beta1**step), scalar((1 - beta2**step) ** 0.5), multiplier)
 
 
-def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  weights: torch.Tensor, h: AdamWHyperparameters) -> None:
-    """Update ``master``, ``exp_avg`` and ``exp_avg_sq`` in place and copy the new master into ``weights``; the
-    arithmetic is fp32 whatever the dtype of the gradient and the moments."""
+def updated_masters(masters: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    h: AdamWHyperparameters) -> torch.Tensor:
+    """The fp32 masters after one step; ``exp_avg`` and ``exp_avg_sq`` are updated in place. The arithmetic is fp32
+    whatever the dtype of the gradient and the moments."""
     grad = grad.float() * h.grad_multiplier
-    master.mul_(1 - h.lr * h.weight_decay)
     first = exp_avg.float().lerp_(grad, 1 - h.beta1)  # fp32 moments: ``float()`` is the stored tensor itself
     second = exp_avg_sq.float().mul_(h.beta2).add_((1 - h.beta2) * grad * grad)
     denominator = second.sqrt() / h.bias_correction2_sqrt + h.eps
-    master.sub_(h.lr / h.bias_correction1 * first / denominator)
     exp_avg.copy_(first)  # bf16 moments: rounded on store; fp32 ones: already updated, a copy onto itself
     exp_avg_sq.copy_(second)
+    return masters * (1 - h.lr * h.weight_decay) - h.lr / h.bias_correction1 * first / denominator
+
+
+def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  weights: torch.Tensor, h: AdamWHyperparameters) -> None:
+    """Update the fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` in place and copy the new master into
+    ``weights``."""
+    master.copy_(updated_masters(master, grad, exp_avg, exp_avg_sq, h))
     weights.copy_(master)
 
 
+def adamw_update_remainders_(remainders: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                             exp_avg_sq: torch.Tensor, weights: torch.Tensor, h: AdamWHyperparameters) -> None:
+    """The same update of masters held as bf16 ``weights`` and int16 ``remainders`` (``param_remainders.py``)."""
+    split_(updated_masters(joined(weights, remainders), grad, exp_avg, exp_avg_sq, h), weights, remainders)
+
+
 @functools.cache
-def _compiled_update():
-    return torch.compile(adamw_update_, dynamic=True, fullgraph=True)
+def _compiled(update):
+    return torch.compile(update, dynamic=True, fullgraph=True)
 
 
-def adamw_update_function(device: torch.device, fused: bool):
-    """The compiled single-kernel update on CUDA when ``fused``, else the plain torch one."""
-    return _compiled_update() if fused and device.type == "cuda" else adamw_update_
+def adamw_update_function(device: torch.device, fused: bool, remainders: bool):
+    """The update of masters held as remainders or as fp32 tensors: compiled into one kernel on CUDA when
+    ``fused``, else plain torch."""
+    update = adamw_update_remainders_ if remainders else adamw_update_
+    return _compiled(update) if fused and device.type == "cuda" else update

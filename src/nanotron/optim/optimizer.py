@@ -1,9 +1,11 @@
 """AdamW on fp32 master weights, over the flat shards of the gradient buckets (ZeRO-1 when they are sharded).
 
-The optimizer keeps an fp32 copy ("master") of this rank's shard of every bucket and updates that copy: small
-updates that would vanish when added to a bf16 weight are kept. After each step the masters are copied back into
-the model's parameters (and, with ZeRO-1, all-gathered over data-parallel ranks). Without ZeRO a rank's shard is the
-whole bucket; with ZeRO-1 it is 1/dp of it, so masters and Adam moments take 1/dp of the memory.
+The optimizer keeps fp32 master weights of this rank's shard of every bucket and updates them: small updates that
+would vanish when added to a bf16 weight are kept. After each step the model's parameters take the new masters (and,
+with ZeRO-1, are all-gathered over data-parallel ranks). Without ZeRO a rank's shard is the whole bucket; with ZeRO-1
+it is 1/dp of it, so masters and Adam moments take 1/dp of the memory. The masters of bf16 weights are held as those
+weights plus 16 remainder bits each (``param_remainders.py``, ``optimizer.store_param_remainders``), others as fp32
+copies.
 
 The Adam moments are fp32, or bf16 with ``optimizer.adam_moments_dtype: bfloat16`` (the update still computes in
 fp32, ``adamw.py``); masters stay fp32 either way.
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from nanotron.config import OptimizerArgs
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function
+from nanotron.optim.param_remainders import joined, split_, stores_remainders
 from nanotron.parallel.data_parallel import GradientBuckets
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
@@ -41,13 +44,19 @@ class MixedPrecisionAdamW:
     def __init__(self, buckets: GradientBuckets, args: OptimizerArgs):
         self.buckets = buckets
         self.args = args
-        self.masters = [b.params[b.shard].detach().float().clone() for b in buckets.buckets]
+        # Per bucket, what the master keeps beyond the weights: int16 remainders (zero: the weights are the masters
+        # now), or an fp32 copy.
+        self.remainders = [stores_remainders(b.params.dtype, args.store_param_remainders) for b in buckets.buckets]
+        self.master_state = [torch.zeros_like(b.params[b.shard], dtype=torch.int16) if remainders
+                        else b.params[b.shard].detach().float().clone()
+                        for b, remainders in zip(buckets.buckets, self.remainders)]
         moments_dtype = getattr(torch, args.adam_moments_dtype)
-        self.exp_avgs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.masters]
-        self.exp_avg_sqs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.masters]
+        self.exp_avgs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.master_state]
+        self.exp_avg_sqs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.master_state]
         self.step_count = 0
         self.device = buckets.buckets[0].params.device
-        self._update = adamw_update_function(self.device, args.torch_adam_is_fused)
+        self._updates = {remainders: adamw_update_function(self.device, args.torch_adam_is_fused, remainders)
+                         for remainders in set(self.remainders)}
 
     @torch.no_grad()
     def step(self, lr: float, grad_multiplier: torch.Tensor | None = None) -> None:
@@ -59,24 +68,37 @@ class MixedPrecisionAdamW:
                                                      a.weight_decay if decay else 0.0, grad_multiplier, self.device)
                  for decay in (True, False)}
         for index, bucket in enumerate(self.buckets.buckets):
-            self._update(self.masters[index], bucket.grads[bucket.shard], self.exp_avgs[index],
-                         self.exp_avg_sqs[index], bucket.params[bucket.shard], hyper[bucket.weight_decay])
+            update = self._updates[self.remainders[index]]
+            update(self.master_state[index], bucket.grads[bucket.shard], self.exp_avgs[index], self.exp_avg_sqs[index],
+                   bucket.params[bucket.shard], hyper[bucket.weight_decay])
         self.buckets.all_gather_params()
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
         """Take the masters from the model's weights (after weights were loaded without optimizer state)."""
-        for master, bucket in zip(self.masters, self.buckets.buckets):
-            master.copy_(bucket.params[bucket.shard])
+        for index, bucket in enumerate(self.buckets.buckets):
+            if self.remainders[index]:
+                self.master_state[index].zero_()
+            else:
+                self.master_state[index].copy_(bucket.params[bucket.shard])
+
+    def master(self, index: int) -> torch.Tensor:
+        """The fp32 masters of bucket ``index``'s shard (a new tensor where they are held as remainders)."""
+        if self.remainders[index]:
+            bucket = self.buckets.buckets[index]
+            return joined(bucket.params[bucket.shard], self.master_state[index])
+        return self.master_state[index]
 
     def local_state_numel(self) -> int:
         """Elements of optimizer state held by this rank (masters and both moments)."""
-        return sum(m.numel() for m in self.masters) * 3
+        return sum(m.numel() for m in self.master_state) * 3
 
     # --- checkpointing -------------------------------------------------------------------------------------------
 
     def _shard_state(self, index: int, kind: str) -> torch.Tensor:
-        return {"master": self.masters, "exp_avg": self.exp_avgs, "exp_avg_sq": self.exp_avg_sqs}[kind][index]
+        if kind == "master":
+            return self.master(index)
+        return {"exp_avg": self.exp_avgs, "exp_avg_sq": self.exp_avg_sqs}[kind][index]
 
     def bucket_states(self) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
         """Per bucket: {parameter name: {state kind: fp32 tensor of the parameter's local shape}}.
@@ -102,14 +124,19 @@ class MixedPrecisionAdamW:
     @torch.no_grad()
     def load_bucket_states(self, read: Callable[[str, str, torch.Tensor], None], step: int) -> None:
         """Fill masters and moments; ``read(name, kind, out)`` fills ``out`` (the parameter's local shape) in fp32,
-        which the moments' dtype then rounds."""
+        which the moments' dtype then rounds. The weights become the masters."""
         for index, bucket in enumerate(self.buckets.buckets):
             for kind in STATE_KINDS:
-                whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.masters[index].device)
+                whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.master_state[index].device)
                 for name in bucket.names:
                     read(name, kind, whole[slice(*bucket.ranges[name])].view(bucket.shapes[name]))
-                self._shard_state(index, kind).copy_(whole[bucket.shard])
-            bucket.params[bucket.shard].copy_(self.masters[index])
+                if kind != "master":
+                    self._shard_state(index, kind).copy_(whole[bucket.shard])
+                elif self.remainders[index]:
+                    split_(whole[bucket.shard], bucket.params[bucket.shard], self.master_state[index])
+                else:
+                    self.master_state[index].copy_(whole[bucket.shard])
+                    bucket.params[bucket.shard].copy_(self.master_state[index])
         self.step_count = step
         self.buckets.all_gather_params()
 
