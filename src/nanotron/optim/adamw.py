@@ -51,31 +51,35 @@ class AdamWHyperparameters:
                    scalar(1 - beta1**step), scalar((1 - beta2**step) ** 0.5), multiplier)
 
 
-def updated_masters(masters: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    h: AdamWHyperparameters) -> torch.Tensor:
-    """The fp32 masters after one step; ``exp_avg`` and ``exp_avg_sq`` are updated in place. The arithmetic is fp32
-    whatever the dtype of the gradient and the moments."""
+def update_masters_(masters: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    h: AdamWHyperparameters) -> None:
+    """One step of the fp32 ``masters``, ``exp_avg`` and ``exp_avg_sq``, in place. The arithmetic is fp32 whatever
+    the dtype of the gradient and the moments. In place on purpose: computed out of place and copied back, the
+    compiled update with fp32 moments moved its bytes at two thirds of the speed."""
     grad = grad.float() * h.grad_multiplier
+    masters.mul_(1 - h.lr * h.weight_decay)
     first = exp_avg.float().lerp_(grad, 1 - h.beta1)  # fp32 moments: ``float()`` is the stored tensor itself
     second = exp_avg_sq.float().mul_(h.beta2).add_((1 - h.beta2) * grad * grad)
     denominator = second.sqrt() / h.bias_correction2_sqrt + h.eps
+    masters.sub_(h.lr / h.bias_correction1 * first / denominator)
     exp_avg.copy_(first)  # bf16 moments: rounded on store; fp32 ones: already updated, a copy onto itself
     exp_avg_sq.copy_(second)
-    return masters * (1 - h.lr * h.weight_decay) - h.lr / h.bias_correction1 * first / denominator
 
 
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   weights: torch.Tensor, h: AdamWHyperparameters) -> None:
     """Update the fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` in place and copy the new master into
     ``weights``."""
-    master.copy_(updated_masters(master, grad, exp_avg, exp_avg_sq, h))
+    update_masters_(master, grad, exp_avg, exp_avg_sq, h)
     weights.copy_(master)
 
 
 def adamw_update_remainders_(remainders: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                              exp_avg_sq: torch.Tensor, weights: torch.Tensor, h: AdamWHyperparameters) -> None:
     """The same update of masters held as bf16 ``weights`` and int16 ``remainders`` (``param_remainders.py``)."""
-    split_(updated_masters(joined(weights, remainders), grad, exp_avg, exp_avg_sq, h), weights, remainders)
+    masters = joined(weights, remainders)
+    update_masters_(masters, grad, exp_avg, exp_avg_sq, h)
+    split_(masters, weights, remainders)
 
 
 @functools.cache
