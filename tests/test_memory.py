@@ -179,6 +179,14 @@ def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
         assert abs(peak - expected) / expected < 0.10, (layout, peaks, measured)
 
 
+def test_the_estimate_with_masters_as_remainders_is_within_5_percent_of_the_peak_measured_on_an_h200():
+    """benchmarks/results/2026-12-04-h200-llama1b-remainders-peers.json: the 1B benchmark run (its loss in chunks,
+    bf16 gradient buffers, masters as remainders) peaked at 43.70 GB."""
+    estimate = estimate_memory(load_config(BENCH), gpu_memory_gb=150.1).stages[0]
+    assert abs(estimate.peak / 1e9 - 43.70) / 43.70 < 0.05
+    assert estimate.master_weights == estimate.weights  # 2 bytes a bf16 weight
+
+
 def test_fp8_with_recomputed_layers_counts_the_fp8_weights_the_forward_keeps():
     """The 8B shape on one H200 peaked 6.44 GB higher in FP8 than in bf16 (142.10 against 135.66 GB): the
     recomputed forward keeps FP8 copies of the weights. The estimate counts a byte per weight element of every
