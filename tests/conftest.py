@@ -64,9 +64,15 @@ DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MAS
 @pytest.fixture(autouse=True)
 def _distributed_environment_restored():
     """A trainer built in the test process sets the torch.distributed variables (``parallel/context.py``); left in
-    the environment, every later subprocess would rendezvous on that process's port and fail to bind it."""
+    the environment, every later subprocess would rendezvous on that process's port and fail to bind it. The
+    process group it starts is destroyed too, or the next test that starts one in this process fails."""
+    import torch.distributed as dist
+
     saved = {name: os.environ.get(name) for name in DISTRIBUTED_VARIABLES}
+    started_here = not dist.is_initialized()  # a module's own group (its fixture set up first) is left alone
     yield
+    if started_here and dist.is_initialized():
+        dist.destroy_process_group()
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)

@@ -504,20 +504,24 @@ def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
 
 
 def test_a_run_with_labelled_options_says_so_and_is_a_comparison_of_its_own(tmp_path):
-    """A nanotron run trained in FP8 or with bf16 Adam moments under the plain name (one setting per call) is
-    labelled with them, and a newer such record does not hide the default one of the same shape."""
+    """A nanotron run trained in FP8, with bf16 Adam moments or with its masters held as remainders under the plain
+    name (one setting per call) is labelled with them, and a newer such record does not hide the default one of the
+    same shape."""
     results = tmp_path / "results"
     results.mkdir()
     readme = _readme(tmp_path)
-    bf16, fp8, both = (_record(date, tokens) for date, tokens in
-                       (("2026-12-03", 65_000.0), ("2026-12-04", 80_000.0), ("2026-12-05", 81_000.0)))
+    bf16, fp8, both, held = (_record(date, tokens) for date, tokens in
+                             (("2026-12-03", 65_000.0), ("2026-12-04", 80_000.0), ("2026-12-05", 81_000.0),
+                              ("2026-12-06", 66_000.0)))
     fp8["systems"]["nanotron"].update(precision="fp8", fp8_recipe="delayed")
     both["systems"]["nanotron"].update(precision="fp8", fp8_recipe="delayed", adam_moments="bf16")
-    for name, record in (("bf16", bf16), ("fp8", fp8), ("both", both)):
+    held["systems"]["nanotron"].update(masters="remainders")
+    for name, record in (("bf16", bf16), ("fp8", fp8), ("both", both), ("held", held)):
         (results / f"{name}.json").write_text(json.dumps(record))
     assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
     names = re.findall(r"\| (nanotron[^|]*?) \| [\d,]+ \|", readme.read_text())
-    assert names == ["nanotron", "nanotron (FP8 delayed)", "nanotron (FP8 delayed, bf16 moments)"]
+    assert names == ["nanotron", "nanotron (FP8 delayed)", "nanotron (FP8 delayed, bf16 moments)",
+                     "nanotron (masters as remainders)"]
 
 
 def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(tmp_path):

@@ -15,8 +15,6 @@ TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
 # The hand counts and the measured peaks are of the loss on full logits (test_fused_loss.py counts the fused one).
 LOGITS_IN_FULL = ["model.loss_chunk_tokens=0"]
-# The peaks below were measured with the masters held as fp32 copies.
-MASTER_COPIES = ["optimizer.store_param_remainders=false"]
 
 # The tiny example by hand: hidden 128, ffn 384, 4 layers, 4 heads of 32 (q width 128), 2 kv heads (kv width 64),
 # vocabulary 4096 tied, fp32, eager, micro-batch 16 x 128 tokens.
@@ -172,7 +170,7 @@ MEASURED_PEAKS = {  # docs/benchmarks.md: peak allocated GB per rank, one per pi
 @pytest.mark.parametrize("layout", MEASURED_PEAKS)
 def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
     overrides, measured = MEASURED_PEAKS[layout]
-    estimate = estimate_memory(load_config(BENCH, overrides + LOGITS_IN_FULL + MASTER_COPIES), gpu_memory_gb=150.1)
+    estimate = estimate_memory(load_config(BENCH, overrides + LOGITS_IN_FULL), gpu_memory_gb=150.1)
     peaks = [stage.peak / 1e9 for stage in estimate.stages]
     assert len(peaks) == len(measured)
     for peak, expected in zip(peaks, measured):
@@ -182,7 +180,8 @@ def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
 def test_the_estimate_with_masters_as_remainders_is_within_5_percent_of_the_peak_measured_on_an_h200():
     """benchmarks/results/2026-12-04-h200-llama1b-remainders-peers.json: the 1B benchmark run (its loss in chunks,
     bf16 gradient buffers, masters as remainders) peaked at 43.70 GB."""
-    estimate = estimate_memory(load_config(BENCH), gpu_memory_gb=150.1).stages[0]
+    estimate = estimate_memory(load_config(BENCH, ["optimizer.store_param_remainders=true"]),
+                               gpu_memory_gb=150.1).stages[0]
     assert abs(estimate.peak / 1e9 - 43.70) / 43.70 < 0.05
     assert estimate.master_weights == estimate.weights  # 2 bytes a bf16 weight
 
@@ -192,8 +191,7 @@ def test_fp8_with_recomputed_layers_counts_the_fp8_weights_the_forward_keeps():
     recomputed forward keeps FP8 copies of the weights. The estimate counts a byte per weight element of every
     converted linear, so it stays above the measured peak."""
     def peak(overrides):
-        config = load_config(BENCH, overrides + LOGITS_IN_FULL + MASTER_COPIES)
-        return estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak
+        return estimate_memory(load_config(BENCH, overrides + LOGITS_IN_FULL), gpu_memory_gb=150.1).stages[0].peak
 
     bf16, fp8 = (peak(LLAMA_8B_ONE_GPU + [f"fp8.enabled={on}"]) for on in ("false", "true"))
     linears = 32 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 14336)  # q|k|v, o, gate|up, down of each layer

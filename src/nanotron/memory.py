@@ -18,8 +18,8 @@ How each part is computed, and why:
   copy on another pipeline stage keeps its dtype). ZeRO-1 reduce-scatters into a slice of the full buffer, so the
   buffer keeps its full size.
 - **master weights**: the optimizer's fp32 masters of its shard: 2 bytes per bf16 weight, the bits the weight lacks
-  (``optim/param_remainders.py``), with ``optimizer.store_param_remainders`` (the default), else 4 bytes, an fp32
-  copy (even when the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
+  (``optim/param_remainders.py``), with ``optimizer.store_param_remainders``, else 4 bytes, an fp32 copy (even when
+  the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
   ``optimizer.adam_moments_dtype``. With ``zero_stage: 1`` the shard of a parameter is 1/n of it, n the ranks of its
   gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
