@@ -14,14 +14,12 @@ head forward; the backward counted as twice the forward, as the MFU of a trainin
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from benchmark_fused_loss import timed
-from benchmark_record import kernel_record
+from benchmark_record import kernel_parser, kernel_record
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -49,11 +47,8 @@ def flex():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = kernel_parser(__doc__, repeats=5)
     parser.add_argument("--sequence-lengths", type=int, nargs="+", default=[4096, 32768, 131072])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
     args = parser.parse_args()
     variants = {f"sdpa-{name}": sdpa(name) for name in BACKENDS}
     variants |= {"sdpa-default": sdpa(None), "sdpa-repeat-cudnn": sdpa("cudnn", repeat=True),

@@ -13,15 +13,13 @@ of the three matmuls alone (logits, input gradient, weight gradient) at the full
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from benchmark_record import kernel_record, median_cuda_ms
+from benchmark_record import kernel_parser, kernel_record, median_cuda_ms
 
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.linear_cross_entropy import ChunkPasses, linear_cross_entropy
@@ -70,12 +68,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = kernel_parser(__doc__, repeats=10)
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")

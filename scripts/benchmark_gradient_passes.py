@@ -13,12 +13,10 @@ the pass over every gradient (ms, CUDA events) and its bandwidth (bytes read plu
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
-from benchmark_record import kernel_record, median_cuda_ms
+from benchmark_record import kernel_parser, kernel_record, median_cuda_ms
 
 from nanotron.optim.clip import coalesced
 from nanotron.parallel.data_parallel import copy_gradient
@@ -47,10 +45,7 @@ def measured(kind: str, buffer_dtype: torch.dtype, method: str, ms: float, moved
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
+    parser = kernel_parser(__doc__, repeats=20)
     args = parser.parse_args()
     grads = [torch.randn(shape, device="cuda", dtype=torch.bfloat16).flatten() for shape in SHAPES]
     total = sum(g.numel() for g in grads)

@@ -11,15 +11,13 @@ parameter, their bandwidth, and the optimizer state's bytes per parameter (maste
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from benchmark_gradient_passes import SHAPES
-from benchmark_record import kernel_record, median_cuda_ms
+from benchmark_record import kernel_parser, kernel_record, median_cuda_ms
 from torch import nn
 
 from nanotron.config import LRSchedulerArgs, OptimizerArgs
@@ -53,10 +51,7 @@ def step_ms(remainders: bool, moments: str, group, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--output", type=Path)
-    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
+    parser = kernel_parser(__doc__, repeats=10)
     args = parser.parse_args()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a one-rank data-parallel group
     elements = sum(torch.Size(shape).numel() for shape in SHAPES)

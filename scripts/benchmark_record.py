@@ -12,6 +12,7 @@ how FLOPs were counted for MFU: ``megatron`` (the LM head counted, the input-emb
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -133,6 +134,16 @@ def git_commit(root: Path = ROOT) -> tuple[str, bool] | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit.stdout.strip(), bool(status.stdout.strip())
+
+
+def kernel_parser(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments every kernel benchmark takes (``--repeats``, ``--output``, ``--commit``), described by the
+    first line of the script's ``doc``; a script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--commit", help="the commit measured, where the checkout has no git metadata")
+    return parser
 
 
 def kernel_record(name: str, commit: str | None, results, **fields) -> dict:
