@@ -48,8 +48,8 @@ class MixedPrecisionAdamW:
         # now), or an fp32 copy.
         self.remainders = [stores_remainders(b.params.dtype, args.store_param_remainders) for b in buckets.buckets]
         self.master_state = [torch.zeros_like(b.params[b.shard], dtype=torch.int16) if remainders
-                        else b.params[b.shard].detach().float().clone()
-                        for b, remainders in zip(buckets.buckets, self.remainders)]
+                             else b.params[b.shard].detach().float().clone()
+                             for b, remainders in zip(buckets.buckets, self.remainders)]
         moments_dtype = getattr(torch, args.adam_moments_dtype)
         self.exp_avgs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.master_state]
         self.exp_avg_sqs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.master_state]
