@@ -14,7 +14,13 @@ from distributed import run_distributed_each
 from helpers import ROOT, tiny_config_dict
 from nanotron.config import load_config
 from nanotron.memory import estimate_memory
-from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function
+from nanotron.optim.adamw import (
+    AdamWHyperparameters,
+    _compiled,
+    adamw_update_,
+    adamw_update_function,
+    adamw_update_remainders_,
+)
 from nanotron.optim.param_remainders import joined, split_
 
 CPU = torch.device("cpu")
@@ -71,24 +77,28 @@ def test_the_update_of_remainders_computes_the_update_of_fp32_masters():
     assert (held["masters"] - torch.randn(4096, generator=torch.Generator().manual_seed(1))).abs().mean() > 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled update runs on CUDA")
-def test_the_compiled_update_of_remainders_matches_the_compiled_update_of_fp32_masters():
-    generator = torch.Generator(device="cuda").manual_seed(2)
-    n = 1 << 20
-    masters = torch.randn(n, device="cuda", generator=generator)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_compiled_update_of_remainders_matches_the_compiled_update_of_fp32_masters(device):
+    """The kernels the compiler writes (C++ on the CPU, Triton on CUDA, where training uses them)."""
+    generator = torch.Generator(device=device).manual_seed(2)
+    n = 1 << 16 if device == "cpu" else 1 << 20
+    masters = torch.randn(n, device=device, generator=generator)
     weights, remainders = split(masters)
     copy_weights = weights.clone()
-    moments = [torch.zeros(n, device="cuda") for _ in range(4)]
-    with_remainders = adamw_update_function(weights.device, fused=True, remainders=True)
-    with_copies = adamw_update_function(weights.device, fused=True, remainders=False)
+    moments = [torch.zeros(n, device=device) for _ in range(4)]
+    with_remainders, with_copies = _compiled(adamw_update_remainders_), _compiled(adamw_update_)
     for step in range(1, 4):
-        grad = torch.randn(n, device="cuda", generator=generator, dtype=torch.bfloat16)
+        grad = torch.randn(n, device=device, generator=generator, dtype=torch.bfloat16)
         hyper = AdamWHyperparameters.at_step(step, 1e-3, 0.9, 0.95, 1e-8, 0.1, None, weights.device)
         with_remainders(remainders, grad, moments[0], moments[1], weights, hyper)
         with_copies(masters, grad, moments[2], moments[3], copy_weights, hyper)
     assert torch.equal(joined(weights, remainders), masters)
     assert torch.equal(moments[0], moments[2]) and torch.equal(moments[1], moments[3])
     assert (weights != copy_weights).float().mean() < 1e-3  # ties only
+    assert (masters - torch.randn(n, device=device, generator=generator.manual_seed(2))).abs().mean() > 1e-4
 
 
 def test_the_planner_counts_two_bytes_per_master_of_a_bf16_weight():
