@@ -280,11 +280,10 @@ def write_profile(step_fn, path: Path, steps: int = 3) -> None:
         torch.cuda.synchronize()
     operators = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
     kernels: dict[str, list[float]] = {}
-    for event in profiler.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = kernels.setdefault(event.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.time_range.elapsed_us() / 1e3
+    for event in gpu_kernels(profiler):
+        entry = kernels.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.time_range.elapsed_us() / 1e3
     total = sum(ms for _, ms in kernels.values())
     lines = [f"GPU kernel time per step: {total / steps:.1f} ms", "ms/step  calls/step  kernel"]
     for name, (calls, ms) in sorted(kernels.items(), key=lambda item: -item[1][1])[:80]:
@@ -352,11 +351,17 @@ def write_activations(trainer, step_fn, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def gpu_kernels(profiler) -> list:
+    """The profile's GPU events without the annotations that span kernels on the GPU's timeline (an optimizer's
+    ``Optimizer.step#AdamW.step``), which would count those kernels twice and hide the gaps between them."""
+    return [event for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation]
+
+
 def idle_gaps(profiler, steps: int, shown: int = 25) -> str:
     """When the GPU waits for the host: the gaps between one kernel's end and the next one's start, in total per
     step and the longest, each with the kernels around it (what the host was launching late)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in gpu_kernels(profiler))
     gaps, busy_until, before = [], None, None
     for start, end, name in spans:
         if busy_until is not None and start > busy_until:

@@ -11,7 +11,9 @@ precision-aware optimizer do): the same function reads them into fp32, updates t
 store, which saves 8 of the ~30 bytes an update moves per parameter. Stored in fp32 they are updated in place.
 
 The masters are a tensor of their own, or the bf16 weights and their 16 remainder bits (``param_remainders.py``):
-either way the update computes on the same fp32 numbers.
+either way the update computes on fp32 masters. On CUDA the update of remainders is a Triton kernel of the same
+arithmetic (``adamw_update_remainders_fused``), whose results may differ from the compiled update of fp32 copies in
+the last bit, where the two contract multiplications and additions differently.
 
 Hyperparameters arrive as 0-dim tensors on the shard's device: the learning rate changes every step, and a Python
 float would either recompile the kernel or need a host-to-device copy that waits for the GPU.
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanotron.optim.param_remainders import joined, split_
+from nanotron.nn.kernels import available, tl, triton
+from nanotron.optim.param_remainders import HALF_UNIT, joined, split_
 
 
 @dataclass
@@ -82,19 +85,60 @@ def adamw_update_remainders_(remainders: torch.Tensor, grad: torch.Tensor, exp_a
     split_(masters, weights, remainders)
 
 
-# Compiled in the trainer, the update of remainders ran at a third of the bandwidth it reached when compiled in the
-# optimizer benchmark: the same kernel source, so the likely cause is which of its two launch configurations the
-# pointwise autotuner picked. Without autotuning it takes the first, 8 elements a thread.
-COMPILE_OPTIONS = {adamw_update_: {}, adamw_update_remainders_: {"triton.autotune_pointwise": False}}
-
-
 @functools.cache
-def _compiled(update):
-    return torch.compile(update, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS[update])
+def _compiled_adamw_update():
+    return torch.compile(adamw_update_, dynamic=True, fullgraph=True)
 
 
 def adamw_update_function(device: torch.device, fused: bool, remainders: bool):
-    """The update of masters held as remainders or as fp32 tensors: compiled into one kernel on CUDA when
-    ``fused``, else plain torch."""
-    update = adamw_update_remainders_ if remainders else adamw_update_
-    return _compiled(update) if fused and device.type == "cuda" else update
+    """The update of masters held as remainders or as fp32 tensors: one kernel per shard on a CUDA device with Triton
+    when ``fused`` (``adamw_update_remainders_fused``, or the compiler's kernel of ``adamw_update_``), else plain
+    torch."""
+    if fused and available(device):
+        return adamw_update_remainders_fused if remainders else _compiled_adamw_update()
+    return adamw_update_remainders_ if remainders else adamw_update_
+
+
+# The update of remainders is a kernel of its own rather than the compiler's: compiled, it has two launch
+# configurations, and the one with 8 elements a thread moves its bytes at a third of the other's bandwidth on an H200
+# (1.2 against 2.9 TB/s); the pointwise autotuner, timing both on the first shard, picked it in the trainer.
+REMAINDERS_BLOCK, REMAINDERS_WARPS = 1024, 8
+
+if triton is not None:
+    _HALF_UNIT = tl.constexpr(HALF_UNIT)
+
+    @triton.jit
+    def _adamw_remainders_kernel(weights_ptr, remainders_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lr_ptr,
+                                 beta1_ptr, beta2_ptr, eps_ptr, weight_decay_ptr, bias_correction1_ptr,
+                                 bias_correction2_sqrt_ptr, grad_multiplier_ptr, numel, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        lr, beta1, beta2 = tl.load(lr_ptr), tl.load(beta1_ptr), tl.load(beta2_ptr)
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32) * tl.load(grad_multiplier_ptr)
+        upper = tl.load(weights_ptr + offsets, mask=mask).to(tl.int16, bitcast=True).to(tl.int32) << 16
+        masters = (upper + tl.load(remainders_ptr + offsets, mask=mask).to(tl.int32)).to(tl.float32, bitcast=True)
+        masters = masters * (1 - lr * tl.load(weight_decay_ptr))
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+        weight = 1 - beta1  # torch.lerp's two forms, each exact at its end of the weight's range
+        difference = grad - exp_avg
+        first = tl.where(tl.abs(weight) < 0.5, exp_avg + weight * difference, grad - difference * (1 - weight))
+        second = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32) * beta2 + (1 - beta2) * grad * grad
+        denominator = tl.div_rn(tl.sqrt_rn(second), tl.load(bias_correction2_sqrt_ptr)) + tl.load(eps_ptr)
+        masters -= tl.div_rn(tl.div_rn(lr, tl.load(bias_correction1_ptr)) * first, denominator)
+        tl.store(exp_avg_ptr + offsets, first.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, second.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+        bits = masters.to(tl.int32, bitcast=True)
+        upper = (bits + _HALF_UNIT) >> 16  # as ``split_``: the nearest bf16, ties away from zero
+        tl.store(weights_ptr + offsets, upper.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(remainders_ptr + offsets, (bits - (upper << 16)).to(tl.int16), mask=mask)
+
+
+def adamw_update_remainders_fused(remainders: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                                  exp_avg_sq: torch.Tensor, weights: torch.Tensor, h: AdamWHyperparameters) -> None:
+    """``adamw_update_remainders_`` in one pass over contiguous shards, as a Triton kernel: each tensor is read once
+    and written once."""
+    numel = weights.numel()
+    _adamw_remainders_kernel[(triton.cdiv(numel, REMAINDERS_BLOCK),)](
+        weights, remainders, grad, exp_avg, exp_avg_sq, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+        h.bias_correction1, h.bias_correction2_sqrt, h.grad_multiplier, numel, BLOCK=REMAINDERS_BLOCK,
+        num_warps=REMAINDERS_WARPS)
