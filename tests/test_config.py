@@ -121,7 +121,7 @@ FULL: dict[str, Any] = {
         "adam_beta1": 0.8,
         "adam_beta2": 0.99,
         "adam_moments_dtype": "bfloat16",
-        "store_param_remainders": True,
+        "store_param_remainders": False,
         "torch_adam_is_fused": False,
         "skip_bad_steps": 2,
         "loss_spike_factor": 3.0,

@@ -172,6 +172,7 @@ RECORDED = {
 
 def case_config(name: str):
     path, overrides = CASES[name]
+    overrides = [*overrides, "optimizer.store_param_remainders=false"]  # RECORDED counts masters as fp32 copies
     if path is not None:
         return load_config(path, overrides)
     raw = yaml.safe_load(BENCH.read_text())
