@@ -70,14 +70,15 @@ def model_overrides(record: dict) -> tuple[str, ...]:
 
 def system_label(name: str, system: dict) -> str:
     """The system's name, with the labelled options it trained with where its name does not say so: its FP8 recipe,
-    bf16 Adam moments and masters held as remainders."""
+    bf16 Adam moments and, for nanotron, masters held as fp32 copies (remainders are the default; records written
+    before ``masters`` was recorded held copies)."""
     options = []
     if system.get("precision") == "fp8" and "fp8" not in name:
         options.append(f"FP8 {system['fp8_recipe']}" if system.get("fp8_recipe") else "FP8")
     if system.get("adam_moments") == "bf16" and "moments" not in name:
         options.append("bf16 moments")
-    if system.get("masters") == "remainders" and "masters" not in name:
-        options.append("masters as remainders")
+    if name.startswith("nanotron") and system.get("masters", "fp32") == "fp32" and "masters" not in name:
+        options.append("fp32 master copies")
     return f"{name} ({', '.join(options)})" if options else name
 
 

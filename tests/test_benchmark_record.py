@@ -294,7 +294,7 @@ def test_torchtitan_loop_trains_its_llama_at_the_presets_shape():
 
 def _record(date: str, tokens: float, preset: str = "llama1b", convention: str = "megatron") -> dict:
     systems = {"nanotron": {"tokens_per_sec": tokens, "tokens_per_sec_per_gpu": tokens, "mfu": 0.5,
-                            "peak_memory_gb": 52.3, "activation_memory_gb": 30.0},
+                            "peak_memory_gb": 52.3, "activation_memory_gb": 30.0, "masters": "remainders"},
                "hf-compiled": {"tokens_per_sec": 50_000.0, "mfu": None, "peak_memory_gb": 36.1}}
     return benchmark_record.build_record(
         date=date, recorded_at=f"{date}T12:00:00+00:00", preset=preset, gpu="NVIDIA H200", world_size=1, commit="abc",
@@ -504,9 +504,9 @@ def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
 
 
 def test_a_run_with_labelled_options_says_so_and_is_a_comparison_of_its_own(tmp_path):
-    """A nanotron run trained in FP8, with bf16 Adam moments or with its masters held as remainders under the plain
-    name (one setting per call) is labelled with them, and a newer such record does not hide the default one of the
-    same shape."""
+    """A nanotron run trained in FP8, with bf16 Adam moments or with its masters held as fp32 copies (before they were
+    recorded, or after remainders became the default) under the plain name (one setting per call) is labelled with
+    them, and a newer such record does not hide the default one of the same shape."""
     results = tmp_path / "results"
     results.mkdir()
     readme = _readme(tmp_path)
@@ -515,13 +515,13 @@ def test_a_run_with_labelled_options_says_so_and_is_a_comparison_of_its_own(tmp_
                               ("2026-12-06", 66_000.0)))
     fp8["systems"]["nanotron"].update(precision="fp8", fp8_recipe="delayed")
     both["systems"]["nanotron"].update(precision="fp8", fp8_recipe="delayed", adam_moments="bf16")
-    held["systems"]["nanotron"].update(masters="remainders")
+    del bf16["systems"]["nanotron"]["masters"]  # a record from before ``masters`` was recorded: copies
     for name, record in (("bf16", bf16), ("fp8", fp8), ("both", both), ("held", held)):
         (results / f"{name}.json").write_text(json.dumps(record))
     assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
     names = re.findall(r"\| (nanotron[^|]*?) \| [\d,]+ \|", readme.read_text())
-    assert names == ["nanotron", "nanotron (FP8 delayed)", "nanotron (FP8 delayed, bf16 moments)",
-                     "nanotron (masters as remainders)"]
+    assert names == ["nanotron (fp32 master copies)", "nanotron (FP8 delayed)", "nanotron (FP8 delayed, bf16 moments)",
+                     "nanotron"]
 
 
 def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(tmp_path):
