@@ -80,21 +80,22 @@ PRESETS = {
 
 
 def timed(step_fn, steps: int, warmup: int) -> tuple[list[float], int]:
-    """Seconds per step, measured with CUDA events, warm-up excluded; and the bytes allocated when the first timed
-    step starts (the optimizer state exists by then: ``--warmup`` is at least 1)."""
-    times, step_start = [], 0
-    for i in range(warmup + steps):
-        if i == warmup:
-            torch.cuda.synchronize()
-            step_start = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    """Seconds per step, warm-up excluded, with the steps run back to back as a training loop runs them: no
+    synchronisation between them, so a host that queues the next step while the GPU finishes one hides its launches.
+    Each step's time is the GPU's, from the end of the step before to its own (CUDA events recorded between steps,
+    read after the last). Also the bytes allocated when the first timed step starts (the optimizer state exists by
+    then: ``--warmup`` is at least 1)."""
+    for i in range(warmup):
         step_fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    return times, step_start
+    torch.cuda.synchronize()
+    step_start = torch.cuda.memory_allocated()
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    ends[0].record()
+    for i in range(steps):
+        step_fn(warmup + i)
+        ends[i + 1].record()
+    torch.cuda.synchronize()
+    return [before.elapsed_time(end) / 1e3 for before, end in zip(ends, ends[1:])], step_start
 
 
 def summary(times: list[float], tokens_per_step: int, world: int, flops_per_token: float, peak: float | None) -> dict:
@@ -192,10 +193,15 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
     attention_flops = {}  # per batch, under document masking: the FLOPs of the attention pairs it computes
     torch.cuda.reset_peak_memory_stats()
 
+    queued = []  # the step queued last, finished (read back) once the next one is queued, as the training loop does
+
     def step(i):
-        result = trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
-        if result.attention_flops is not None:
-            attention_flops[i % 2] = result.attention_flops  # read after the timed steps
+        pending = trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
+        if queued:
+            trainer.finish_step(queued.pop())
+        queued.append(pending)
+        if pending.attention_flops is not None:
+            attention_flops[i % 2] = pending.attention_flops  # read after the timed steps
 
     backward = BackwardStart(torch.cuda.memory_allocated)
 

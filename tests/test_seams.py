@@ -84,7 +84,7 @@ def _train_with_converter(config: dict, converted: bool, resume_buffer: bool = F
     losses = []
     loader = trainer._loader(trainer.config.data_stages[0])
     for step in range(1, 4):
-        losses.append(trainer.train_step(loader.next_step(), 1e-3).loss)
+        losses.append(trainer.finish_step(trainer.train_step(loader.next_step(), 1e-3)).loss)
         trainer.progress.step = step
     result = {"losses": losses, "calls": getattr(trainer.model, "counts", {}).get("calls", 0)}
     if converted and trainer.model.norm is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from distributed import run_distributed
 from helpers import ROOT, tiny_config_dict, write_config
 
 
@@ -146,6 +147,50 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data,
     line = _error_line(tiny_data, tmp_path, optimizer=optimizer, checkpoints={"checkpoint_interval": 1})
     assert "training diverged" in line and "at step 2" in line
     assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "1"
+
+
+def _loop_calls(config: dict) -> tuple[list, list]:
+    """The training loop's queueing, finishing and saving of steps, in order, and the steps its metrics logged."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    calls = []
+    train_step, finish_step, save = Trainer.train_step, Trainer.finish_step, Trainer.save
+
+    def queue(self, micro_batches, lr):
+        calls.append(("queue", self.progress.step + 1))
+        return train_step(self, micro_batches, lr)
+
+    def finish(self, pending):
+        calls.append(("finish", pending.step))
+        return finish_step(self, pending)
+
+    def saving(self):
+        calls.append(("save", self.progress.step))
+        save(self)
+
+    Trainer.train_step, Trainer.finish_step, Trainer.save = queue, finish, saving
+    trainer = Trainer(config_from_dict(config))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    logged = [json.loads(line) for line in Path(config["logging"]["metrics_path"]).read_text().splitlines()]
+    return calls, [(record["step"], record["lm_loss"] > 0, record["grad_norm"] > 0) for record in logged]
+
+
+def test_the_loop_reads_a_step_back_once_the_next_is_queued_and_before_it_saves(tiny_data, tmp_path):
+    """The GPU need not wait for the host between steps: the loop queues step n + 1 before it reads step n's loss and
+    norm (and logs it), except where step n is saved or is the last, which it reads first."""
+    config = tiny_config_dict(tiny_data, tmp_path / "run",
+                              tokens={"train_steps": 5, "batch_accumulation_per_replica": 1},
+                              checkpoints={"checkpoints_path": str(tmp_path / "run"), "checkpoint_interval": 2},
+                              logging={"iteration_step_info_interval": 1, "metrics_path": str(tmp_path / "m.jsonl")})
+    (calls, logged), = run_distributed(_loop_calls, 1, config=config)
+    assert calls == [("queue", 1), ("queue", 2), ("finish", 1), ("finish", 2), ("save", 2),
+                     ("queue", 3), ("queue", 4), ("finish", 3), ("finish", 4), ("save", 4),
+                     ("queue", 5), ("finish", 5), ("save", 5)]
+    assert logged == [(step, True, True) for step in range(1, 6)]
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ One optimizer step:
 2. forward and backward every micro-batch with loss = token-loss sum / that global count;
 3. sum gradients over data-parallel ranks (bucket by bucket, during the last backward), take the global
    grad-norm, clip;
-4. stop loudly on a non-finite loss or norm, else update the fp32 masters with the LR of this step.
+4. update the fp32 masters with the LR of this step. The loss and norm reach the host while the next step is
+   queued; a non-finite one stops the run loudly before anything is saved (or, with ``optimizer.skip_bad_steps``,
+   is judged before the update, which is then skipped).
 Because of (1) and (2), every split of the global batch into ranks and micro-batches gives the same gradients.
 The loss and the per-domain statistics travel as step statistics (``parallel/statistics.py``): summed over
 micro-batches by the schedule and over stages and data-parallel ranks in one collective, so every rank knows them.
@@ -18,6 +20,7 @@ checkpoints (``checkpointing.py``), the objective (``loss.py``) and the record o
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -50,7 +53,7 @@ from nanotron.random import seed_everything
 from nanotron.training.build import document_ends, fused_head_loss, load_data, log_summary, pipeline_schedule
 from nanotron.training.checkpointing import RunCheckpoints
 from nanotron.training.loss import StepLoss, logit_z_loss, mean_weights
-from nanotron.training.step_log import StepLog, StepResult
+from nanotron.training.step_log import HostCopy, PendingStep, StepLog, StepResult
 
 logger = logging.getLogger("nanotron.trainer")
 
@@ -196,43 +199,57 @@ class Trainer:
             sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
         return sum_over_replicas(statistics, self._statistics_template(), self.pc)
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> StepResult:
-        """Forward, backward, clip and update; the statistics and norm are read back (a host sync) only after the
-        update is queued, so the GPU never waits for the host in the middle of a step, unless bad steps are to be
-        skipped (``divergence.py``), which needs them before the update. A bad step the policy does not skip stops
-        the run before anything is saved: the in-memory state of that step is discarded with the process."""
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> PendingStep:
+        """Forward, backward, clip and update, queued without waiting for the GPU: the step's loss, norm and
+        statistics travel to the host behind the work that computes them, and ``finish_step`` reads them. The
+        training loop queues the next step first, so the GPU does not wait for the host between steps. Unless bad
+        steps are to be skipped (``divergence.py``): judging them before the update waits for the loss and norm."""
         statistics = self.forward_backward(micro_batches)
         grad_norm = self.grad_norm()
         step, guard = self.progress.step + 1, self.bad_steps
+        readings = HostCopy(statistics | {"grad_norm": grad_norm})
+        pending = functools.partial(PendingStep, step, lr, readings, self._domain_names,
+                                    attention_flops=self._step_attention_flops(statistics),
+                                    judged=guard.judges_before_update)
         if guard.judges_before_update:
-            loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
-            reason = guard.judge(loss_value, norm_value)
+            values = readings.values()
+            reason = guard.judge(values["lm_loss"].item(), values["grad_norm"].item())
             if reason is not None:
                 self.buckets.zero()
                 self._after_optimizer_step(skipped=True)
                 self._on_bad_step(step, reason)
                 self._after_step(step, statistics, skipped=True)
-                return StepResult(loss_value, norm_value, lr, {}, skipped=True, model_metrics=self._feature_metrics(),
-                                  attention_flops=self._step_attention_flops(statistics))
+                return pending(self._feature_metrics(), skipped=True)
         clip = self.config.optimizer.clip_grad
         self.optimizer.step(lr, clip_coefficient(grad_norm, clip) if clip is not None else None)
         self.buckets.zero()
         self._after_optimizer_step(skipped=False)
-        if not guard.judges_before_update:
-            loss_value, norm_value = statistics["lm_loss"].item(), grad_norm.item()
-            reason = guard.judge(loss_value, norm_value)
-            if reason is not None:
-                self._on_bad_step(step, reason)
-        sums, counts = statistics["domain_loss_sum"].tolist(), statistics["domain_tokens"].tolist()
-        domain_losses = {name: total / count for name, total, count in zip(self._domain_names, sums, counts) if count}
         self._after_step(step, statistics, skipped=False)
-        model_metrics = self._feature_metrics()
+        return pending(self._feature_metrics())
+
+    def finish_step(self, pending: PendingStep) -> StepResult:
+        """The record of a queued step, read from its host copies (waiting for its work if that still runs). A bad
+        step not judged before its update stops the run here: the policy that judges after the update skips none
+        (``divergence.py``), and the loop finishes a step before saving it, so nothing of it is saved."""
+        values = pending.readings.values()
+        loss, norm = values["lm_loss"].item(), values["grad_norm"].item()
+        if not pending.judged:
+            reason = self.bad_steps.judge(loss, norm)
+            if reason is not None:
+                self._on_bad_step(pending.step, reason)
+        if pending.skipped:
+            return StepResult(loss, norm, pending.lr, {}, skipped=True, model_metrics=pending.model_metrics,
+                              attention_flops=pending.attention_flops)
+        sums, counts = values["domain_loss_sum"].tolist(), values["domain_tokens"].tolist()
+        domain_losses = {name: total / count for name, total, count in zip(pending.domain_names, sums, counts)
+                         if count}
+        model_metrics = dict(pending.model_metrics)
         if self.z_loss:
-            model_metrics["z_loss"] = statistics["z_loss"].item()
+            model_metrics["z_loss"] = values["z_loss"].item()
         if self.auxiliary_losses is not None:
-            model_metrics |= self.auxiliary_losses.metrics(statistics, self.config.model.model_config)
-        return StepResult(loss_value, norm_value, lr, domain_losses, model_metrics=model_metrics,
-                          attention_flops=self._step_attention_flops(statistics))
+            model_metrics |= self.auxiliary_losses.metrics(values, self.config.model.model_config)
+        return StepResult(loss, norm, pending.lr, domain_losses, model_metrics=model_metrics,
+                          attention_flops=pending.attention_flops)
 
     def _step_attention_flops(self, statistics: Statistics) -> torch.Tensor | None:
         return statistics["attention_flops"] if self._document_masking else None
@@ -281,11 +298,26 @@ class Trainer:
         logger.info(f"training finished at step {self.progress.step}")
 
     def _loop(self, bar: tqdm, profiler, stop: StopRequests) -> None:
-        """Steps until ``tokens.train_steps`` or an agreed stop request, saving on the way."""
+        """Steps until ``tokens.train_steps`` or an agreed stop request, saving on the way. Each step is finished
+        (read, judged, logged) once the next one is queued, or at once where it is saved, stopped at or the last."""
         config, train_steps = self.config, self.config.tokens.train_steps
         loader, loader_stage = None, None
         start_step, start_time = self.progress.step, time.perf_counter()
-        window_start, window_steps = start_time, 0
+        window = {"start": start_time, "steps": 0}  # the steps finished since the last logged one
+        pending: PendingStep | None = None
+
+        def finish(step: PendingStep) -> None:
+            result = self.finish_step(step)
+            self.step_log.count(result)
+            window["steps"] += 1
+            if step.step % config.logging.iteration_step_info_interval == 0 or step.step == train_steps:
+                now = time.perf_counter()
+                self.step_log.write(result, step.step,
+                                    self.progress.total_consumed_samples * config.tokens.sequence_length,
+                                    len(step.domain_names) > 1, (now - window["start"]) / window["steps"],
+                                    (now - start_time) / (step.step - start_step))
+                window.update(start=now, steps=0)
+
         for step in range(self.progress.step + 1, train_steps + 1):
             stage = config.data_stage_at(step)
             if stage.name != loader_stage:
@@ -293,8 +325,10 @@ class Trainer:
                 logger.info(f"data stage {stage.name!r} from step {step}")
             start = self.progress.lr_schedule_start
             lr = learning_rate_at(step - start, config.optimizer.learning_rate_scheduler, train_steps - start)
-            result = self.train_step(loader.next_step(), lr)
-            self.step_log.count(result)
+            queued = self.train_step(loader.next_step(), lr)
+            if pending is not None:
+                finish(pending)  # the previous step, while this one runs
+            pending = queued
             self.progress.step = step
             interval = config.parallelism.replica_check_interval
             if interval is not None and step % interval == 0:
@@ -302,24 +336,19 @@ class Trainer:
             self.progress.consumed_samples[stage.name] = (
                 self.progress.consumed_samples.get(stage.name, 0) + config.global_batch_size
             )
-            window_steps += 1
             bar.update(1)
             if profiler is not None:
                 profiler.step()
-            if step % config.logging.iteration_step_info_interval == 0 or step == train_steps:
-                if self.pc.device.type == "cuda":
-                    torch.cuda.synchronize(self.pc.device)
-                now = time.perf_counter()
-                self.step_log.write(result, step, self.progress.total_consumed_samples * config.tokens.sequence_length,
-                                    self._num_domains > 1, (now - window_start) / window_steps,
-                                    (now - start_time) / (step - start_step))
-                window_start, window_steps = now, 0
             saved = step % config.checkpoints.checkpoint_interval == 0 or (
                 step == train_steps and config.checkpoints.save_final_state
             )
+            stopping = stop.agreed(self.pc.device)
+            if saved or stopping or step == train_steps:
+                finish(pending)
+                pending = None
             if saved:
                 self.save()
-            if stop.agreed(self.pc.device):
+            if stopping:
                 if not saved:
                     self.save()
                 self.wait_for_saves()

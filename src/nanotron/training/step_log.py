@@ -16,6 +16,39 @@ from nanotron.trackers import Trackers
 logger = logging.getLogger("nanotron.trainer")
 
 
+class HostCopy:
+    """Tensors on their way to the host: each copy is queued behind the work that computes it, without waiting for
+    that work; ``values`` waits for it alone (a CUDA event), not for what was queued after it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._values = {name: tensor.detach().to("cpu", non_blocking=True) for name, tensor in tensors.items()}
+        self._ready = None
+        if any(tensor.is_cuda for tensor in tensors.values()):
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def values(self) -> dict[str, torch.Tensor]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self._values
+
+
+@dataclass
+class PendingStep:
+    """A queued step whose loss, norm and statistics are on their way to the host (``Trainer.finish_step`` reads
+    them into its ``StepResult``)."""
+
+    step: int
+    lr: float
+    readings: HostCopy  # the step statistics and ``grad_norm``
+    domain_names: list[str]
+    model_metrics: dict  # the features', taken when the step was queued
+    attention_flops: torch.Tensor | None
+    skipped: bool = False
+    judged: bool = False  # judged before its update (``divergence.py``): not judged again
+
+
 @dataclass
 class StepResult:
     loss: float
