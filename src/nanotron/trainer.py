@@ -182,7 +182,7 @@ class Trainer:
     def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> Statistics:
         """The step's statistics, the same on every rank (``lm_loss`` is the step's mean token loss); gradients end
         in the buckets, summed over replicas and tied copies."""
-        batches = [{k: v.to(self.pc.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        batches = [{k: self._to_device(v) for k, v in mb.items()} for mb in micro_batches]
         attention_flops = self._attention_flops(batches)
         if self.pc.size("cp") > 1:
             batches = [split_micro_batch(mb, self.pc.coord("cp"), self.pc.size("cp")) for mb in batches]
@@ -198,6 +198,14 @@ class Trainer:
         if "pipeline_ends" in self.pc.groups:
             sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
         return sum_over_replicas(statistics, self._statistics_template(), self.pc)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the training device. On CUDA through pinned memory: the driver stages a copy from
+        pageable memory and can hold the host until the GPU reaches it, which would keep the host from queueing a
+        step while the previous one runs."""
+        if self.pc.device.type != "cuda":
+            return tensor.to(self.pc.device)
+        return tensor.pin_memory().to(self.pc.device, non_blocking=True)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], lr: float) -> PendingStep:
         """Forward, backward, clip and update, queued without waiting for the GPU: the step's loss, norm and
