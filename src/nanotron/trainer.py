@@ -203,7 +203,7 @@ class Trainer:
         """A batch tensor on the training device. On CUDA through pinned memory: the driver stages a copy from
         pageable memory and can hold the host until the GPU reaches it, which would keep the host from queueing a
         step while the previous one runs."""
-        if self.pc.device.type != "cuda":
+        if self.pc.device.type != "cuda" or tensor.device.type != "cpu":
             return tensor.to(self.pc.device)
         return tensor.pin_memory().to(self.pc.device, non_blocking=True)
 
@@ -314,16 +314,16 @@ class Trainer:
         window = {"start": start_time, "steps": 0}  # the steps finished since the last logged one
         pending: PendingStep | None = None
 
-        def finish(step: PendingStep) -> None:
-            result = self.finish_step(step)
+        def finish(done: PendingStep) -> None:
+            result = self.finish_step(done)
             self.step_log.count(result)
             window["steps"] += 1
-            if step.step % config.logging.iteration_step_info_interval == 0 or step.step == train_steps:
+            if done.step % config.logging.iteration_step_info_interval == 0 or done.step == train_steps:
                 now = time.perf_counter()
-                self.step_log.write(result, step.step,
+                self.step_log.write(result, done.step,
                                     self.progress.total_consumed_samples * config.tokens.sequence_length,
-                                    len(step.domain_names) > 1, (now - window["start"]) / window["steps"],
-                                    (now - start_time) / (step.step - start_step))
+                                    len(done.domain_names) > 1, (now - window["start"]) / window["steps"],
+                                    (now - start_time) / (done.step - start_step))
                 window.update(start=now, steps=0)
 
         for step in range(self.progress.step + 1, train_steps + 1):
