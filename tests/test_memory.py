@@ -24,9 +24,9 @@ LAYER_PARAMETERS = H * (Q + 2 * KV) + Q * H + 3 * H * FFN + 2 * H
 EMBEDDING = VOCAB * H
 PARAMETERS = 4 * LAYER_PARAMETERS + EMBEDDING + H
 D = 4  # fp32
-# Eager layer, per token: each norm keeps its fp32 input, the normalised values and its output (3 x 4h); q|k|v,
-# rotated q and k, attention output, logsumexp; gate|up and SwiGLU outputs. Plus the cos/sin tables per layer.
-LAYER_KEPT = TOKENS * (2 * 3 * D * H + D * (2 * Q + 3 * KV) + D * Q + 4 * HEADS + 3 * D * FFN) + 2 * SEQ * HEAD_DIM * D
+# Eager layer, per token: each norm keeps its fp32 input, the normalised values and its output (3 x 4h); rotated q
+# and k, v, attention output, logsumexp; gate|up and SwiGLU outputs. Plus the cos/sin tables per layer.
+LAYER_KEPT = TOKENS * (2 * 3 * D * H + D * (Q + 2 * KV) + D * Q + 4 * HEADS + 3 * D * FFN) + 2 * SEQ * HEAD_DIM * D
 LAYER_BACKWARD = TOKENS * 3 * D * FFN  # gradients of the gate|up and SwiGLU outputs
 FINAL_NORM = TOKENS * 3 * D * H
 LOG_SOFTMAX = TOKENS * VOCAB * 4  # fp32 log-softmax kept by the eager loss; its backward holds two more
@@ -184,6 +184,46 @@ def test_the_default_estimate_with_masters_as_remainders_is_within_5_percent_of_
     estimate = estimate_memory(load_config(BENCH), gpu_memory_gb=150.1).stages[0]
     assert abs(estimate.peak / 1e9 - 43.70) / 43.70 < 0.05
     assert estimate.master_weights == estimate.weights  # 2 bytes a bf16 weight
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
+    """One decoder layer on the CPU, the storages its backward holds: the planner's count (less the rotary tables,
+    which are not the layer's), plus each norm's fp32 reciprocal root per token, too small to count. Among them v,
+    copied out of the fused q|k|v output: as a view, it kept that whole output alive."""
+    import dataclasses
+
+    import torch
+
+    from helpers import BATCH, SMALL, small_llama
+    from helpers import SEQ as LENGTH
+    from nanotron.models.llama.costs import llama_layer_activations
+    from nanotron.models.spec import ActivationShape
+
+    config = dataclasses.replace(SMALL, num_hidden_layers=1)
+    model = small_llama(config)
+    layer = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
+    hidden = torch.randn(BATCH, LENGTH, config.hidden_size, requires_grad=True)
+    rotary = model.rotary.first_positions(LENGTH, hidden.device)
+    not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *rotary)}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in not_activations:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(hidden, rotary)
+    out.sum().backward()
+    tokens = BATCH * LENGTH
+    shape = ActivationShape(tokens=tokens, sequence_length=LENGTH, tp=1, value_bytes=4, residual_share=1.0,
+                            linear_input_share=1.0, compiled=compiled, recomputed=False, granularity="full")
+    tables = 2 * LENGTH * config.head_dim * 4
+    assert sum(saved.values()) == llama_layer_activations(config, 0, shape)[0] - tables + 2 * 4 * tokens
+    kv = config.num_key_value_heads * config.head_dim
+    qkv_output = tokens * 4 * (config.num_attention_heads * config.head_dim + 2 * kv)
+    assert qkv_output not in saved.values() and tokens * 4 * kv in saved.values()
 
 
 def test_fp8_with_recomputed_layers_counts_the_fp8_weights_the_forward_keeps():

@@ -114,7 +114,8 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
       compiler recomputes the norms from them),
     - both norms' outputs, the inputs of the q|k|v and gate|up matmuls (d·hidden each, on the share of the tokens a
       column-parallel linear keeps),
-    - the fused q|k|v output (SDPA's v is a view of it) and the rotated q and k: d·(2q + 3kv),
+    - the rotated q and k and v, d·(q + 2kv): v is copied out of the fused q|k|v output, whose storage a view would
+      keep alive as a whole,
     - the attention output, the o_proj input (d·q), and SDPA's fp32 logsumexp (4 bytes per head),
     - what the feed-forward block keeps (``feed_forward``),
 
@@ -122,8 +123,10 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     context parallelism, what its attention core keeps (``context_parallel_bytes``). Eager, each
     norm keeps instead its fp32 input copy, the normalised values (for the weight's gradient) and its output:
     8·hidden more bytes per token. Measured per layer on an H200 (1B and 8B shapes, eager and compiled, tp=1 and
-    tp=2 in both modes): within 0.1% of these counts. A recomputed layer keeps its input (and, compiled, what
-    ``feed_forward.recomputed_kept`` says; measured) and rebuilds the rest during its backward; selectively
+    tp=2 in both modes) within 0.1% of these counts while v was a view, which kept the whole q|k|v output (d·(q + kv)
+    more); with v copied, measured on CPU, eager and compiled (tests/test_memory.py), not yet on a GPU. A recomputed
+    layer keeps its input (and, compiled, what ``feed_forward.recomputed_kept`` says; measured) and rebuilds the rest
+    during its backward; selectively
     recomputed (``nn/recompute.py``) it also keeps its attention output and log-sum-exp, which the backward does not
     rebuild (derived from the code: those are the outputs of the attention op the policy saves; not measured).
     Pointwise-recomputed it keeps its input, its attention outputs and its matmuls' outputs: the fused q|k|v output,
@@ -144,7 +147,7 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     else:
         norms = 2 * (4 * c.hidden_size * shape.residual_share + residual + linear_input)
     attention_outputs = d * q + 4 * heads  # the attention output (o_proj's input) and SDPA's fp32 logsumexp
-    attention = d * (2 * q + 3 * kv) + attention_outputs
+    attention = d * (q + 2 * kv) + attention_outputs
     rotary_tables = 2 * shape.sequence_length * c.head_dim * d
     if shape.cp > 1:  # tables of the rank's own positions, per sequence
         rotary_tables = 2 * tokens * c.head_dim * d + context_parallel_bytes(c, shape)

@@ -72,6 +72,7 @@ class LlamaAttention(nn.Module):
         widths = self.qkv_proj.output_chunks
         q_heads, kv_heads = widths[0] // self.head_dim, widths[1] // self.head_dim
         q, k, v = qkv.split(list(widths), dim=-1)
+        v = v.contiguous()  # attention keeps v for its backward: as a view it would keep all of q|k|v alive
         q = q.view(batch, seq, q_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, seq, kv_heads, self.head_dim).transpose(1, 2)
