@@ -47,13 +47,13 @@ from nanotron.parallel.context_parallel import context_parallel_masks, split_mic
 from nanotron.parallel.data_parallel import check_replicas_agree, sync_tied_copies
 from nanotron.parallel.pipeline_parallel import StageOutput
 from nanotron.parallel.placement import declared_names, logical_parameters
-from nanotron.parallel.statistics import HostCopy, Statistics, sum_over_replicas
+from nanotron.parallel.statistics import Statistics, sum_over_replicas
 from nanotron.preemption import StopRequests
 from nanotron.random import seed_everything
 from nanotron.training.build import document_ends, fused_head_loss, load_data, log_summary, pipeline_schedule
 from nanotron.training.checkpointing import RunCheckpoints
 from nanotron.training.loss import StepLoss, logit_z_loss, mean_weights
-from nanotron.training.step_log import PendingStep, StepLog, StepResult
+from nanotron.training.step_log import HostCopy, PendingStep, StepLog, StepResult
 
 logger = logging.getLogger("nanotron.trainer")
 

@@ -6,8 +6,7 @@ a step's micro-batches on each stage; :func:`sum_over_replicas` then adds them u
 data-parallel ranks in one all-reduce, so that every rank ends the step with the same values (and any rank can log
 them). Tensor-parallel ranks compute identical copies, so the sum runs over the ``pp_dp_cp_ep`` group, one rank of
 each TP group. The collective needs the same tensors on every rank: ``template`` names them all, with their shapes,
-and what a stage did not compute (the loss on an inner stage) counts as zero. :class:`HostCopy` brings them to the
-host without waiting for the work queued after them (the next step).
+and what a stage did not compute (the loss on an inner stage) counts as zero.
 """
 
 from __future__ import annotations
@@ -58,21 +57,3 @@ def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> t
         if parallel_context.size(group) > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.groups[group])
     return values
-
-
-class HostCopy:
-    """Tensors on their way to the host: each copy is queued behind the work that computes it, without waiting for
-    that work; ``values`` waits for it alone (a CUDA event), not for what was queued after it."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self._values = {name: tensor.detach().to("cpu", non_blocking=True) for name, tensor in tensors.items()}
-        self._ready = None
-        if any(tensor.is_cuda for tensor in tensors.values()):
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def values(self) -> dict[str, torch.Tensor]:
-        if self._ready is not None:
-            self._ready.synchronize()
-            self._ready = None
-        return self._values

@@ -11,10 +11,27 @@ from nanotron.config import Config
 from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_memory_gb
 from nanotron.models.spec import ModelCosts
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.statistics import HostCopy
 from nanotron.trackers import Trackers
 
 logger = logging.getLogger("nanotron.trainer")
+
+
+class HostCopy:
+    """Tensors on their way to the host: each copy is queued behind the work that computes it, without waiting for
+    that work; ``values`` waits for it alone (a CUDA event), not for what was queued after it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._values = {name: tensor.detach().to("cpu", non_blocking=True) for name, tensor in tensors.items()}
+        self._ready = None
+        if any(tensor.is_cuda for tensor in tensors.values()):
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def values(self) -> dict[str, torch.Tensor]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self._values
 
 
 @dataclass
