@@ -195,21 +195,20 @@ def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, t
 def test_a_signal_handled_during_the_stop_agreement_stops_the_next_step(monkeypatch):
     """Ranks spend much of a step waiting in collectives, the agreement's all-reduce among them: a signal handled
     there must not be overwritten by the other ranks' zeros (the run would train on and be killed later)."""
-    import torch
     import torch.distributed as dist
 
     from nanotron.preemption import StopRequests
 
-    def all_reduce_while_signalled(flag, op):  # the other ranks' flags are 0; the signal lands meanwhile
+    def all_reduce_while_signalled(flag, op, group):  # the other ranks' flags are 0; the signal lands meanwhile
         os.kill(os.getpid(), signal.SIGUSR1)
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce_while_signalled)
     with StopRequests() as stop:
-        assert not stop.agreed(torch.device("cpu"))  # not seen by the other ranks before the all-reduce
-        monkeypatch.setattr(dist, "all_reduce", lambda flag, op: None)
-        assert stop.agreed(torch.device("cpu")) and stop.signal_name == "SIGUSR1"
+        assert not stop.agreed(None)  # not seen by the other ranks before the all-reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda flag, op, group: None)
+        assert stop.agreed(None) and stop.signal_name == "SIGUSR1"
 
 
 def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, tiny_data, tmp_path):

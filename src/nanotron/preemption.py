@@ -3,8 +3,10 @@
 Instead of dying mid-step and losing up to a checkpoint interval of work, the run finishes the step in progress,
 saves a checkpoint and exits with status 0. Under torchrun every rank gets the signal, though not necessarily
 during the same step; after each step the ranks take the maximum of their flags (one tiny all-reduce), so all of
-them stop after the same step and save together. Data loader workers, which schedulers and torchrun signal with
-their rank, ignore these signals (``data/loader.py``): one dying of them would crash the step before the save.
+them stop after the same step and save together. The all-reduce runs over gloo on the host, so that it does not wait
+for the GPU to finish the step while the host could queue the next one. Data loader workers, which schedulers and
+torchrun signal with their rank, ignore these signals (``data/loader.py``): one dying of them would crash the step
+before the save.
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ class StopRequests:
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received else "none"
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank once any rank has received a stop signal (collective when several ranks run)."""
+    def agreed(self, group: dist.ProcessGroup | None) -> bool:
+        """True on every rank once any rank has received a stop signal (collective when several ranks run, over
+        ``group``: a gloo group of all of them, ``ParallelContext.host_group``)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return bool(self.received)
-        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         agreed = int(flag.item())
         # A signal handled while this rank waited in the all-reduce is not in ``flag``: keep it for the next step's
         # agreement instead of overwriting it with the other ranks' zeros, which would lose the stop request.

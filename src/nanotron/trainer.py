@@ -350,7 +350,7 @@ class Trainer:
             saved = step % config.checkpoints.checkpoint_interval == 0 or (
                 step == train_steps and config.checkpoints.save_final_state
             )
-            stopping = stop.agreed(self.pc.device)
+            stopping = stop.agreed(self.pc.host_group)
             if saved or stopping or step == train_steps:
                 finish(pending)
                 pending = None

@@ -157,6 +157,9 @@ class ParallelContext:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.groups["pipeline_ends"], self.group_ranks["pipeline_ends"] = group, ranks
+        # Every rank over gloo, for what the hosts agree on between steps (a stop request): over NCCL, reading the
+        # result would wait for the GPU to finish the step queued before it.
+        self.host_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
 
     def _create_groups(self, name: str, axes: tuple[str, ...]) -> None:
         """Create one group per slice of the grid spanning ``axes``; keep the one that holds this rank."""
