@@ -56,12 +56,12 @@ parallelism (28.27 GB, two ranks with gloo on one H200), the 8B shape at dp=2 wi
 H200 with recomputed layers and bf16 gradients (135.7 GB; 142.1 GB in FP8): within 1%. The tp=2 layout peaked at
 30.4 GB at an older commit with NCCL on two GPUs, 7% above the estimate by the size of one rank's bf16 logits
 (2.1 GB), not of any parameter state; that difference is not explained. Compiled Mamba at 130M (24.6 GB; 7.0 GB
-with recomputed layers) and 1.4B (76.6 GB): within 0.3%. The one-GPU runs of one micro-batch per step among these
-were measured with fp32 gradient buffers, which such runs no longer allocate (the 1B's estimate is 2.47 GB lower),
-and all of them with fp32 master copies and with attention's v a view that kept the whole q|k|v output alive: the
-estimates now count v copied out of it (1.34 GB lower at the 1B shape), which no GPU has measured yet.
-All of these held their masters as fp32 copies; the 1B benchmark run holding them as remainders (bf16 gradient
-buffers, the loss in chunks) peaked at 43.70 GB against an estimate of 44.74.
+with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
+These older runs held their masters as fp32 copies, some with fp32 gradient buffers where one micro-batch per step
+now gets bf16 ones, and with attention's v a view that kept the whole q|k|v output alive. As trained by default
+(masters as remainders, v copied out of q|k|v, the loss in chunks), the estimates are 0.8-2.5% above the measured
+peaks: the 1B at micro-batches 4 and 8 (42.35, 63.12 GB) and at sequence 8192 (42.37), the 8B recomputed in bf16
+and FP8 (119.63, 126.04); tests/test_memory.py holds both sets.
 """
 
 from __future__ import annotations
