@@ -72,6 +72,30 @@ def test_equals_logits_then_cross_entropy_in_fp32(group, chunk):
     assert torch.equal(got[2][1], torch.zeros(SEQUENCE, HIDDEN))  # the masked sequence gets none either
 
 
+def test_the_compiled_passes_give_the_plain_ones_values():
+    """Compiled on the CPU (as on CUDA by test_cuda_kernels.py): the chunk passes within rounding, and the sum of the
+    chunks' head gradients and the backward's scaling bit for bit, the scaling in place."""
+    from helpers import check_compiled_passes
+    from nanotron.parallel.linear_cross_entropy import ChunkPasses
+
+    check_compiled_passes("cpu")
+    generator = torch.Generator().manual_seed(0)
+    partials = [torch.randn(40, 24, generator=generator).bfloat16() for _ in range(3)]
+    factor = torch.tensor(0.3)
+    results = []
+    for passes in (ChunkPasses(), ChunkPasses.compiled()):
+        middle = passes.sum_in_fp32(partials[0], partials[1], torch.float32)
+        total = passes.sum_in_fp32(middle, partials[2], torch.bfloat16)
+        scaled = total.clone()
+        assert passes.scale_(scaled, factor).data_ptr() == scaled.data_ptr()
+        results.append((middle, total, scaled))
+    exact = sum(partial.double() for partial in partials)
+    assert results[0][1].dtype == torch.bfloat16 and torch.equal(results[0][1], exact.bfloat16())
+    assert torch.equal(results[0][2], (exact.bfloat16().float() * 0.3).bfloat16())
+    for plain, compiled in zip(*results):
+        assert plain.dtype == compiled.dtype and torch.equal(plain, compiled)
+
+
 def test_bf16_is_within_bf16_rounding_of_the_fp32_reference(group):
     """bf16 logits and gradients: the fused loss is as close to the fp32 computation as the unfused bf16 one."""
     hidden, weight, labels, token_weights = inputs(torch.bfloat16)
