@@ -650,6 +650,24 @@ def check_compiled_passes(device: str) -> None:
         assert relative_error(compiled, plain) < tolerance, name
 
 
+def check_softmax_statistics_kernel(device: str = "cpu") -> None:
+    """The fused loss's statistics kernel against the reference: fp32 and bf16 logits, blocks that split a row or
+    cover it, padding columns, a rank holding none of the real columns, and targets on other ranks (label -1)."""
+    from nanotron.parallel.linear_cross_entropy import softmax_statistics_fused, softmax_statistics_reference
+
+    generator = torch.Generator(device).manual_seed(0)
+    logits = torch.randn(37, 1000, device=device, generator=generator) * 4
+    labels = torch.randint(0, 990, (37,), device=device, generator=generator)
+    labels[::5] = -1
+    for dtype in (torch.float32, torch.bfloat16):
+        for valid_columns in (1000, 990, 0):
+            for block in (128, 1024):
+                z, local = logits.to(dtype), labels.clamp(max=max(valid_columns - 1, -1))
+                fused = softmax_statistics_fused(z, local, valid_columns, block)
+                expected = softmax_statistics_reference(z, local, valid_columns)
+                torch.testing.assert_close(fused, expected, rtol=1e-6, atol=0, msg=f"{dtype} {valid_columns} {block}")
+
+
 def without_id_ranges(metadata: dict) -> dict:
     """``metadata`` as a version of ``nanotron preprocess`` that recorded no id range would have written it."""
     return metadata | {"shards": [{key: value for key, value in shard.items()

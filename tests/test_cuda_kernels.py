@@ -176,6 +176,7 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
 
 
 def test_compiled_fused_loss_passes_match_the_plain_ones_on_cuda():
-    from helpers import check_compiled_passes
+    from helpers import check_compiled_passes, check_softmax_statistics_kernel
 
+    check_softmax_statistics_kernel("cuda")
     check_compiled_passes("cuda")

@@ -96,6 +96,12 @@ def test_the_compiled_passes_give_the_plain_ones_values():
         assert plain.dtype == compiled.dtype and torch.equal(plain, compiled)
 
 
+def test_the_statistics_kernel_equals_the_reference_under_triton_s_interpreter():
+    from helpers import run_with_triton_interpreter
+
+    run_with_triton_interpreter("from helpers import check_softmax_statistics_kernel as check; check()")
+
+
 def test_bf16_is_within_bf16_rounding_of_the_fp32_reference(group):
     """bf16 logits and gradients: the fused loss is as close to the fp32 computation as the unfused bf16 one."""
     hidden, weight, labels, token_weights = inputs(torch.bfloat16)

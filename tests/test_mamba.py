@@ -52,8 +52,8 @@ def test_the_triton_kernels_equal_the_plain_torch_references():
 
 
 def written_kernel_arguments() -> dict[str, list[str]]:
-    """Each Triton kernel's arguments (Mamba's, and FP8's casts) that torch.compile's analysis of its IR
-    takes as written, for sm_90 (the analysis only reads the IR, so a CPU build can run it)."""
+    """Each Triton kernel's arguments (Mamba's, FP8's casts and the loss's statistics) that torch.compile's
+    analysis of its IR takes as written, for sm_90 (the analysis only reads the IR, so a CPU build can run it)."""
     import triton
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
     from triton.backends.compiler import GPUTarget
@@ -61,6 +61,7 @@ def written_kernel_arguments() -> dict[str, list[str]]:
     from nanotron.nn import causal_conv1d as conv
     from nanotron.nn import fp8
     from nanotron.nn import selective_scan as scan
+    from nanotron.parallel import linear_cross_entropy as loss
 
     class Hopper:
         def get_current_target(self):
@@ -83,7 +84,10 @@ def written_kernel_arguments() -> dict[str, list[str]]:
                "fp8 cast": (fp8._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
                                                             "RECORD_AMAX": True, "BLOCK_R": 32, "BLOCK_C": 128}),
                "fp8 grouped amax": (fp8._grouped_amax_kernel, grouped_sizes),
-               "fp8 grouped cast": (fp8._grouped_cast_kernel, grouped_sizes)}
+               "fp8 grouped cast": (fp8._grouped_cast_kernel, grouped_sizes),
+               "loss statistics": (loss._softmax_statistics_kernel, {"tokens": 8, "row_length": 64,
+                                                                     "valid_columns": 60, "BLOCK": 32,
+                                                                     "labels_ptr": torch.zeros(4).long()})}
     triton.runtime.driver.set_active(Hopper())
     written = {}
     for name, (kernel, sizes) in kernels.items():
@@ -114,7 +118,8 @@ def test_compiled_graphs_copy_no_input_of_the_kernels():
         "conv input gradient": ["dx_ptr"],
         "fp8 cast": ["amax_ptr", "out_ptr", "out_t_ptr"],
         "fp8 grouped amax": ["group_amax_ptr", "row_amax_ptr"],
-        "fp8 grouped cast": ["out_ptr", "out_t_ptr"]}
+        "fp8 grouped cast": ["out_ptr", "out_t_ptr"],
+        "loss statistics": ["out_ptr"]}
 
 
 def test_the_backward_prefetches_only_where_its_grid_overflows_one_wave(monkeypatch):

@@ -1,6 +1,7 @@
 """Triton, the optional dependency of the fused GPU kernels, loaded in one place for the modules that have them
 (``fp8.py``: the gradient casts, ``swiglu.py``: the backward, ``causal_conv1d.py`` and ``selective_scan.py``: Mamba,
-``optim/adamw.py``: the update of masters held as remainders).
+``optim/adamw.py``: the update of masters held as remainders, ``parallel/linear_cross_entropy.py``: the loss's softmax
+statistics).
 
 Each of them defines its kernels only when Triton loaded (``triton`` is not None) and runs them where ``available``
 says so; everywhere else it runs its plain-torch reference. The kernels need Triton and a torch with
@@ -71,5 +72,5 @@ def _report_unavailable() -> None:
     global _reported
     _reported = True
     logger.warning(f"Triton kernels unavailable: {UNAVAILABLE}; the FP8 cast, SwiGLU backward, Mamba "
-                   "convolution and scan and the optimizer update run their plain-torch references on CUDA (slower); "
-                   "install triton with torch>=2.6 for the kernels")
+                   "convolution and scan, the optimizer update and the loss's softmax statistics run their plain-torch "
+                   "references on CUDA (slower); install triton with torch>=2.6 for the kernels")

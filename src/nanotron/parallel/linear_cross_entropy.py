@@ -29,6 +29,11 @@ the model dtype: no fp32 copy of a chunk's logits is stored. The chunks' shares 
 rounded once (``sum_in_fp32``), and the backward scales both gradients by the scalar's (``scale_``): compiled, each is
 one vectorised pass, where eager torch ran four (an fp32 copy, the sum, the rounding, and a scaling by a 0-dim fp32
 tensor that takes a slow mixed-dtype path): about 2.5 ms of a 1B step, whose ``grad_W`` is 0.5 GB.
+
+On CUDA with Triton the statistics are one kernel that reads each logit once, keeping a running maximum and a sum
+of exponentials rescaled to it (online softmax). The compiler's version of ``softmax_statistics_reference`` reads
+the chunk twice (the maximum, then the sum), whether it splits the reduction or not: 1.13 ms for a chunk of 8,192
+tokens at the 1B vocabulary on an H200, against a single read's ~0.6 ms.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanotron.nn.kernels import available, tl, triton, triton_op, wrap_triton
+
 
 def _real_columns(z: torch.Tensor, valid_columns: int) -> torch.Tensor:
     """``z`` with the padding columns (this rank's columns from ``valid_columns`` on) at -inf."""
@@ -52,13 +59,56 @@ def _real_columns(z: torch.Tensor, valid_columns: int) -> torch.Tensor:
 def softmax_statistics(logits: torch.Tensor, local_labels: torch.Tensor, valid_columns: int) -> torch.Tensor:
     """[3, tokens] fp32: each token's largest logit on this rank, its sum of ``exp(z - max)``, and its target logit
     (0 where ``local_labels`` is -1: the target is on another rank). A rank holding only padding columns reports a
-    maximum of -inf and a sum of 0, which the combination ignores."""
+    maximum of -inf and a sum of 0, which the combination ignores. One Triton kernel on CUDA, else
+    ``softmax_statistics_reference``."""
+    if available(logits.device):
+        return softmax_statistics_fused(logits.contiguous(), local_labels.contiguous(), valid_columns)
+    return softmax_statistics_reference(logits, local_labels, valid_columns)
+
+
+def softmax_statistics_reference(logits: torch.Tensor, local_labels: torch.Tensor,
+                                 valid_columns: int) -> torch.Tensor:
+    """``softmax_statistics`` in plain torch."""
     z = _real_columns(logits.float(), valid_columns)
     maximum = z.amax(dim=-1)
     shift = maximum.masked_fill(maximum == float("-inf"), 0.0)
     sum_exp = torch.exp(z - shift[:, None]).sum(dim=-1)
     target = z.gather(-1, local_labels.clamp(min=0)[:, None]).squeeze(-1)
     return torch.stack([maximum, sum_exp, torch.where(local_labels >= 0, target, 0.0)])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _softmax_statistics_kernel(logits_ptr, labels_ptr, out_ptr, tokens, row_length, valid_columns,
+                                   BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        start_of_row = logits_ptr + row * row_length
+        maximum = tl.full((), float("-inf"), tl.float32)
+        sum_exp = tl.zeros((), tl.float32)
+        for start in range(0, valid_columns, BLOCK):
+            columns = start + tl.arange(0, BLOCK)
+            z = tl.load(start_of_row + columns, mask=columns < valid_columns, other=float("-inf")).to(tl.float32)
+            new_maximum = tl.maximum(maximum, tl.max(z, axis=0))
+            shift = tl.where(new_maximum == float("-inf"), 0.0, new_maximum)  # a row of -inf sums to 0, not NaN
+            sum_exp = sum_exp * tl.exp(maximum - shift) + tl.sum(tl.exp(z - shift), axis=0)
+            maximum = new_maximum
+        label = tl.load(labels_ptr + row)
+        target = tl.load(start_of_row + tl.maximum(label, 0)).to(tl.float32)
+        tl.store(out_ptr + row, maximum)
+        tl.store(out_ptr + tokens + row, sum_exp)
+        tl.store(out_ptr + 2 * tokens + row, tl.where(label >= 0, target, 0.0))
+
+    @triton_op("nanotron::softmax_statistics", mutates_args={})
+    def softmax_statistics_fused(logits: torch.Tensor, local_labels: torch.Tensor, valid_columns: int,
+                                 block: int = 4096) -> torch.Tensor:
+        """``softmax_statistics_reference`` in one read of the [tokens, columns] contiguous ``logits``: a program
+        per token, over ``block`` columns at a time."""
+        tokens = logits.shape[0]
+        out = torch.empty(3, tokens, dtype=torch.float32, device=logits.device)
+        wrap_triton(_softmax_statistics_kernel)[(tokens,)](logits, local_labels, out, tokens, logits.shape[1],
+                                                           valid_columns, BLOCK=block, num_warps=8)
+        return out
 
 
 def loss_and_logit_gradient(logits: torch.Tensor, statistics: torch.Tensor, local_labels: torch.Tensor,
