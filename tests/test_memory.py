@@ -29,6 +29,7 @@ D = 4  # fp32
 LAYER_KEPT = TOKENS * (2 * 3 * D * H + D * (Q + 2 * KV) + D * Q + 4 * HEADS + 3 * D * FFN) + 2 * SEQ * HEAD_DIM * D
 LAYER_BACKWARD = TOKENS * 3 * D * FFN  # gradients of the gate|up and SwiGLU outputs
 FINAL_NORM = TOKENS * 3 * D * H
+COMPILED_FINAL_NORM = FINAL_NORM - TOKENS * 4 * H  # compiled with the layers: its input, not an fp32 copy of it
 LOG_SOFTMAX = TOKENS * VOCAB * 4  # fp32 log-softmax kept by the eager loss; its backward holds two more
 
 
@@ -59,7 +60,7 @@ def test_compiled_layers_keep_the_norm_inputs_instead_of_their_fp32_copies_and_t
     # Per layer and token: 2 x (4h fp32 copy + normalised values) become 2 x the d-byte input.
     compiled_layer = LAYER_KEPT - TOKENS * 2 * (4 * H + D * H - D * H)
     # fp32: the logits themselves are what the compiled loss keeps, and their gradient is the transient.
-    assert compiled.activations + compiled.logits == 4 * compiled_layer + FINAL_NORM + 2 * LOG_SOFTMAX
+    assert compiled.activations + compiled.logits == 4 * compiled_layer + COMPILED_FINAL_NORM + 2 * LOG_SOFTMAX
     assert compiled.activations + compiled.logits < eager.activations + eager.logits
 
 
@@ -238,6 +239,35 @@ def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     assert qkv_output not in saved.values() and tokens * 4 * kv in saved.values()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_built_final_norm_keeps_for_its_backward_what_the_planner_counts(compiled):
+    """The tiny example built as training builds it (fp32): its final norm's saved storages, against the planner's
+    count of its input. Compiled with the layers it keeps its input; eager, also the normalised values (the fp32
+    copy of an fp32 input is the input). Each token's reciprocal root is too small to count."""
+    import torch
+
+    from nanotron.memory import final_norm_bytes
+    from nanotron.models.build import BuildOptions, build_model
+    from nanotron.parallel.context import ParallelContext
+
+    config = tiny(f"model.compile={str(compiled).lower()}", "tokens.micro_batch_size=2")
+    model = build_model(config.model.model_config, ParallelContext(), BuildOptions.from_config(config))
+    hidden = torch.randn(2, SEQ, H, requires_grad=True) * 1.0  # not a leaf, as the residual stream is not
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() != model.norm.weight.untyped_storage().data_ptr():
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model.norm(hidden)
+    out.sum().backward()
+    head_input = 2 * SEQ * D * H  # the planner's second term: the LM head keeps the norm's output
+    assert sum(saved.values()) == final_norm_bytes(config, 2) - head_input + 2 * SEQ * 4
+    assert sum(saved.values()) == 2 * SEQ * (D * H * (1 if compiled else 2) + 4)
+
+
 def test_fp8_with_recomputed_layers_counts_the_fp8_weights_the_forward_keeps():
     """The 8B shape on one H200 peaked 6.44 GB higher in FP8 than in bf16 (142.10 against 135.66 GB): the
     recomputed forward keeps FP8 copies of the weights. The estimate counts a byte per weight element of every
@@ -267,10 +297,10 @@ def test_a_compiled_mamba_block_matches_the_hand_count_and_tp_splits_its_channel
     one = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true"]), gpu_memory_gb=80).stages[0]
     embedding = VOCAB * M_H
     assert one.weights == M_D * (4 * MAMBA_BLOCK_PARAMETERS + embedding + M_H)
-    assert one.activations == 4 * int(MAMBA_BLOCK_KEPT) + FINAL_NORM
+    assert one.activations == 4 * int(MAMBA_BLOCK_KEPT) + COMPILED_FINAL_NORM
     recomputed = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true", "parallelism.recompute_layer=true"]),
                                  gpu_memory_gb=80).stages[0]
-    assert recomputed.activations == 4 * TOKENS * 4 * M_H + int(MAMBA_BLOCK_KEPT) + FINAL_NORM  # fp32 inputs
+    assert recomputed.activations == 4 * TOKENS * 4 * M_H + int(MAMBA_BLOCK_KEPT) + COMPILED_FINAL_NORM  # fp32 inputs
     # tp=2: every mixer parameter but the norms is split by channels, the vocabulary too.
     two = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true", "parallelism.tp=2"]), gpu_memory_gb=80)
     split = 4 * (MAMBA_BLOCK_PARAMETERS - M_H) // 2 + 4 * M_H + embedding // 2 + M_H

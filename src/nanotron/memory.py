@@ -30,8 +30,8 @@ How each part is computed, and why:
   (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
   layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input (and, with
   ``recompute_granularity: selective``, its attention output and log-sum-exp; with ``pointwise``, those and its
-  matmuls' outputs), and the backward rebuilds one layer at a time. The last stage adds the final norm, which is
-  never compiled.
+  matmuls' outputs), and the backward rebuilds one layer at a time. The last stage adds the final norm (compiled
+  with the layers: it then keeps its input, not an fp32 copy of it).
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
   (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
@@ -311,11 +311,13 @@ def _activation_shape(config: Config, micro_batch_size: int) -> ActivationShape:
 
 
 def final_norm_bytes(config: Config, micro_batch_size: int) -> int:
-    """The final norm (never compiled) keeps its fp32 input copy, the normalised values and its output."""
+    """The final norm keeps its input (compiled with ``model.compile``; eager, the normalised values and an fp32
+    copy of its input) and its output, the LM head's input."""
     d, hidden = config.model.torch_dtype().itemsize, config.model.model_config.hidden_size
     residual_share, linear_input_share = _token_shares(config)
     tokens = _rank_tokens(config, micro_batch_size)
-    return int(tokens * ((4 + d) * hidden * residual_share + d * hidden * linear_input_share))
+    kept_of_input = d if config.model.compile else 4 + d
+    return int(tokens * (kept_of_input * hidden * residual_share + d * hidden * linear_input_share))
 
 
 def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:

@@ -38,7 +38,7 @@ class ModelArgs:
     dtype: DType = "bfloat16"
     make_vocab_size_divisible_by: int = 1
     ddp_bucket_cap_mb: int = 25
-    compile: bool = False  # torch.compile every decoder layer (fuses norms, rotary and SwiGLU on GPUs)
+    compile: bool = False  # torch.compile every decoder layer and the final norm (fuses norms, rotary, SwiGLU)
     # Tokens per chunk of the fused LM head + cross-entropy (parallel/linear_cross_entropy.py); 0: logits in full
     loss_chunk_tokens: int = 8192
 

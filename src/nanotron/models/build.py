@@ -143,4 +143,6 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
     if options.compile:
         for layer in model.layers.values():
             compile_layer(layer)
+        if model.norm is not None:  # eager, it would keep an fp32 copy of the last hidden states for its backward
+            model.norm.compile()
     return model
