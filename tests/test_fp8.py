@@ -245,15 +245,20 @@ def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_
 
     eager, compiled = (run_distributed(train_fp8_model, 1, config=config(name, name == "compiled"))[0]
                        for name in ("eager", "compiled"))
-    # The compiled loss rounds the gradients a little differently (the losses agree to 1e-5), so a value at the edge
-    # of the format's range may fall on the other side: the shares agree to a few values in 10^5.
+    # The compiled loss and norms round the gradients a little differently (the losses agree to 1e-5), so a value at
+    # the edge of the format's range may fall on the other side: the shares agree to a few values in 10^5. Gradients
+    # far below their tensor's scale come out of the norms' backward by cancellation, with few exact bits in either
+    # mode; the share of them flushed to zero agrees to a few values in 10^4.
     def shares(record):
         return {(kind, outcome): share for kind, counts in record["fp8_range"].items()
                 for outcome, share in counts.items()}
 
     for a, b in zip(eager["records"], compiled["records"], strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5)
-        assert shares(b) == pytest.approx(shares(a), abs=5e-5)
+        flushed = ("gradient", "flushed")
+        assert shares(b)[flushed] == pytest.approx(shares(a)[flushed], abs=3e-4)
+        others = {key: share for key, share in shares(a).items() if key != flushed}
+        assert {key: shares(b)[key] for key in others} == pytest.approx(others, abs=5e-5)
     assert any(r["fp8_saturated"] > 0 for r in compiled["records"])
     for name, history in eager["histories"].items():
         torch.testing.assert_close(compiled["histories"][name], history, rtol=1e-5, atol=0, msg=name)
