@@ -211,8 +211,8 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
 
     with watched_losses(trainer, backward):
         times, step_start = timed(watched_step, args.steps, args.warmup)
-    # gradient buckets outlive the step: none are freed
-    memory = measured_memory(step_start, baseline, freed_gradient_bytes=0, backward=backward)
+    # Gradient buffers outlive the step; gradients held without a buffer are freed after each update.
+    memory = measured_memory(step_start, baseline, trainer.buckets.held_gradient_bytes(), backward)
     if profile:
         write_profile(step, profile)
     if activations:

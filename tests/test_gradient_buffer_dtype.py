@@ -43,23 +43,28 @@ def build(params: dict[str, nn.Parameter], groups: dict, single_micro_batch: boo
     return build_optimizer(params, args, bucket_mb=1.0, groups=groups, single_micro_batch=single_micro_batch)
 
 
-def grad_dtypes(buckets) -> dict[str, torch.dtype]:
-    return {name: bucket.grads.dtype for bucket in buckets.buckets for name in bucket.names}
+HELD = "held"  # no buffer: the bucket keeps the gradients autograd produced
+
+
+def grad_dtypes(buckets) -> dict[str, torch.dtype | str]:
+    return {name: HELD if bucket.grads is None else bucket.grads.dtype
+            for bucket in buckets.buckets for name in bucket.names}
 
 
 def bf16_and_fp32_params() -> dict[str, nn.Parameter]:
     return {"w": nn.Parameter(torch.ones(8, dtype=torch.bfloat16)), "router": nn.Parameter(torch.ones(4))}
 
 
-@pytest.mark.parametrize("single_micro_batch, accumulate_in_fp32, expected", [
-    (True, True, torch.bfloat16),  # one gradient, no replica, no tied copy: nothing is summed
-    (False, True, torch.float32),  # micro-batches are summed in the buffer
-    (False, False, torch.bfloat16),  # asked for sums in the model dtype
+@pytest.mark.parametrize("single_micro_batch, accumulate_in_fp32, expected, router", [
+    (True, True, HELD, HELD),  # one gradient, no replica, no tied copy: nothing is summed, no buffer
+    (False, True, torch.float32, torch.float32),  # micro-batches are summed in the buffer
+    (False, False, torch.bfloat16, torch.float32),  # asked for sums in the model dtype; fp32 keeps fp32
 ])
-def test_a_bucket_is_fp32_only_where_gradients_are_summed_in_it(group, single_micro_batch, accumulate_in_fp32,
-                                                                 expected):
+def test_a_bucket_has_an_fp32_buffer_only_where_gradients_are_summed_in_it_and_none_where_nothing_is(
+        group, single_micro_batch, accumulate_in_fp32, expected, router):
     buckets, _ = build(annotated(bf16_and_fp32_params()), {DENSE_AXES: group}, single_micro_batch, accumulate_in_fp32)
-    assert grad_dtypes(buckets) == {"w": expected, "router": torch.float32}  # an fp32 parameter keeps fp32
+    assert grad_dtypes(buckets) == {"w": expected, "router": router}
+    assert buckets.held_gradient_bytes() == (8 * 2 + 4 * 4 if expected == HELD else 0)
 
 
 def test_a_weight_tied_across_pipeline_stages_keeps_an_fp32_buffer(group):
@@ -69,21 +74,25 @@ def test_a_weight_tied_across_pipeline_stages_keeps_an_fp32_buffer(group):
     assert grad_dtypes(buckets)["w"] == torch.float32
 
 
-def test_a_model_dtype_buffer_holds_the_backward_gradient_exactly_and_refuses_a_second_one(group):
+def test_a_bucket_without_a_buffer_holds_the_backward_gradient_until_the_step_ends_and_refuses_a_second_one(group):
     param = nn.Parameter(torch.linspace(-1, 1, 64, dtype=torch.bfloat16))
-    buckets, _ = build(annotated({"w": param}), {DENSE_AXES: group}, single_micro_batch=True)
+    unused = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    buckets, _ = build(annotated({"w": param, "unused": unused}), {DENSE_AXES: group}, single_micro_batch=True)
     (param.float() ** 3).sum().backward()
     buckets.final_micro_batch = True
     buckets.finish_reduction()
     expected = (3 * param.detach().float() ** 2).to(torch.bfloat16)  # the gradient autograd writes, in bf16
     assert buckets.gradient("w").dtype == torch.bfloat16 and torch.equal(buckets.gradient("w"), expected)
+    assert param.grad is None and torch.equal(buckets.gradient("unused"), torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="second gradient in a step of one micro-batch"):
         (param.float() * 2).sum().backward()  # a sum in bf16 would round: a broken promise is an error
+    buckets.zero()  # the step's gradients are let go
+    assert all(not bucket.held for bucket in buckets.buckets)
 
 
 def _dense_and_expert_buckets() -> dict:
     """Two ranks as two expert-parallel ranks: the dense weight is reduced over both (fp32 buffer), each rank's
-    expert is its own (bf16 buffer). Returns the dtypes, the reduced gradients and the global grad norm."""
+    expert is its own (no buffer). Returns the dtypes, the reduced gradients and the global grad norm."""
     from nanotron.optim.clip import GlobalGradNorm
     from nanotron.parallel.context import ParallelContext
 
@@ -101,21 +110,22 @@ def _dense_and_expert_buckets() -> dict:
             "dense": buckets.gradient("dense").clone(), "expert": buckets.gradient("expert").clone()}
 
 
-def test_over_two_ranks_the_reduced_bucket_is_fp32_and_the_unreduced_one_bf16():
+def test_over_two_ranks_the_reduced_bucket_is_fp32_and_the_unreduced_one_holds_the_bf16_gradient():
     results = run_distributed(_dense_and_expert_buckets, 2)
     # Each rank's backward gradients, 2x/3 computed in fp32 and stored in the parameters' dtype.
     denses, experts = ([(torch.full((4,), 2 * (start + r)) / 3).to(torch.bfloat16) for r in range(2)]
                        for start in (1.0, 3.0))
     dense_sum = denses[0].float() + denses[1].float()
     for rank, result in enumerate(results):
-        assert result["dtypes"] == {"dense": torch.float32, "expert": torch.bfloat16}
+        assert result["dtypes"] == {"dense": torch.float32, "expert": HELD}
+        assert result["expert"].dtype == torch.bfloat16
         assert torch.equal(result["dense"], dense_sum)  # summed in fp32
         assert torch.equal(result["expert"], experts[rank])
     exact = (dense_sum.double().square().sum() + sum(e.double().square().sum() for e in experts)).sqrt().item()
     assert results[0]["norm"] == results[1]["norm"] == pytest.approx(exact, rel=1e-6)
 
 
-# --- training: bf16 buffers give the run of fp32 buffers --------------------------------------------------------
+# --- training: autograd's bf16 gradients give the run of fp32 buffers ------------------------------------------
 
 
 def _train_bf16(config: dict, fp32_buffers: bool) -> dict:
@@ -130,20 +140,20 @@ def _train_bf16(config: dict, fp32_buffers: bool) -> dict:
         trainer = trainer_module.Trainer(config_from_dict(config))
     finally:
         trainer_module.build_optimizer = build_all
-    dtypes = {bucket.grads.dtype for bucket in trainer.buckets.buckets}
+    dtypes = set(grad_dtypes(trainer.buckets).values())
     trainer.train()
     lines = trainer.config.resolved_metrics_path().read_text().splitlines()
     return {"dtypes": dtypes, "metrics": [json.loads(line) for line in lines]}
 
 
-def test_bf16_training_with_model_dtype_buffers_equals_fp32_buffers(tiny_data, tmp_path):
+def test_bf16_training_with_autograds_gradients_equals_fp32_buffers(tiny_data, tmp_path):
     def config(name):
         return tiny_config_dict(tiny_data, tmp_path / name, model={"dtype": "bfloat16"},
                                 tokens={"batch_accumulation_per_replica": 1, "train_steps": 4})
 
     narrow, wide = run_distributed_each(_train_bf16, 1, [{"config": config("narrow"), "fp32_buffers": False},
                                                          {"config": config("wide"), "fp32_buffers": True}])
-    assert narrow[0]["dtypes"] == {torch.bfloat16} and wide[0]["dtypes"] == {torch.float32}
+    assert narrow[0]["dtypes"] == {HELD} and wide[0]["dtypes"] == {torch.float32}
     for got, expected in zip(narrow[0]["metrics"], wide[0]["metrics"], strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-6, abs=0)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6, abs=0)
@@ -158,13 +168,20 @@ def tiny_bf16_stages(*overrides: str):
     return estimate_memory(config, gpu_memory_gb=80).stages
 
 
-def test_the_planner_counts_model_dtype_gradients_where_nothing_is_summed():
+def test_the_planner_counts_buffers_where_gradients_are_summed_and_held_ones_where_not():
+    one_buffered, = tiny_bf16_stages("tokens.batch_accumulation_per_replica=1",
+                                     "optimizer.persistent_gradient_buffers=true")
     (one,) = tiny_bf16_stages("tokens.batch_accumulation_per_replica=1")
     (two,) = tiny_bf16_stages("tokens.batch_accumulation_per_replica=2")
     (replicated,) = tiny_bf16_stages("tokens.batch_accumulation_per_replica=1", "parallelism.dp=2")
-    assert one.gradients == one.weights  # bf16 weights, bf16 gradients
+    assert one_buffered.gradients == one.weights  # bf16 weights, a bf16 buffer
     assert two.gradients == replicated.gradients == 2 * one.weights  # fp32
-    # Pipeline stages: the embedding and the head tied to it are summed over the two ends, in fp32.
-    embedding_bytes = 4096 * 128 * 2
-    for stage in tiny_bf16_stages("tokens.batch_accumulation_per_replica=1", "parallelism.pp=2"):
-        assert stage.gradients == stage.weights + embedding_bytes
+    # Held: at the backward's start the top layer's and the final norm's (the fused loss counts the head's).
+    embedding_bytes, norm_bytes = 4096 * 128 * 2, 128 * 2
+    layer_bytes = (one.weights - embedding_bytes - norm_bytes) // 4
+    assert one.gradients == layer_bytes + norm_bytes
+    # Pipeline stages: the embedding and the head tied to it are summed over the two ends, in an fp32 buffer; the
+    # rest is held.
+    first, last = tiny_bf16_stages("tokens.batch_accumulation_per_replica=1", "parallelism.pp=2")
+    assert first.gradients == 2 * embedding_bytes + layer_bytes
+    assert last.gradients == 2 * embedding_bytes + layer_bytes + norm_bytes

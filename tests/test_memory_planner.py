@@ -175,7 +175,8 @@ RECORDED = {
 
 def case_config(name: str):
     path, overrides = CASES[name]
-    overrides = [*overrides, "optimizer.store_param_remainders=false"]  # RECORDED counts masters as fp32 copies
+    # RECORDED counts masters as fp32 copies and every gradient in a buffer.
+    overrides = [*overrides, "optimizer.store_param_remainders=false", "optimizer.persistent_gradient_buffers=true"]
     if path is not None:
         return load_config(path, overrides)
     raw = yaml.safe_load(BENCH.read_text())

@@ -12,11 +12,16 @@ How each part is computed, and why:
   device for the rank at coordinate 0 of the other axes (ranks of one stage hold the same amounts). A parameter
   shared by two modules (tied embeddings on one stage) counts once; the last stage's own copy of a tied embedding
   counts there.
-- **gradients**: one flat buffer of the same elements (``data_parallel.py``): fp32 with
-  ``optimizer.accumulate_grad_in_fp32`` where gradients are summed in it, else the parameter's dtype
-  (``gradient_dtype``: with one micro-batch per step, a parameter with no replicas over its gradient axes and no
-  copy on another pipeline stage keeps its dtype). ZeRO-1 reduce-scatters into a slice of the full buffer, so the
-  buffer keeps its full size.
+- **gradients**: where they are summed (several micro-batches a step, replicas over the gradient axes, a copy on
+  another pipeline stage), one flat buffer of the same elements (``data_parallel.py``): fp32 with
+  ``optimizer.accumulate_grad_in_fp32``, else the parameter's dtype. ZeRO-1 reduce-scatters into a slice of the full
+  buffer, so the buffer keeps its full size. Elsewhere (unless ``optimizer.persistent_gradient_buffers``) there is
+  no buffer: the gradients autograd produces, in the parameter's dtype, are held from the backward to the update. Those count at the moment of the peak, which is
+  where the backward starts (one layer's, the final norm's and the LM head's, unless the fused loss computed the
+  head's in its forward and counts it) or, when a layer's gradients outweigh what it keeps for the backward (large
+  layers with recomputation), later in the backward: each layer's backward is tried, with the gradients of the
+  layers after it and the activations of the layers before it, and the backward's end (every gradient, and the
+  tied embedding's two gradients being summed).
 - **master weights**: the optimizer's fp32 masters of its shard: 2 bytes per bf16 weight, the bits the weight lacks
   (``optim/param_remainders.py``), with ``optimizer.store_param_remainders``, else 4 bytes, an fp32 copy (even when
   the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
@@ -48,7 +53,8 @@ freed blocks it cannot reuse for other shapes (``ALLOCATOR_SLACK``). ``total`` a
 configuration fits.
 
 The columns add up to the peak: the loss's backward and a layer's backward do not overlap, so only the larger of
-the two transients counts (the layers' one under activations, the rest of the loss's under logits).
+the two transients counts (the layers' one under activations, the rest of the loss's under logits). When the peak
+falls later in the backward, the columns are those of that moment (no logits).
 
 Checked against the peaks in docs/benchmarks.md ("Memory planner against measured peaks"): the Llama 1B shape on
 one H200 with compiled layers (52.3 GB), at pp=2 1F1B with 10 + 6 layers (43.0 / 28.1 GB), at tp=2 with sequence
@@ -234,11 +240,41 @@ class _StageState:
 
     layers: range
     weight_bytes: int
-    gradient_bytes: int
+    gradient_bytes: int  # the gradient buffers
+    held: "_HeldGradients"
     optimizer_elements: float
     master_bytes: float
-    fp8_weight_elements: int  # weights of the linears that FP8 converts
+    fp8_weight_elements: tuple[int, ...]  # per layer, weights of the linears that FP8 converts
     padded_vocab_size: int
+
+
+@dataclass(frozen=True)
+class _HeldGradients:
+    """Bytes of the gradients a stage holds as autograd produced them (buckets without a buffer), by when the
+    backward produces them: the LM head's and the final norm's first, then each layer's, the input embedding's last.
+    A tied embedding is the head's weight: its gradient is there from the loss's backward on, and at the end the
+    embedding's is added to it (two more of its size at once)."""
+
+    head: int  # the LM head's weight (if held and on this stage), tied or not
+    final_norm: int
+    layers: tuple[int, ...]  # in layer order
+    embedding: int  # an untied input embedding
+    tied: int  # a tied embedding: its weight's bytes, for the sum at the end
+
+    @classmethod
+    def of(cls, model: nn.Module, held: dict[int, int]) -> _HeldGradients:
+        def total(module: nn.Module | None) -> int:
+            return 0 if module is None else sum(held.get(id(param), 0) for param in module.parameters())
+
+        head, embedding = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+        tied = head is not None and embedding is not None and head.weight is embedding.weight
+        return cls(head=total(head), final_norm=total(getattr(model, "norm", None)),
+                   layers=tuple(total(layer) for layer in model.layers.values()),
+                   embedding=0 if tied else total(embedding), tied=total(embedding) if tied else 0)
+
+    @property
+    def total(self) -> int:
+        return self.head + self.final_norm + sum(self.layers) + self.embedding
 
 
 def _stage_state(config: Config, stage: int) -> _StageState:
@@ -252,21 +288,27 @@ def _stage_state(config: Config, stage: int) -> _StageState:
     weight_bytes = gradient_bytes = 0
     optimizer_elements = master_bytes = 0.0
     single_micro_batch = config.tokens.batch_accumulation_per_replica == 1
+    held: dict[int, int] = {}  # id(parameter) -> bytes of its gradient, where a bucket holds autograd's
     for param in model.parameters():  # each shared parameter once
         elements, element_bytes = param.numel(), param.element_size()
         weight_bytes += elements * element_bytes
         placement = get_placement(param)
         replicas = math.prod(sizes[axis] for axis in placement.gradient_axes)
-        grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch, replicas,
-                                    bool(placement.pipeline_copies))
-        gradient_bytes += elements * grad_dtype.itemsize
+        if (single_micro_batch and replicas == 1 and not placement.pipeline_copies
+                and not optimizer.persistent_gradient_buffers):
+            held[id(param)] = elements * element_bytes
+        else:
+            grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch,
+                                        replicas, bool(placement.pipeline_copies))
+            gradient_bytes += elements * grad_dtype.itemsize
         shard_elements = elements / replicas if optimizer.zero_stage == 1 else elements
         optimizer_elements += shard_elements
         master_bytes += shard_elements * master_element_bytes(param.dtype, optimizer.store_param_remainders)
     return _StageState(
         layers=held_layers(model), weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
+        held=_HeldGradients.of(model, held),
         optimizer_elements=optimizer_elements, master_bytes=master_bytes,
-        fp8_weight_elements=sum(map(_fp8_weight_elements, model.modules())),
+        fp8_weight_elements=tuple(sum(map(_fp8_weight_elements, layer.modules())) for layer in model.layers.values()),
         padded_vocab_size=model.padded_vocab_size,
     )
 
@@ -388,21 +430,37 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     recomputed = config.parallelism.recompute_layer
     shape = _activation_shape(config, micro_batch_size)
     per_layer = [spec.layer_activations(config.model.model_config, index, shape) for index in state.layers]
+    if recomputed:  # one byte each: the FP8 weights a recomputed forward keeps
+        per_layer = [(k + fp8, t) for (k, t), fp8 in zip(per_layer, state.fp8_weight_elements, strict=True)]
     kept = sum(k for k, _ in per_layer)
-    if recomputed:
-        kept += state.fp8_weight_elements  # one byte each: the FP8 weights a recomputed forward keeps
     backward = max(t for _, t in per_layer)
     logits = 0
+    held = state.held
+    held_at_start = held.final_norm + (held.layers[-1] if held.layers else 0)
     if stage == config.parallelism.pp - 1:
         kept += final_norm_bytes(config, micro_batch_size)
         logits_kept, logits_transient = logits_bytes(config, micro_batch_size)
         # The loss's backward runs before any layer's, when every layer still holds its activations.
         logits = in_flight * logits_kept + max(logits_transient - backward, 0)
+        if not config.model.loss_chunk_tokens:  # the fused loss counts the head's gradient it keeps
+            held_at_start += held.head
+    gradients, activations = held_at_start, in_flight * kept + backward
+    # Later moments, when held gradients may outweigh the activations left (held gradients imply one micro-batch):
+    # each layer's backward, from the last layer down, and the backward's end.
+    later = held.head + held.final_norm
+    moments = []
+    for index in reversed(range(len(per_layer))):
+        later += held.layers[index]
+        moments.append((later, sum(k for k, _ in per_layer[:index + 1]) + per_layer[index][1]))
+    moments.append((held.total + 2 * held.tied, 0))
+    for held_then, activations_then in moments:
+        if held_then + activations_then > gradients + activations + logits:
+            gradients, activations, logits = held_then, activations_then, 0
     return StageMemory(
         stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes,
-        gradients=state.gradient_bytes, master_weights=int(state.master_bytes),
+        gradients=state.gradient_bytes + gradients, master_weights=int(state.master_bytes),
         adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
-        activations=in_flight * kept + backward, logits=logits, workspace=STEP_WORKSPACE_BYTES,
+        activations=activations, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )
 
 

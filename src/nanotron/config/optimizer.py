@@ -54,6 +54,7 @@ class OptimizerArgs:
     adam_beta2: float = 0.95
     adam_moments_dtype: MomentsDType = "float32"  # bfloat16: a lower-precision option, fp32 arithmetic and masters
     store_param_remainders: bool = True  # fp32 masters of bf16 weights as those weights + 16 bits (false: copies)
+    persistent_gradient_buffers: bool = False  # a flat gradient buffer even where nothing is summed in it
     torch_adam_is_fused: bool = True
     skip_bad_steps: int = 0  # bad steps in a row whose update is skipped before the run stops (0: stop at the first)
     loss_spike_factor: float | None = None  # a loss above this times the recent mean counts as a bad step

@@ -19,18 +19,17 @@ from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.placement import get_placement
 
 
-def _counted(values: torch.Tensor, in_param: slice, duplicates: list[tuple[int, int]],
-             row: int) -> list[torch.Tensor]:
-    """The parts of a gradient piece (elements ``in_param`` of the flattened parameter) outside the duplicated local
-    rows (kv heads replicated over TP ranks: counted on the first rank of each group)."""
+def _counted(in_param: slice, duplicates: list[tuple[int, int]], row: int) -> list[slice]:
+    """The parts of a gradient piece (elements ``in_param`` of the flattened parameter), as ranges within the piece,
+    outside the duplicated local rows (kv heads replicated over TP ranks: counted on the first rank of each group)."""
     kept, start = [], in_param.start
     for first, last in duplicates:
         lo, hi = max(first * row, in_param.start), min(last * row, in_param.stop)
         if lo < hi:
-            kept.append(values[start - in_param.start:lo - in_param.start])
+            kept.append(slice(start - in_param.start, lo - in_param.start))
             start = hi
-    kept.append(values[start - in_param.start:])
-    return [piece for piece in kept if piece.numel()]
+    kept.append(slice(start - in_param.start, in_param.stop - in_param.start))
+    return [part for part in kept if part.start < part.stop]
 
 
 def coalesced(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -55,21 +54,31 @@ class GlobalGradNorm:
     """The global gradient norm of ``buckets``, called once per step.
 
     Which gradient values this rank counts depends only on the layout, and the buckets' gradient buffers never move,
-    so the views to count are chosen once, here; a step only reads them.
+    so the views to count are chosen once, here; a step only reads them. Gradients that buckets hold as autograd
+    produced them are new tensors every step: for those the ranges to count are chosen here.
     """
 
     def __init__(self, buckets: GradientBuckets, parallel_context: ParallelContext):
         coords, sizes = parallel_context.coordinates, parallel_context.sizes
         self.device = parallel_context.device
+        self.buckets = buckets
         counted_pieces: list[torch.Tensor] = []
+        self.held_ranges: list[tuple[str, slice]] = []  # (name, range of the flattened gradient)
         for name, values, split_axes, in_param in buckets.grad_pieces():
             param = buckets.params[name]
             placement = get_placement(param)
             if not placement.is_unique_copy(coords, split_axes):
                 continue
             duplicates = placement.duplicate_rows(coords, sizes)
-            counted_pieces.extend(_counted(values, in_param, duplicates, param[0].numel()) if duplicates else [values])
+            parts = _counted(in_param, duplicates, param[0].numel()) if duplicates else [slice(None)]
+            if values is None:
+                self.held_ranges.extend((name, part) for part in parts)
+            else:
+                counted_pieces.extend(values[part] for part in parts)
         self.pieces = coalesced(counted_pieces)
+
+    def _step_pieces(self) -> list[torch.Tensor]:
+        return self.pieces + [self.buckets.gradient(name).view(-1)[part] for name, part in self.held_ranges]
 
     def __call__(self) -> torch.Tensor:
         # One reduction per coalesced piece reads every gradient once (a pow and a sum would write a squared copy).
@@ -78,7 +87,7 @@ class GlobalGradNorm:
         # CUDA reduces each piece as a tree; torch's CPU norm adds sequentially, which in fp32 is off by ~1e-4 for a
         # million elements, so the CPU accumulates in fp64.
         accumulate = torch.float64 if self.device.type == "cpu" else torch.float32
-        norms = [torch.linalg.vector_norm(piece, dtype=accumulate) for piece in self.pieces]
+        norms = [torch.linalg.vector_norm(piece, dtype=accumulate) for piece in self._step_pieces()]
         total = torch.stack(norms).pow(2).sum().float() if norms else torch.zeros((), device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(total)

@@ -1,4 +1,5 @@
-"""AdamW on fp32 master weights, over the flat shards of the gradient buckets (ZeRO-1 when they are sharded).
+"""AdamW on fp32 master weights, over the flat shards of the gradient buckets (ZeRO-1 when they are sharded), a
+parameter at a time where a bucket holds the gradients autograd produced (``data_parallel.py``).
 
 The optimizer keeps fp32 master weights of this rank's shard of every bucket and updates them: small updates that
 would vanish when added to a bf16 weight are kept. After each step the model's parameters take the new masters (and,
@@ -69,9 +70,21 @@ class MixedPrecisionAdamW:
                  for decay in (True, False)}
         for index, bucket in enumerate(self.buckets.buckets):
             update = self._updates[self.remainders[index]]
-            update(self.master_state[index], bucket.grads[bucket.shard], self.exp_avgs[index], self.exp_avg_sqs[index],
-                   bucket.params[bucket.shard], hyper[bucket.weight_decay])
+            for grad, master, exp_avg, exp_avg_sq, weights in self._shard_pieces(index):
+                update(master, grad, exp_avg, exp_avg_sq, weights, hyper[bucket.weight_decay])
         self.buckets.all_gather_params()
+
+    def _shard_pieces(self, index: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(gradient, master state, moments, weights) of bucket ``index``'s shard, flat: the whole shard where the
+        bucket has a gradient buffer, else a parameter at a time with the gradient autograd produced."""
+        bucket = self.buckets.buckets[index]
+        state = (self.master_state[index], self.exp_avgs[index], self.exp_avg_sqs[index], bucket.params[bucket.shard])
+        if bucket.grads is not None:
+            yield bucket.grads[bucket.shard], *state
+            return
+        for name in bucket.names:  # not sharded: the shard is the whole bucket
+            piece = slice(*bucket.ranges[name])
+            yield bucket.held[name].view(-1), *(tensor[piece] for tensor in state)
 
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
@@ -150,5 +163,6 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, 
     exclude = args.weight_decay_exclude_named_params
     no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
     buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups,
-                              shard=args.zero_stage == 1, single_micro_batch=single_micro_batch)
+                              shard=args.zero_stage == 1, single_micro_batch=single_micro_batch,
+                              persistent_buffers=args.persistent_gradient_buffers)
     return buckets, MixedPrecisionAdamW(buckets, args)
