@@ -16,12 +16,12 @@ How each part is computed, and why:
   another pipeline stage), one flat buffer of the same elements (``data_parallel.py``): fp32 with
   ``optimizer.accumulate_grad_in_fp32``, else the parameter's dtype. ZeRO-1 reduce-scatters into a slice of the full
   buffer, so the buffer keeps its full size. Elsewhere (unless ``optimizer.persistent_gradient_buffers``) there is
-  no buffer: the gradients autograd produces, in the parameter's dtype, are held from the backward to the update. Those count at the moment of the peak, which is
-  where the backward starts (one layer's, the final norm's and the LM head's, unless the fused loss computed the
-  head's in its forward and counts it) or, when a layer's gradients outweigh what it keeps for the backward (large
-  layers with recomputation), later in the backward: each layer's backward is tried, with the gradients of the
-  layers after it and the activations of the layers before it, and the backward's end (every gradient, and the
-  tied embedding's two gradients being summed).
+  no buffer: the gradients autograd produces, in the parameter's dtype, are held from the backward to the update.
+  Those count at the moment of the peak: where the backward starts (one layer's, the final norm's and the LM
+  head's, unless the fused loss computed the head's in its forward and counts it), or later in the backward when a
+  layer's gradients outweigh what it keeps for the backward (large layers with recomputation). Each layer's
+  backward is tried, with the gradients of the layers after it and the activations of those before it, and the
+  backward's end (every gradient, and the tied embedding's two gradients being summed).
 - **master weights**: the optimizer's fp32 masters of its shard: 2 bytes per bf16 weight, the bits the weight lacks
   (``optim/param_remainders.py``), with ``optimizer.store_param_remainders``, else 4 bytes, an fp32 copy (even when
   the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
@@ -241,7 +241,7 @@ class _StageState:
     layers: range
     weight_bytes: int
     gradient_bytes: int  # the gradient buffers
-    held: "_HeldGradients"
+    held: _HeldGradients
     optimizer_elements: float
     master_bytes: float
     fp8_weight_elements: tuple[int, ...]  # per layer, weights of the linears that FP8 converts
