@@ -16,9 +16,16 @@ from helpers import ROOT, tiny_config_dict
 from nanotron.config import LRSchedulerArgs, OptimizerArgs, load_config
 from nanotron.memory import estimate_memory
 from nanotron.optim.optimizer import build_optimizer
+from nanotron.parallel import data_parallel
 from nanotron.parallel.placement import Placement, Shard, annotate_placements, get_placement, set_placement
 
 DENSE_AXES, EXPERT_AXES = ("dp", "cp", "ep"), ("dp", "cp")
+
+
+@pytest.fixture(autouse=True)
+def hold_every_gradient(monkeypatch):
+    """The tiny parameters here are held as large ones are (``HELD_GRADIENT_MIN_ELEMENTS``), unless a test says."""
+    monkeypatch.setattr(data_parallel, "HELD_GRADIENT_MIN_ELEMENTS", 1)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,20 @@ def test_a_bucket_has_an_fp32_buffer_only_where_gradients_are_summed_in_it_and_n
     assert buckets.held_gradient_bytes() == (8 * 2 + 4 * 4 if expected == HELD else 0)
 
 
+def test_gradients_smaller_than_the_threshold_keep_a_buffer_in_their_dtype(group, monkeypatch):
+    monkeypatch.setattr(data_parallel, "HELD_GRADIENT_MIN_ELEMENTS", 8)
+    params = annotated({"w": nn.Parameter(torch.ones(8, 2, dtype=torch.bfloat16)),
+                        "small": nn.Parameter(torch.ones(4, dtype=torch.bfloat16))})
+    buckets, optimizer = build(params, {DENSE_AXES: group}, single_micro_batch=True)
+    assert grad_dtypes(buckets) == {"w": HELD, "small": torch.bfloat16}
+    (params["w"].float().square().sum() + params["small"].float().square().sum()).backward()
+    buckets.final_micro_batch = True
+    buckets.finish_reduction()
+    assert torch.equal(buckets.gradient("small"), torch.full((4,), 2.0, dtype=torch.bfloat16))
+    optimizer.step(lr=1e-2)  # a held piece and a buffer's, side by side
+    assert torch.all(params["w"] < 1) and torch.all(params["small"] < 1)
+
+
 def test_a_weight_tied_across_pipeline_stages_keeps_an_fp32_buffer(group):
     params = annotated(bf16_and_fp32_params())
     set_placement(params["w"], replace(get_placement(params["w"]), pipeline_copies=(0, 1)))  # summed over stages
@@ -96,6 +117,7 @@ def _dense_and_expert_buckets() -> dict:
     from nanotron.optim.clip import GlobalGradNorm
     from nanotron.parallel.context import ParallelContext
 
+    data_parallel.HELD_GRADIENT_MIN_ELEMENTS = 1  # a spawned process: the fixture did not run here
     pc = ParallelContext(ep=2)
     rank = pc.coord("ep")
     dense = nn.Parameter(torch.full((4,), 1.0 + rank, dtype=torch.bfloat16))
@@ -133,6 +155,7 @@ def _train_bf16(config: dict, fp32_buffers: bool) -> dict:
     import nanotron.trainer as trainer_module
     from nanotron.config import config_from_dict
 
+    data_parallel.HELD_GRADIENT_MIN_ELEMENTS = 1  # a spawned process: the fixture did not run here
     build_all = trainer_module.build_optimizer
     if fp32_buffers:
         trainer_module.build_optimizer = lambda *a, **k: build_all(*a, **(k | {"single_micro_batch": False}))

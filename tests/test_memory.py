@@ -10,6 +10,7 @@ from nanotron.cli import main
 from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
 from nanotron.memory import CUDA_RUNTIME_BYTES, STEP_WORKSPACE_BYTES, estimate_memory, memory_summary
 from nanotron.models.registry import spec_for_config
+from nanotron.parallel import data_parallel
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
@@ -57,11 +58,12 @@ def test_every_part_matches_the_hand_count_of_the_tiny_llama():
     assert estimate.fits and estimate.largest_micro_batch > 16
 
 
-def test_held_gradients_count_at_the_backwards_start_unless_a_later_moment_holds_more():
+def test_held_gradients_count_at_the_backwards_start_unless_a_later_moment_holds_more(monkeypatch):
     """Without sums (one micro-batch, one GPU) gradients are held as autograd produced them: at the backward's start
     the LM head's (here the tied embedding), the final norm's and the top layer's exist; what the layers keep is
     unchanged. A recomputed layer keeps only its input, less than its gradients: the peak then falls at the last
     layer's backward, with every gradient but the embedding's and nothing of the loss."""
+    monkeypatch.setattr(data_parallel, "HELD_GRADIENT_MIN_ELEMENTS", 1)  # as if the tiny gradients were large
     config = load_config(TINY, LOGITS_IN_FULL)
     assert config.tokens.batch_accumulation_per_replica == 1
     held, buffered = (estimate_memory(c, gpu_memory_gb=80).stages[0] for c in (config, tiny()))

@@ -15,8 +15,9 @@ How each part is computed, and why:
 - **gradients**: where they are summed (several micro-batches a step, replicas over the gradient axes, a copy on
   another pipeline stage), one flat buffer of the same elements (``data_parallel.py``): fp32 with
   ``optimizer.accumulate_grad_in_fp32``, else the parameter's dtype. ZeRO-1 reduce-scatters into a slice of the full
-  buffer, so the buffer keeps its full size. Elsewhere (unless ``optimizer.persistent_gradient_buffers``) there is
-  no buffer: the gradients autograd produces, in the parameter's dtype, are held from the backward to the update.
+  buffer, so the buffer keeps its full size. Elsewhere (unless ``optimizer.persistent_gradient_buffers``) gradients
+  of 2^20 elements or more have no buffer: autograd's, in the parameter's dtype, are held from the backward to the
+  update (``holds_autograd_gradient``); smaller ones keep a buffer in the parameter's dtype.
   Those count at the moment of the peak: where the backward starts (one layer's, the final norm's and the LM
   head's, unless the fused loss computed the head's in its forward and counts it), or later in the backward when a
   layer's gradients outweigh what it keeps for the backward (large layers with recomputation). Each layer's
@@ -86,7 +87,7 @@ from nanotron.models.spec import ActivationShape, ModelSpec
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.context import GridPosition
-from nanotron.parallel.data_parallel import gradient_dtype
+from nanotron.parallel.data_parallel import gradient_dtype, holds_autograd_gradient
 from nanotron.parallel.pipeline_partition import held_layers
 from nanotron.parallel.placement import get_placement
 from nanotron.parallel.tensor_parallel import REDUCE_SCATTER
@@ -294,8 +295,8 @@ def _stage_state(config: Config, stage: int) -> _StageState:
         weight_bytes += elements * element_bytes
         placement = get_placement(param)
         replicas = math.prod(sizes[axis] for axis in placement.gradient_axes)
-        if (single_micro_batch and replicas == 1 and not placement.pipeline_copies
-                and not optimizer.persistent_gradient_buffers):
+        if holds_autograd_gradient(elements, single_micro_batch, replicas, bool(placement.pipeline_copies),
+                                   optimizer.persistent_gradient_buffers):
             held[id(param)] = elements * element_bytes
         else:
             grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch,

@@ -8,11 +8,12 @@ gradient into the buffer; the first gradient of a parameter in a step is copied 
 separate zeroing pass. During the last micro-batch of a step, a bucket is reduced as soon as all its gradients have
 arrived, so communication overlaps the rest of the backward pass; earlier micro-batches only accumulate.
 
-Where nothing would be summed in a bucket (one micro-batch a step, no replicas over its gradient axes, no copy on
-another pipeline stage) it has no gradient buffer: the hook keeps the gradients autograd produced until the update,
-as a loop that frees its gradients after each update does. That saves a copy of every gradient a step (1.3 ms of
-the 1B step on an H200, 3.5 ms of the mixtral shape's) and the buffer's memory outside the backward and update,
-where the activations peak (``memory.py`` counts what is held when).
+Where nothing would be summed in a gradient (one micro-batch a step, no replicas over its gradient axes, no copy on
+another pipeline stage) and it is large (``holds_autograd_gradient``), its bucket has no gradient buffer: the hook
+keeps the gradient autograd produced until the update, as a loop that frees its gradients after each update does.
+That saves a copy of the gradient every step and the buffer's memory outside the backward and update, where the
+activations peak (``memory.py`` counts what is held when). The update and the norm then take a kernel per such
+parameter instead of one per bucket, so small gradients are still copied into a buffer.
 
 Reduction is a SUM (each rank's loss is already divided by the global token count). Without ZeRO each bucket is
 all-reduced. With ZeRO-1 (``shard=True``) each bucket is split into equal shards, one per data-parallel rank, and
@@ -48,6 +49,20 @@ def gradient_dtype(param_dtype: torch.dtype, accumulate_in_fp32: bool, single_mi
     """
     summed = not single_micro_batch or replicas > 1 or tied_across_stages
     return torch.float32 if accumulate_in_fp32 and summed else param_dtype
+
+
+# Gradients of fewer elements are copied into a buffer even where nothing is summed: launching an update and a norm
+# of their own costs more than the copy. Mamba 130M on an H200 (16 kernels of under 2^20 elements per layer) lost 15%
+# of its speed with every gradient held.
+HELD_GRADIENT_MIN_ELEMENTS = 1 << 20
+
+
+def holds_autograd_gradient(numel: int, single_micro_batch: bool, replicas: int, tied_across_stages: bool,
+                            persistent_buffers: bool) -> bool:
+    """Whether a parameter's gradient is held as autograd produced it rather than copied into a buffer: nothing is
+    summed in it and it is large enough."""
+    summed = not single_micro_batch or replicas > 1 or tied_across_stages
+    return not (summed or persistent_buffers) and numel >= HELD_GRADIENT_MIN_ELEMENTS
 
 
 @dataclass
@@ -105,8 +120,8 @@ class GradientBuckets:
     setting. ``groups`` maps gradient axes to their process group (``ParallelContext.reduction_groups``).
     ``single_micro_batch`` promises one gradient per parameter and step (``batch_accumulation_per_replica`` 1), which
     lets buckets that are not reduced keep their gradients in the parameter's dtype (``gradient_dtype``), and hold
-    them as autograd produced them, without a buffer, unless ``persistent_buffers``; a second gradient in a step
-    then is an error rather than a sum in lower precision.
+    large ones as autograd produced them, without a buffer, unless ``persistent_buffers``
+    (``holds_autograd_gradient``); a second gradient in a step then is an error rather than a sum in lower precision.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], accumulate_in_fp32: bool,
@@ -128,23 +143,26 @@ class GradientBuckets:
             for (axes, dtype), names in by_kind.items():
                 replicas = dist.get_world_size(groups[axes])
                 grad_dtype = gradient_dtype(dtype, accumulate_in_fp32, single_micro_batch, replicas, False)
-                buffered = persistent_buffers or not single_micro_batch or replicas > 1  # else nothing is summed
                 element_bytes = torch.finfo(grad_dtype).bits // 8
-                current: list[str] = []
+                current: dict[bool, list[str]] = {True: [], False: []}  # by whether their bucket has a buffer
                 for name in names:
                     if get_placement(params[name]).pipeline_copies:  # a tied copy: a bucket of its own
-                        if current:
-                            self._add_bucket(current, decay, grad_dtype, axes, groups[axes], buffered)
-                            current = []
+                        for buffered, filled in current.items():
+                            if filled:
+                                self._add_bucket(filled, decay, grad_dtype, axes, groups[axes], buffered)
+                        current = {True: [], False: []}
                         tied_dtype = gradient_dtype(dtype, accumulate_in_fp32, single_micro_batch, replicas, True)
                         self._add_bucket([name], decay, tied_dtype, axes, groups[axes], buffered=True)
                         continue
-                    current.append(name)
-                    if sum(params[n].numel() for n in current) * element_bytes >= bucket_bytes:
-                        self._add_bucket(current, decay, grad_dtype, axes, groups[axes], buffered)
-                        current = []
-                if current:
-                    self._add_bucket(current, decay, grad_dtype, axes, groups[axes], buffered)
+                    buffered = not holds_autograd_gradient(params[name].numel(), single_micro_batch, replicas, False,
+                                                           persistent_buffers)
+                    current[buffered].append(name)
+                    if sum(params[n].numel() for n in current[buffered]) * element_bytes >= bucket_bytes:
+                        self._add_bucket(current[buffered], decay, grad_dtype, axes, groups[axes], buffered)
+                        current[buffered] = []
+                for buffered, filled in current.items():
+                    if filled:
+                        self._add_bucket(filled, decay, grad_dtype, axes, groups[axes], buffered)
         for name, param in params.items():
             param.register_post_accumulate_grad_hook(self._hook(name))
 
