@@ -71,7 +71,7 @@ def model_overrides(record: dict) -> tuple[str, ...]:
 def system_label(name: str, system: dict) -> str:
     """The system's name, with the labelled options it trained with where its name does not say so: its FP8 recipe,
     bf16 Adam moments and, for nanotron, masters held as fp32 copies (remainders are the default; records written
-    before ``masters`` was recorded held copies)."""
+    before ``masters`` was recorded held copies) and gradient buffers kept where nothing is summed."""
     options = []
     if system.get("precision") == "fp8" and "fp8" not in name:
         options.append(f"FP8 {system['fp8_recipe']}" if system.get("fp8_recipe") else "FP8")
@@ -79,6 +79,9 @@ def system_label(name: str, system: dict) -> str:
         options.append("bf16 moments")
     if name.startswith("nanotron") and system.get("masters", "fp32") == "fp32" and "masters" not in name:
         options.append("fp32 master copies")
+    buffers = [o for o in system.get("overrides") or [] if o.startswith("optimizer.persistent_gradient_buffers=")]
+    if buffers and buffers[-1].endswith("=true"):  # the last override of a key is the one applied
+        options.append("persistent gradient buffers")
     return f"{name} ({', '.join(options)})" if options else name
 
 

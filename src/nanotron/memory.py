@@ -22,7 +22,7 @@ How each part is computed, and why:
   head's, unless the fused loss computed the head's in its forward and counts it), or later in the backward when a
   layer's gradients outweigh what it keeps for the backward (large layers with recomputation). Each layer's
   backward is tried, with the gradients of the layers after it and the activations of those before it, and the
-  backward's end (every gradient, and the tied embedding's two gradients being summed).
+  backward's end (every gradient, the tied embedding's two gradients being summed, the embedding's backward).
 - **master weights**: the optimizer's fp32 masters of its shard: 2 bytes per bf16 weight, the bits the weight lacks
   (``optim/param_remainders.py``), with ``optimizer.store_param_remainders``, else 4 bytes, an fp32 copy (even when
   the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
@@ -453,7 +453,7 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     for index in reversed(range(len(per_layer))):
         later += held.layers[index]
         moments.append((later, sum(k for k, _ in per_layer[:index + 1]) + per_layer[index][1]))
-    moments.append((held.total + 2 * held.tied, 0))
+    moments.append((held.total + 2 * held.tied, _embedding_backward_bytes(config, micro_batch_size, stage)))
     for held_then, activations_then in moments:
         if held_then + activations_then > gradients + activations + logits:
             gradients, activations, logits = held_then, activations_then, 0
@@ -463,6 +463,19 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
         adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
         activations=activations, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )
+
+
+def _embedding_backward_bytes(config: Config, micro_batch_size: int, stage: int) -> int:
+    """What the first stage holds at the backward's end besides its gradients: the gradient of the embedding's
+    output, which the first layer's backward hands over, and the fp32 sums by token of CUDA's embedding backward,
+    counted as two model-dtype copies and one fp32 copy of the output's size. Held gradients can make this moment
+    the peak: the 8B shape recomputed on one H200 peaked there 179 MB above its weights, gradients and optimizer
+    state (112.60 GB), 112 MB beyond the step's workspace, where this counts 134 MB (the split between those tensors
+    was not measured)."""
+    if stage != 0:
+        return 0
+    d, hidden = config.model.torch_dtype().itemsize, config.model.model_config.hidden_size
+    return _rank_tokens(config, micro_batch_size) * hidden * (2 * d + 4)
 
 
 def _largest_fitting(fits) -> int:
