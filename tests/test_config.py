@@ -122,6 +122,7 @@ FULL: dict[str, Any] = {
         "adam_beta2": 0.99,
         "adam_moments_dtype": "bfloat16",
         "store_param_remainders": False,
+        "persistent_gradient_buffers": True,
         "torch_adam_is_fused": False,
         "skip_bad_steps": 2,
         "loss_spike_factor": 3.0,
