@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,6 +182,40 @@ def test_bf16_training_with_autograds_gradients_equals_fp32_buffers(tiny_data, t
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-6, abs=0)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6, abs=0)
         assert got["grad_norm"] > 0
+
+
+def _train_layout(config: dict, persistent_buffers: bool) -> dict:
+    """Train ``config`` with every gradient that nothing sums held (none is too small here), or in buffers."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    data_parallel.HELD_GRADIENT_MIN_ELEMENTS = 1  # a spawned process: the fixture did not run here
+    config = config | {"optimizer": config["optimizer"] | {"persistent_gradient_buffers": persistent_buffers}}
+    trainer = Trainer(config_from_dict(config))
+    held = sorted(name for bucket in trainer.buckets.buckets if bucket.grads is None for name in bucket.names)
+    trainer.train()
+    return {"held": held, "metrics": str(trainer.config.resolved_metrics_path())}
+
+
+def test_held_gradients_train_as_buffers_do_under_tensor_and_pipeline_parallelism(tiny_data, tmp_path):
+    """Held gradients are normed a parameter at a time: kv heads replicated over TP ranks must still count once, and
+    the embedding tied across pipeline stages keeps the buffer it is summed in."""
+    layouts = {"tp4": {"tp": 4}, "pp2_tp2": {"pp": 2, "tp": 2}}  # 2 kv heads: replicated over tp=4
+    calls = [{"config": tiny_config_dict(tiny_data, tmp_path / f"{name}-{persistent}", parallelism=layout,
+                                         tokens={"batch_accumulation_per_replica": 1, "train_steps": 4}),
+              "persistent_buffers": persistent}
+             for name, layout in layouts.items() for persistent in (False, True)]
+    results = run_distributed_each(_train_layout, 4, calls)
+    for index, name in enumerate(layouts):
+        held, buffered = results[2 * index], results[2 * index + 1]
+        assert all(rank["held"] for rank in held) and not any(rank["held"] for rank in buffered), name
+        assert not any("embed" in n or "lm_head" in n for rank in held for n in rank["held"]) or name == "tp4"
+        runs = [[json.loads(line) for line in Path(run[0]["metrics"]).read_text().splitlines()]
+                for run in (held, buffered)]
+        assert runs[0][-1]["lm_loss"] < runs[0][0]["lm_loss"] and all(m["grad_norm"] > 0 for m in runs[0]), name
+        for got, expected in zip(*runs, strict=True):
+            assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5, abs=0), name
+            assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=0), name
 
 
 # --- the memory planner ----------------------------------------------------------------------------------------
