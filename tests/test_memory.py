@@ -205,43 +205,32 @@ def test_estimates_are_within_10_percent_of_the_peaks_measured_on_h200s(layout):
         assert abs(peak - expected) / expected < 0.10, (layout, peaks, measured)
 
 
-MEASURED_WITH_REMAINDERS = {  # benchmarks/results/2026-12-04-h200-<name>.json: the benchmark's config as it ran it
-    "llama1b-pinned-peers": ([], 42.35),
-    "llama1b-mbs8-pinned-peers": (["tokens.micro_batch_size=8"], 63.12),
-    "llama1b-seq8192-pinned-peers": (["tokens.sequence_length=8192", "tokens.micro_batch_size=2",
-                                      "model.model_config.max_position_embeddings=8192"], 42.37),
-    "llama8b-fp8-false": (LLAMA_8B_ONE_GPU, 119.63),
-    "llama8b-fp8-true": (LLAMA_8B_ONE_GPU + ["fp8.enabled=true"], 126.04),
-}
-
-
-# benchmarks/results/2026-12-04-h200-<name>.json, the default training of commit 9c5d271 or, for the Mamba rows,
-# bc7f8fa: large gradients held as autograd produced them (at 9c5d271 the norms' few kilobytes were held too).
-MEASURED_WITH_HELD_GRADIENTS = {
+SEQUENCE_8192 = ["tokens.sequence_length=8192", "tokens.micro_batch_size=2",
+                 "model.model_config.max_position_embeddings=8192"]
+# benchmarks/results/2026-12-04-h200-<name>.json: the benchmark's config as it ran it. The first five kept every
+# gradient in a buffer; from commit 9c5d271 on, large gradients are held as autograd produced them (at 9c5d271 the
+# norms' few kilobytes were held too).
+MEASURED_DEFAULTS = {
+    "llama1b-pinned-peers": (BUFFERS, 42.35),
+    "llama1b-mbs8-pinned-peers": (["tokens.micro_batch_size=8", *BUFFERS], 63.12),
+    "llama1b-seq8192-pinned-peers": (SEQUENCE_8192 + BUFFERS, 42.37),
+    "llama8b-fp8-false": (LLAMA_8B_ONE_GPU + BUFFERS, 119.63),
+    "llama8b-fp8-true": (LLAMA_8B_ONE_GPU + ["fp8.enabled=true", *BUFFERS], 126.04),
     "llama1b-held-gradients-peers": ([], 39.75),
     "llama1b-mbs8-held-gradients": (["tokens.micro_batch_size=8"], 60.37),
-    "llama1b-seq8192-held-gradients": (["tokens.sequence_length=8192", "tokens.micro_batch_size=2",
-                                        "model.model_config.max_position_embeddings=8192"], 39.77),
+    "llama1b-seq8192-held-gradients": (SEQUENCE_8192, 39.77),
     "llama8b-fp8-false-held-gradients": (LLAMA_8B_ONE_GPU, 112.60),
     "llama8b-fp8-true-held-gradients": (LLAMA_8B_ONE_GPU + ["fp8.enabled=true"], 112.60),
 }
 
 
-@pytest.mark.parametrize("record", MEASURED_WITH_HELD_GRADIENTS)
-def test_estimates_with_held_gradients_are_at_most_3_percent_above_the_peaks_measured_on_an_h200(record):
-    """The default training holds its large gradients without a buffer: at 1B the peak comes where the backward
-    starts, without them; at 8B with recomputed layers it comes at the backward's end, with all of them."""
-    overrides, measured = MEASURED_WITH_HELD_GRADIENTS[record]
-    estimate = estimate_memory(load_config(BENCH, overrides), gpu_memory_gb=150.1).stages[0]
-    assert measured <= estimate.peak / 1e9 < measured * 1.03, (record, estimate.peak / 1e9)
-
-
-@pytest.mark.parametrize("record", MEASURED_WITH_REMAINDERS)
+@pytest.mark.parametrize("record", MEASURED_DEFAULTS)
 def test_default_estimates_are_at_most_3_percent_above_the_peaks_measured_on_an_h200(record):
-    """Masters as remainders, bf16 gradient buffers, the loss in chunks and v copied out of q|k|v, as trained by
-    default: the estimate may only err on the safe side, and by little."""
-    overrides, measured = MEASURED_WITH_REMAINDERS[record]
-    estimate = estimate_memory(load_config(BENCH, overrides + BUFFERS), gpu_memory_gb=150.1).stages[0]
+    """Masters as remainders, gradients in bf16, the loss in chunks and v copied out of q|k|v, as trained by default:
+    the estimate may only err on the safe side, and by little. With held gradients the 1B peaks where the backward
+    starts, without them; the 8B with recomputed layers at the backward's end, with all of them."""
+    overrides, measured = MEASURED_DEFAULTS[record]
+    estimate = estimate_memory(load_config(BENCH, overrides), gpu_memory_gb=150.1).stages[0]
     assert measured <= estimate.peak / 1e9 < measured * 1.03, (record, estimate.peak / 1e9)
     assert estimate.master_weights == estimate.weights  # 2 bytes a bf16 weight
 
