@@ -218,6 +218,28 @@ def test_held_gradients_train_as_buffers_do_under_tensor_and_pipeline_parallelis
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=0), name
 
 
+def test_a_run_with_held_gradients_resumes_with_buffers_and_continues_its_curve(tiny_data, tmp_path):
+    """Optimizer checkpoints are per parameter, so a resume does not depend on how buckets were cut: with held
+    gradients and with buffers the buckets differ, and a run saved by one continues under the other."""
+    def config(run: str, steps: int, persistent: bool, resume: bool = False) -> dict:
+        checkpoints = {"checkpoint_interval": 3}
+        if resume:
+            checkpoints["resume_checkpoint_path"] = str(tmp_path / run)
+        return {"config": tiny_config_dict(tiny_data, tmp_path / run, checkpoints=checkpoints,
+                                           tokens={"batch_accumulation_per_replica": 1, "train_steps": steps}),
+                "persistent_buffers": persistent}
+
+    straight, first, resumed = run_distributed_each(_train_layout, 1, [
+        config("straight", 6, False), config("resumed", 3, False), config("resumed", 6, True, resume=True)])
+    assert straight[0]["held"] and first[0]["held"] and not resumed[0]["held"]
+    runs = [[json.loads(line) for line in Path(run[0]["metrics"]).read_text().splitlines()]
+            for run in (straight, resumed)]
+    assert [r["step"] for r in runs[1]] == list(range(1, 7))
+    for got, expected in zip(runs[1], runs[0], strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5, abs=0), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=0), got["step"]
+
+
 # --- the memory planner ----------------------------------------------------------------------------------------
 
 
