@@ -179,21 +179,20 @@ def nanotron_config(args, preset: str, overrides: list[str]):
     return config_from_dict(apply_overrides(raw, overrides))
 
 
-def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None = None,
-                 activations: Path | None = None) -> tuple[dict, list[dict]]:
+def nanotron_run(args, preset: str, overrides: list[str]):
+    """A trainer of the benchmark's config, its first two batches (reused: data loading is not what is measured), a
+    step function that queues step ``i`` and then reads back the one queued before, as the training loop does, and
+    the attention FLOPs of each batch under document masking (filled by the steps)."""
     from nanotron.optim.lr_schedule import learning_rate_at
     from nanotron.trainer import Trainer
 
-    baseline = torch.cuda.memory_allocated()
     trainer = Trainer(nanotron_config(args, preset, overrides))
     config = trainer.config
     loader = trainer._loader(config.data_stages[0])
-    batches = [loader.next_step() for _ in range(2)]  # reused: data loading is not what is measured
+    batches = [loader.next_step() for _ in range(2)]
     schedule = config.optimizer.learning_rate_scheduler
-    attention_flops = {}  # per batch, under document masking: the FLOPs of the attention pairs it computes
-    torch.cuda.reset_peak_memory_stats()
-
-    queued = []  # the step queued last, finished (read back) once the next one is queued, as the training loop does
+    attention_flops = {}
+    queued = []
 
     def step(i):
         pending = trainer.train_step(batches[i % 2], learning_rate_at(i + 1, schedule, config.tokens.train_steps))
@@ -203,6 +202,14 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
         if pending.attention_flops is not None:
             attention_flops[i % 2] = pending.attention_flops  # read after the timed steps
 
+    return trainer, batches, step, attention_flops
+
+
+def run_nanotron(args, preset: str, overrides: list[str]) -> tuple[dict, list[dict]]:
+    baseline = torch.cuda.memory_allocated()
+    trainer, batches, step, attention_flops = nanotron_run(args, preset, overrides)
+    config = trainer.config
+    torch.cuda.reset_peak_memory_stats()
     backward = BackwardStart(torch.cuda.memory_allocated)
 
     def watched_step(i):
@@ -213,10 +220,6 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
         times, step_start = timed(watched_step, args.steps, args.warmup)
     # Gradient buffers outlive the step; gradients held without a buffer are freed after each update.
     memory = measured_memory(step_start, baseline, trainer.buckets.held_gradient_bytes(), backward)
-    if profile:
-        write_profile(step, profile)
-    if activations:
-        write_activations(trainer, step, activations)
     saves = time_saves(trainer) if args.save_to else None
     flops_per_token, counted = trainer.flops_per_token, {}
     if attention_flops:  # the timed steps alternate the two batches: their mean
@@ -234,26 +237,52 @@ def run_nanotron(args, preset: str, overrides: list[str], profile: Path | None =
                                         "saves": saves}, batches[0]
 
 
+def examine_nanotron(args, preset: str, overrides: list[str], profile: Path | None,
+                     activations: Path | None) -> None:
+    """``--profile`` and ``--activations`` of the first nanotron run, from a trainer built again after every timed
+    run: runs timed after a profiled one in the same process were slower (Mamba 130M: 18%, docs/benchmarks.md)."""
+    trainer, _, step, _ = nanotron_run(args, preset, overrides)
+    for i in range(args.warmup):
+        step(i)
+    if profile:
+        write_profile(step, profile)
+    if activations:
+        write_activations(trainer, step, activations)
+
+
+def peer_batches(micro_batches: list[dict]) -> list[dict]:
+    return [{key: mb[key].cuda() for key in ("input_ids", "labels")} for mb in micro_batches]
+
+
 def run_peer(args, name: str, peer: str, micro_batches: list[dict], flops_per_token: float, peak: float | None,
              float8_recipe: str | None = None) -> dict:
-    """A peer on one GPU on nanotron's first batch: the same tokens per step, FLOPs per token and peak FLOP/s; its
-    profile in ``--profile-peers``/<name>.txt when asked."""
+    """A peer on one GPU on nanotron's first batch: the same tokens per step, FLOPs per token and peak FLOP/s."""
     baseline = torch.cuda.memory_allocated()
     loop = build_peer(peer, PRESETS[args.preset], args.sequence_length, "cuda", args.hf_experts, float8_recipe)
     try:
-        batches = [{key: mb[key].cuda() for key in ("input_ids", "labels")} for mb in micro_batches]
+        batches = peer_batches(micro_batches)
         freed, backward = {}, BackwardStart(torch.cuda.memory_allocated)
         torch.cuda.reset_peak_memory_stats()
         step = loop.step_function(batches, freed, backward)
         times, step_start = timed(step, args.steps, args.warmup)
         memory = measured_memory(step_start, baseline, freed["gradient_bytes"], backward)
-        if args.profile_peers:
-            args.profile_peers.mkdir(parents=True, exist_ok=True)
-            write_profile(step, args.profile_peers / f"{name}.txt")
     finally:
         loop.restore()
     tokens = sum(mb["input_ids"].numel() for mb in batches)
     return summary(times, tokens, 1, flops_per_token, peak) | memory | {"layout": "1 GPU"}
+
+
+def profile_peer(args, name: str, peer: str, micro_batches: list[dict], float8_recipe: str | None = None) -> None:
+    """The peer's profile in ``--profile-peers``/<name>.txt, from a loop built again after every timed run."""
+    loop = build_peer(peer, PRESETS[args.preset], args.sequence_length, "cuda", args.hf_experts, float8_recipe)
+    try:
+        step = loop.step_function(peer_batches(micro_batches), {}, BackwardStart(torch.cuda.memory_allocated))
+        for i in range(args.warmup):
+            step(i)
+        args.profile_peers.mkdir(parents=True, exist_ok=True)
+        write_profile(step, args.profile_peers / f"{name}.txt")
+    finally:
+        loop.restore()
 
 
 def time_saves(trainer, repeats: int = 2) -> dict:
@@ -460,13 +489,14 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         sys.exit("error: the benchmark needs a CUDA device")
 
-    first, micro_batches = run_nanotron(args, args.preset, args.override, args.profile, args.activations)
+    first, micro_batches = run_nanotron(args, args.preset, args.override)
     second = None
     if args.versus or args.versus_override:
         free_memory()
         second = run_nanotron(args, args.versus or args.preset, args.override + args.versus_override)[0]
     first_name, second_name = nanotron_names(first, second)
     systems = {first_name: first} | ({second_name: second} if second is not None else {})
+    runs = []  # the peers: (name, peer, float8 recipe)
     if world == 1:
         from nanotron.metrics import peak_flops
 
@@ -478,6 +508,13 @@ def main(argv: list[str] | None = None) -> None:
         for name, peer, recipe in runs:
             free_memory()
             systems[name] = run_peer(args, name, peer, micro_batches, peer_flops, peak, recipe)
+    # Profiles and the census after every timed run, each system built again.
+    if args.profile or args.activations:
+        free_memory()
+        examine_nanotron(args, args.preset, args.override, args.profile, args.activations)
+    for name, peer, recipe in runs if args.profile_peers else []:
+        free_memory()
+        profile_peer(args, name, peer, micro_batches, recipe)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if world > 1 and args.peer:

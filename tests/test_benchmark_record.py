@@ -41,10 +41,11 @@ def _fp8_enabled(overrides: list[str]) -> bool:
 def fake_systems(monkeypatch):
     """``benchmark.main`` on the CPU: a CUDA device named H200, and stand-ins for the timed nanotron runs and peers
     (their arguments recorded); everything else (arguments, names, ratios, the record, its file) is the script's."""
-    calls = {"nanotron": [], "peers": []}
+    calls = {"nanotron": [], "peers": [], "order": []}
 
-    def run_nanotron(args, preset, overrides, profile=None, activations=None):
+    def run_nanotron(args, preset, overrides):
         calls["nanotron"].append((preset, list(overrides)))
+        calls["order"].append("time nanotron")
         fp8 = _fp8_enabled(overrides)
         speed = 80_000.0 if fp8 else 64_000.0
         result = {"tokens_per_sec": speed, "tokens_per_sec_per_gpu": speed, "mfu": speed * 8.2e9 / 989e12,
@@ -58,12 +59,21 @@ def fake_systems(monkeypatch):
 
     def run_peer(args, name, peer, micro_batches, flops_per_token, peak, float8_recipe=None):
         calls["peers"].append((peer, float8_recipe, flops_per_token, peak))
+        calls["order"].append(f"time {name}")
         speed = speeds[(peer, float8_recipe)]
         return {"tokens_per_sec": speed, "tokens_per_sec_per_gpu": speed, "mfu": speed * flops_per_token / peak,
                 "peak_memory_gb": 36.0, "state_memory_gb": 9.9, "activation_memory_gb": 26.1, "layout": "1 GPU"}
 
+    def examine_nanotron(args, preset, overrides, profile, activations):
+        calls["order"].append(f"examine {preset} {profile is not None} {activations is not None}")
+
+    def profile_peer(args, name, peer, micro_batches, float8_recipe=None):
+        calls["order"].append(f"profile {name}")
+
     monkeypatch.setattr(benchmark, "run_nanotron", run_nanotron)
     monkeypatch.setattr(benchmark, "run_peer", run_peer)
+    monkeypatch.setattr(benchmark, "examine_nanotron", examine_nanotron)
+    monkeypatch.setattr(benchmark, "profile_peer", profile_peer)
     monkeypatch.setattr(benchmark, "peer_problem", lambda peer, name, preset: None)  # libraries not needed here
     monkeypatch.setattr(benchmark, "library_problem", lambda peer: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -109,11 +119,22 @@ def test_a_run_writes_its_record_with_every_system_and_ratio(tmp_path, fake_syst
     assert [call[:2] for call in fake_systems["peers"]] == [("hf", None), ("hf-eager", None), ("liger", None),
                                                             ("torchtitan", None), ("hf", "tensorwise")]
     assert {call[2:] for call in fake_systems["peers"]} == {(8.2e9, 989e12)}
+    assert not any(call.startswith(("examine", "profile")) for call in fake_systems["order"])  # none asked for
     printed = capsys.readouterr().out
     assert benchmark_table.HEADER in printed and "| torchtitan | 59,600 |" in printed and str(path) in printed
 
     benchmark.main(arguments)  # a second run keeps its own file
     assert {p.name for p in results.iterdir()} == {path.name, f"{today}-h200-fp8-peers-2.json"}
+
+
+def test_profiles_and_the_census_come_after_every_timed_run(tmp_path, fake_systems):
+    """A run timed after a profiled one in the same process can be slower: every system is timed first."""
+    benchmark.main(["--data", str(tmp_path / "data"), "--results-dir", str(tmp_path), "--commit", "abc1234",
+                    "--peer", "hf", "liger", "--versus-override", "fp8.enabled=true", "--profile",
+                    str(tmp_path / "p.txt"), "--activations", str(tmp_path / "a.txt"), "--profile-peers",
+                    str(tmp_path / "peers")])
+    assert fake_systems["order"] == ["time nanotron", "time nanotron", "time hf-compiled", "time liger",
+                                     "examine llama1b True True", "profile hf-compiled", "profile liger"]
 
 
 def test_default_peer_is_the_compiled_transformers_loop_and_no_peers_trains_nanotron_alone(tmp_path, fake_systems):
@@ -479,7 +500,7 @@ def test_the_activation_census_counts_what_is_allocated_between_the_step_start_a
         captured["after"] = trainer.head_loss if trainer.head_loss is not None else trainer._loss
 
     monkeypatch.setattr(benchmark, "write_activations", write)
-    benchmark.run_nanotron(args, "tiny", ["model.compile=false", "model.dtype=float32"], activations=census)
+    benchmark.examine_nanotron(args, "tiny", ["model.compile=false", "model.dtype=float32"], None, census)
     lines = census.read_text().splitlines()
     assert lines[0] == "kept by the forward at the loss: 0.00 GB in 3 allocations"
     assert [line.split() for line in lines[2:]] == [["0.00", "1", "1000"], ["0.00", "2", "64"]]
