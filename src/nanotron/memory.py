@@ -172,7 +172,9 @@ class MemoryEstimate:
         verdict = "fits" if self.fits else "does not fit"
         return "\n".join([
             self.description, *lines,
-            f"GB per rank. peak: what torch.cuda.max_memory_allocated reports (workspace of "
+            "GB per rank, at the moment of the peak (grads: the gradient buffers and the gradients held without "
+            "one at that moment).",
+            f"peak: what torch.cuda.max_memory_allocated reports (workspace of "
             f"{STEP_WORKSPACE_BYTES / GB:.2f} included); total: + {ALLOCATOR_SLACK:.0%} allocator slack + "
             f"{CUDA_RUNTIME_BYTES / GB:.2f} CUDA runtime.",
             f"micro_batch_size {self.micro_batch_size} {verdict} in {self.gpu_memory_gb:.1f} GB; the largest that "
