@@ -34,6 +34,9 @@ from helpers import (
 
 
 def pytest_configure(config) -> None:
+    # The suite proves correctness on the CPU against CPU references, also on a machine with a GPU; the CUDA tests
+    # ask for the GPU themselves (``NANOTRON_DEVICE=cuda`` or tensors placed on it).
+    os.environ.setdefault("NANOTRON_DEVICE", "cpu")
     tier_name()  # a misspelt tier fails the run at once instead of silently running the default tier
     config.addinivalue_line("markers", f"full_tier: runs only in the full tier ({FULL_TIER_REASON})")
     config.addinivalue_line("markers", f"slow: left out of the quick tier ({TIER_VARIABLE}=quick); a quicker test "

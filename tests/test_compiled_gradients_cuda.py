@@ -16,6 +16,11 @@ FP8 = {"enabled": True, "recipe": "delayed"}
 VARIANTS = {"llama": ({}, None), "llama-fp8": ({}, FP8), "mixture": (MOE, None), "mixture-fp8": (MOE, FP8)}
 
 
+@pytest.fixture(autouse=True)
+def _trainers_on_the_gpu(monkeypatch):
+    monkeypatch.setenv("NANOTRON_DEVICE", "cuda")  # the suite's other trainers stay on the CPU (conftest.py)
+
+
 def first_step_gradients(tiny_data, folder, model_changes: dict, fp8: dict | None, compiled: bool
                          ) -> dict[str, torch.Tensor]:
     from nanotron.config import config_from_dict
