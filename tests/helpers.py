@@ -499,6 +499,16 @@ def doremi_config(tiny_data, folders, run: Path, *, dp=1, tp=1, pp=1, accumulati
     return config
 
 
+def require_gpu(capability: tuple[int, int], exact: bool = False) -> None:
+    """Skip unless a GPU of this compute capability (or a later one, unless ``exact``) is here. Called in a test's
+    body, never at import: the gloo ranks come from a forkserver that has queried CUDA (``nn/kernels.py`` does on
+    import), and a rank importing a test module that asked for the capability on import failed there ("Cannot
+    re-initialize CUDA in forked subprocess")."""
+    here = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if here is None or here < capability or (exact and here != capability):
+        pytest.skip(f"needs a GPU of compute capability {'' if exact else 'at least '}{capability[0]}.{capability[1]}")
+
+
 # --- Kernel checks: the CPU runs them through Triton's interpreter, test_cuda_kernels.py on a GPU ---------------------
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run_with_triton_interpreter
+from helpers import require_gpu, run_with_triton_interpreter
 
 COUNTS = [5, 19, 0, 24, 40]  # one expert without tokens (16 zero rows once aligned), none a multiple of 16
 E4M3_MAX = 448.0
@@ -166,25 +166,21 @@ def test_the_compiled_grouped_linear_with_the_cast_kernels_equals_eager_under_th
                                 "check_compiled_grouped_linear()")
 
 
-needs_fp8_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
-                                   reason="needs a CUDA GPU with FP8 casts (compute capability 8.9+)")
-
-
-@needs_fp8_gpu
 def test_the_grouped_cast_kernels_equal_the_plain_casts_on_cuda():
+    require_gpu((8, 9))  # FP8 casts
     check_cast_per_group("cuda")
 
 
-@needs_fp8_gpu
 def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_on_cuda():
+    require_gpu((8, 9))  # FP8 casts
     check_grouped_linear("cuda")
 
 
-@needs_fp8_gpu
 def test_the_compiled_grouped_linear_gives_the_eager_gradients_on_cuda():
     """Compiled whole (``fullgraph``: its forward and backward are opaque ops, no graph break), the grouped linear
     gives eager's output and gradients. In its place an ``autograd.Function`` compiled on an H200 gave an output
     detached from its backward: every gradient zero."""
+    require_gpu((8, 9))  # FP8 casts
     from nanotron.models.moe.model import _grouped_layout
     from nanotron.nn import fp8
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from helpers import moe_config, train_fp8_model
+from helpers import moe_config, require_gpu, train_fp8_model
 from nanotron.models.moe.model import GroupedExperts, _grouped_layout
 from nanotron.nn import fp8
 from nanotron.nn.fp8 import E4M3, FP8ExpertMatmul, quantize, quantize_per_group
@@ -254,12 +254,12 @@ def test_a_tiny_mixture_trains_with_grouped_fp8_experts_next_to_its_twin(tiny_da
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=5e-3), a["step"]
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-                         and hasattr(torch, "_scaled_grouped_mm")), reason="needs an sm_90 GPU with _scaled_grouped_mm")
+@pytest.mark.skipif(not hasattr(torch, "_scaled_grouped_mm"), reason="this torch has no torch._scaled_grouped_mm")
 def test_scaled_grouped_mm_matches_the_emulation_on_the_gpu(monkeypatch):
     """On an H100/H200 the real op against the emulation on the same GPU tensors: the same FP8 values and scales,
     so the bf16 results differ by the op's accumulation (order, and the forward's fast accumulation) and bf16
     rounding only."""
+    require_gpu((9, 0), exact=True)  # the grouped FP8 products run on Hopper
     module = experts(hidden=256, ffn=512, num_experts=8, dtype=torch.bfloat16).cuda()
     module.expert_matmul = FP8ExpertMatmul()
     counts = torch.tensor([300, 0, 17, 511, 64, 1, 100, 31], device="cuda")
@@ -272,13 +272,13 @@ def test_scaled_grouped_mm_matches_the_emulation_on_the_gpu(monkeypatch):
         assert relative_error(got, want) < 2 ** -7, name
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-                         and hasattr(torch, "_scaled_grouped_mm")), reason="needs an sm_90 GPU with _scaled_grouped_mm")
+@pytest.mark.skipif(not hasattr(torch, "_scaled_grouped_mm"), reason="this torch has no torch._scaled_grouped_mm")
 def test_compiled_grouped_experts_give_the_eager_gradients_on_the_gpu():
     """The experts compiled as a model compiles them (``module.compile()``) give eager's output and gradients on an
     H100/H200: the gradients reach the experts' weights (an ``autograd.Function`` there once lost them all: relative
     error 1). The compiled SwiGLU rounds once where eager rounds per op, which moves a few FP8 casts of its output by
     a step: the output and the down projection's gradient differ by about 1.4% (0.4% in bf16), the rest not at all."""
+    require_gpu((9, 0), exact=True)  # the grouped FP8 products run on Hopper
     module = experts(hidden=256, ffn=512, num_experts=8, dtype=torch.bfloat16).cuda()
     module.expert_matmul = FP8ExpertMatmul()
     counts = torch.tensor([300, 0, 17, 511, 64, 1, 100, 31], device="cuda")
