@@ -8,6 +8,7 @@ Every subcommand turns the library's user-facing errors (bad config, data, token
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -29,6 +30,12 @@ def _run_training(args: argparse.Namespace, doremi_proxy: bool = False) -> None:
         trainer.train()
     finally:
         trainer.close()
+        # A gloo process group joins its threads when it is freed, not when destroyed, and the trainer's groups are
+        # held in reference cycles (gradient hooks, modules) that only the collector frees: left to the interpreter's
+        # exit, they are torn down beside its finalisation, where a rank can abort ("terminate called without an
+        # active exception") after a finished run and torchrun reports a failure.
+        del trainer
+        gc.collect()
 
 
 def _preprocess(args: argparse.Namespace) -> None:
