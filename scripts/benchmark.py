@@ -21,7 +21,7 @@ the rest, the activations (``activation_memory_gb``), and what the forward holds
 the Mamba's size) or the same one with other overrides (FP8 against bf16); ``--torchao`` also trains the compiled
 Hugging Face loop with torchao's float8 training, the peer of nanotron's FP8. Every run writes its record to
 ``benchmarks/results/<date>-<gpu>-<name>.json`` (``scripts/benchmark_record.py``; ``--output`` writes a copy) and
-prints its rows; ``scripts/benchmark_table.py`` writes the README's table from the records.
+prints its rows; ``scripts/benchmark_table.py`` writes the performance tables from the records.
 
     python scripts/benchmark.py --data ... --name fp8-torchao --override fp8.enabled=true \
       --versus-override fp8.enabled=false --torchao tensorwise

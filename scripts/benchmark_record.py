@@ -1,6 +1,7 @@
 """The record a ``scripts/benchmark.py`` run leaves: one JSON file per run in ``benchmarks/results/``, named
 ``<date>-<gpu>-<name>.json``, which ``docs/benchmarks.md`` cites and ``scripts/benchmark_table.py`` turns into the
-README's performance table. Everything here is pure (no GPU), so the schema is tested on a CPU.
+performance tables (docs/benchmarks.md, the README's headline). Everything here is pure (no GPU), so the schema
+is tested on a CPU.
 
 A record holds the run's facts (date and UTC time, preset, GPU, commit, torch, the command, the shape) and
 ``systems``: each measured system's ``tokens_per_sec``, ``mfu``, ``peak_memory_gb`` and, where measured,

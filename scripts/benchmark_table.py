@@ -1,18 +1,20 @@
-"""Writes the README's performance table from the benchmark records, so that the README shows the measured figures.
+"""Writes the performance tables from the benchmark records, so that the documents show the measured figures.
 
-    python scripts/benchmark_table.py            # rewrite the table between the markers in README.md
-    python scripts/benchmark_table.py --check    # exit 1 if README.md is not what the records give
+    python scripts/benchmark_table.py            # rewrite the tables between the markers
+    python scripts/benchmark_table.py --check    # exit 1 if a table is not what the records give
 
-The table holds the newest record of each comparison (preset, GPU, GPU count, shape, the set of systems and
-nanotron's config overrides) in
-``benchmarks/results/*.json``, one row per system, each with its tokens/s ratio to the record's reference system
-(nanotron) measured in the same call.
+docs/benchmarks.md holds the newest record of each comparison (preset, GPU, GPU count, shape, the set of systems and
+nanotron's config overrides) in ``benchmarks/results/*.json``; README.md holds the headline: of those, the newest
+record beside a peer library for each preset, shape and nanotron precision, where nanotron trains the preset's model
+as it is. One row per system, each with its tokens/s ratio to the record's reference system (nanotron) measured in
+the same call.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +56,22 @@ def newest_comparisons(records: list[tuple[Path, dict]]) -> list[tuple[Path, dic
                tuple(system_label(name, system) for name, system in sorted(record["systems"].items())))
         newest[key] = (path, record)
     return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["date"], item[0].name))
+
+
+def headline(comparisons: list[tuple[Path, dict]]) -> list[tuple[Path, dict]]:
+    """Of ``comparisons``, the newest with a peer (a system not named nanotron) for each preset, GPU, shape and
+    precision of nanotron's run, among those that train the preset's model unchanged."""
+    newest = {}
+    for path, record in sorted(comparisons, key=lambda item: (item[1]["date"], item[1].get("recorded_at", ""))):
+        peers = [name for name in record["systems"] if not name.startswith("nanotron")]
+        if not peers or model_overrides(record):
+            continue
+        precision = record["systems"][record["reference"]].get("precision", "bf16")
+        key = (record["preset"], record["gpu"], record.get("world_size", 1), record["sequence_length"],
+               record["micro_batch_size"], precision)
+        newest[key] = (path, record)
+    return sorted(newest.values(), key=lambda item: (item[1]["preset"], item[1]["sequence_length"],
+                                                     item[1]["micro_batch_size"], item[1]["date"]))
 
 
 def _number(value, form: str) -> str:
@@ -120,22 +138,25 @@ def record_rows(record: dict, label: str) -> list[str]:
     return rows
 
 
-def render(records: list[tuple[Path, dict]], root: Path = ROOT) -> str:
-    """The table (header, rows of the newest comparisons, the convention note when a row needs it)."""
+def render(records: list[tuple[Path, dict]], folder: Path = ROOT, headline_only: bool = False) -> str:
+    """The table for a document in ``folder`` (header, rows of the newest comparisons or of the headline, the
+    convention note when a row needs it)."""
     shown = newest_comparisons(records)
+    if headline_only:
+        shown = headline(shown)
     lines = [HEADER]
     for path, record in shown:
-        relative = path.resolve().relative_to(root.resolve()).as_posix()
+        relative = Path(os.path.relpath(path.resolve(), folder.resolve())).as_posix()
         lines += record_rows(record, f"[{record_label(record)}]({relative})")
     if any(record["convention"] != MFU_CONVENTION for _, record in shown):
         lines += ["", OLD_CONVENTION_NOTE]
     return "\n".join(lines)
 
 
-def replace_table(text: str, table: str) -> str:
-    """``text`` with what lies between the markers replaced by ``table``."""
+def replace_table(text: str, table: str, name: str) -> str:
+    """``text`` (of the document ``name``) with what lies between the markers replaced by ``table``."""
     if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise RecordError(f"README.md needs the markers {BEGIN!r} and {END!r}, once each, in that order")
+        raise RecordError(f"{name} needs the markers {BEGIN!r} and {END!r}, once each, in that order")
     before, rest = text.split(BEGIN)
     after = rest.split(END)[1]
     return f"{before}{BEGIN}\n{table}\n{END}{after}"
@@ -143,23 +164,28 @@ def replace_table(text: str, table: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from the records")
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a table differs from the records")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the document of the headline table")
+    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "benchmarks.md",
+                        help="the document of the full table")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     try:
-        text = args.readme.read_text()
-        updated = replace_table(text, render(load_records(args.results), args.readme.parent))
+        records = load_records(args.results)
+        documents = {path: (path.read_text(), render(records, path.parent, headline_only))
+                     for path, headline_only in ((args.readme, True), (args.page, False))}
+        updated = {path: replace_table(text, table, path.name) for path, (text, table) in documents.items()}
     except (OSError, RecordError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    stale = [path for path, text in updated.items() if text != documents[path][0]]
     if args.check:
-        if updated != text:
-            print(f"error: the performance table in {args.readme} differs from {args.results}; run "
+        for path in stale:
+            print(f"error: the performance table in {path} differs from {args.results}; run "
                   "python scripts/benchmark_table.py", file=sys.stderr)
-            return 1
-        return 0
-    args.readme.write_text(updated)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(updated[path])
     return 0
 
 

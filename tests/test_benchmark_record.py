@@ -324,21 +324,26 @@ def _record(date: str, tokens: float, preset: str = "llama1b", convention: str =
         accumulation=1, steps=20, warmup=5, systems=systems, reference="nanotron") | {"convention": convention}
 
 
-def _readme(folder: Path) -> Path:
-    readme = folder / "README.md"
-    readme.write_text(f"# Project\n\nBefore.\n\n{benchmark_table.BEGIN}\nstale\n{benchmark_table.END}\n\nAfter.\n")
-    return readme
+def _page(folder: Path, name: str = "benchmarks.md") -> Path:
+    page = folder / name
+    page.write_text(f"# Project\n\nBefore.\n\n{benchmark_table.BEGIN}\nstale\n{benchmark_table.END}\n\nAfter.\n")
+    return page
+
+
+def _tables(folder: Path, results: Path) -> tuple[Path, list[str]]:
+    """The page of the full table, and the options that write it and the headline into another document."""
+    page = _page(folder)
+    return page, ["--page", str(page), "--readme", str(_page(folder, "README.md")), "--results", str(results)]
 
 
 def test_table_shows_the_newest_record_of_each_comparison_and_check_catches_drift(tmp_path, capsys):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
-    readme = _readme(tmp_path)
+    readme, options = _tables(tmp_path, results)
     (results / "2026-12-01-h200-llama1b.json").write_text(json.dumps(_record("2026-12-01", 60_000.0)))
     (results / "2026-12-03-h200-llama1b.json").write_text(json.dumps(_record("2026-12-03", 65_000.0)))
     old = _record("2026-11-30", 54_000.0, preset="mixtral", convention="6N incl. embedding lookup")
     (results / "2026-11-30-h200-mixtral.json").write_text(json.dumps(old))
-    options = ["--readme", str(readme), "--results", str(results)]
 
     assert benchmark_table.main([*options, "--check"]) == 1
     assert "differs from" in capsys.readouterr().err
@@ -363,20 +368,43 @@ def test_table_shows_the_newest_record_of_each_comparison_and_check_catches_drif
     assert benchmark_table.main([*options, "--check"]) == 1
 
 
+def test_headline_shows_the_newest_comparison_with_a_peer_for_each_shape_and_precision(tmp_path):
+    """The README's table: per preset, shape and nanotron precision, the newest record beside a peer library where
+    nanotron trains the preset's model unchanged; nanotron-only records and changed models stay on the page."""
+    results = tmp_path / "results"
+    results.mkdir()
+    page, options = _tables(tmp_path, results)
+    older, newer = _record("2026-12-01", 60_000.0), _record("2026-12-02", 61_000.0)
+    alone = _record("2026-12-03", 62_000.0)
+    del alone["systems"]["hf-compiled"]
+    alone["ratios"] = {}
+    recomputed = _record("2026-12-04", 40_000.0)
+    recomputed["systems"]["nanotron"]["overrides"] = ["parallelism.recompute_layer=true"]
+    fp8 = _record("2026-12-01", 80_000.0)
+    fp8["systems"]["nanotron"].update(precision="fp8", fp8_recipe="delayed")
+    for name, record in (("older", older), ("newer", newer), ("alone", alone), ("recomputed", recomputed),
+                         ("fp8", fp8)):
+        (results / f"{name}.json").write_text(json.dumps(record))
+    assert benchmark_table.main(options) == 0
+    headline = re.findall(r"\| \[[^]]+\]\(results/(\w+)\.json\)", (tmp_path / "README.md").read_text())
+    assert headline == ["fp8", "newer"]
+    assert len(re.findall(r"\| \[", page.read_text())) == 4  # each comparison's newest (older is newer's)
+
+
 def test_table_refuses_a_broken_record_or_a_readme_without_markers(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()
-    readme = _readme(tmp_path)
+    readme, options = _tables(tmp_path, results)
     broken = _record("2026-12-01", 1.0)
     del broken["commit"], broken["systems"]["hf-compiled"]["mfu"]
     (results / "2026-12-01-h200-x.json").write_text(json.dumps(broken))
-    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 2
+    assert benchmark_table.main(options) == 2
     error = capsys.readouterr().err
     assert "2026-12-01-h200-x.json: no 'commit'; systems.hf-compiled has no 'mfu'" in error
     (results / "2026-12-01-h200-x.json").unlink()
     readme.write_text("# no markers\n")
-    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 2
-    assert "needs the markers" in capsys.readouterr().err
+    assert benchmark_table.main(options) == 2
+    assert "benchmarks.md needs the markers" in capsys.readouterr().err
 
 
 def test_readme_table_matches_the_recorded_results():
@@ -512,13 +540,13 @@ def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):
     Qwen2-shaped run) is shown beside the plain one, labelled with those overrides; compiling is not such a change."""
     results = tmp_path / "results"
     results.mkdir()
-    readme = _readme(tmp_path)
+    readme, options = _tables(tmp_path, results)
     plain, recomputed = _record("2026-12-03", 65_000.0), _record("2026-12-04", 40_000.0)
     plain["systems"]["nanotron"]["overrides"] = ["model.compile=true"]
     recomputed["systems"]["nanotron"]["overrides"] = ["model.compile=true", "parallelism.recompute_layer=true"]
     (results / "plain.json").write_text(json.dumps(plain))
     (results / "recomputed.json").write_text(json.dumps(recomputed))
-    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert benchmark_table.main(options) == 0
     labels = re.findall(r"\| \[([^]]+)\]", readme.read_text())
     assert labels == ["2026-12-03, H200, llama1b, 4096 × 4",
                       "2026-12-04, H200, llama1b (recompute_layer=true), 4096 × 4"]
@@ -530,7 +558,7 @@ def test_a_run_with_labelled_options_says_so_and_is_a_comparison_of_its_own(tmp_
     them, and a newer such record does not hide the default one of the same shape."""
     results = tmp_path / "results"
     results.mkdir()
-    readme = _readme(tmp_path)
+    readme, options = _tables(tmp_path, results)
     bf16, fp8, both, held = (_record(date, tokens) for date, tokens in
                              (("2026-12-03", 65_000.0), ("2026-12-04", 80_000.0), ("2026-12-05", 81_000.0),
                               ("2026-12-06", 66_000.0)))
@@ -539,7 +567,7 @@ def test_a_run_with_labelled_options_says_so_and_is_a_comparison_of_its_own(tmp_
     del bf16["systems"]["nanotron"]["masters"]  # a record from before ``masters`` was recorded: copies
     for name, record in (("bf16", bf16), ("fp8", fp8), ("both", both), ("held", held)):
         (results / f"{name}.json").write_text(json.dumps(record))
-    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert benchmark_table.main(options) == 0
     names = re.findall(r"\| (nanotron[^|]*?) \| [\d,]+ \|", readme.read_text())
     assert names == ["nanotron (fp32 master copies)", "nanotron (FP8 delayed)", "nanotron (FP8 delayed, bf16 moments)",
                      "nanotron"]
@@ -550,7 +578,7 @@ def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(
     ``causal_flops_per_token``) overstated its MFU: the table leaves it out; a record with the count shows it."""
     results = tmp_path / "results"
     results.mkdir()
-    readme = _readme(tmp_path)
+    readme, options = _tables(tmp_path, results)
     masked = ["model.compile=true", "model.model_config._use_doc_masking=true"]
     before, after = _record("2026-12-03", 72_000.0), _record("2026-12-04", 72_000.0)
     before["systems"]["nanotron"]["overrides"] = after["systems"]["nanotron"]["overrides"] = masked
@@ -558,6 +586,6 @@ def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(
     after["micro_batch_size"] = 8  # another comparison, so that both rows are shown
     (results / "before.json").write_text(json.dumps(before))
     (results / "after.json").write_text(json.dumps(after))
-    assert benchmark_table.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert benchmark_table.main(options) == 0
     nanotron_mfus = re.findall(r"\| nanotron \| [\d,]+ \| [\d,]+ \| ([^|]+) \|", readme.read_text())
     assert nanotron_mfus == ["—", "50.0%"]
