@@ -1,0 +1,66 @@
+"""The Layout: the grid's coordinates and groups as the process groups are built, the token shares, the micro-batches
+in flight and the checkpoint record, each computed in one place."""
+
+import math
+
+import pytest
+import torch
+
+from nanotron.parallel.layout import GRID_AXES, Axis, Group, Layout
+
+LAYOUTS = [Layout(pp=2, dp=2, ep=1, cp=2, tp=2), Layout(pp=1, dp=3, ep=2, cp=1, tp=2), Layout(pp=3, dp=1, ep=2, cp=2)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_coordinates_and_group_ranks_follow_the_grid_the_process_groups_are_cut_from(layout):
+    grid = torch.arange(layout.world_size).reshape(layout.grid_shape)
+    for group in Group:
+        keep = [GRID_AXES.index(axis) for axis in group.axes]
+        other = [i for i in range(len(GRID_AXES)) if i not in keep]
+        slices = grid.permute(*other, *keep).reshape(-1, math.prod(grid.shape[i] for i in keep)).tolist()
+        assert all(len(ranks) == layout.size(group) for ranks in slices)
+        for ranks in slices:
+            for index, rank in enumerate(ranks):
+                coordinates = layout.coordinates(rank)
+                assert layout.rank_of(coordinates) == rank
+                assert layout.group_rank(group, coordinates) == index, (group, rank)
+
+
+def test_token_shares_and_the_activations_between_stages():
+    layout = Layout(tp=4, cp=2, sequence_parallel=True, overlapped_linears=True, sequence_length=64,
+                    micro_batch_size=3)
+    assert layout.rank_sequence_length == 32 and layout.stage_sequence_length == 8
+    assert layout.stage_activation_shape(16) == (3, 8, 16)
+    assert (layout.residual_share, layout.linear_input_share) == (0.25, 0.25)
+    plain = Layout(tp=4, sequence_length=64)
+    assert plain.stage_sequence_length == 64 and (plain.residual_share, plain.linear_input_share) == (1.0, 1.0)
+
+
+def test_micro_batches_in_flight_per_schedule():
+    assert [Layout(pp=4, accumulation=8).in_flight(stage) for stage in range(4)] == [4, 3, 2, 1]
+    assert [Layout(pp=4, accumulation=2).in_flight(stage) for stage in range(4)] == [2, 2, 2, 1]
+    assert [Layout(pp=2, accumulation=8, pp_engine="afab").in_flight(stage) for stage in range(2)] == [8, 8]
+    assert Layout(pp=1, accumulation=8, pp_engine="afab").in_flight(0) == 1  # one stage: plain accumulation
+
+
+def test_global_batch_and_sample_shards():
+    layout = Layout(dp=2, ep=3, cp=2, micro_batch_size=2, accumulation=4)
+    assert layout.global_batch_size == 2 * 4 * 2 * 3
+    shards = {layout.sample_shard(layout.coordinates(rank)) for rank in range(layout.world_size)}
+    assert shards == set(range(layout.size(Group.SAMPLE_SHARDS)))
+
+
+def test_rules_between_the_sequence_and_the_split():
+    assert "2 x parallelism.context_parallel_size" in next(Layout(cp=3, sequence_length=10).problems())
+    assert "divisible by parallelism.tp" in next(Layout(cp=2, tp=4, sequence_parallel=True,
+                                                        sequence_length=12).problems())
+    assert "divisible by parallelism.tp (4)" in next(Layout(tp=4, sequence_parallel=True, sequence_length=6).problems())
+    assert list(Layout(cp=2, tp=2, sequence_parallel=True, sequence_length=16).problems()) == []
+
+
+def test_checkpoint_record_reads_records_written_before_an_axis_existed():
+    layout = Layout(pp=2, dp=2, tp=2, zero_stage=1)
+    assert layout.to_dict() == {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2, "zero_stage": 1}
+    assert Layout.recorded({"dp": 2, "pp": 2, "tp": 2, "zero_stage": 1}) == layout.to_dict()
+    assert layout.describe(layout.coordinates(5)) == "DP=0|PP=1|TP=1"
+    assert Axis.CP == "cp" and layout.size(Axis.DP) == 2
