@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import corpus_documents, datatrove_folder
+from helpers import (
+    Outcome,
+    assert_user_error,
+    cli,
+    corpus_documents,
+    datatrove_folder,
+    tiny_config_dict,
+    write_config,
+)
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
 from nanotron.data.datatrove_folder import DatatroveDataset
 from nanotron.data.loader import MicroBatchLoader
@@ -103,19 +111,20 @@ def test_datatrove_folders_blend_by_weight(datatrove_folders):
     assert torch.bincount(domains).tolist() == [BLEND_PERIOD // 4, 3 * BLEND_PERIOD // 4]
 
 
-def test_datatrove_ids_outside_the_vocabulary_name_the_file(datatrove_folders):
+def test_datatrove_ids_outside_the_vocabulary_name_the_file_and_its_tokenizer(tiny_data, datatrove_folders):
     (file,) = datatrove_folders[0].glob("*.ds")
     largest = int(np.fromfile(file, dtype="<u2").max())
     with pytest.raises(DataError) as error:
         DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=largest)
-    _one_line(error, f"file {file} holds token id {largest}", f"({largest} ids)")
+    _one_line(error, f"file {file} holds token id {largest}", f"outside the {largest} ids of the model's vocabulary",
+              f"the folder was tokenized with {tiny_data['tokenizer']}, whose ids go beyond the model's vocabulary")
 
 
 def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError) as error:
         DatatroveDataset(tmp_path / "empty", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
-    _one_line(error, f"{tmp_path / 'empty'} holds no .ds files")
+    _one_line(error, f"{tmp_path / 'empty'} holds neither metadata.json", "nor .ds files")
     with pytest.raises(DataError) as error:
         DatatroveDataset(tmp_path / "absent", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
     _one_line(error, f"dataset folder {tmp_path / 'absent'} does not exist")
@@ -154,6 +163,50 @@ def test_datatrove_files_without_metadata_take_the_token_size_from_the_vocabular
     with pytest.raises(DataError) as error:  # 2-byte tokens read as 4-byte ones: the index tells
         DatatroveDataset(bare, None, SEQUENCE_LENGTH, SEED, vocab_size=384, token_size=4)
     _one_line(error, ".ds.index ends its last document at token", "tokens of 4 bytes", "token_size_in_bytes")
+
+
+def _train_config(tiny_data, tmp_path: Path, folder: Path, **dataset) -> dict:
+    """One training step of the tiny model on ``folder``; ``dataset`` adds keys to data.dataset."""
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 1})
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder)], **dataset}
+    return config
+
+
+def _train(config: dict, tmp_path: Path) -> Outcome:
+    return cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+
+
+def _readable_folder_with(damage: str, datatrove_folders: list[Path], tmp_path: Path) -> tuple[Path, dict]:
+    """A folder damaged as ``damage`` says, and the data.dataset keys that go with it."""
+    if damage == "subfolders":
+        shutil.copytree(datatrove_folders[0], tmp_path / "data" / "part-0")
+        return tmp_path / "data", {}
+    if damage == "empty":
+        (tmp_path / "data").mkdir()
+        return tmp_path / "data", {}
+    folder = shutil.copytree(datatrove_folders[0], tmp_path / "data")
+    if damage == "dangling-link":
+        (folder / "zz.ds").symlink_to(tmp_path / "moved.ds")
+    elif damage == "directory":
+        (folder / "zz.ds").mkdir()
+    return folder, {"vocab_size": 300} if damage == "ids-beyond-the-vocabulary" else {}
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    ("dangling-link", ["zz.ds is a symbolic link to", "moved.ds, which does not exist", "remove the link"]),
+    ("directory", ["zz.ds is not a file", "move it out of"]),
+    ("empty", ["holds neither metadata.json (a folder of nanotron preprocess) nor .ds files (a folder of datatrove"]),
+    ("subfolders", ["holds no .ds files itself, only in its subfolders (", "part-0)",
+                    "read without their subfolders", "list those folders in dataset_folder"]),
+    ("ids-beyond-the-vocabulary", ["outside the 300 ids of the model's vocabulary", "whose ids go beyond"]),
+])
+def test_a_datatrove_folder_that_cannot_be_trained_on_is_one_line(tiny_data, datatrove_folders, tmp_path, damage,
+                                                                   fragments):
+    folder, dataset = _readable_folder_with(damage, datatrove_folders, tmp_path)
+    line = assert_user_error(_train(_train_config(tiny_data, tmp_path, folder, **dataset), tmp_path), str(folder),
+                             *fragments)
+    assert "not by a tokenizer" not in line and "not a preprocessed folder" not in line
 
 
 # --------------------------------------------------------------------------------------------- Hugging Face datasets

@@ -52,18 +52,20 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard",
-                    first: int = 0) -> None:
+                    first: int = 0, vocabulary: str | None = None) -> None:
     """Refuse ``tokens`` (the ids of the ``kind`` file ``path`` from its token ``first`` on) if one lies outside
     ``[0, vocab_size)``: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from
-    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``remedy`` ends the error:
-    what is wrong and what to do."""
+    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``vocabulary`` says whose
+    ``vocab_size`` ids these are (default: the shard's tokenizer's); ``remedy`` ends the error: what is wrong and
+    what to do."""
+    vocabulary = vocabulary or f"the vocabulary of its tokenizer ({vocab_size} ids)"
     for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
         chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
         if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
             continue
         position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
         raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {first + start + position}, "
-                        f"outside the vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
+                        f"outside {vocabulary}: {remedy}")
 
 
 class TokenStream(Protocol):

@@ -20,6 +20,7 @@ resumption are ``dataset.BlendedDataset``'s: sample ``g`` is a pure function of 
 the folders, at any layout.
 """
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from nanotron.data.dataset import (
     domain_name,
     folder_list,
 )
+from nanotron.data.preprocess import METADATA_FILE_NAME
 
 __all__ = ["DatatroveDataset", "DatatroveTokens", "token_size_for"]
 
@@ -67,8 +69,9 @@ class DatatroveTokens(ConcatenatedArrays):
             raise DataError(f"dataset folder {self.folder} does not exist; check dataset_folder")
         files = sorted(self.folder.glob("*.ds"))
         if not files:
-            raise DataError(f"{self.folder} holds no .ds files; point dataset_folder at the output folder of "
-                            f"datatrove's DocumentTokenizer")
+            raise DataError(not_a_token_folder(self.folder))
+        for file in files:
+            _check_is_a_file(file)
         recorded = {file: _read_file_metadata(file) for file in files}
         self.tokenizer_name = self._one_value("tokenizers", {file: name for file, (name, _, _) in recorded.items()})
         recorded_size = self._one_value("token sizes", {file: size for file, (_, size, _) in recorded.items()})
@@ -85,7 +88,8 @@ class DatatroveTokens(ConcatenatedArrays):
             part, parts = id_share
             for file, tokens in zip(files, arrays):
                 start, end = len(tokens) * part // parts, len(tokens) * (part + 1) // parts
-                check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start)
+                check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start,
+                                vocabulary=f"the {vocab_size} ids of the model's vocabulary")
         self._concatenate(arrays)
         self.segment_lengths = tuple(len(tokens) for tokens in arrays)  # windows never cross a file's end
 
@@ -113,9 +117,10 @@ class DatatroveTokens(ConcatenatedArrays):
         return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,))
 
     def _id_remedy(self) -> str:
-        written_by = f"written by {self.tokenizer_name}, " if self.tokenizer_name else ""
-        return (f"the folder was {written_by}not by a tokenizer of {self.vocab_size} ids; use the model's tokenizer "
-                f"and vocab_size")
+        written_by = (f"tokenized with {self.tokenizer_name}, whose" if self.tokenizer_name else
+                      "tokenized (its .ds.metadata names no tokenizer) with a tokenizer whose")
+        return (f"the folder was {written_by} ids go beyond the model's vocabulary; train on data tokenized with the "
+                f"model's tokenizer, or set vocab_size to that tokenizer's vocabulary")
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers); their ids were checked here.
@@ -159,6 +164,34 @@ def _check_index(file: Path, num_tokens: int, token_size: int) -> None:
         raise DataError(f"{index} ends its last document at token {last_end} but {file.name} holds {num_tokens} "
                         f"tokens of {token_size} bytes: the token size is wrong or the files do not belong together; "
                         f"check token_size_in_bytes or re-tokenize the folder")
+
+
+def _check_is_a_file(file: Path) -> None:
+    """Refuse a ``*.ds`` entry that cannot be read as a token file: a dangling symbolic link, a directory."""
+    if file.is_symlink() and not file.exists():
+        raise DataError(f"{file} is a symbolic link to {os.readlink(file)}, which does not exist; restore the file "
+                        f"it points to, or remove the link")
+    if not file.is_file():
+        raise DataError(f"{file} is not a file but datatrove folders hold their tokens in *.ds files; move it out of "
+                        f"{file.parent}")
+
+
+def briefly(paths: Sequence[Path], shown: int = 3) -> str:
+    """The first ``shown`` of ``paths`` and how many more there are, for a message."""
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(str(path) for path in paths[:shown]) + more
+
+
+def not_a_token_folder(folder: Path) -> str:
+    """Why ``folder`` (a directory) holds no tokens to train on: neither ``nanotron preprocess``'s metadata.json nor
+    datatrove's ``*.ds`` files; names the subfolders that hold ``*.ds`` files, which are not searched."""
+    nested = sorted({file.parent for file in folder.rglob("*.ds")})
+    if nested:
+        return (f"{folder} holds no .ds files itself, only in its subfolders ({briefly(nested)}); datatrove folders "
+                f"are read without their subfolders, as upstream's Nanoset reads them: list those folders in "
+                f"dataset_folder")
+    return (f"{folder} holds neither {METADATA_FILE_NAME} (a folder of nanotron preprocess) nor .ds files (a folder "
+            f"of datatrove's DocumentTokenizer); point dataset_folder at one of them")
 
 
 class DatatroveDataset(BlendedDataset):

@@ -14,7 +14,7 @@ import torch
 from nanotron.checkpoint.manager import first_problem
 from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, HFDatasetArgs
 from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
-from nanotron.data.datatrove_folder import DatatroveDataset
+from nanotron.data.datatrove_folder import DatatroveDataset, not_a_token_folder
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
 from nanotron.data.synthetic import SyntheticDataset
@@ -142,13 +142,23 @@ def _datatrove_read_by_all_ranks(pc: ParallelContext, source: DatasetArgs, weigh
 
 def _holds_datatrove_files(folders: Sequence[Path]) -> bool:
     """Whether a stage's folders are datatrove's (``*.ds`` files) rather than ``nanotron preprocess``'s (its
-    metadata.json); one stage mixing both kinds is refused."""
-    kinds = {"nanotron" if (Path(folder) / METADATA_FILE_NAME).exists() else
-             "datatrove" if any(Path(folder).glob("*.ds")) else None for folder in folders}
+    metadata.json); one stage mixing both kinds is refused, and so is a folder of neither kind."""
+    kinds = {_folder_kind(Path(folder)) for folder in folders}
     if {"nanotron", "datatrove"} <= kinds:
         raise DataError("dataset_folder mixes folders of nanotron preprocess (metadata.json) and of datatrove (.ds "
                         "files); give each kind its own data stage, or tokenize them all one way")
     return kinds == {"datatrove"}
+
+
+def _folder_kind(folder: Path) -> str:
+    if (folder / METADATA_FILE_NAME).exists():
+        return "nanotron"
+    if any(folder.glob("*.ds")):
+        return "datatrove"
+    if not folder.is_dir():
+        raise DataError(f"dataset folder {folder} {'is a file' if folder.exists() else 'does not exist'}; check "
+                        "dataset_folder")
+    raise DataError(not_a_token_folder(folder))
 
 
 def _hf_domains(config: Config, source: HFDatasetArgs) -> str | dict[str, float]:
