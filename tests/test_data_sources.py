@@ -24,12 +24,14 @@ from helpers import (
     datatrove_folder,
     tiny_config_dict,
     write_config,
+    write_corpus,
 )
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
 from nanotron.data.datatrove_folder import DatatroveDataset
 from nanotron.data.loader import MicroBatchLoader
+from nanotron.data.preprocess import preprocess
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import eos_token_id, load_tokenizer
+from nanotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
 
 SEQUENCE_LENGTH = 16
 SEED = 3
@@ -207,6 +209,87 @@ def test_a_datatrove_folder_that_cannot_be_trained_on_is_one_line(tiny_data, dat
     line = assert_user_error(_train(_train_config(tiny_data, tmp_path, folder, **dataset), tmp_path), str(folder),
                              *fragments)
     assert "not by a tokenizer" not in line and "not a preprocessed folder" not in line
+
+
+# ------------------------------------------------------------------------- which tokenizer wrote a folder's tokens
+
+HUB_NAME = "tiny-org/tiny-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory) -> Path:
+    """A tokenizer of the tiny one's size trained on another corpus: the same text gets other ids."""
+    root = tmp_path_factory.mktemp("other_tokenizer")
+    return train_tokenizer([write_corpus(root / "raw", documents=200, seed=5)], 384, root / "tokenizer.json")
+
+
+def _hub_cache(tmp_path: Path, monkeypatch, tokenizer: Path | None) -> None:
+    """A Hugging Face cache on this machine, holding ``tokenizer`` as the Hub's ``HUB_NAME`` (None: not holding it),
+    laid out as huggingface_hub downloads it: a snapshot that refs/main names."""
+    cache = tmp_path / "hub"
+    if tokenizer is not None:
+        repo = cache / ("models--" + HUB_NAME.replace("/", "--"))
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        shutil.copy(tokenizer, repo / "snapshots" / commit / "tokenizer.json")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+
+
+def _record_tokenizer_name(folder: Path, name: str) -> None:
+    """Rewrite the tokenizer that the folder's .ds.metadata files name, as datatrove writes a Hub name it was given."""
+    for metadata in folder.glob("*.ds.metadata"):
+        first, *rest = metadata.read_text().split("\n")
+        metadata.write_text("\n".join([f"{name}|{first.rsplit('|', 1)[1]}", *rest]))
+
+
+@pytest.mark.parametrize("kind", ["datatrove", "preprocessed"])
+def test_a_folder_written_by_another_tokenizer_is_refused(tiny_data, other_tokenizer, tmp_path, kind):
+    """Against tokenizer.tokenizer_name_or_path, by content: datatrove's metadata names the tokenizer, nanotron
+    preprocess's records its fingerprint too; the two have the same size, so every id fits the model."""
+    folder = tmp_path / "data"
+    if kind == "datatrove":
+        datatrove_folder(folder, corpus_documents(tiny_data["corpus"])[:40], other_tokenizer)
+    else:
+        preprocess([tiny_data["corpus"]], other_tokenizer, folder, num_workers=1)
+    outcome = _train(_train_config(tiny_data, tmp_path, folder), tmp_path)
+    assert_user_error(outcome, f"{folder} was tokenized with {other_tokenizer} but tokenizer.tokenizer_name_or_path "
+                               f"is {tiny_data['tokenizer']}, another tokenizer (their tokenizer.json files differ)",
+                      "set tokenizer.tokenizer_name_or_path to the tokenizer that wrote the data")
+    assert not any((tmp_path / "run").iterdir())  # refused before the first step
+
+
+SAME_TOKENIZER, OTHER_TOKENIZER, NOT_CACHED = "same", "other", "not cached"
+
+
+@pytest.mark.parametrize("recorded, declared, cached, refused", [
+    ("file", "folder", None, None),  # a tokenizer folder and the tokenizer.json inside it
+    (HUB_NAME, HUB_NAME, SAME_TOKENIZER, None),  # a Hub name and its cached copy of the model's tokenizer
+    (HUB_NAME, None, OTHER_TOKENIZER, "tokenizer.tokenizer_name_or_path is {tokenizer}, another tokenizer (their "
+                                      "tokenizer.json files differ)"),
+    (HUB_NAME, None, NOT_CACHED, None),  # not comparable: a warning
+    (HUB_NAME, "folder", NOT_CACHED, "tokenizer_name is {folder}, another tokenizer (the names differ, and the "
+                                     "files of one are not on this machine to compare)"),
+], ids=["folder-and-its-file", "hub-name-cached", "hub-name-cached-differs", "hub-name-not-cached",
+        "hub-name-not-cached-declared-otherwise"])
+def test_tokenizers_are_compared_by_content_not_by_name(tiny_data, datatrove_folders, other_tokenizer, tmp_path,
+                                                        monkeypatch, recorded, declared, cached, refused):
+    tokenizer, folder = tiny_data["tokenizer"], tiny_data["tokenizer"].parent
+    data = shutil.copytree(datatrove_folders[0], tmp_path / "data")
+    if recorded == HUB_NAME:
+        _record_tokenizer_name(data, HUB_NAME)
+    _hub_cache(tmp_path, monkeypatch, {SAME_TOKENIZER: tokenizer, OTHER_TOKENIZER: other_tokenizer}.get(cached))
+    names = {"folder": str(folder), HUB_NAME: HUB_NAME}
+    dataset = {} if declared is None else {"tokenizer_name": names[declared]}
+    outcome = _train(_train_config(tiny_data, tmp_path, data, **dataset), tmp_path)
+    if refused is not None:
+        assert_user_error(outcome, f"{data} was tokenized with {HUB_NAME}",
+                          refused.format(tokenizer=tokenizer, folder=folder))
+        return
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    assert (f"{data} was tokenized with {HUB_NAME}, whose files are not on this machine: its content was not "
+            f"compared with tokenizer.tokenizer_name_or_path ({tokenizer})" in outcome.stderr) == (cached == NOT_CACHED)
 
 
 # --------------------------------------------------------------------------------------------- Hugging Face datasets

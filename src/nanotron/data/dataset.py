@@ -124,6 +124,7 @@ class TokenShards(ConcatenatedArrays):
             self.vocab_size = int(tokenizer["vocab_size"])
             self.eos_token_id = int(tokenizer["eos_token_id"])
             self.tokenizer_fingerprint = str(tokenizer["fingerprint"])
+            self.tokenizer_name = tokenizer.get("name_or_path")
             recorded_tokens = int(metadata["num_tokens"])
             dtype = np.dtype(metadata["dtype"])
             if dtype.kind not in "iu":
@@ -219,6 +220,9 @@ class SampleSource(Protocol):
     domain_names: list[str]
     weights: list[float]
     eos_token_id: int | None  # the end-of-document id the tokens were written with, where the source records it
+    # Per domain, the tokenizer its data records: by name and by fingerprint (None where the source does not say).
+    tokenizer_names: list[str | None]
+    tokenizer_fingerprints: list[str | None]
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...
 
@@ -316,6 +320,7 @@ class PretrainDataset(BlendedDataset):
         self.vocab_size = max(folder.vocab_size for folder in shards)
         self.eos_token_id = shards[0].eos_token_id  # one tokenizer (checked below), so one end-of-document id
         self.tokenizer_fingerprints = [folder.tokenizer_fingerprint for folder in shards]
+        self.tokenizer_names = [folder.tokenizer_name for folder in shards]
         if len(set(self.tokenizer_fingerprints)) > 1:
             raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
                             + ", ".join(f"{folder.folder}: {folder.tokenizer_fingerprint[:12]}" for folder in shards)

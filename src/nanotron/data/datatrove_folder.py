@@ -36,6 +36,7 @@ from nanotron.data.dataset import (
     folder_list,
 )
 from nanotron.data.preprocess import METADATA_FILE_NAME
+from nanotron.data.tokenizer import TokenizerIdentity
 
 __all__ = ["DatatroveDataset", "DatatroveTokens", "token_size_for"]
 
@@ -201,8 +202,10 @@ class DatatroveDataset(BlendedDataset):
     ``vocab_size`` is the model's vocabulary, which every id is checked against (datatrove records only the
     tokenizer's name; ``id_share``: this process's share of the reading, ``DatatroveTokens``); ``token_size`` is
     upstream's ``token_size_in_bytes``, needed only for files without metadata.
-    The folders must name one tokenizer. ``tokenizer_fingerprints`` are None: datatrove records no fingerprint, so the
-    tokenizer is known by its name only (``tokenizer_names``).
+
+    The folders must be tokenized by one tokenizer. Datatrove records it by name: ``tokenizer_fingerprints`` are those
+    of the files the names lead to on this machine (``TokenizerIdentity.find``; None where there are none), so that
+    folders, the model's tokenizer and a checkpoint's are compared by content.
     """
 
     def __init__(self, folders: str | Path | Sequence[str | Path], weights: Sequence[float] | None,
@@ -214,10 +217,18 @@ class DatatroveDataset(BlendedDataset):
         self.vocab_size = vocab_size
         self.eos_token_id = None  # datatrove records none: it is the tokenizer's
         self.tokenizer_names = [stream.tokenizer_name for stream in streams]
-        self.tokenizer_fingerprints = [None] * len(streams)
-        if len({name for name in self.tokenizer_names if name is not None}) > 1:
-            raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
-                            + ", ".join(f"{stream.folder}: {stream.tokenizer_name}" for stream in streams
-                                        if stream.tokenizer_name is not None)
-                            + "); tokenize them all with the same tokenizer")
+        found = {name: TokenizerIdentity.find(name) for name in set(self.tokenizer_names) if name is not None}
+        self.tokenizer_fingerprints = [found[name].fingerprint if name else None for name in self.tokenizer_names]
+        _check_one_tokenizer(streams, found)
         super().__init__(streams, weights, sequence_length, seed, window_stride=sequence_length + 1)
+
+
+def _check_one_tokenizer(streams: Sequence[DatatroveTokens], found: dict[str, TokenizerIdentity]) -> None:
+    """Refuse folders tokenized by different tokenizers: by content where their files are on this machine, else by
+    name (``TokenizerIdentity.same_as``)."""
+    named = [stream for stream in streams if stream.tokenizer_name is not None]
+    if all(found[stream.tokenizer_name].same_as(found[named[0].tokenizer_name]) for stream in named[1:]):
+        return
+    raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
+                    + ", ".join(f"{stream.folder}: {stream.tokenizer_name}" for stream in named)
+                    + "); tokenize them all with the same tokenizer")

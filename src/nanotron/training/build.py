@@ -18,7 +18,7 @@ from nanotron.data.datatrove_folder import DatatroveDataset, not_a_token_folder
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_fingerprint
+from nanotron.data.tokenizer import TokenizerIdentity, eos_token_id, load_tokenizer, tokenizer_fingerprint
 from nanotron.memory import memory_summary
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
@@ -28,6 +28,9 @@ from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutp
 from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
+_MODEL_TOKENIZER_FIX = ("set tokenizer.tokenizer_name_or_path to the tokenizer that wrote the data, or tokenize "
+                        "the data again with {}")
+_DECLARED_TOKENIZER_FIX = "point dataset_folder at data tokenized with {}, or correct tokenizer_name"
 
 
 def load_data(config: Config, pc: ParallelContext,
@@ -36,10 +39,10 @@ def load_data(config: Config, pc: ParallelContext,
     fingerprint (None without ``tokenizer.tokenizer_name_or_path``); fails before the model is allocated if a stage
     cannot feed it."""
     vocab = config.model.model_config.vocab_size
-    expected = None
+    model_tokenizer = None
     if config.tokenizer.tokenizer_name_or_path:
         tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path, config.tokenizer.tokenizer_revision)
-        expected = tokenizer_fingerprint(tokenizer)
+        model_tokenizer = TokenizerIdentity(config.tokenizer.tokenizer_name_or_path, tokenizer_fingerprint(tokenizer))
         if tokenizer.get_vocab_size() > vocab:
             raise ConfigError(
                 f"model.model_config.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
@@ -53,13 +56,43 @@ def load_data(config: Config, pc: ParallelContext,
                 f"data stage {stage.name!r} was tokenized with a vocabulary of {dataset.vocab_size} but "
                 f"model.model_config.vocab_size is {vocab}; raise vocab_size or re-run nanotron preprocess"
             )
-        for domain, fingerprint in zip(domain_sources(stage, dataset), dataset.tokenizer_fingerprints):
-            if None not in (expected, fingerprint) and fingerprint != expected:
-                raise DataError(
-                    f"{domain} was tokenized with another tokenizer than tokenizer.tokenizer_name_or_path "
-                    f"({config.tokenizer.tokenizer_name_or_path}); re-run nanotron preprocess with it"
-                )
-    return datasets, expected
+        # The tokenizers' files may be on some machines of the run only: every rank stops if any rank found a problem.
+        problem = first_problem(tokenizer_problem(stage, dataset, model_tokenizer), pc.world_size)
+        if problem is not None:
+            raise DataError(problem)
+    return datasets, None if model_tokenizer is None else model_tokenizer.fingerprint
+
+
+def tokenizer_problem(stage: DatasetStageArgs, dataset: SampleSource,
+                      model_tokenizer: TokenizerIdentity | None) -> str | None:
+    """Why a stage's data cannot be trained with the model's tokenizer or with the tokenizer its ``tokenizer_name``
+    declares (None if it can): a domain tokenized with another one (``TokenizerIdentity.same_as``: by content where
+    both files are on this machine, else by name). The model's tokenizer is often a local copy of the one that wrote
+    the data: where the data's cannot be found here to compare and the names differ, a warning says so and training
+    goes on. A declared ``tokenizer_name`` must match by name then."""
+    references = []
+    if model_tokenizer is not None:
+        references.append((model_tokenizer, "tokenizer.tokenizer_name_or_path", _MODEL_TOKENIZER_FIX))
+    source = stage.data.dataset
+    if isinstance(source, DatasetArgs) and source.tokenizer_name is not None:
+        references.append((TokenizerIdentity.find(source.tokenizer_name),
+                           f"data_stages[{stage.name!r}].data.dataset.tokenizer_name", _DECLARED_TOKENIZER_FIX))
+    records = zip(domain_sources(stage, dataset), dataset.tokenizer_names, dataset.tokenizer_fingerprints)
+    for domain, name, fingerprint in records:
+        if name is None and fingerprint is None:
+            continue  # the source records no tokenizer
+        recorded = TokenizerIdentity(name, fingerprint)
+        for reference, key, fix in references:
+            same = recorded.same_as(reference)
+            if same is None and reference is model_tokenizer:
+                logger.warning(f"{domain} was tokenized with {recorded}, whose files are not on this machine: its "
+                               f"content was not compared with {key} ({reference})")
+            elif not same:
+                how = ("their tokenizer.json files differ" if same is False else
+                       "the names differ, and the files of one are not on this machine to compare")
+                return (f"{domain} was tokenized with {recorded} but {key} is {reference}, another tokenizer "
+                        f"({how}); {fix.format(reference)}")
+    return None
 
 
 def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str, int | None]:
@@ -111,11 +144,6 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
         dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
     elif _holds_datatrove_files(source.dataset_folder):
         dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab)
-        named = {name for name in dataset.tokenizer_names if name is not None}
-        if source.tokenizer_name is not None and named - {source.tokenizer_name}:
-            raise DataError(f"data stage {stage.name!r}: the folders were tokenized with {', '.join(sorted(named))} "
-                            f"but its tokenizer_name is {source.tokenizer_name}; point dataset_folder at data "
-                            "tokenized with it, or correct tokenizer_name")
     else:
         dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
     for feature in features:
