@@ -69,7 +69,10 @@ def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str
 
 
 class TokenStream(Protocol):
-    """What the blending code reads of one domain: its token stream, cut into segments that windows do not cross."""
+    """What the blending code reads of one domain: its token stream, cut into segments that windows do not cross.
+    A stream that records where its documents end (``DatatroveTokens``) also has ``document_ends(start, length)``, a
+    boolean array marking the last token of each document, which a ``BlendedDataset`` that ``records_document_ends``
+    reads."""
 
     folder: Path
     name: str
@@ -223,6 +226,9 @@ class SampleSource(Protocol):
     # Per domain, the tokenizer its data records: by name and by fingerprint (None where the source does not say).
     tokenizer_names: list[str | None]
     tokenizer_fingerprints: list[str | None]
+    # Whether ``samples`` also gives ``document_ends`` (bool, shaped like ``tokens``: True on the last token of every
+    # document), the ends the source recorded, which document masking then reads instead of an end-of-document id.
+    records_document_ends: bool
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...
 
@@ -234,6 +240,8 @@ class BlendedDataset:
     default) makes neighbours share one token, ``sequence_length + 1`` makes them disjoint. ``weights`` defaults to
     the streams' token counts. Domain ids are positions in ``streams``.
     """
+
+    records_document_ends = False  # a subclass whose streams have ``document_ends`` may set it
 
     def __init__(self, streams: Sequence[TokenStream], weights: Sequence[float] | None, sequence_length: int,
                  seed: int, window_stride: int | None = None):
@@ -270,12 +278,18 @@ class BlendedDataset:
         return self._read_window(int(domains[0]), int(windows[0])), int(domains[0])
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        """The samples ``indices`` stacked: ``tokens`` [n, sequence_length + 1] and ``domain_ids`` [n], int64."""
+        """The samples ``indices`` stacked: ``tokens`` [n, sequence_length + 1] and ``domain_ids`` [n], int64; with
+        ``records_document_ends``, ``document_ends`` too (bool, like ``tokens``)."""
         domains, windows = self._locate(indices)
         tokens = np.empty((len(domains), self.sequence_length + 1), dtype=np.int64)
         for row, (domain, window) in enumerate(zip(domains.tolist(), windows.tolist())):
             tokens[row] = self._read_window(domain, window)
-        return {"tokens": torch.from_numpy(tokens), "domain_ids": torch.from_numpy(domains)}
+        batch = {"tokens": torch.from_numpy(tokens), "domain_ids": torch.from_numpy(domains)}
+        if self.records_document_ends:
+            batch["document_ends"] = torch.from_numpy(np.stack([
+                self._streams[domain].document_ends(self._window_start(domain, window), self.sequence_length + 1)
+                for domain, window in zip(domains.tolist(), windows.tolist())]))
+        return batch
 
     def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Domain id and window index of each global sample index, vectorised over the indices."""
@@ -294,11 +308,14 @@ class BlendedDataset:
         return domains, windows
 
     def _read_window(self, domain: int, window: int) -> np.ndarray:
+        return self._streams[domain].read(self._window_start(domain, window), self.sequence_length + 1)
+
+    def _window_start(self, domain: int, window: int) -> int:
+        """The first token of a domain's window in its stream."""
         first_windows = self._segment_first_windows[domain]
         segment = int(np.searchsorted(first_windows, window, side="right")) - 1
         # Empty segments share their first window with the next one; searchsorted lands on the last of them.
-        start = int(self._segment_starts[domain][segment]) + (window - int(first_windows[segment])) * self.window_stride
-        return self._streams[domain].read(start, self.sequence_length + 1)
+        return int(self._segment_starts[domain][segment]) + (window - int(first_windows[segment])) * self.window_stride
 
 
 def check_sequence_length(sequence_length: int) -> None:

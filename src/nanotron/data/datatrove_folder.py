@@ -4,7 +4,8 @@ datatrove's ``DocumentTokenizer`` (and ``DocumentTokenizerMerger``) write, for e
 
     <name>.ds           the token ids, raw little-endian uint16 (token size 2) or uint32 (token size 4), documents
                         back to back, each followed by the end-of-document id when the tokenizer adds one
-    <name>.ds.index     optional: uint64 little-endian, the cumulative end (in tokens) of every document
+    <name>.ds.index     optional: uint64 little-endian, the cumulative end (in tokens) of every document, where
+                        document masking cuts the samples (``DatatroveDataset``'s ``document_ends``)
     <name>.ds.metadata  optional: a text file, "<tokenizer name>|<token size>", the token count, the count in words
     <name>.ds.loss      optional: a loss mask, one byte per token (not read)
 
@@ -84,14 +85,15 @@ class DatatroveTokens(ConcatenatedArrays):
         if self.token_size not in _TOKEN_SIZES:
             raise DataError(f"token_size_in_bytes must be 2 or 4, got {self.token_size}")
         dtype = np.dtype(f"<u{self.token_size}")
-        arrays = [self._open(file, dtype, recorded[file][2]) for file in files]
+        arrays, self._document_ends = zip(*(self._open(file, dtype, recorded[file][2]) for file in files))
+        self.files_without_index = [file for file, ends in zip(files, self._document_ends) if ends is None]
         if id_share is not None and np.iinfo(dtype).max >= vocab_size:
             part, parts = id_share
             for file, tokens in zip(files, arrays):
                 start, end = len(tokens) * part // parts, len(tokens) * (part + 1) // parts
                 check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start,
                                 vocabulary=f"the {vocab_size} ids of the model's vocabulary")
-        self._concatenate(arrays)
+        self._concatenate(list(arrays))
         self.segment_lengths = tuple(len(tokens) for tokens in arrays)  # windows never cross a file's end
 
     def _one_value(self, what: str, values: dict[Path, object]) -> object | None:
@@ -103,7 +105,8 @@ class DatatroveTokens(ConcatenatedArrays):
                             f"must hold one tokenization, put the others in their own folder")
         return distinct.pop() if distinct else None
 
-    def _open(self, file: Path, dtype: np.dtype, recorded_tokens: int | None) -> np.ndarray:
+    def _open(self, file: Path, dtype: np.dtype, recorded_tokens: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The tokens of ``file`` and the document ends its ``.ds.index`` records (None without one)."""
         size = file.stat().st_size
         if size % dtype.itemsize:
             raise DataError(f"{file} holds {size} bytes, not a whole number of {dtype.itemsize}-byte tokens: it is "
@@ -112,10 +115,21 @@ class DatatroveTokens(ConcatenatedArrays):
         if recorded_tokens is not None and recorded_tokens != num_tokens:
             raise DataError(f"{file}.metadata records {recorded_tokens} tokens but {file.name} holds {num_tokens}: "
                             f"the files do not belong together; re-tokenize the folder")
-        _check_index(file, num_tokens, dtype.itemsize)
-        if num_tokens == 0:  # an empty file cannot be memory-mapped
-            return np.empty(0, dtype=dtype)
-        return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,))
+        return _memory_map(file, dtype, num_tokens), _open_index(file, num_tokens, dtype.itemsize)
+
+    def document_ends(self, start: int, length: int) -> np.ndarray:
+        """Which of the tokens ``[start, start + length)`` end a document, as the files' ``.ds.index`` record them
+        (every file must have one: ``files_without_index`` is empty)."""
+        out = np.zeros(length, dtype=bool)
+        stop = start + length
+        file = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        while file < len(self._document_ends) and self._shard_starts[file] < stop:
+            offset, ends = int(self._shard_starts[file]), self._document_ends[file]
+            bounds = np.array([max(start - offset, 0), stop - offset], dtype=np.uint64)
+            first, last = np.searchsorted(ends, bounds, side="right")  # the ends e with start < e + offset <= stop
+            out[ends[first:last].astype(np.int64) + (offset - 1 - start)] = True
+            file += 1
+        return out
 
     def _id_remedy(self) -> str:
         written_by = (f"tokenized with {self.tokenizer_name}, whose" if self.tokenizer_name else
@@ -146,25 +160,28 @@ def _read_file_metadata(file: Path) -> tuple[str | None, int | None, int | None]
     return (None if name == _UNKNOWN_TOKENIZER else name), size, count
 
 
-def _check_index(file: Path, num_tokens: int, token_size: int) -> None:
-    """Refuse a ``.ds.index`` whose last document end is not the end of its ``.ds`` file (they were not written
-    together). The index itself is not needed to cut samples."""
+def _memory_map(file: Path, dtype: np.dtype, length: int) -> np.ndarray:
+    if length == 0:  # an empty file cannot be memory-mapped
+        return np.empty(0, dtype=dtype)
+    return np.memmap(file, dtype=dtype, mode="r", shape=(length,))
+
+
+def _open_index(file: Path, num_tokens: int, token_size: int) -> np.ndarray | None:
+    """The document ends that ``<file>.index`` records (None without one); refused if the last of them is not the
+    end of ``file`` (they were not written together). Samples are cut without it; document masking reads it."""
     index = file.with_name(file.name + ".index")
     if not index.is_file():
-        return
+        return None
     size = index.stat().st_size
     if size % 8:
         raise DataError(f"{index} holds {size} bytes, not a whole number of uint64 document ends; re-tokenize it")
-    if size == 0:
-        last_end = 0
-    else:
-        with index.open("rb") as handle:
-            handle.seek(size - 8)
-            last_end = int(np.frombuffer(handle.read(8), dtype="<u8")[0])
+    ends = _memory_map(index, np.dtype("<u8"), size // 8)
+    last_end = int(ends[-1]) if len(ends) else 0
     if last_end != num_tokens:
         raise DataError(f"{index} ends its last document at token {last_end} but {file.name} holds {num_tokens} "
                         f"tokens of {token_size} bytes: the token size is wrong or the files do not belong together; "
                         f"check token_size_in_bytes or re-tokenize the folder")
+    return ends
 
 
 def _check_is_a_file(file: Path) -> None:
@@ -205,12 +222,14 @@ class DatatroveDataset(BlendedDataset):
 
     The folders must be tokenized by one tokenizer. Datatrove records it by name: ``tokenizer_fingerprints`` are those
     of the files the names lead to on this machine (``TokenizerIdentity.find``; None where there are none), so that
-    folders, the model's tokenizer and a checkpoint's are compared by content.
+    folders, the model's tokenizer and a checkpoint's are compared by content. With ``document_ends`` (document
+    masking) the samples carry the document ends the ``.ds.index`` files record, when every file has one
+    (``records_document_ends``; else ``files_without_index`` names those that have none).
     """
 
     def __init__(self, folders: str | Path | Sequence[str | Path], weights: Sequence[float] | None,
                  sequence_length: int, seed: int, vocab_size: int, token_size: int | None = None,
-                 id_share: tuple[int, int] = (0, 1)):
+                 id_share: tuple[int, int] = (0, 1), document_ends: bool = False):
         folders = folder_list(folders)
         check_sequence_length(sequence_length)
         streams = [DatatroveTokens(folder, vocab_size, token_size, id_share) for folder in folders]
@@ -220,6 +239,8 @@ class DatatroveDataset(BlendedDataset):
         found = {name: TokenizerIdentity.find(name) for name in set(self.tokenizer_names) if name is not None}
         self.tokenizer_fingerprints = [found[name].fingerprint if name else None for name in self.tokenizer_names]
         _check_one_tokenizer(streams, found)
+        self.files_without_index = [file for stream in streams for file in stream.files_without_index]
+        self.records_document_ends = document_ends and not self.files_without_index
         super().__init__(streams, weights, sequence_length, seed, window_stride=sequence_length + 1)
 
 

@@ -14,7 +14,7 @@ import torch
 from nanotron.checkpoint.manager import first_problem
 from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, HFDatasetArgs
 from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
-from nanotron.data.datatrove_folder import DatatroveDataset, not_a_token_folder
+from nanotron.data.datatrove_folder import DatatroveDataset, briefly, not_a_token_folder
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
 from nanotron.data.synthetic import SyntheticDataset
@@ -97,9 +97,10 @@ def tokenizer_problem(stage: DatasetStageArgs, dataset: SampleSource,
 
 def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str, int | None]:
     """Per data stage, the id that ends the documents packed in its samples, which document masking cuts them at
-    (all None without it): the one its folders record (``nanotron preprocess``, Hugging Face datasets), else the
-    tokenizer's (datatrove folders record none), else for synthetic tokens ``model_config.eos_token_id``. Refuses a
-    stage without one before the model is allocated."""
+    (all None without it; None too for a stage whose samples carry the document ends their source recorded, the
+    ``.ds.index`` files of datatrove folders): the one its folders record (``nanotron preprocess``, Hugging Face
+    datasets), else the tokenizer's, else for synthetic tokens ``model_config.eos_token_id``. Refuses a stage without
+    one before the model is allocated."""
     model_config = config.model.model_config
     if not spec_for_config(model_config).document_masking(model_config):
         return dict.fromkeys(datasets)
@@ -110,12 +111,27 @@ def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str
         end = dataset.eos_token_id if dataset.eos_token_id is not None else tokenizer_end
         if end is None and isinstance(dataset, SyntheticDataset):
             end = model_config.eos_token_id
-        if end is None:
-            raise ConfigError(f"data stage {stage!r}: model.model_config._use_doc_masking cuts samples at the "
-                              "end-of-document id, which datatrove folders do not record; set "
-                              "tokenizer.tokenizer_name_or_path to the tokenizer that wrote them")
+        if dataset.records_document_ends:
+            end = None
+        elif end is None:
+            raise ConfigError(_no_document_end(stage, dataset))
+        elif isinstance(dataset, DatatroveDataset):
+            logger.warning(f"data stage {stage!r}: files without a .ds.index ({briefly(dataset.files_without_index)}); "
+                           f"document masking cuts the documents at the end-of-document id {end} of {name}")
         ends[stage] = end
     return ends
+
+
+def _no_document_end(stage: str, dataset: SampleSource) -> str:
+    """Why document masking cannot cut a stage's samples, and what to set."""
+    masking = "model.model_config._use_doc_masking"
+    if isinstance(dataset, SyntheticDataset):
+        return (f"data stage {stage!r} trains on synthetic tokens (dataset: null), which {masking} cuts at "
+                "model.model_config.eos_token_id, but it is null; set eos_token_id, or _use_doc_masking: false")
+    return (f"data stage {stage!r}: {masking} needs the ends of the documents, but files have no .ds.index "
+            f"({briefly(dataset.files_without_index)}; datatrove writes one unless save_index=False) and no "
+            "end-of-document id is known; set tokenizer.tokenizer_name_or_path to the tokenizer that wrote them, or "
+            "tokenize them again with their index")
 
 
 def domain_sources(stage: DatasetStageArgs, dataset: SampleSource) -> list[str]:
@@ -143,7 +159,9 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
     if isinstance(source, HFDatasetArgs):
         dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
     elif _holds_datatrove_files(source.dataset_folder):
-        dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab)
+        masking = spec_for_config(config.model.model_config).document_masking(config.model.model_config)
+        dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab,
+                                               document_ends=masking)
     else:
         dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
     for feature in features:
@@ -152,14 +170,17 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
 
 
 def _datatrove_read_by_all_ranks(pc: ParallelContext, source: DatasetArgs, weights: list[float] | None,
-                                  sequence_length: int, seed: int, vocab_size: int) -> DatatroveDataset:
+                                  sequence_length: int, seed: int, vocab_size: int,
+                                  document_ends: bool = False) -> DatatroveDataset:
     """A datatrove stage, each rank checking the ids of its share of every file (datatrove records no id range, so
     the check reads the data: once per run, not once per rank, which from a network file system took minutes for
-    every rank of every run); what any rank found stops every rank with its message."""
+    every rank of every run); what any rank found stops every rank with its message. ``document_ends``: its samples
+    carry the document ends that the folders' indexes record (document masking)."""
     dataset, problem = None, None
     try:
         dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed, vocab_size=vocab_size,
-                                   token_size=source.token_size_in_bytes, id_share=(pc.rank, pc.world_size))
+                                   token_size=source.token_size_in_bytes, id_share=(pc.rank, pc.world_size),
+                                   document_ends=document_ends)
     except DataError as error:
         problem = str(error)
     problem = first_problem(problem, pc.world_size)
