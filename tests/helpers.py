@@ -730,13 +730,14 @@ def corpus_documents(corpus: Path) -> list[str]:
 
 
 def datatrove_folder(folder: Path, documents: list[str], tokenizer: Path, **options) -> Path:
-    """``documents`` tokenized by datatrove's DocumentTokenizer, as upstream users write their data."""
+    """``documents`` tokenized by datatrove's DocumentTokenizer, as upstream users write their data (each followed by
+    the end-of-document token unless ``eos_token=None``)."""
     pytest.importorskip("datatrove", reason='datatrove writes the .ds fixtures; pip install -e ".[test]"')
     from datatrove.data import Document
     from datatrove.pipeline.tokens import DocumentTokenizer
 
-    step = DocumentTokenizer(output_folder=str(folder), tokenizer_name_or_path=str(tokenizer),
-                             eos_token="<|endoftext|>", **options)
+    options = {"eos_token": "<|endoftext|>"} | options
+    step = DocumentTokenizer(output_folder=str(folder), tokenizer_name_or_path=str(tokenizer), **options)
     step.run(iter(Document(text=text, id=str(i)) for i, text in enumerate(documents)), rank=0, world_size=1)
     return folder
 

@@ -16,12 +16,22 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import corpus_documents, datatrove_folder
+from helpers import (
+    Outcome,
+    assert_user_error,
+    cli,
+    corpus_documents,
+    datatrove_folder,
+    tiny_config_dict,
+    write_config,
+    write_corpus,
+)
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
 from nanotron.data.datatrove_folder import DatatroveDataset
 from nanotron.data.loader import MicroBatchLoader
+from nanotron.data.preprocess import preprocess
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import eos_token_id, load_tokenizer
+from nanotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
 
 SEQUENCE_LENGTH = 16
 SEED = 3
@@ -103,19 +113,20 @@ def test_datatrove_folders_blend_by_weight(datatrove_folders):
     assert torch.bincount(domains).tolist() == [BLEND_PERIOD // 4, 3 * BLEND_PERIOD // 4]
 
 
-def test_datatrove_ids_outside_the_vocabulary_name_the_file(datatrove_folders):
+def test_datatrove_ids_outside_the_vocabulary_name_the_file_and_its_tokenizer(tiny_data, datatrove_folders):
     (file,) = datatrove_folders[0].glob("*.ds")
     largest = int(np.fromfile(file, dtype="<u2").max())
     with pytest.raises(DataError) as error:
         DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=largest)
-    _one_line(error, f"file {file} holds token id {largest}", f"({largest} ids)")
+    _one_line(error, f"file {file} holds token id {largest}", f"outside the {largest} ids of the model's vocabulary",
+              f"the folder was tokenized with {tiny_data['tokenizer']}, whose ids go beyond the model's vocabulary")
 
 
 def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError) as error:
         DatatroveDataset(tmp_path / "empty", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
-    _one_line(error, f"{tmp_path / 'empty'} holds no .ds files")
+    _one_line(error, f"{tmp_path / 'empty'} holds neither metadata.json", "nor .ds files")
     with pytest.raises(DataError) as error:
         DatatroveDataset(tmp_path / "absent", None, SEQUENCE_LENGTH, SEED, vocab_size=384)
     _one_line(error, f"dataset folder {tmp_path / 'absent'} does not exist")
@@ -154,6 +165,131 @@ def test_datatrove_files_without_metadata_take_the_token_size_from_the_vocabular
     with pytest.raises(DataError) as error:  # 2-byte tokens read as 4-byte ones: the index tells
         DatatroveDataset(bare, None, SEQUENCE_LENGTH, SEED, vocab_size=384, token_size=4)
     _one_line(error, ".ds.index ends its last document at token", "tokens of 4 bytes", "token_size_in_bytes")
+
+
+def _train_config(tiny_data, tmp_path: Path, folder: Path, **dataset) -> dict:
+    """One training step of the tiny model on ``folder``; ``dataset`` adds keys to data.dataset."""
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 1})
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder)], **dataset}
+    return config
+
+
+def _train(config: dict, tmp_path: Path) -> Outcome:
+    return cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+
+
+def _readable_folder_with(damage: str, datatrove_folders: list[Path], tmp_path: Path) -> tuple[Path, dict]:
+    """A folder damaged as ``damage`` says, and the data.dataset keys that go with it."""
+    if damage == "subfolders":
+        shutil.copytree(datatrove_folders[0], tmp_path / "data" / "part-0")
+        return tmp_path / "data", {}
+    if damage == "empty":
+        (tmp_path / "data").mkdir()
+        return tmp_path / "data", {}
+    folder = shutil.copytree(datatrove_folders[0], tmp_path / "data")
+    if damage == "dangling-link":
+        (folder / "zz.ds").symlink_to(tmp_path / "moved.ds")
+    elif damage == "directory":
+        (folder / "zz.ds").mkdir()
+    return folder, {"vocab_size": 300} if damage == "ids-beyond-the-vocabulary" else {}
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    ("dangling-link", ["zz.ds is a symbolic link to", "moved.ds, which does not exist", "remove the link"]),
+    ("directory", ["zz.ds is not a file", "move it out of"]),
+    ("empty", ["holds neither metadata.json (a folder of nanotron preprocess) nor .ds files (a folder of datatrove"]),
+    ("subfolders", ["holds no .ds files itself, only in its subfolders (", "part-0)",
+                    "read without their subfolders", "list those folders in dataset_folder"]),
+    ("ids-beyond-the-vocabulary", ["outside the 300 ids of the model's vocabulary", "whose ids go beyond"]),
+])
+def test_a_datatrove_folder_that_cannot_be_trained_on_is_one_line(tiny_data, datatrove_folders, tmp_path, damage,
+                                                                   fragments):
+    folder, dataset = _readable_folder_with(damage, datatrove_folders, tmp_path)
+    line = assert_user_error(_train(_train_config(tiny_data, tmp_path, folder, **dataset), tmp_path), str(folder),
+                             *fragments)
+    assert "not by a tokenizer" not in line and "not a preprocessed folder" not in line
+
+
+# ------------------------------------------------------------------------- which tokenizer wrote a folder's tokens
+
+HUB_NAME = "tiny-org/tiny-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory) -> Path:
+    """A tokenizer of the tiny one's size trained on another corpus: the same text gets other ids."""
+    root = tmp_path_factory.mktemp("other_tokenizer")
+    return train_tokenizer([write_corpus(root / "raw", documents=200, seed=5)], 384, root / "tokenizer.json")
+
+
+def _hub_cache(tmp_path: Path, monkeypatch, tokenizer: Path | None) -> None:
+    """A Hugging Face cache on this machine, holding ``tokenizer`` as the Hub's ``HUB_NAME`` (None: not holding it),
+    laid out as huggingface_hub downloads it: a snapshot that refs/main names."""
+    cache = tmp_path / "hub"
+    if tokenizer is not None:
+        repo = cache / ("models--" + HUB_NAME.replace("/", "--"))
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+        shutil.copy(tokenizer, repo / "snapshots" / commit / "tokenizer.json")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+
+
+def _record_tokenizer_name(folder: Path, name: str) -> None:
+    """Rewrite the tokenizer that the folder's .ds.metadata files name, as datatrove writes a Hub name it was given."""
+    for metadata in folder.glob("*.ds.metadata"):
+        first, *rest = metadata.read_text().split("\n")
+        metadata.write_text("\n".join([f"{name}|{first.rsplit('|', 1)[1]}", *rest]))
+
+
+@pytest.mark.parametrize("kind", ["datatrove", "preprocessed"])
+def test_a_folder_written_by_another_tokenizer_is_refused(tiny_data, other_tokenizer, tmp_path, kind):
+    """Against tokenizer.tokenizer_name_or_path, by content: datatrove's metadata names the tokenizer, nanotron
+    preprocess's records its fingerprint too; the two have the same size, so every id fits the model."""
+    folder = tmp_path / "data"
+    if kind == "datatrove":
+        datatrove_folder(folder, corpus_documents(tiny_data["corpus"])[:40], other_tokenizer)
+    else:
+        preprocess([tiny_data["corpus"]], other_tokenizer, folder, num_workers=1)
+    outcome = _train(_train_config(tiny_data, tmp_path, folder), tmp_path)
+    assert_user_error(outcome, f"{folder} was tokenized with {other_tokenizer} but tokenizer.tokenizer_name_or_path "
+                               f"is {tiny_data['tokenizer']}, another tokenizer (their tokenizer.json files differ)",
+                      "set tokenizer.tokenizer_name_or_path to the tokenizer that wrote the data")
+    assert not any((tmp_path / "run").iterdir())  # refused before the first step
+
+
+SAME_TOKENIZER, OTHER_TOKENIZER, NOT_CACHED = "same", "other", "not cached"
+
+
+@pytest.mark.parametrize("recorded, declared, cached, refused", [
+    ("file", "folder", None, None),  # a tokenizer folder and the tokenizer.json inside it
+    (HUB_NAME, HUB_NAME, SAME_TOKENIZER, None),  # a Hub name and its cached copy of the model's tokenizer
+    (HUB_NAME, None, OTHER_TOKENIZER, "tokenizer.tokenizer_name_or_path is {tokenizer}, another tokenizer (their "
+                                      "tokenizer.json files differ)"),
+    (HUB_NAME, None, NOT_CACHED, None),  # not comparable: a warning
+    (HUB_NAME, "folder", NOT_CACHED, "tokenizer_name is {folder}, another tokenizer (the names differ, and the "
+                                     "files of one are not on this machine to compare)"),
+], ids=["folder-and-its-file", "hub-name-cached", "hub-name-cached-differs", "hub-name-not-cached",
+        "hub-name-not-cached-declared-otherwise"])
+def test_tokenizers_are_compared_by_content_not_by_name(tiny_data, datatrove_folders, other_tokenizer, tmp_path,
+                                                        monkeypatch, recorded, declared, cached, refused):
+    tokenizer, folder = tiny_data["tokenizer"], tiny_data["tokenizer"].parent
+    data = shutil.copytree(datatrove_folders[0], tmp_path / "data")
+    if recorded == HUB_NAME:
+        _record_tokenizer_name(data, HUB_NAME)
+    _hub_cache(tmp_path, monkeypatch, {SAME_TOKENIZER: tokenizer, OTHER_TOKENIZER: other_tokenizer}.get(cached))
+    names = {"folder": str(folder), HUB_NAME: HUB_NAME}
+    dataset = {} if declared is None else {"tokenizer_name": names[declared]}
+    outcome = _train(_train_config(tiny_data, tmp_path, data, **dataset), tmp_path)
+    if refused is not None:
+        assert_user_error(outcome, f"{data} was tokenized with {HUB_NAME}",
+                          refused.format(tokenizer=tokenizer, folder=folder))
+        return
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    assert (f"{data} was tokenized with {HUB_NAME}, whose files are not on this machine: its content was not "
+            f"compared with tokenizer.tokenizer_name_or_path ({tokenizer})" in outcome.stderr) == (cached == NOT_CACHED)
 
 
 # --------------------------------------------------------------------------------------------- Hugging Face datasets

@@ -38,7 +38,7 @@ def test_packed_documents_follow_datatrove_conventions():
     from nanotron.data.loader import packed_documents
 
     window = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8, 4, 3], [EOS, 1, 2, 3, 4, 5, 6, 7, 8]])
-    packed = packed_documents(window[:, :-1], EOS)
+    packed = packed_documents(window[:, :-1] == EOS)
     # the end-of-document token belongs to the document it ends; positions restart after it
     assert packed["document_ids"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 1, 1, 1, 1, 1, 1, 1]]
     assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], [0, 0, 1, 2, 3, 4, 5, 6]]
@@ -46,7 +46,7 @@ def test_packed_documents_follow_datatrove_conventions():
     assert packed["label_mask"].tolist() == [[True, True, False, True, False, False, True, True],
                                              [False] + [True] * 7]
     # upstream's collator: label i is kept unless the window's position i + 1 restarts at 0
-    full_positions = packed_documents(window, EOS)["position_ids"]
+    full_positions = packed_documents(window == EOS)["position_ids"]
     assert torch.equal(packed["label_mask"], full_positions[:, 1:] != 0)
 
 
@@ -124,7 +124,7 @@ def test_a_packed_sample_trains_as_its_documents_alone():
     documents[0][-1] = documents[1][-1] = EOS
     window = torch.cat(documents)[None]
     inputs, labels = window[:, :-1], window[:, 1:]
-    packed = packed_documents(inputs, EOS)
+    packed = packed_documents(inputs == EOS)
     model = _model().double()
 
     def losses(ids, targets, **kwargs):
@@ -156,23 +156,25 @@ def _config(tiny_data, run, chunk_tokens: int = 0, **model_config) -> dict:
     return config
 
 
-def _documents_alone(model, micro_batches: list[dict], eos: int, z_coefficient: float) -> tuple[float, float, dict]:
+def _documents_alone(model, micro_batches: list[dict], ends: list[torch.Tensor],
+                     z_coefficient: float = 0.0) -> tuple[float, float, dict]:
     """CE and z-loss over the step's kept targets, each document of each sample run on its own through a copy of
-    the model, divided by the count of kept targets; and the gradients of their sum."""
+    the model, divided by the count of kept targets; and the gradients of their sum. ``ends``: per micro-batch, True
+    on the last input token of every document."""
     from nanotron.models.qwen2.model import Qwen2ForCausalLM
 
     alone = Qwen2ForCausalLM(model.config, model.padded_vocab_size)
     alone.load_state_dict(model.state_dict())
-    count = sum(int((mb["input_ids"] != eos).sum()) for mb in micro_batches)
+    count = sum(int((~micro_batch_ends).sum()) for micro_batch_ends in ends)
     ce = z = 0.0
-    for mb in micro_batches:
-        for ids, labels in zip(mb["input_ids"], mb["labels"]):
-            cuts = [0] + [i + 1 for i in (ids == eos).nonzero().flatten().tolist()] + [len(ids)]
+    for mb, micro_batch_ends in zip(micro_batches, ends):
+        for ids, labels, row_ends in zip(mb["input_ids"], mb["labels"], micro_batch_ends):
+            cuts = [0] + [i + 1 for i in row_ends.nonzero().flatten().tolist()] + [len(ids)]
             for start, end in zip(cuts, cuts[1:]):
                 if start == end:
                     continue
                 logits = alone(input_ids=ids[None, start:end]).float()[0]
-                kept = ids[start:end] != eos  # the last token of a document predicts the next document
+                kept = ~row_ends[start:end]  # the last token of a document predicts the next document
                 ce = ce + torch.nn.functional.cross_entropy(logits, labels[start:end], reduction="none")[kept].sum()
                 z = z + z_coefficient * logits.logsumexp(-1)[kept].square().sum()
     (ce / count + z / count).backward()
@@ -194,7 +196,8 @@ def test_the_trainer_step_is_the_documents_run_alone(tiny_data, tmp_path, chunk_
         micro_batches = trainer._loader(trainer.config.data_stages[0]).next_step()
         assert sum(int((mb["input_ids"] == eos).sum()) for mb in micro_batches) >= 4  # documents to tell apart
         statistics = trainer.forward_backward(micro_batches)
-        ce, z, grads = _documents_alone(trainer.model, micro_batches, eos, 0.05)
+        ce, z, grads = _documents_alone(trainer.model, micro_batches, [mb["input_ids"] == eos for mb in micro_batches],
+                                        0.05)
         assert statistics["lm_loss"].item() == pytest.approx(ce, rel=1e-5)
         assert statistics["z_loss"].item() == pytest.approx(z, rel=1e-5)
         for name, grad in grads.items():
@@ -257,6 +260,16 @@ def test_synthetic_tokens_end_documents_at_the_models_eos_id(tiny_data, tmp_path
     assert document_ends(config_from_dict(config), {"main": SyntheticDataset(384, 64, 0)}) == {"main": 5}
 
 
+def test_synthetic_tokens_without_an_eos_id_name_the_key_to_set(tiny_data, tmp_path):
+    config = _config(tiny_data, tmp_path / "run", eos_token_id=None)
+    config["data_stages"][0]["data"]["dataset"] = None
+    config["tokenizer"] = {"tokenizer_name_or_path": None}
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    line = assert_user_error(outcome, "synthetic tokens (dataset: null)", "model.model_config.eos_token_id",
+                             "set eos_token_id, or _use_doc_masking: false")
+    assert "datatrove" not in line
+
+
 @pytest.fixture(scope="module")
 def datatrove_data(tiny_data, tmp_path_factory):
     from helpers import corpus_documents, datatrove_folder
@@ -265,26 +278,102 @@ def datatrove_data(tiny_data, tmp_path_factory):
                             tiny_data["tokenizer"])
 
 
-def test_datatrove_folders_end_documents_at_the_tokenizers_eos_id(tiny_data, datatrove_data, tmp_path):
+def _recorded_ends(folder, micro_batch: dict) -> torch.Tensor:
+    """The last input token of every document, found without the loader: each sample located in the folder's one
+    .ds file (windows start every sequence_length + 1 tokens), its documents' ends read from the .ds.index."""
+    import numpy as np
+
+    (file,) = folder.glob("*.ds")
+    tokens = torch.from_numpy(np.fromfile(file, dtype="<u2").astype(np.int64))
+    index = np.fromfile(file.with_name(file.name + ".index"), dtype="<u8").astype(np.int64)
+    ends = torch.zeros_like(micro_batch["input_ids"], dtype=torch.bool)
+    for row, (ids, labels) in enumerate(zip(micro_batch["input_ids"], micro_batch["labels"])):
+        window = torch.cat([ids, labels[-1:]])
+        (start,) = [start for start in range(0, len(tokens) - len(window) + 1, len(window))
+                    if torch.equal(tokens[start:start + len(window)], window)]
+        inside = index[(index > start) & (index <= start + len(ids))]
+        ends[row, inside - 1 - start] = True
+    return ends
+
+
+def test_datatrove_folders_without_end_of_document_tokens_are_cut_at_their_index(tiny_data, tmp_path):
+    """A folder written without end-of-document tokens: its .ds.index says where the documents end, and the trainer
+    step is that of the documents run alone (loss and gradients), without a tokenizer; a data-loading worker's copy
+    of the dataset reads the same ends."""
+    import pickle
+
+    from helpers import corpus_documents, datatrove_folder
     from nanotron.config import config_from_dict
     from nanotron.data.tokenizer import eos_token_id, load_tokenizer
     from nanotron.trainer import Trainer
 
+    eos = eos_token_id(load_tokenizer(tiny_data["tokenizer"]))
+    folder = datatrove_folder(tmp_path / "data", corpus_documents(tiny_data["corpus"])[:60], tiny_data["tokenizer"],
+                              eos_token=None)
     config = _config(tiny_data, tmp_path / "run")
-    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(datatrove_data)]}
+    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder)]}
+    config["tokenizer"] = {"tokenizer_name_or_path": None}
     trainer = Trainer(config_from_dict(config))
     try:
-        eos = eos_token_id(load_tokenizer(tiny_data["tokenizer"]))
-        assert trainer.datasets["main"].eos_token_id is None and trainer.document_ends["main"] == eos
-        micro_batch = trainer._loader(trainer.config.data_stages[0]).next_step()[0]
-        assert (micro_batch["input_ids"] == eos).any()
-        assert torch.equal(micro_batch["label_mask"], micro_batch["input_ids"] != eos)
+        dataset = trainer.datasets["main"]
+        assert dataset.records_document_ends and trainer.document_ends["main"] is None
+        micro_batches = trainer._loader(trainer.config.data_stages[0]).next_step()
+        ends = [_recorded_ends(folder, mb) for mb in micro_batches]
+        assert not any((mb["input_ids"] == eos).any() for mb in micro_batches)
+        assert sum(int(micro_batch_ends.sum()) for micro_batch_ends in ends) >= 4  # documents to tell apart
+        statistics = trainer.forward_backward(micro_batches)
+        ce, _, grads = _documents_alone(trainer.model, micro_batches, ends)
+        assert statistics["lm_loss"].item() == pytest.approx(ce, rel=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(trainer.buckets.gradient(name), grad, rtol=1e-4, atol=1e-6, msg=name)
+        reopened = pickle.loads(pickle.dumps(dataset))
+        assert torch.equal(reopened.samples(range(8))["document_ends"], dataset.samples(range(8))["document_ends"])
     finally:
         trainer.close()
 
+
+def test_datatrove_files_without_an_index_end_documents_at_the_tokenizers_eos_id(tiny_data, datatrove_data,
+                                                                                tmp_path):
+    """Where the tokenizer added its end-of-document token, the recorded ends are those tokens; files without a
+    .ds.index are cut at the tokenizer's id (with a warning), and refused without a tokenizer."""
+    import logging
+    import shutil
+
+    from nanotron.config import config_from_dict
+    from nanotron.data.tokenizer import eos_token_id, load_tokenizer
+    from nanotron.trainer import Trainer
+
+    eos = eos_token_id(load_tokenizer(tiny_data["tokenizer"]))
+    unindexed = shutil.copytree(datatrove_data, tmp_path / "unindexed")
+    for index in unindexed.glob("*.ds.index"):
+        index.unlink()
+    warned: list[str] = []
+    warnings = logging.Handler(logging.WARNING)
+    warnings.emit = lambda record: warned.append(record.getMessage())
+    for folder, recorded in ((datatrove_data, True), (unindexed, False)):
+        config = _config(tiny_data, tmp_path / f"run-{recorded}")
+        config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder)]}
+        warned.clear()
+        logging.getLogger("nanotron.trainer").addHandler(warnings)  # the trainer sets up "nanotron" anew
+        try:
+            trainer = Trainer(config_from_dict(config))
+        finally:
+            logging.getLogger("nanotron.trainer").removeHandler(warnings)
+        try:
+            assert any("files without a .ds.index" in line and f"end-of-document id {eos}" in line
+                       for line in warned) != recorded
+            assert trainer.datasets["main"].records_document_ends == recorded
+            assert trainer.document_ends["main"] == (None if recorded else eos)
+            micro_batch = trainer._loader(trainer.config.data_stages[0]).next_step()[0]
+            assert (micro_batch["input_ids"] == eos).any()
+            assert torch.equal(micro_batch["label_mask"], micro_batch["input_ids"] != eos)
+        finally:
+            trainer.close()
+
     config["tokenizer"] = {"tokenizer_name_or_path": None}
     outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
-    assert_user_error(outcome, "_use_doc_masking", "set tokenizer.tokenizer_name_or_path")
+    assert_user_error(outcome, "_use_doc_masking needs the ends of the documents", f"{unindexed}", "no .ds.index",
+                      "set tokenizer.tokenizer_name_or_path")
 
 
 # --- config ----------------------------------------------------------------------------------------------------------
@@ -347,7 +436,7 @@ def test_cuda_model_with_documents_matches_the_cpu_reference():
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(10, 384, (2, 200), generator=generator)
     ids[ids % 17 == 0] = EOS
-    packed = packed_documents(ids, EOS)
+    packed = packed_documents(ids == EOS)
     model = _model()
     with torch.no_grad():
         reference = model(input_ids=ids, position_ids=packed["position_ids"], document_ids=packed["document_ids"])

@@ -31,7 +31,7 @@ def test_pairs_of_documents_with_known_lengths():
     from nanotron.data.loader import packed_documents
     from nanotron.models.spec import attended_pairs
 
-    packed = packed_documents(_packed_batch(), EOS)
+    packed = packed_documents(_packed_batch() == EOS)
     assert packed["document_ids"][0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2]
     positions = packed["position_ids"]
     assert attended_pairs(positions).item() == 79
@@ -55,7 +55,7 @@ def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
     config = Qwen2Config(**fields)
     costs = qwen2_costs(config, 384, 10)
     assert costs.attention_windows == (4, 4, None) and costs.attention_pair_flops == (768.0,) * 3
-    positions = packed_documents(_packed_batch(), EOS)["position_ids"]
+    positions = packed_documents(_packed_batch() == EOS)["position_ids"]
     attention = costs.document_attention_flops(positions)
     assert attention.item() == 768 * (57 + 57 + 79)
 

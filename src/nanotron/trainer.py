@@ -88,7 +88,8 @@ class Trainer:
 
         self.checkpoints = RunCheckpoints(config, self.pc)
         self.datasets, self.tokenizer_fingerprint = load_data(config, self.pc, self.features)
-        self.document_ends = document_ends(config, self.datasets)  # per stage; None: no document masking
+        # Per stage; None: no document masking, or samples that carry their documents' ends.
+        self.document_ends = document_ends(config, self.datasets)
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
         self._document_masking = spec_for_config(model_config).document_masking(model_config)

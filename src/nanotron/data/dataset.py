@@ -52,22 +52,27 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard",
-                    first: int = 0) -> None:
+                    first: int = 0, vocabulary: str | None = None) -> None:
     """Refuse ``tokens`` (the ids of the ``kind`` file ``path`` from its token ``first`` on) if one lies outside
     ``[0, vocab_size)``: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from
-    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``remedy`` ends the error:
-    what is wrong and what to do."""
+    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``vocabulary`` says whose
+    ``vocab_size`` ids these are (default: the shard's tokenizer's); ``remedy`` ends the error: what is wrong and
+    what to do."""
+    vocabulary = vocabulary or f"the vocabulary of its tokenizer ({vocab_size} ids)"
     for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
         chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
         if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
             continue
         position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
         raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {first + start + position}, "
-                        f"outside the vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
+                        f"outside {vocabulary}: {remedy}")
 
 
 class TokenStream(Protocol):
-    """What the blending code reads of one domain: its token stream, cut into segments that windows do not cross."""
+    """What the blending code reads of one domain: its token stream, cut into segments that windows do not cross.
+    A stream that records where its documents end (``DatatroveTokens``) also has ``document_ends(start, length)``, a
+    boolean array marking the last token of each document, which a ``BlendedDataset`` that ``records_document_ends``
+    reads."""
 
     folder: Path
     name: str
@@ -122,6 +127,7 @@ class TokenShards(ConcatenatedArrays):
             self.vocab_size = int(tokenizer["vocab_size"])
             self.eos_token_id = int(tokenizer["eos_token_id"])
             self.tokenizer_fingerprint = str(tokenizer["fingerprint"])
+            self.tokenizer_name = tokenizer.get("name_or_path")
             recorded_tokens = int(metadata["num_tokens"])
             dtype = np.dtype(metadata["dtype"])
             if dtype.kind not in "iu":
@@ -217,6 +223,12 @@ class SampleSource(Protocol):
     domain_names: list[str]
     weights: list[float]
     eos_token_id: int | None  # the end-of-document id the tokens were written with, where the source records it
+    # Per domain, the tokenizer its data records: by name and by fingerprint (None where the source does not say).
+    tokenizer_names: list[str | None]
+    tokenizer_fingerprints: list[str | None]
+    # Whether ``samples`` also gives ``document_ends`` (bool, shaped like ``tokens``: True on the last token of every
+    # document), the ends the source recorded, which document masking then reads instead of an end-of-document id.
+    records_document_ends: bool
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...
 
@@ -228,6 +240,8 @@ class BlendedDataset:
     default) makes neighbours share one token, ``sequence_length + 1`` makes them disjoint. ``weights`` defaults to
     the streams' token counts. Domain ids are positions in ``streams``.
     """
+
+    records_document_ends = False  # a subclass whose streams have ``document_ends`` may set it
 
     def __init__(self, streams: Sequence[TokenStream], weights: Sequence[float] | None, sequence_length: int,
                  seed: int, window_stride: int | None = None):
@@ -264,12 +278,18 @@ class BlendedDataset:
         return self._read_window(int(domains[0]), int(windows[0])), int(domains[0])
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
-        """The samples ``indices`` stacked: ``tokens`` [n, sequence_length + 1] and ``domain_ids`` [n], int64."""
+        """The samples ``indices`` stacked: ``tokens`` [n, sequence_length + 1] and ``domain_ids`` [n], int64; with
+        ``records_document_ends``, ``document_ends`` too (bool, like ``tokens``)."""
         domains, windows = self._locate(indices)
         tokens = np.empty((len(domains), self.sequence_length + 1), dtype=np.int64)
         for row, (domain, window) in enumerate(zip(domains.tolist(), windows.tolist())):
             tokens[row] = self._read_window(domain, window)
-        return {"tokens": torch.from_numpy(tokens), "domain_ids": torch.from_numpy(domains)}
+        batch = {"tokens": torch.from_numpy(tokens), "domain_ids": torch.from_numpy(domains)}
+        if self.records_document_ends:
+            batch["document_ends"] = torch.from_numpy(np.stack([
+                self._streams[domain].document_ends(self._window_start(domain, window), self.sequence_length + 1)
+                for domain, window in zip(domains.tolist(), windows.tolist())]))
+        return batch
 
     def _locate(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Domain id and window index of each global sample index, vectorised over the indices."""
@@ -288,11 +308,14 @@ class BlendedDataset:
         return domains, windows
 
     def _read_window(self, domain: int, window: int) -> np.ndarray:
+        return self._streams[domain].read(self._window_start(domain, window), self.sequence_length + 1)
+
+    def _window_start(self, domain: int, window: int) -> int:
+        """The first token of a domain's window in its stream."""
         first_windows = self._segment_first_windows[domain]
         segment = int(np.searchsorted(first_windows, window, side="right")) - 1
         # Empty segments share their first window with the next one; searchsorted lands on the last of them.
-        start = int(self._segment_starts[domain][segment]) + (window - int(first_windows[segment])) * self.window_stride
-        return self._streams[domain].read(start, self.sequence_length + 1)
+        return int(self._segment_starts[domain][segment]) + (window - int(first_windows[segment])) * self.window_stride
 
 
 def check_sequence_length(sequence_length: int) -> None:
@@ -314,6 +337,7 @@ class PretrainDataset(BlendedDataset):
         self.vocab_size = max(folder.vocab_size for folder in shards)
         self.eos_token_id = shards[0].eos_token_id  # one tokenizer (checked below), so one end-of-document id
         self.tokenizer_fingerprints = [folder.tokenizer_fingerprint for folder in shards]
+        self.tokenizer_names = [folder.tokenizer_name for folder in shards]
         if len(set(self.tokenizer_fingerprints)) > 1:
             raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
                             + ", ".join(f"{folder.folder}: {folder.tokenizer_fingerprint[:12]}" for folder in shards)

@@ -4,7 +4,8 @@ datatrove's ``DocumentTokenizer`` (and ``DocumentTokenizerMerger``) write, for e
 
     <name>.ds           the token ids, raw little-endian uint16 (token size 2) or uint32 (token size 4), documents
                         back to back, each followed by the end-of-document id when the tokenizer adds one
-    <name>.ds.index     optional: uint64 little-endian, the cumulative end (in tokens) of every document
+    <name>.ds.index     optional: uint64 little-endian, the cumulative end (in tokens) of every document, where
+                        document masking cuts the samples (``DatatroveDataset``'s ``document_ends``)
     <name>.ds.metadata  optional: a text file, "<tokenizer name>|<token size>", the token count, the count in words
     <name>.ds.loss      optional: a loss mask, one byte per token (not read)
 
@@ -20,6 +21,7 @@ resumption are ``dataset.BlendedDataset``'s: sample ``g`` is a pure function of 
 the folders, at any layout.
 """
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from nanotron.data.dataset import (
     domain_name,
     folder_list,
 )
+from nanotron.data.preprocess import METADATA_FILE_NAME
+from nanotron.data.tokenizer import TokenizerIdentity
 
 __all__ = ["DatatroveDataset", "DatatroveTokens", "token_size_for"]
 
@@ -67,8 +71,9 @@ class DatatroveTokens(ConcatenatedArrays):
             raise DataError(f"dataset folder {self.folder} does not exist; check dataset_folder")
         files = sorted(self.folder.glob("*.ds"))
         if not files:
-            raise DataError(f"{self.folder} holds no .ds files; point dataset_folder at the output folder of "
-                            f"datatrove's DocumentTokenizer")
+            raise DataError(not_a_token_folder(self.folder))
+        for file in files:
+            _check_is_a_file(file)
         recorded = {file: _read_file_metadata(file) for file in files}
         self.tokenizer_name = self._one_value("tokenizers", {file: name for file, (name, _, _) in recorded.items()})
         recorded_size = self._one_value("token sizes", {file: size for file, (_, size, _) in recorded.items()})
@@ -80,13 +85,15 @@ class DatatroveTokens(ConcatenatedArrays):
         if self.token_size not in _TOKEN_SIZES:
             raise DataError(f"token_size_in_bytes must be 2 or 4, got {self.token_size}")
         dtype = np.dtype(f"<u{self.token_size}")
-        arrays = [self._open(file, dtype, recorded[file][2]) for file in files]
+        arrays, self._document_ends = zip(*(self._open(file, dtype, recorded[file][2]) for file in files))
+        self.files_without_index = [file for file, ends in zip(files, self._document_ends) if ends is None]
         if id_share is not None and np.iinfo(dtype).max >= vocab_size:
             part, parts = id_share
             for file, tokens in zip(files, arrays):
                 start, end = len(tokens) * part // parts, len(tokens) * (part + 1) // parts
-                check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start)
-        self._concatenate(arrays)
+                check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start,
+                                vocabulary=f"the {vocab_size} ids of the model's vocabulary")
+        self._concatenate(list(arrays))
         self.segment_lengths = tuple(len(tokens) for tokens in arrays)  # windows never cross a file's end
 
     def _one_value(self, what: str, values: dict[Path, object]) -> object | None:
@@ -98,7 +105,8 @@ class DatatroveTokens(ConcatenatedArrays):
                             f"must hold one tokenization, put the others in their own folder")
         return distinct.pop() if distinct else None
 
-    def _open(self, file: Path, dtype: np.dtype, recorded_tokens: int | None) -> np.ndarray:
+    def _open(self, file: Path, dtype: np.dtype, recorded_tokens: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The tokens of ``file`` and the document ends its ``.ds.index`` records (None without one)."""
         size = file.stat().st_size
         if size % dtype.itemsize:
             raise DataError(f"{file} holds {size} bytes, not a whole number of {dtype.itemsize}-byte tokens: it is "
@@ -107,15 +115,27 @@ class DatatroveTokens(ConcatenatedArrays):
         if recorded_tokens is not None and recorded_tokens != num_tokens:
             raise DataError(f"{file}.metadata records {recorded_tokens} tokens but {file.name} holds {num_tokens}: "
                             f"the files do not belong together; re-tokenize the folder")
-        _check_index(file, num_tokens, dtype.itemsize)
-        if num_tokens == 0:  # an empty file cannot be memory-mapped
-            return np.empty(0, dtype=dtype)
-        return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,))
+        return _memory_map(file, dtype, num_tokens), _open_index(file, num_tokens, dtype.itemsize)
+
+    def document_ends(self, start: int, length: int) -> np.ndarray:
+        """Which of the tokens ``[start, start + length)`` end a document, as the files' ``.ds.index`` record them
+        (every file must have one: ``files_without_index`` is empty)."""
+        out = np.zeros(length, dtype=bool)
+        stop = start + length
+        file = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        while file < len(self._document_ends) and self._shard_starts[file] < stop:
+            offset, ends = int(self._shard_starts[file]), self._document_ends[file]
+            bounds = np.array([max(start - offset, 0), stop - offset], dtype=np.uint64)
+            first, last = np.searchsorted(ends, bounds, side="right")  # the ends e with start < e + offset <= stop
+            out[ends[first:last].astype(np.int64) + (offset - 1 - start)] = True
+            file += 1
+        return out
 
     def _id_remedy(self) -> str:
-        written_by = f"written by {self.tokenizer_name}, " if self.tokenizer_name else ""
-        return (f"the folder was {written_by}not by a tokenizer of {self.vocab_size} ids; use the model's tokenizer "
-                f"and vocab_size")
+        written_by = (f"tokenized with {self.tokenizer_name}, whose" if self.tokenizer_name else
+                      "tokenized (its .ds.metadata names no tokenizer) with a tokenizer whose")
+        return (f"the folder was {written_by} ids go beyond the model's vocabulary; train on data tokenized with the "
+                f"model's tokenizer, or set vocab_size to that tokenizer's vocabulary")
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers); their ids were checked here.
@@ -140,25 +160,56 @@ def _read_file_metadata(file: Path) -> tuple[str | None, int | None, int | None]
     return (None if name == _UNKNOWN_TOKENIZER else name), size, count
 
 
-def _check_index(file: Path, num_tokens: int, token_size: int) -> None:
-    """Refuse a ``.ds.index`` whose last document end is not the end of its ``.ds`` file (they were not written
-    together). The index itself is not needed to cut samples."""
+def _memory_map(file: Path, dtype: np.dtype, length: int) -> np.ndarray:
+    if length == 0:  # an empty file cannot be memory-mapped
+        return np.empty(0, dtype=dtype)
+    return np.memmap(file, dtype=dtype, mode="r", shape=(length,))
+
+
+def _open_index(file: Path, num_tokens: int, token_size: int) -> np.ndarray | None:
+    """The document ends that ``<file>.index`` records (None without one); refused if the last of them is not the
+    end of ``file`` (they were not written together). Samples are cut without it; document masking reads it."""
     index = file.with_name(file.name + ".index")
     if not index.is_file():
-        return
+        return None
     size = index.stat().st_size
     if size % 8:
         raise DataError(f"{index} holds {size} bytes, not a whole number of uint64 document ends; re-tokenize it")
-    if size == 0:
-        last_end = 0
-    else:
-        with index.open("rb") as handle:
-            handle.seek(size - 8)
-            last_end = int(np.frombuffer(handle.read(8), dtype="<u8")[0])
+    ends = _memory_map(index, np.dtype("<u8"), size // 8)
+    last_end = int(ends[-1]) if len(ends) else 0
     if last_end != num_tokens:
         raise DataError(f"{index} ends its last document at token {last_end} but {file.name} holds {num_tokens} "
                         f"tokens of {token_size} bytes: the token size is wrong or the files do not belong together; "
                         f"check token_size_in_bytes or re-tokenize the folder")
+    return ends
+
+
+def _check_is_a_file(file: Path) -> None:
+    """Refuse a ``*.ds`` entry that cannot be read as a token file: a dangling symbolic link, a directory."""
+    if file.is_symlink() and not file.exists():
+        raise DataError(f"{file} is a symbolic link to {os.readlink(file)}, which does not exist; restore the file "
+                        f"it points to, or remove the link")
+    if not file.is_file():
+        raise DataError(f"{file} is not a file but datatrove folders hold their tokens in *.ds files; move it out of "
+                        f"{file.parent}")
+
+
+def briefly(paths: Sequence[Path], shown: int = 3) -> str:
+    """The first ``shown`` of ``paths`` and how many more there are, for a message."""
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(str(path) for path in paths[:shown]) + more
+
+
+def not_a_token_folder(folder: Path) -> str:
+    """Why ``folder`` (a directory) holds no tokens to train on: neither ``nanotron preprocess``'s metadata.json nor
+    datatrove's ``*.ds`` files; names the subfolders that hold ``*.ds`` files, which are not searched."""
+    nested = sorted({file.parent for file in folder.rglob("*.ds")})
+    if nested:
+        return (f"{folder} holds no .ds files itself, only in its subfolders ({briefly(nested)}); datatrove folders "
+                f"are read without their subfolders, as upstream's Nanoset reads them: list those folders in "
+                f"dataset_folder")
+    return (f"{folder} holds neither {METADATA_FILE_NAME} (a folder of nanotron preprocess) nor .ds files (a folder "
+            f"of datatrove's DocumentTokenizer); point dataset_folder at one of them")
 
 
 class DatatroveDataset(BlendedDataset):
@@ -168,23 +219,37 @@ class DatatroveDataset(BlendedDataset):
     ``vocab_size`` is the model's vocabulary, which every id is checked against (datatrove records only the
     tokenizer's name; ``id_share``: this process's share of the reading, ``DatatroveTokens``); ``token_size`` is
     upstream's ``token_size_in_bytes``, needed only for files without metadata.
-    The folders must name one tokenizer. ``tokenizer_fingerprints`` are None: datatrove records no fingerprint, so the
-    tokenizer is known by its name only (``tokenizer_names``).
+
+    The folders must be tokenized by one tokenizer. Datatrove records it by name: ``tokenizer_fingerprints`` are those
+    of the files the names lead to on this machine (``TokenizerIdentity.find``; None where there are none), so that
+    folders, the model's tokenizer and a checkpoint's are compared by content. With ``document_ends`` (document
+    masking) the samples carry the document ends the ``.ds.index`` files record, when every file has one
+    (``records_document_ends``; else ``files_without_index`` names those that have none).
     """
 
     def __init__(self, folders: str | Path | Sequence[str | Path], weights: Sequence[float] | None,
                  sequence_length: int, seed: int, vocab_size: int, token_size: int | None = None,
-                 id_share: tuple[int, int] = (0, 1)):
+                 id_share: tuple[int, int] = (0, 1), document_ends: bool = False):
         folders = folder_list(folders)
         check_sequence_length(sequence_length)
         streams = [DatatroveTokens(folder, vocab_size, token_size, id_share) for folder in folders]
         self.vocab_size = vocab_size
         self.eos_token_id = None  # datatrove records none: it is the tokenizer's
         self.tokenizer_names = [stream.tokenizer_name for stream in streams]
-        self.tokenizer_fingerprints = [None] * len(streams)
-        if len({name for name in self.tokenizer_names if name is not None}) > 1:
-            raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
-                            + ", ".join(f"{stream.folder}: {stream.tokenizer_name}" for stream in streams
-                                        if stream.tokenizer_name is not None)
-                            + "); tokenize them all with the same tokenizer")
+        found = {name: TokenizerIdentity.find(name) for name in set(self.tokenizer_names) if name is not None}
+        self.tokenizer_fingerprints = [found[name].fingerprint if name else None for name in self.tokenizer_names]
+        _check_one_tokenizer(streams, found)
+        self.files_without_index = [file for stream in streams for file in stream.files_without_index]
+        self.records_document_ends = document_ends and not self.files_without_index
         super().__init__(streams, weights, sequence_length, seed, window_stride=sequence_length + 1)
+
+
+def _check_one_tokenizer(streams: Sequence[DatatroveTokens], found: dict[str, TokenizerIdentity]) -> None:
+    """Refuse folders tokenized by different tokenizers: by content where their files are on this machine, else by
+    name (``TokenizerIdentity.same_as``)."""
+    named = [stream for stream in streams if stream.tokenizer_name is not None]
+    if all(found[stream.tokenizer_name].same_as(found[named[0].tokenizer_name]) for stream in named[1:]):
+        return
+    raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
+                    + ", ".join(f"{stream.folder}: {stream.tokenizer_name}" for stream in named)
+                    + "); tokenize them all with the same tokenizer")

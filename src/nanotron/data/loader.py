@@ -52,16 +52,16 @@ def rank_micro_batches(indices: range, dp_rank: int, dp_size: int, micro_batch_s
     return [block[micro * micro_batch_size:(micro + 1) * micro_batch_size] for micro in range(accumulation)]
 
 
-def packed_documents(input_ids: torch.Tensor, end_of_document: int) -> dict[str, torch.Tensor]:
-    """The documents packed in each sample of ``input_ids`` [batch, seq], as datatrove and upstream nanotron count
-    them: the ``end_of_document`` token belongs to the document it ends, and the next token starts another.
+def packed_documents(ends: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The documents packed in each sample, from ``ends`` [batch, seq] (bool: True on the last token of every
+    document, be it an end-of-document token or a document end that the data records), as datatrove and upstream
+    nanotron count them: the last token belongs to the document it ends, and the next token starts another.
 
     ``document_ids`` number the documents of a sample from 0; ``position_ids`` restart at 0 at the start of the sample
-    and after each end-of-document token; ``label_mask`` leaves out the target that follows an end-of-document token
-    (the next document's first token, which nothing inside that document can predict).
+    and after each document's last token; ``label_mask`` leaves out the target that follows it (the next document's
+    first token, which nothing inside that document can predict).
     """
-    ends = input_ids == end_of_document
-    index = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    index = torch.arange(ends.shape[1]).expand_as(ends)
     starts = torch.ones_like(ends)
     starts[:, 1:] = ends[:, :-1]
     first_of_document = torch.where(starts, index, 0).cummax(dim=1).values
@@ -70,14 +70,17 @@ def packed_documents(input_ids: torch.Tensor, end_of_document: int) -> dict[str,
 
 
 def _to_micro_batch(samples: dict[str, torch.Tensor], end_of_document: int | None) -> dict[str, torch.Tensor]:
-    """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens; with an ``end_of_document`` id
-    (document masking) the documents packed in them too (``packed_documents``)."""
+    """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens; under document masking the
+    documents packed in them too (``packed_documents``): where the samples carry the document ends their source
+    recorded (``SampleSource.records_document_ends``), else where the ``end_of_document`` id stands."""
     tokens = samples["tokens"]
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     micro_batch = {"input_ids": input_ids, "labels": labels, "label_mask": torch.ones_like(labels, dtype=torch.bool),
                    "domain_ids": samples["domain_ids"]}
-    if end_of_document is not None:
-        micro_batch |= packed_documents(input_ids, end_of_document)
+    if "document_ends" in samples:
+        micro_batch |= packed_documents(samples["document_ends"][:, :-1])
+    elif end_of_document is not None:
+        micro_batch |= packed_documents(input_ids == end_of_document)
     return micro_batch
 
 
@@ -125,7 +128,7 @@ class MicroBatchLoader:
     """This data-parallel rank's micro-batches, step after step, from ``start_step`` of a data stage on.
 
     Each micro-batch is ``{"input_ids", "labels", "label_mask", "domain_ids"}``: int64 ``[mbs, S]``, int64
-    ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``; with an ``end_of_document`` id (document masking) also
+    ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``; under document masking (``_to_micro_batch``) also
     ``"position_ids"`` and ``"document_ids"``, int64 ``[mbs, S]``, computed here (in the workers, off the training
     loop) and read by every pipeline stage. With ``num_workers > 0`` worker processes load ahead of the training
     loop; the batches are identical to those of ``num_workers = 0``.

@@ -31,6 +31,8 @@ class SyntheticDataset:
         self.domain_names = ["synthetic"]
         self.weights = [1.0]
         self.tokenizer_fingerprints = [None]
+        self.tokenizer_names = [None]
+        self.records_document_ends = False
         self.eos_token_id = None  # random ids: documents end wherever the model's end-of-document id falls
         self._key = np.uint64(_splitmix64(seed & ((1 << 64) - 1)))
         self._positions = (np.arange(1, sequence_length + 2, dtype=np.uint64) * _GOLDEN)[None, :]

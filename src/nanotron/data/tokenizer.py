@@ -2,11 +2,15 @@
 
 A preprocessed folder stores token ids, which only mean something together with the tokenizer that produced
 them. ``tokenizer_fingerprint`` gives that tokenizer a stable identity, recorded in every folder, so a blend of
-folders or a model can be checked against it instead of silently training on mismatched ids.
+folders or a model can be checked against it instead of silently training on mismatched ids. ``TokenizerIdentity``
+compares tokenizers known by a name only (datatrove records one) by the same fingerprint, wherever their files are on
+this machine.
 """
 
 import hashlib
+import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -105,3 +109,68 @@ def eos_token_id(tokenizer: Tokenizer) -> int:
             return token_id
     raise TokenizerError(f"the tokenizer has none of the end-of-document tokens {', '.join(EOS_TOKEN_CANDIDATES)}; "
                          f"use a tokenizer that defines one (e.g. train one with `nanotron train-tokenizer`)")
+
+
+def local_tokenizer_file(name_or_path: str | Path, revision: str | None = None) -> Path | None:
+    """The ``tokenizer.json`` that ``name_or_path`` leads to on this machine, found without the network: the file
+    itself, the one inside a folder, or a Hugging Face Hub name's copy in the local cache (at ``revision``, default
+    main); None where there is none."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE_NAME
+    if path.is_file():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(name_or_path), TOKENIZER_FILE_NAME, revision=revision)
+    except (ImportError, ValueError):  # no hub client, or not a Hub name (a path that does not exist here)
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """A tokenizer as data and config name it: ``name`` as written (None where nothing names it) and the
+    ``fingerprint`` of its ``tokenizer.json`` (None where its files are not on this machine).
+
+    Two tokenizers are the same when their files have the same content once loaded, however they are named: a folder
+    and the ``tokenizer.json`` inside it, a Hub name and its copy in the local cache. Where one content is unknown,
+    their names are compared instead (``same_as``).
+    """
+
+    name: str | None
+    fingerprint: str | None = None
+
+    @classmethod
+    def find(cls, name_or_path: str, revision: str | None = None) -> "TokenizerIdentity":
+        """``name_or_path`` with the fingerprint of the file it leads to here (``local_tokenizer_file``), if any."""
+        file = local_tokenizer_file(name_or_path, revision)
+        try:
+            fingerprint = None if file is None else tokenizer_fingerprint(Tokenizer.from_file(str(file)))
+        except Exception:  # not a tokenizer file: its content is unknown
+            fingerprint = None
+        return cls(str(name_or_path), fingerprint)
+
+    def same_as(self, other: "TokenizerIdentity") -> bool | None:
+        """By content where both fingerprints are known; otherwise True where the names agree (a path to a
+        ``tokenizer.json`` standing for its folder), None (unknown) where they do not."""
+        if self.fingerprint is not None and other.fingerprint is not None:
+            return self.fingerprint == other.fingerprint
+        if self.name is not None and other.name is not None and _normalised(self.name) == _normalised(other.name):
+            return True
+        return None
+
+    def __str__(self) -> str:
+        if self.name is not None:
+            return self.name
+        return f"the tokenizer of fingerprint {self.fingerprint[:12]}" if self.fingerprint else "an unnamed tokenizer"
+
+
+def _normalised(name: str) -> str:
+    """A tokenizer's name as compared without its files: a path absolute and standing for its folder, a Hub name as
+    written."""
+    path = Path(os.path.normpath(os.path.expanduser(name)))
+    if path.name == TOKENIZER_FILE_NAME:
+        path = path.parent
+    return str(path.resolve()) if path.exists() else str(path)

@@ -14,11 +14,11 @@ import torch
 from nanotron.checkpoint.manager import first_problem
 from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, HFDatasetArgs
 from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
-from nanotron.data.datatrove_folder import DatatroveDataset
+from nanotron.data.datatrove_folder import DatatroveDataset, briefly, not_a_token_folder
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import eos_token_id, load_tokenizer, tokenizer_fingerprint
+from nanotron.data.tokenizer import TokenizerIdentity, eos_token_id, load_tokenizer, tokenizer_fingerprint
 from nanotron.memory import memory_summary
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
@@ -28,6 +28,9 @@ from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutp
 from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
+_MODEL_TOKENIZER_FIX = ("set tokenizer.tokenizer_name_or_path to the tokenizer that wrote the data, or tokenize "
+                        "the data again with {}")
+_DECLARED_TOKENIZER_FIX = "point dataset_folder at data tokenized with {}, or correct tokenizer_name"
 
 
 def load_data(config: Config, pc: ParallelContext,
@@ -36,10 +39,10 @@ def load_data(config: Config, pc: ParallelContext,
     fingerprint (None without ``tokenizer.tokenizer_name_or_path``); fails before the model is allocated if a stage
     cannot feed it."""
     vocab = config.model.model_config.vocab_size
-    expected = None
+    model_tokenizer = None
     if config.tokenizer.tokenizer_name_or_path:
         tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path, config.tokenizer.tokenizer_revision)
-        expected = tokenizer_fingerprint(tokenizer)
+        model_tokenizer = TokenizerIdentity(config.tokenizer.tokenizer_name_or_path, tokenizer_fingerprint(tokenizer))
         if tokenizer.get_vocab_size() > vocab:
             raise ConfigError(
                 f"model.model_config.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
@@ -53,20 +56,51 @@ def load_data(config: Config, pc: ParallelContext,
                 f"data stage {stage.name!r} was tokenized with a vocabulary of {dataset.vocab_size} but "
                 f"model.model_config.vocab_size is {vocab}; raise vocab_size or re-run nanotron preprocess"
             )
-        for domain, fingerprint in zip(domain_sources(stage, dataset), dataset.tokenizer_fingerprints):
-            if None not in (expected, fingerprint) and fingerprint != expected:
-                raise DataError(
-                    f"{domain} was tokenized with another tokenizer than tokenizer.tokenizer_name_or_path "
-                    f"({config.tokenizer.tokenizer_name_or_path}); re-run nanotron preprocess with it"
-                )
-    return datasets, expected
+        # The tokenizers' files may be on some machines of the run only: every rank stops if any rank found a problem.
+        problem = first_problem(tokenizer_problem(stage, dataset, model_tokenizer), pc.world_size)
+        if problem is not None:
+            raise DataError(problem)
+    return datasets, None if model_tokenizer is None else model_tokenizer.fingerprint
+
+
+def tokenizer_problem(stage: DatasetStageArgs, dataset: SampleSource,
+                      model_tokenizer: TokenizerIdentity | None) -> str | None:
+    """Why a stage's data cannot be trained with the model's tokenizer or with the tokenizer its ``tokenizer_name``
+    declares (None if it can): a domain tokenized with another one (``TokenizerIdentity.same_as``: by content where
+    both files are on this machine, else by name). The model's tokenizer is often a local copy of the one that wrote
+    the data: where the data's cannot be found here to compare and the names differ, a warning says so and training
+    goes on. A declared ``tokenizer_name`` must match by name then."""
+    references = []
+    if model_tokenizer is not None:
+        references.append((model_tokenizer, "tokenizer.tokenizer_name_or_path", _MODEL_TOKENIZER_FIX))
+    source = stage.data.dataset
+    if isinstance(source, DatasetArgs) and source.tokenizer_name is not None:
+        references.append((TokenizerIdentity.find(source.tokenizer_name),
+                           f"data_stages[{stage.name!r}].data.dataset.tokenizer_name", _DECLARED_TOKENIZER_FIX))
+    records = zip(domain_sources(stage, dataset), dataset.tokenizer_names, dataset.tokenizer_fingerprints)
+    for domain, name, fingerprint in records:
+        if name is None and fingerprint is None:
+            continue  # the source records no tokenizer
+        recorded = TokenizerIdentity(name, fingerprint)
+        for reference, key, fix in references:
+            same = recorded.same_as(reference)
+            if same is None and reference is model_tokenizer:
+                logger.warning(f"{domain} was tokenized with {recorded}, whose files are not on this machine: its "
+                               f"content was not compared with {key} ({reference})")
+            elif not same:
+                how = ("their tokenizer.json files differ" if same is False else
+                       "the names differ, and the files of one are not on this machine to compare")
+                return (f"{domain} was tokenized with {recorded} but {key} is {reference}, another tokenizer "
+                        f"({how}); {fix.format(reference)}")
+    return None
 
 
 def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str, int | None]:
     """Per data stage, the id that ends the documents packed in its samples, which document masking cuts them at
-    (all None without it): the one its folders record (``nanotron preprocess``, Hugging Face datasets), else the
-    tokenizer's (datatrove folders record none), else for synthetic tokens ``model_config.eos_token_id``. Refuses a
-    stage without one before the model is allocated."""
+    (all None without it; None too for a stage whose samples carry the document ends their source recorded, the
+    ``.ds.index`` files of datatrove folders): the one its folders record (``nanotron preprocess``, Hugging Face
+    datasets), else the tokenizer's, else for synthetic tokens ``model_config.eos_token_id``. Refuses a stage without
+    one before the model is allocated."""
     model_config = config.model.model_config
     if not spec_for_config(model_config).document_masking(model_config):
         return dict.fromkeys(datasets)
@@ -77,12 +111,27 @@ def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str
         end = dataset.eos_token_id if dataset.eos_token_id is not None else tokenizer_end
         if end is None and isinstance(dataset, SyntheticDataset):
             end = model_config.eos_token_id
-        if end is None:
-            raise ConfigError(f"data stage {stage!r}: model.model_config._use_doc_masking cuts samples at the "
-                              "end-of-document id, which datatrove folders do not record; set "
-                              "tokenizer.tokenizer_name_or_path to the tokenizer that wrote them")
+        if dataset.records_document_ends:
+            end = None
+        elif end is None:
+            raise ConfigError(_no_document_end(stage, dataset))
+        elif isinstance(dataset, DatatroveDataset):
+            logger.warning(f"data stage {stage!r}: files without a .ds.index ({briefly(dataset.files_without_index)}); "
+                           f"document masking cuts the documents at the end-of-document id {end} of {name}")
         ends[stage] = end
     return ends
+
+
+def _no_document_end(stage: str, dataset: SampleSource) -> str:
+    """Why document masking cannot cut a stage's samples, and what to set."""
+    masking = "model.model_config._use_doc_masking"
+    if isinstance(dataset, SyntheticDataset):
+        return (f"data stage {stage!r} trains on synthetic tokens (dataset: null), which {masking} cuts at "
+                "model.model_config.eos_token_id, but it is null; set eos_token_id, or _use_doc_masking: false")
+    return (f"data stage {stage!r}: {masking} needs the ends of the documents, but files have no .ds.index "
+            f"({briefly(dataset.files_without_index)}; datatrove writes one unless save_index=False) and no "
+            "end-of-document id is known; set tokenizer.tokenizer_name_or_path to the tokenizer that wrote them, or "
+            "tokenize them again with their index")
 
 
 def domain_sources(stage: DatasetStageArgs, dataset: SampleSource) -> list[str]:
@@ -110,12 +159,9 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
     if isinstance(source, HFDatasetArgs):
         dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
     elif _holds_datatrove_files(source.dataset_folder):
-        dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab)
-        named = {name for name in dataset.tokenizer_names if name is not None}
-        if source.tokenizer_name is not None and named - {source.tokenizer_name}:
-            raise DataError(f"data stage {stage.name!r}: the folders were tokenized with {', '.join(sorted(named))} "
-                            f"but its tokenizer_name is {source.tokenizer_name}; point dataset_folder at data "
-                            "tokenized with it, or correct tokenizer_name")
+        masking = spec_for_config(config.model.model_config).document_masking(config.model.model_config)
+        dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab,
+                                               document_ends=masking)
     else:
         dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
     for feature in features:
@@ -124,14 +170,17 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
 
 
 def _datatrove_read_by_all_ranks(pc: ParallelContext, source: DatasetArgs, weights: list[float] | None,
-                                  sequence_length: int, seed: int, vocab_size: int) -> DatatroveDataset:
+                                  sequence_length: int, seed: int, vocab_size: int,
+                                  document_ends: bool = False) -> DatatroveDataset:
     """A datatrove stage, each rank checking the ids of its share of every file (datatrove records no id range, so
     the check reads the data: once per run, not once per rank, which from a network file system took minutes for
-    every rank of every run); what any rank found stops every rank with its message."""
+    every rank of every run); what any rank found stops every rank with its message. ``document_ends``: its samples
+    carry the document ends that the folders' indexes record (document masking)."""
     dataset, problem = None, None
     try:
         dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed, vocab_size=vocab_size,
-                                   token_size=source.token_size_in_bytes, id_share=(pc.rank, pc.world_size))
+                                   token_size=source.token_size_in_bytes, id_share=(pc.rank, pc.world_size),
+                                   document_ends=document_ends)
     except DataError as error:
         problem = str(error)
     problem = first_problem(problem, pc.world_size)
@@ -142,13 +191,23 @@ def _datatrove_read_by_all_ranks(pc: ParallelContext, source: DatasetArgs, weigh
 
 def _holds_datatrove_files(folders: Sequence[Path]) -> bool:
     """Whether a stage's folders are datatrove's (``*.ds`` files) rather than ``nanotron preprocess``'s (its
-    metadata.json); one stage mixing both kinds is refused."""
-    kinds = {"nanotron" if (Path(folder) / METADATA_FILE_NAME).exists() else
-             "datatrove" if any(Path(folder).glob("*.ds")) else None for folder in folders}
+    metadata.json); one stage mixing both kinds is refused, and so is a folder of neither kind."""
+    kinds = {_folder_kind(Path(folder)) for folder in folders}
     if {"nanotron", "datatrove"} <= kinds:
         raise DataError("dataset_folder mixes folders of nanotron preprocess (metadata.json) and of datatrove (.ds "
                         "files); give each kind its own data stage, or tokenize them all one way")
     return kinds == {"datatrove"}
+
+
+def _folder_kind(folder: Path) -> str:
+    if (folder / METADATA_FILE_NAME).exists():
+        return "nanotron"
+    if any(folder.glob("*.ds")):
+        return "datatrove"
+    if not folder.is_dir():
+        raise DataError(f"dataset folder {folder} {'is a file' if folder.exists() else 'does not exist'}; check "
+                        "dataset_folder")
+    raise DataError(not_a_token_folder(folder))
 
 
 def _hf_domains(config: Config, source: HFDatasetArgs) -> str | dict[str, float]:
