@@ -209,3 +209,16 @@ def test_first_part_of_a_two_stage_run_then_resume_matches_straight(tiny_data, t
     train(_two_stage_config(tiny_data, run, STEPS, resume_checkpoint_path=str(run)), tmp_path / "second.yaml")
     _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(run), range(1, STEPS + 1))
     assert checkpoint_json(run)["consumed_samples"] == checkpoint_json(two_stage_runs["straight"])["consumed_samples"]
+
+
+# --- e. resuming with other data: another sequence length -------------------------------------------------------
+
+
+def test_consumed_tokens_add_up_across_a_change_of_sequence_length(base, tmp_path):
+    """2 steps of 8 sequences of 32 tokens, then 2 of 8 of 64: 512 + 1024 tokens, not 32 samples x 64."""
+    config = _resume_config(base, tmp_path / "run", train_steps=4)
+    config["tokens"]["sequence_length"] = 64
+    train(config, tmp_path / "config.yaml")
+    assert [(r["step"], r["consumed_tokens"]) for r in metrics(tmp_path / "run")] == [(3, 1024), (4, 1536)]
+    saved = checkpoint_json(tmp_path / "run")
+    assert (saved["consumed_samples"], saved["consumed_tokens"]) == ({"main": 32}, 1536)

@@ -320,9 +320,8 @@ class Trainer:
             window["steps"] += 1
             if done.step % config.logging.iteration_step_info_interval == 0 or done.step == train_steps:
                 now = time.perf_counter()
-                self.step_log.write(result, done.step,
-                                    self.progress.total_consumed_samples * config.tokens.sequence_length,
-                                    len(done.domain_names) > 1, (now - window["start"]) / window["steps"],
+                self.step_log.write(result, done.step, self.progress.consumed_tokens, len(done.domain_names) > 1,
+                                    (now - window["start"]) / window["steps"],
                                     (now - start_time) / (done.step - start_step))
                 window.update(start=now, steps=0)
 
@@ -344,6 +343,7 @@ class Trainer:
             self.progress.consumed_samples[stage.name] = (
                 self.progress.consumed_samples.get(stage.name, 0) + config.global_batch_size
             )
+            self.progress.consumed_tokens += config.global_batch_tokens
             bar.update(1)
             if profiler is not None:
                 profiler.step()

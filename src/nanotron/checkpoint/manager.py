@@ -47,6 +47,8 @@ class TrainingProgress:
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
     lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
+    # Added up step by step and carried by checkpoints: samples of an earlier sequence length held other token counts.
+    consumed_tokens: int = 0
 
     @property
     def total_consumed_samples(self) -> int:

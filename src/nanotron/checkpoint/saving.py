@@ -144,7 +144,7 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
     metadata = checkpoint_metadata(
         step=progress.step, optimizer_step=optimizer.step_count, lr_schedule_start_step=progress.lr_schedule_start,
         consumed_samples=dict(progress.consumed_samples),
-        consumed_tokens=progress.total_consumed_samples * config.tokens.sequence_length,
+        consumed_tokens=progress.consumed_tokens,
         layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},

@@ -176,7 +176,8 @@ class RunCheckpoints:
         else:
             optimizer.sync_masters_from_model()
         schedule_start = metadata["lr_schedule_start_step"] if checkpoints.load_lr_scheduler else metadata["step"]
-        progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start)
+        progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start,
+                                    metadata["consumed_tokens"])
         if not load_rng(checkpoint, self.pc):
             logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
         saved_layout = {k: v for k, v in metadata["layout"].items() if k != "zero_stage"}
