@@ -4,7 +4,8 @@ Layout of ``<checkpoints_path>``::
 
     latest.txt                      name of the newest complete checkpoint (written last, atomically)
     run.lock                        host, pid and start of the run using the folder (``run_lock.py``)
-    <step>/checkpoint.json          step, consumed samples per data stage, layout, vocab, files and their sizes
+    <step>/checkpoint.json          step, consumed samples and tokens, what defines each data stage's order,
+                                    layout, vocab, files and their sizes
     <step>/config.yaml              the run's config
     <step>/model/*.safetensors      boxes of logical weights (see logical_tensors.py)
     <step>/optimizer/*.safetensors  boxes of Adam moments and fp32 master weights, same naming
