@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from nanotron.checkpoint.node_folders import take_the_ranks_of_node_folders
 from nanotron.config import Config, expand_run_name, validate_config
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.divergence import BadStepGuard
@@ -71,6 +72,7 @@ class Trainer:
                  features: Sequence[Feature] | None = None):
         self.config = expand_run_name(config)
         p = config.parallelism
+        take_the_ranks_of_node_folders(config.checkpoints)  # node-local checkpoints: whatever order the nodes join in
         self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
         self.checkpoints: RunCheckpoints | None = None  # the run folder's lock, taken first by ``_set_up``
         try:
