@@ -18,7 +18,18 @@ from pathlib import Path
 import pytest
 
 from distributed import run_distributed
-from helpers import ROOT, Outcome, _config, assert_user_error, checkpoint_json, cli, metrics, train, write_config
+from helpers import (
+    ROOT,
+    Outcome,
+    _config,
+    assert_user_error,
+    checkpoint_json,
+    cli,
+    metrics,
+    train,
+    write_config,
+    write_corpus,
+)
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION
 from nanotron.cli import main
 
@@ -209,3 +220,129 @@ def test_first_part_of_a_two_stage_run_then_resume_matches_straight(tiny_data, t
     train(_two_stage_config(tiny_data, run, STEPS, resume_checkpoint_path=str(run)), tmp_path / "second.yaml")
     _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(run), range(1, STEPS + 1))
     assert checkpoint_json(run)["consumed_samples"] == checkpoint_json(two_stage_runs["straight"])["consumed_samples"]
+
+
+def _renamed(config: dict, *names: str) -> dict:
+    for stage, name in zip(config["data_stages"], names):
+        stage["name"] = name
+    return config
+
+
+def test_renamed_stages_continue_their_data_by_position(tiny_data, two_stage_runs, tmp_path):
+    """Stopped in the second stage, resumed with both stages renamed (same start steps): each renamed stage goes on
+    where its checkpoint stage stopped, as the straight run does, and the warnings say so before the first step."""
+    resumed, stop = tmp_path / "resumed", SECOND_STAGE_START
+    config = _renamed(_two_stage_config(tiny_data, resumed, STEPS,
+                                        resume_checkpoint_path=str(two_stage_runs["saving"] / str(stop))),
+                      "warmup", "stable")
+    log = train(config, tmp_path / "resume.yaml").stderr
+    for old, new, samples in (("main", "warmup", (SECOND_STAGE_START - 1) * GLOBAL_BATCH),
+                              ("second", "stable", GLOBAL_BATCH)):
+        warning = f"data stage '{old}' of {two_stage_runs['saving'] / str(stop)} is '{new}' in data_stages"
+        assert warning in log and f"'{new}' continues its {samples} consumed samples" in log, log
+        assert log.index(warning) < log.index(f"step {stop + 1}/{STEPS}")
+    _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(resumed), range(stop + 1, STEPS + 1))
+    straight = checkpoint_json(two_stage_runs["straight"])["consumed_samples"]
+    assert checkpoint_json(resumed)["consumed_samples"] == {"warmup": straight["main"], "stable": straight["second"]}
+
+
+def test_a_renamed_stage_that_cannot_be_matched_is_refused_naming_both_stages(tiny_data, two_stage_runs, tmp_path):
+    """One stage from step 1 where the checkpoint had two: which one 'stable' continues is not for the trainer to
+    guess, and starting it over at sample 0 would train on its data again."""
+    checkpoint = two_stage_runs["saving"] / str(SECOND_STAGE_START - 2)
+    config = _config(tiny_data, tmp_path / "run", STEPS, checkpoints={"resume_checkpoint_path": str(checkpoint)})
+    config["data_stages"][0]["name"] = "stable"
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    consumed = (SECOND_STAGE_START - 2) * GLOBAL_BATCH
+    assert_user_error(outcome, f"data stage 'stable' (from step 1) has no position in {checkpoint}, which consumed "
+                      f"{consumed} samples of data stage 'main' (from step 1)", "would start over at sample 0",
+                      "--override data_stages.0.name=main")
+    assert not (tmp_path / "run" / "latest.txt").exists()
+
+
+def test_a_run_of_a_v04_data_section_resumes_with_a_modern_stage_of_another_name(tiny_data, tmp_path):
+    """v0.4's data section is the stage 'main'; a modern file names its one stage otherwise."""
+    def config(run: Path, steps: int, **checkpoints) -> dict:
+        config = _config(tiny_data, run, steps, checkpoints={"checkpoint_interval": 1000, **checkpoints})
+        config["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = 3  # the same LR whatever train_steps is
+        return _renamed(config, "stable")
+
+    train(config(tmp_path / "straight", 4), tmp_path / "straight.yaml")
+    v04 = config(tmp_path / "run", 2)
+    v04["data"] = v04.pop("data_stages")[0]["data"]
+    train(v04, tmp_path / "v04.yaml")
+    assert checkpoint_json(tmp_path / "run")["consumed_samples"] == {"main": 2 * GLOBAL_BATCH}
+    log = train(config(tmp_path / "run", 4, resume_checkpoint_path="auto"), tmp_path / "modern.yaml").stderr
+    assert "data stage 'main' of" in log and "is 'stable' in data_stages" in log, log
+    _assert_same_steps(metrics(tmp_path / "straight"), metrics(tmp_path / "run"), range(1, 5))
+
+
+# --- e. resuming with other data: another order, another sequence length ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blended(tiny_data, tmp_path_factory) -> dict:
+    """A run trained 2 steps on two folders blended half and half, and the second folder."""
+    from nanotron.data.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("blended")
+    other = root / "other"
+    preprocess([write_corpus(root / "raw", documents=150, seed=5)], tiny_data["tokenizer"], other, num_workers=1)
+    config = _config(tiny_data, root / "run", train_steps=2)
+    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(tiny_data["tokenized"]), str(other)],
+                                                   "dataset_weights": [0.5, 0.5]}
+    train(config, root / "config.yaml")
+    return {"run": root / "run", "config": config, "folders": [str(tiny_data["tokenized"]), str(other)]}
+
+
+def _changed(config: dict, change: str, folders: list[str]) -> str:
+    """Makes ``change`` to the config; the warning it gives."""
+    data = config["data_stages"][0]["data"]
+    if change == "seed":
+        data["seed"] = 5
+        return "data.seed 3 is now 5: its domains are walked in another order"
+    if change == "weights":
+        data["dataset"]["dataset_weights"] = [0.75, 0.25]
+        return "its blend weights [0.5, 0.5] are now [0.75, 0.25]: the blend's slots are recomputed"
+    if change == "folder":
+        data["dataset"] = {"dataset_folder": folders[:1]}
+        return f"{folders[1]} was removed: the blend and the domains' orders are recomputed"
+    config["tokens"]["sequence_length"] = 64
+    return "tokens.sequence_length 32 is now 64: its samples are cut anew, at the new length"
+
+
+@pytest.mark.parametrize("change", ["seed", "weights", "folder", "sequence_length"])
+def test_a_resume_on_data_in_another_order_warns_what_changed_before_the_first_step(blended, tmp_path, change):
+    config = _resume_config(blended, tmp_path / "run")
+    expected = _changed(config, change, blended["folders"])
+    log = train(config, tmp_path / "config.yaml").stderr
+    line = next((line for line in log.splitlines() if "continues at sample" in line), "")
+    assert f"data stage 'main': {expected}; it continues at sample 16 of the new order, so samples already trained " \
+           "on may come again and others be skipped" in line, log
+    assert log.count("continues at sample") == 1 and log.index(line) < log.index("step 3/3")
+
+
+def test_a_resume_on_the_same_data_and_from_a_checkpoint_without_a_record_warns_nothing_else(blended, tmp_path):
+    from nanotron.checkpoint.manager import write_metadata
+
+    log = train(_resume_config(blended, tmp_path / "same"), tmp_path / "same.yaml").stderr
+    assert "resumed from" in log and "continues at sample" not in log and "records no sample order" not in log
+    older = tmp_path / "older"
+    shutil.copytree(blended["run"], older)
+    metadata = json.loads((older / "2" / "checkpoint.json").read_text())
+    write_metadata(older / "2", {key: value for key, value in metadata.items() if key != "data_stages"})
+    config = _resume_config({"run": older, "config": blended["config"]}, tmp_path / "run")
+    config["data_stages"][0]["data"]["seed"] = 5
+    log = train(config, tmp_path / "config.yaml").stderr
+    assert "records no sample order of its data stages (saved by an earlier version)" in log
+    assert "continues at sample" not in log
+
+
+def test_consumed_tokens_add_up_across_a_change_of_sequence_length(base, tmp_path):
+    """2 steps of 8 sequences of 32 tokens, then 2 of 8 of 64: 512 + 1024 tokens, not 32 samples x 64."""
+    config = _resume_config(base, tmp_path / "run", train_steps=4)
+    config["tokens"]["sequence_length"] = 64
+    train(config, tmp_path / "config.yaml")
+    assert [(r["step"], r["consumed_tokens"]) for r in metrics(tmp_path / "run")] == [(3, 1024), (4, 1536)]
+    saved = checkpoint_json(tmp_path / "run")
+    assert (saved["consumed_samples"], saved["consumed_tokens"]) == ({"main": 32}, 1536)

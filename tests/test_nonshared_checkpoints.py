@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 def _train_on_nodes(config_path: Path, nodes: list[Path], ranks_per_node: int = 1) -> None:
     """One torchrun agent per node folder (its working directory), all joined by one rendezvous; every agent exits
-    0. Agents start in node order: c10d ranks them by their process ids, so that each keeps its node rank."""
+    0. Agents start in the order of ``nodes``: c10d ranks agents of one host by their process ids, so that the first
+    folder's node gets node rank 0."""
     agent = ["--nnodes", str(len(nodes)), "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "nodes"]
     processes, logs = [], []
@@ -127,6 +128,26 @@ def test_each_node_keeps_its_own_ranks_files_and_the_run_resumes_exactly(tiny_da
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "other.yaml", other)),
                       "holds only the files of ranks 1", "checkpoints_path_is_shared_file_system: false",
                       "this run's layout is pp=1, dp=1, ep=1, cp=1, tp=1", "resume at the layout")
+
+
+def test_node_folders_resume_whatever_order_the_nodes_join_in(tiny_data, tmp_path):
+    """c10d numbers the nodes in the order it ranks their agents (here: by process id). Resumed with the agents started
+    the other way round, the processes of node 1's folder, which holds rank 1's files, join as rank 0: each process
+    takes the rank whose files its folder holds, and the run goes on exactly as an uninterrupted one. At tp=2 each
+    folder holds its rank's half of every sharded tensor, so the other node's rank could not load from it."""
+    parallelism = {"tp": 2}
+    straight = [tmp_path / "straight0", tmp_path / "straight1"]
+    _train_on_nodes(_node_config(tiny_data, tmp_path, "straight", TOTAL_STEPS, parallelism), straight)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    _train_on_nodes(_node_config(tiny_data, tmp_path, "first", 3, parallelism), nodes)
+    _check_node_folders(nodes, 3)
+    _train_on_nodes(_node_config(tiny_data, tmp_path, "resumed", TOTAL_STEPS, parallelism), nodes[::-1])
+    assert "launcher numbered this node's processes 0 but its folder run holds the files of ranks 1" in (
+        nodes[1] / "agent.log").read_text()
+    _check_node_folders(nodes, TOTAL_STEPS)
+    reference = {r["step"]: r["lm_loss"] for r in metrics(straight[0] / RUN)}
+    assert sorted(reference) == list(range(1, TOTAL_STEPS + 1))
+    assert {r["step"]: r["lm_loss"] for r in metrics(nodes[0] / RUN)} == reference
 
 
 def _placements():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import corpus_documents, datatrove_folder, metrics, train, write_config
+from helpers import assert_user_error, cli, corpus_documents, datatrove_folder, metrics, train, write_config
 from nanotron.config import (
     ConfigError,
     DuplicateKeyWarning,
@@ -170,13 +170,55 @@ def test_optimizer_factory_selects_adamw_with_its_settings():
         0.8, 0.99, 1e-6, False)
 
 
-def test_optimizer_factory_and_flat_fields_that_disagree_are_one_line():
+def test_optimizer_factory_and_flat_fields_that_disagree_are_one_line_naming_the_override():
     raw = _upstream("main/config_tiny_llama.yaml")
     raw["optimizer"]["adam_beta1"] = 0.5
     with pytest.raises(ConfigError) as info:
         _loaded(raw)
     assert info.value.problems == ["optimizer.adam_beta1 (0.5) and optimizer.optimizer_factory.adam_beta1 (0.9) "
-                                   "disagree; keep one of them"]
+                                   "disagree; keep one of them, or set both with --override optimizer.adam_beta1="
+                                   "<value>"]
+
+
+def test_optimizer_factory_and_flat_fields_agree_as_numbers_not_as_written(tmp_path):
+    """YAML 1.1 reads ``1e-8`` as a string and ``1.0e-08`` as a number: the same value."""
+    raw = _upstream("main/config_tiny_llama.yaml")
+    text = yaml.safe_dump(raw, sort_keys=False).replace("  zero_stage: 0\n", "  zero_stage: 0\n  adam_eps: 1e-8\n")
+    assert "adam_eps: 1e-8" in text and "adam_eps: 1.0e-08" in text
+    path = tmp_path / "both.yaml"
+    path.write_text(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config(path).optimizer.adam_eps == 1e-8
+
+
+@pytest.mark.parametrize("key", ["optimizer.adam_beta1", "optimizer.optimizer_factory.adam_beta1"])
+def test_an_override_of_either_spelling_of_an_adamw_setting_wins(tmp_path, key):
+    raw = _upstream("main/config_tiny_llama.yaml")
+    raw["optimizer"]["adam_beta1"] = 0.9  # the file gives both spellings, as some upstream files do
+    path = write_config(tmp_path / "config.yaml", raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config(path, [f"{key}=0.8"]).optimizer.adam_beta1 == 0.8
+
+
+def test_a_null_optimizer_factory_is_no_factory():
+    raw = _upstream("main/config_tiny_llama.yaml")
+    raw["optimizer"].update(optimizer_factory=None, adam_eps=1e-6)
+    assert _loaded(raw).optimizer.adam_eps == 1e-6
+
+
+@pytest.mark.parametrize("key, fix", [
+    ("zero_stage", "zero_stage is a setting of the optimizer section; write it as optimizer.zero_stage"),
+    ("momentum", "momentum is not a setting of AdamW; remove it"),
+])
+def test_a_key_inside_optimizer_factory_that_is_not_adamws_is_refused_naming_its_place(key, fix):
+    raw = _upstream("main/config_tiny_llama.yaml")
+    raw["optimizer"]["optimizer_factory"][key] = 1
+    with pytest.raises(ConfigError) as info:
+        _loaded(raw)
+    (problem,) = info.value.problems
+    assert problem.startswith(f"optimizer.optimizer_factory.{key} is misplaced") and problem.endswith(fix), problem
 
 
 def test_another_optimizer_is_refused_by_name():
@@ -241,6 +283,23 @@ def test_features_we_lack_are_refused_in_one_line_naming_them(key, value, featur
         _loaded(raw)
     (problem,) = info.value.problems
     assert problem.startswith(key) and feature in problem
+
+
+def test_a_stage_sequence_length_equal_to_the_global_one_loads_and_another_is_refused():
+    raw = _upstream("main/config_nanoset.yaml")
+    raw["data_stages"][0]["sequence_length"] = raw["tokens"]["sequence_length"]
+    assert _loaded(copy.deepcopy(raw)).tokens.sequence_length == raw["tokens"]["sequence_length"]
+    raw["data_stages"][0]["sequence_length"] = 2 * raw["tokens"]["sequence_length"]
+    with pytest.raises(ConfigError) as info:
+        _loaded(raw)
+    (problem,) = info.value.problems
+    assert problem.startswith("data_stages[0].sequence_length") and "or to tokens.sequence_length" in problem
+
+
+def test_an_override_of_data_stages_on_a_v04_file_names_the_data_key(tmp_path):
+    outcome = cli("train", "--config-file", UPSTREAM / "v0.4/config_tiny_llama.yaml",
+                  "--override", "data_stages.0.data.seed=5")
+    assert_user_error(outcome, "'data_stages.0.data.seed=5'", "v0.4's data section", "override data.seed=5 instead")
 
 
 def test_off_values_of_feature_keys_load_silently():

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from nanotron.checkpoint.node_folders import take_the_ranks_of_node_folders
 from nanotron.config import Config, expand_run_name, validate_config
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.divergence import BadStepGuard
@@ -71,6 +72,7 @@ class Trainer:
                  features: Sequence[Feature] | None = None):
         self.config = expand_run_name(config)
         p = config.parallelism
+        take_the_ranks_of_node_folders(config.checkpoints)  # node-local checkpoints: whatever order the nodes join in
         self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
         self.checkpoints: RunCheckpoints | None = None  # the run folder's lock, taken first by ``_set_up``
         try:
@@ -321,9 +323,8 @@ class Trainer:
             window["steps"] += 1
             if done.step % config.logging.iteration_step_info_interval == 0 or done.step == train_steps:
                 now = time.perf_counter()
-                self.step_log.write(result, done.step,
-                                    self.progress.total_consumed_samples * config.tokens.sequence_length,
-                                    len(done.domain_names) > 1, (now - window["start"]) / window["steps"],
+                self.step_log.write(result, done.step, self.progress.consumed_tokens, len(done.domain_names) > 1,
+                                    (now - window["start"]) / window["steps"],
                                     (now - start_time) / (done.step - start_step))
                 window.update(start=now, steps=0)
 
@@ -345,6 +346,7 @@ class Trainer:
             self.progress.consumed_samples[stage.name] = (
                 self.progress.consumed_samples.get(stage.name, 0) + config.global_batch_size
             )
+            self.progress.consumed_tokens += config.global_batch_tokens
             bar.update(1)
             if profiler is not None:
                 profiler.step()

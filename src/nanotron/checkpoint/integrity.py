@@ -25,7 +25,7 @@ from nanotron.errors import CheckpointError
 
 CHUNK_BYTES = 16 * 2**20
 REQUIRED = {"format_version": int, "step": int, "optimizer_step": int, "lr_schedule_start_step": int,
-            "consumed_samples": dict, "layout": dict, "model": dict, "files": dict}
+            "consumed_samples": dict, "consumed_tokens": int, "layout": dict, "model": dict, "files": dict}
 MANIFEST_CHECKSUM = "manifest_sha256"
 FIRST_SEALED_FORMAT = 3  # older checkpoints have no manifest checksum and load unchecked
 

@@ -4,7 +4,8 @@ Layout of ``<checkpoints_path>``::
 
     latest.txt                      name of the newest complete checkpoint (written last, atomically)
     run.lock                        host, pid and start of the run using the folder (``run_lock.py``)
-    <step>/checkpoint.json          step, consumed samples per data stage, layout, vocab, files and their sizes
+    <step>/checkpoint.json          step, consumed samples and tokens, what defines each data stage's order,
+                                    layout, vocab, files and their sizes
     <step>/config.yaml              the run's config
     <step>/model/*.safetensors      boxes of logical weights (see logical_tensors.py)
     <step>/optimizer/*.safetensors  boxes of Adam moments and fp32 master weights, same naming
@@ -47,6 +48,8 @@ class TrainingProgress:
     step: int = 0
     consumed_samples: dict[str, int] = field(default_factory=dict)  # per data stage name
     lr_schedule_start: int = 0  # the schedule counts steps from here (a resume may restart it)
+    # Added up step by step and carried by checkpoints: samples of an earlier sequence length held other token counts.
+    consumed_tokens: int = 0
 
     @property
     def total_consumed_samples(self) -> int:

@@ -14,22 +14,29 @@ checkpoint complete for the ranks that see it, since they resume from it alone:
 Which ranks share a folder is found out, not assumed: the lowest rank of each node (torchrun's ``GROUP_RANK``)
 creates a file of a name fresh to this run in its folder and looks for the other nodes' files. Nodes that see each
 other's files share their folder; when every node does, the run saves exactly as on a shared file system.
+
+A resume does not depend on the order in which the nodes join: a launcher that numbers them as they join (torchrun's
+c10d rendezvous) may give a node another node rank than it saved with, so before the process grid is built, each
+process takes the rank whose files its folder holds (``take_the_ranks_of_node_folders``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from nanotron.checkpoint.run_folder import complete_checkpoints, resolve_checkpoint
+from nanotron.checkpoint.run_folder import METADATA, complete_checkpoints, resolve_checkpoint
 from nanotron.checkpoint.run_lock import not_writable
+from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.errors import CheckpointError
-from nanotron.parallel.context import AXES, ParallelContext
+from nanotron.parallel.context import AXES, ParallelContext, default_device, init_distributed, rejoin_as
 from nanotron.parallel.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -149,6 +156,72 @@ class FolderRanks:
         return [(local, logical) for local, logical in placement.boxes(coords, sizes) if _key(logical) not in taken]
 
 
+def take_the_ranks_of_node_folders(checkpoints: CheckpointsArgs) -> None:
+    """Before the process grid is built, where nodes keep folders of their own and the run resumes: each process takes
+    the world rank whose files its node's folder holds.
+
+    A launcher that numbers the nodes as they join (torchrun's c10d rendezvous, which ``examples/slurm`` uses) may
+    give a node another node rank than it had when it saved, and its folder then holds another node's ranks' files.
+    Each process reads the ranks that its folder's checkpoint is for (``node_ranks``); where the folders hold every
+    rank once, as many as the processes that see each folder, each folder's ranks go to its processes in launch
+    order and the process group is formed again with those ranks. Anything else (no checkpoint, a folder copied,
+    lost or of another layout) is left to the checks that follow, which refuse it in one line."""
+    if checkpoints.checkpoints_path_is_shared_file_system or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_distributed(device)
+    path = Path(checkpoints.checkpoints_path) if checkpoints.resumes_if_present else checkpoints.resume_checkpoint_path
+    node, held = os.environ.get("GROUP_RANK", "0"), _held_ranks(path)
+    answers: list[tuple] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(answers, (node, held))
+    ranks = _ranks_by_folder([held for _, held in answers])
+    if ranks is None or ranks == list(range(len(ranks))):
+        return
+    rank = dist.get_rank()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and ranks[rank] != rank:
+        numbered = [process for process, (other, _) in enumerate(answers) if other == node]
+        logger.warning(f"the launcher numbered this node's processes {describe_ranks(numbered)} but its folder {path} "
+                       f"holds the files of ranks {describe_ranks(list(held))} ({SHARED_KEY}: false): they take those "
+                       "ranks")
+    rejoin_as(ranks[rank], device)
+
+
+def _held_ranks(path: Path | None) -> tuple[int, ...] | None:
+    """The ranks whose files the checkpoint at ``path`` (a run folder or a checkpoint) holds where it holds only some
+    ranks' files; None otherwise, or where there is none."""
+    if path is None:
+        return None
+    try:
+        metadata = json.loads((resolve_checkpoint(Path(path)) / METADATA).read_text(encoding="utf-8"))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    ranks = metadata.get(NODE_RANKS) if isinstance(metadata, dict) else None
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        return None
+    return tuple(sorted(ranks))
+
+
+def _ranks_by_folder(held: list[tuple[int, ...] | None]) -> list[int] | None:
+    """The world rank each process takes, given the ranks whose files each one's folder holds: each folder's ranks
+    go to the processes naming them, in launch order. None where a folder names no ranks, or the folders do not hold
+    every rank once, each as many ranks as the processes that see it."""
+    if None in held:
+        return None
+    folders: dict[tuple[int, ...], list[int]] = {}
+    for process, ranks in enumerate(held):
+        folders.setdefault(ranks, []).append(process)
+    every_rank_once = sorted(rank for ranks in folders for rank in ranks) == list(range(len(held)))
+    if not every_rank_once or any(len(ranks) != len(processes) for ranks, processes in folders.items()):
+        return None
+    taken = [0] * len(held)
+    for ranks, processes in folders.items():
+        for process, rank in zip(processes, ranks):
+            taken[process] = rank
+    return taken
+
+
 def _key(box: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
     return tuple((s.start, s.stop) for s in box)
 
@@ -171,7 +244,8 @@ def node_checkpoint_problem(checkpoint: Path, metadata: dict, rank: int, sizes: 
     layout = ", ".join(f"{axis}={size}" for axis, size in saved.items())
     now = ", ".join(f"{axis}={size}" for axis, size in sizes.items())
     differs = (f"this run's layout is {now}" if saved != sizes
-               else f"rank {rank} now runs here (launch each node with the node rank it saved with)")
+               else f"rank {rank} now runs here, and the nodes' folders do not hold every rank's files once (restore "
+                    "the folder each node saved)")
     return (f"{checkpoint} holds only the files of ranks {describe_ranks(node_ranks)} of a run at {layout} (saved "
             f"with {SHARED_KEY}: false, each node keeping its own ranks' files), but {differs}; resume at the layout "
             f"and on the nodes that saved it (a run that changes its layout needs {SHARED_KEY}: true and one folder "

@@ -117,11 +117,12 @@ def _transient_copy(file: str, box: Box) -> Box:
 
 def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdamW, progress: TrainingProgress,
                   parallel_context: ParallelContext, tokenizer_fingerprint: str | None,
-                  buffers: HostBuffers | None = None, feature_state: dict | None = None,
+                  buffers: HostBuffers | None = None, extra_entries: dict | None = None,
                   folder: FolderRanks | None = None) -> Snapshot:
-    """Copy this rank's part of the training state to host memory, into ``buffers`` if given; ``feature_state``:
-    the training features' entries of checkpoint.json (``Feature.state_dict``); ``folder``: the ranks sharing this
-    rank's run folder (default: every rank). Collective (optimizer state is gathered)."""
+    """Copy this rank's part of the training state to host memory, into ``buffers`` if given; ``extra_entries``:
+    entries of checkpoint.json beside the training state (the data stages' record, the training features' state:
+    ``Feature.state_dict``); ``folder``: the ranks sharing this rank's run folder (default: every rank). Collective
+    (optimizer state is gathered)."""
     folder = folder or FolderRanks.everyone(parallel_context)
     copy = buffers.copy if buffers is not None else _transient_copy
     params = logical_parameters(model)
@@ -144,11 +145,11 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
     metadata = checkpoint_metadata(
         step=progress.step, optimizer_step=optimizer.step_count, lr_schedule_start_step=progress.lr_schedule_start,
         consumed_samples=dict(progress.consumed_samples),
-        consumed_tokens=progress.total_consumed_samples * config.tokens.sequence_length,
+        consumed_tokens=progress.consumed_tokens,
         layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},
-        **(feature_state or {}),
+        **(extra_entries or {}),
         **({NODE_RANKS: list(folder.ranks)} if not folder.shared else {}),
     )
     return Snapshot(progress.step, files, rng_state(parallel_context.device, parallel_context.coordinates),

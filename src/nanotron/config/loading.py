@@ -32,7 +32,7 @@ from nanotron.config.rules import (
     unannotated,
     union_members,
 )
-from nanotron.config.upstream import MOE_FIELDS, translate
+from nanotron.config.upstream import MOE_FIELDS, V04_DATA_STAGE_NAME, other_spellings, translate
 from nanotron.files import atomic_write_text
 
 _SCALAR_NAMES: dict[type, tuple[str, str]] = {
@@ -395,34 +395,69 @@ def model_config_from_dict(config_class: type, raw: dict, source: str | Path | N
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     """Set ``section.key=value`` entries (values parsed as YAML) on plain config data, e.g. ``parallelism.tp=2``.
 
-    Lets one example file serve several layouts from the command line; the result is validated like any config.
+    Lets one example file serve several layouts from the command line; the result is validated like any config. A
+    setting the file also gives under another spelling (upstream's ``optimizer.optimizer_factory.adam_eps`` beside
+    ``optimizer.adam_eps``) is set under both, so the override wins. A key of the other form of the data section than
+    the file's (v0.4's ``data``, or ``data_stages``) is refused, naming the key to override instead.
     """
     for override in overrides:
         dotted, sep, value = override.partition("=")
         if not sep or not dotted:
             raise ConfigError(f"override {override!r} is not of the form section.key=value (e.g. parallelism.tp=2)")
-        *parents, leaf = dotted.split(".")
-        node: Any = raw
-        for part in parents:
-            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-                continue
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {override!r}: '{part}' is not inside a section")
-            if node.get(part) is None:
-                node[part] = {}
-            node = node[part]
+        problem = _other_data_form(raw, dotted, value)
+        if problem is not None:
+            raise ConfigError(f"override {override!r}: {problem}")
         try:
             parsed = _read_yaml(value)
         except ConfigError as e:
             raise ConfigError(f"override {override!r}: {e}") from None
-        if isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
-            node[int(leaf)] = parsed
-        elif isinstance(node, dict):
-            node[leaf] = parsed
-        else:
-            raise ConfigError(f"override {override!r}: '{leaf}' is not inside a section")
+        for key in (dotted, *(other for other in other_spellings(dotted) if _holds(raw, other))):
+            _set_key(raw, key, parsed, override)
     return raw
+
+
+def _set_key(raw: dict, dotted: str, value: Any, override: str) -> None:
+    *parents, leaf = dotted.split(".")
+    node: Any = raw
+    for part in parents:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: '{part}' is not inside a section")
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+    if isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
+        node[int(leaf)] = value
+    elif isinstance(node, dict):
+        node[leaf] = value
+    else:
+        raise ConfigError(f"override {override!r}: '{leaf}' is not inside a section")
+
+
+def _holds(raw: dict, dotted: str) -> bool:
+    *parents, leaf = dotted.split(".")
+    node: Any = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    return isinstance(node, dict) and leaf in node
+
+
+def _other_data_form(raw: dict, dotted: str, value: str) -> str | None:
+    """Why an override of ``data_stages.*`` on a file with v0.4's ``data`` section (or of ``data.*`` on a file with
+    ``data_stages``) cannot apply, and what to override instead; None when the key is of the file's form."""
+    section, _, rest = dotted.partition(".")
+    if section == "data_stages" and "data_stages" not in raw and isinstance(raw.get("data"), dict):
+        index, _, key = rest.partition(".")
+        instead = (f"override data.{key.removeprefix('data.')}={value}" if index == "0" and key.startswith("data.")
+                   else "override its keys as data.<key>")
+        return (f"this file has v0.4's data section (one stage, {V04_DATA_STAGE_NAME!r}, from step 1), not "
+                f"data_stages; {instead} instead")
+    if section == "data" and "data" not in raw and isinstance(raw.get("data_stages"), list) and rest:
+        return (f"this file has data_stages, not v0.4's data section; override data_stages.<index>.data.{rest}="
+                f"{value} instead (index 0: the first stage)")
+    return None
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:

@@ -13,8 +13,10 @@ into our schema's form, so the typed reader stays strict for everything else:
 docs/upstream.md lists every key and what happens to it.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from nanotron.config.optimizer import OptimizerArgs
 
 MODEL_CONFIG = "model.model_config"
 
@@ -64,7 +66,9 @@ FEATURES: dict[str, Feature] = {
     "parallelism.moe_layer_recompute": Feature(
         "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
     "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),
-    "data_stages[].sequence_length": Feature("a sequence length per data stage", (None,)),
+    "data_stages[].sequence_length": Feature(
+        "a sequence length per data stage", (None,),
+        "remove sequence_length, or set it to null or to tokens.sequence_length (every stage's length here)"),
     f"{_DATASET}.dataset_read_path": Feature("reading the folders from a local copy (dataset_read_path)", (None,)),
     f"{_DATASET}.dataset_max_tokens": Feature("a token budget per folder (dataset_max_tokens)", (None,)),
     f"{_DATASET}.skip_in_stream": Feature("skipping samples in the stream (skip_in_stream)", (False,)),
@@ -81,6 +85,12 @@ MOE_FIELDS = ("moe_num_experts", "num_experts_per_tok", "moe_capacity_factor", "
 _MAMBA_INIT_KEYS = {"initializer_range", "rescale_prenorm_residual", "n_residuals_per_layer"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 V04_DATA_STAGE_NAME = "main"
+# AdamW's settings inside upstream main's ``optimizer_factory``: our flat ``optimizer`` fields of the same names.
+ADAMW_FACTORY_FIELDS = ("adam_eps", "adam_beta1", "adam_beta2", "torch_adam_is_fused")
+_OPTIMIZER_FIELDS = {f.name for f in fields(OptimizerArgs)}
+# Keys naming one setting in two ways (upstream's current and older spelling, or ours and upstream's).
+_SPELLINGS = (*((f"optimizer.{key}", f"optimizer.optimizer_factory.{key}") for key in ADAMW_FACTORY_FIELDS),
+              (f"{MODEL_CONFIG}.rope_interleaved", f"{MODEL_CONFIG}.interleaved_rotary"))
 
 
 @dataclass
@@ -114,6 +124,7 @@ def translate(raw: Any) -> tuple[Any, Translation]:
         return raw, found
     raw = _copy(raw)
     _data_section(raw, found)
+    _stage_sequence_lengths(raw)
     _walk_features(raw, "", "", found)
     for key in IGNORED_KEYS:
         _drop_ignored(raw, key, found)
@@ -187,23 +198,73 @@ def _data_section(raw: dict, found: Translation) -> None:
     raw["data_stages"] = [{"name": V04_DATA_STAGE_NAME, "start_training_step": 1, "data": raw.pop("data")}]
 
 
+def _stage_sequence_lengths(raw: dict) -> None:
+    """A stage's ``sequence_length`` equal to ``tokens.sequence_length`` is the length every stage has here: dropped
+    like ``null``; another length is a feature we lack (``FEATURES``)."""
+    length = (_section(raw, "tokens") or {}).get("sequence_length")
+    stages = raw.get("data_stages")
+    for stage in stages if isinstance(stages, list) else []:
+        if (isinstance(stage, dict) and "sequence_length" in stage and not isinstance(length, bool)
+                and stage["sequence_length"] == length and type(stage["sequence_length"]) is type(length)):
+            del stage["sequence_length"]
+
+
 def _optimizer_factory(raw: dict, found: Translation) -> None:
     """Upstream main's ``optimizer_factory: {name: adamW, adam_*, torch_adam_is_fused}`` selects AdamW with its
-    settings, our flat ``adam_*`` fields; older files give the flat fields, some both (they must agree)."""
+    settings, our flat ``adam_*`` fields; ``null`` is no factory. Older files give the flat fields, some both: they
+    must be the same values as read (``1e-8`` and ``1.0e-8`` agree). Another key inside the factory is refused, an
+    optimizer-section field (``zero_stage``) with the place it belongs, as upstream's strict reader refuses it."""
     optimizer = _section(raw, "optimizer")
-    if optimizer is None or not isinstance(optimizer.get("optimizer_factory"), dict):
+    if optimizer is None or "optimizer_factory" not in optimizer:
         return
-    factory = dict(optimizer.pop("optimizer_factory"))
+    factory = optimizer.pop("optimizer_factory")
+    if factory is None:
+        return
+    if not isinstance(factory, dict):
+        found.problems.append(f"optimizer.optimizer_factory: expected a mapping {{name: adamW, "
+                              f"{', '.join(ADAMW_FACTORY_FIELDS)}}} or null (got {_yaml(factory)})")
+        return
+    factory = dict(factory)
     name = factory.pop("name", "adamW")
     if not (isinstance(name, str) and name.lower() == "adamw"):
         found.problems.append(f"optimizer.optimizer_factory.name ({name}): only AdamW is available (name: adamW)")
         return
     for key, value in factory.items():
-        flat = optimizer.get(key, value)
-        if key in optimizer and flat != value:
-            found.problems.append(f"optimizer.{key} ({flat!r}) and optimizer.optimizer_factory.{key} ({value!r}) "
-                                  "disagree; keep one of them")
-        optimizer.setdefault(key, value)
+        inside = f"optimizer.optimizer_factory.{key}"
+        if key not in ADAMW_FACTORY_FIELDS:
+            where = (f"a setting of the optimizer section; write it as optimizer.{key}" if key in _OPTIMIZER_FIELDS
+                     else "not a setting of AdamW; remove it")
+            found.problems.append(f"{inside} is misplaced: optimizer_factory holds name and AdamW's "
+                                  f"{', '.join(ADAMW_FACTORY_FIELDS)}, and {key} is {where}")
+        elif key in optimizer and not _same_setting(optimizer[key], value):
+            found.problems.append(f"optimizer.{key} ({_yaml(optimizer[key])}) and {inside} ({_yaml(value)}) "
+                                  f"disagree; keep one of them, or set both with --override optimizer.{key}=<value>")
+        else:
+            optimizer.setdefault(key, value)
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    """Whether two YAML values of a number or boolean field read as the same value: YAML 1.1 reads ``1e-8`` as a
+    string and ``1.0e-8`` as a number, and the typed reader takes both as 1e-08."""
+    def read(value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return value
+        return value
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return read(a) == read(b)
+
+
+def other_spellings(dotted: str) -> tuple[str, ...]:
+    """The other keys that upstream files may give the setting ``dotted`` under, which must agree with it: an
+    override of one of them sets them all (``loading.apply_overrides``)."""
+    for group in _SPELLINGS:
+        if dotted in group:
+            return tuple(key for key in group if key != dotted)
+    return ()
 
 
 def _init_method(raw: dict, found: Translation) -> None:

@@ -102,6 +102,20 @@ def init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend="gloo")
 
 
+def rejoin_as(rank: int, device: torch.device) -> None:
+    """Form the default process group again with this process as world rank ``rank``: every process calls it at once,
+    each with a rank of its own. The group's store is the launcher's; the new group reads and writes its keys under a
+    prefix of its own, so that nothing of the first group is taken for the second's."""
+    store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    dist.destroy_process_group()
+    os.environ["RANK"] = str(rank)
+    store = dist.PrefixStore("nanotron-rejoined/", store)
+    if device.type == "cuda":
+        dist.init_process_group(backend="nccl", store=store, rank=rank, world_size=world_size, device_id=device)
+    else:
+        dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size)
+
+
 def default_device() -> torch.device:
     """CUDA when present (one GPU per local rank), else the CPU; ``NANOTRON_DEVICE`` overrides."""
     name = os.environ.get("NANOTRON_DEVICE")

@@ -41,6 +41,7 @@ from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
 from nanotron.training.build import domain_sources
+from nanotron.training.data_record import DATA_STAGES, data_stages_record, resumed_data_position
 from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
@@ -54,6 +55,7 @@ class RunCheckpoints:
         self.config, self.pc = config, pc
         self.run_lock: RunLock | None = None  # the folder's main rank's, released by ``close``
         self.protected: set[str] = set()  # the newest checkpoint from before a bad step
+        self.data_stages: dict[str, dict] = {}  # what defines each data stage's order, for every save (``data_record``)
         # Its process group is created here, at the same point on every rank.
         self.async_saver = AsyncCheckpointer(pc) if config.checkpoints.async_save else None
         try:
@@ -103,7 +105,10 @@ class RunCheckpoints:
                            features: Sequence[Feature]) -> tuple[Path, dict] | None:
         """The checkpoint to resume from or to take the initial weights from, checked before the model exists:
         complete and uncorrupted (checksums, the reading shared by all ranks), the same architecture, trained on
-        data from the same tokenizer, and loadable by every feature, which takes its state from it on a resume."""
+        data from the same tokenizer, and loadable by every feature, which takes its state from it on a resume. On a
+        resume its data position is held against the data stages (``data_record``: renamed stages, changed sample
+        orders): the metadata returned has the consumed samples keyed by this config's stage names."""
+        self.data_stages = data_stages_record(self.config, datasets)
         init = self.config.model.init_method
         if self.resume_from is not None:
             path = self.resume_from
@@ -121,6 +126,11 @@ class RunCheckpoints:
                 f"{self.config.tokens.train_steps}: nothing left to train; raise tokens.train_steps"
             )
         self._check_same_tokenizer(checkpoint, metadata.get("tokenizer_fingerprint"), datasets)
+        if self.resume_from is not None:
+            position = resumed_data_position(checkpoint, metadata, self.config, self.data_stages)
+            for note in position.notes if self.pc.rank == 0 else ():
+                logger.warning(note)
+            metadata = metadata | {"consumed_samples": position.consumed_samples}
         for feature in features:
             feature.check_checkpoint(checkpoint, metadata)
             if self.resume_from is not None:
@@ -176,7 +186,8 @@ class RunCheckpoints:
         else:
             optimizer.sync_masters_from_model()
         schedule_start = metadata["lr_schedule_start_step"] if checkpoints.load_lr_scheduler else metadata["step"]
-        progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start)
+        progress = TrainingProgress(metadata["step"], dict(metadata["consumed_samples"]), schedule_start,
+                                    metadata["consumed_tokens"])
         if not load_rng(checkpoint, self.pc):
             logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
         saved_layout = {k: v for k, v in metadata["layout"].items() if k != "zero_stage"}
@@ -194,15 +205,16 @@ class RunCheckpoints:
     def save(self, model: CausalLM, optimizer: MixedPrecisionAdamW, progress: TrainingProgress,
              tokenizer_fingerprint: str | None, features: Sequence[Feature]) -> None:
         """Checkpoint the current step, in the foreground or (``checkpoints.async_save``) in the background."""
-        feature_state = {key: value for feature in features for key, value in feature.state_dict().items()}
+        entries = {DATA_STAGES: self.data_stages}
+        entries |= {key: value for feature in features for key, value in feature.state_dict().items()}
         if self.async_saver is None:
             snapshot = take_snapshot(self.config, model, optimizer, progress, self.pc, tokenizer_fingerprint,
-                                     feature_state=feature_state, folder=self.folder)
+                                     extra_entries=entries, folder=self.folder)
             write_snapshot(snapshot, self.pc, protected=self.protected)
         else:
             self.async_saver.save(lambda: take_snapshot(self.config, model, optimizer, progress, self.pc,
                                                         tokenizer_fingerprint, self.async_saver.buffers,
-                                                        feature_state, self.folder),
+                                                        entries, self.folder),
                                   self.protected)
 
     def protect_latest(self) -> None:
