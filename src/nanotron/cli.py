@@ -16,7 +16,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from nanotron.generation.generate import SamplingArgs
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -62,7 +65,6 @@ def _generate(args: argparse.Namespace) -> None:
     from nanotron.config import ConfigError
     from nanotron.data.tokenizer import eos_token_id
     from nanotron.generation.generate import (
-        SamplingArgs,
         check_checkpoint_layout,
         generate,
         load_checkpoint_tokenizer,
@@ -70,6 +72,7 @@ def _generate(args: argparse.Namespace) -> None:
     )
     from nanotron.parallel.context import ParallelContext
 
+    sampling = _sampling(args)
     prompts = [prompt for prompt in args.prompt or [] if prompt.strip()]
     if args.prompts_file:
         if not args.prompts_file.is_file():
@@ -82,7 +85,6 @@ def _generate(args: argparse.Namespace) -> None:
     try:
         model, checkpoint = load_model(args.ckpt_path, pc)
         tokenizer = load_checkpoint_tokenizer(checkpoint)
-        sampling = SamplingArgs(args.sampler, args.temperature, args.top_k, args.top_p, args.seed)
         ids = [tokenizer.encode(prompt).ids for prompt in prompts]
         empty = [prompt for prompt, prompt_ids in zip(prompts, ids) if not prompt_ids]
         if empty:
@@ -94,6 +96,24 @@ def _generate(args: argparse.Namespace) -> None:
                 print(f"=== {prompt}\n{tokenizer.decode(completion)}\n", flush=True)
     finally:
         pc.destroy()
+
+
+# The samplers that use each sampling option; with another sampler the option is refused, not silently ignored.
+SAMPLING_OPTIONS = {"temperature": ("top-k", "top-p"), "top_k": ("top-k",), "top_p": ("top-p",)}
+
+
+def _sampling(args: argparse.Namespace) -> SamplingArgs:
+    """The ``SamplingArgs`` of ``generate``'s options (their defaults where not given)."""
+    from nanotron.config import ConfigError
+    from nanotron.generation.generate import SamplingArgs
+
+    given = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    for name in given:
+        if args.sampler not in SAMPLING_OPTIONS[name]:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(f"{option} does nothing with --sampler {args.sampler}; pass --sampler "
+                              f"{' or '.join(SAMPLING_OPTIONS[name])} with it, or leave {option} out")
+    return SamplingArgs(args.sampler, seed=args.seed, **given)
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -296,9 +316,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-file", type=Path, help="one prompt per line")
     parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
     parser.add_argument("--sampler", choices=["greedy", "top-k", "top-p"], default="greedy")
-    parser.add_argument("--temperature", type=positive, default=1.0)
-    parser.add_argument("--top-k", type=at_least(1), default=50)
-    parser.add_argument("--top-p", type=probability, default=0.9, help="1 keeps every token")
+    parser.add_argument("--temperature", type=positive, default=None,
+                        help="divides the logits before sampling (top-k and top-p; default 1)")
+    parser.add_argument("--top-k", type=at_least(1), default=None,
+                        help="--sampler top-k draws from the k likeliest tokens (default 50)")
+    parser.add_argument("--top-p", type=probability, default=None,
+                        help="--sampler top-p draws from the likeliest tokens holding this share of the probability "
+                             "(default 0.9; 1 keeps every token)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
 
