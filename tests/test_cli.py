@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import _config, assert_user_error, cli, train
+from distributed import run_distributed
+from helpers import _config, assert_user_error, cli, corpus_documents, datatrove_folder, train
 
 
 def nanotron(*args: str) -> subprocess.CompletedProcess:
@@ -225,3 +226,88 @@ def test_train_tokenizer_never_replaces_a_tokenizer_or_writes_into_a_file(tiny_d
     assert existing.read_text() == "{}"
     assert_user_error(cli("train-tokenizer", "--input", tiny_data["corpus"], "--vocab-size", 300, "--output",
                           existing / "tok"), f"{existing} is a file, not a folder to write {existing / 'tok'}")
+
+
+# --- eval reads every source training reads --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """The tiny corpus as upstream users hold it: datatrove folders (the documents in order in one file; shuffled
+    into files of at most 1500 tokens) and a save_to_disk DatasetDict (train: the first 300 documents, validation:
+    the other 100)."""
+    datasets = pytest.importorskip("datasets", reason='Hugging Face datasets need datasets; pip install -e ".[data]"')
+    root = tmp_path_factory.mktemp("sources")
+    documents = corpus_documents(tiny_data["corpus"])
+    datatrove_folder(root / "datatrove", documents, tiny_data["tokenizer"], shuffle_documents=False)
+    datatrove_folder(root / "datatrove-files", documents, tiny_data["tokenizer"], shuffle_documents=True, seed=0,
+                     max_tokens_per_file=1500)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": documents[:300]}),
+                          "validation": datasets.Dataset.from_dict({"text": documents[300:]})}
+                         ).save_to_disk(root / "saved")
+    return {"datatrove": root / "datatrove", "datatrove-files": root / "datatrove-files", "saved": root / "saved"}
+
+
+def test_eval_reads_datatrove_folders_and_hugging_face_datasets(run, tiny_data, sources, tmp_path, monkeypatch):
+    """The same tokens give the same loss from every kind of source: both splits of the Hugging Face dataset tokenize
+    into the preprocessed folder's stream, and the datatrove folder's first window is that stream's first. A
+    datatrove folder is read in training's windows (disjoint, cut file by file)."""
+    from nanotron.data.datatrove_folder import DatatroveDataset
+
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+    def evaluate(*data, windows: int, splits: tuple[str, ...] = ("train",)) -> dict:
+        outcome = cli("eval", "--ckpt-path", run, "--data", *data, "--hf-dataset-splits", *splits,
+                      "--sequence-length", 16, "--max-windows", windows, "--output", tmp_path / "results.json")
+        assert outcome.code == 0, outcome.stderr[-3000:]
+        return json.loads((tmp_path / "results.json").read_text())
+
+    hf = evaluate(tiny_data["tokenized"], sources["saved"], windows=20, splits=("train", "validation"))
+    assert hf["saved"] == hf["tokenized"] and hf["saved"]["tokens"] == 20 * 16
+    train_split = evaluate(sources["saved"], windows=10 ** 6)["saved"]["tokens"]
+    assert train_split < evaluate(sources["saved"], windows=10 ** 6, splits=("train", "validation"))["saved"]["tokens"]
+
+    first = evaluate(tiny_data["tokenized"], sources["datatrove"], windows=1)
+    assert first["datatrove"] == first["tokenized"] and 3.0 < first["datatrove"]["loss"] < 7.0
+    files = sources["datatrove-files"]
+    assert len(list(files.glob("*.ds"))) > 1
+    windows = DatatroveDataset(files, None, 16, 0, vocab_size=384).num_windows[0]
+    assert evaluate(files, windows=10 ** 6)["datatrove-files"]["tokens"] == 16 * windows
+
+
+def _eval_on_rank(argv: list[str], hf_cache: str) -> None:
+    import datasets
+
+    from nanotron.cli import main
+
+    datasets.config.HF_DATASETS_CACHE = hf_cache
+    main(argv)
+
+
+@pytest.mark.slow
+def test_eval_of_every_kind_of_source_at_tp2_gives_the_loss_of_one_process(run, tiny_data, sources, tmp_path,
+                                                                            monkeypatch):
+    """Rank 0 tokenizes the Hugging Face dataset into a fresh cache and checks the datatrove ids; the other rank
+    reads that cache and skips the checks."""
+    datasets = pytest.importorskip("datasets")
+    arguments = ["eval", "--ckpt-path", str(run), "--data", str(tiny_data["tokenized"]), str(sources["datatrove"]),
+                 str(sources["saved"]), "--sequence-length", "16", "--max-windows", "12", "--batch-size", "5"]
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "one-process"))
+    outcome = cli(*arguments, "--output", tmp_path / "tp1.json")
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    run_distributed(_eval_on_rank, 2, argv=[*arguments, "--tp", "2", "--output", str(tmp_path / "tp2.json")],
+                    hf_cache=str(tmp_path / "two-ranks"))
+    tp1, tp2 = (json.loads((tmp_path / name).read_text()) for name in ("tp1.json", "tp2.json"))
+    assert list(tp2) == list(tp1) == ["tokenized", "datatrove", "saved"]
+    for name, result in tp1.items():
+        assert tp2[name]["tokens"] == result["tokens"] == 12 * 16
+        assert tp2[name]["loss"] == pytest.approx(result["loss"], rel=1e-5), name
+    assert len(list((tmp_path / "two-ranks").rglob("metadata.json"))) == 1  # tokenized once, into its cache
+
+
+def test_eval_of_a_missing_local_folder_names_it_without_asking_the_hub(run, tmp_path, no_model_loaded):
+    for missing in (tmp_path / "missing", tmp_path / "missing" / "deeper"):
+        assert_user_error(cli("eval", "--ckpt-path", run, "--data", missing, "--sequence-length", 16),
+                          f"--data {missing} does not exist",
+                          "a preprocessed or datatrove folder, or a Hugging Face dataset")

@@ -120,7 +120,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     import json
 
     from nanotron.files import atomic_write_text
-    from nanotron.generation.evaluate import evaluate
+    from nanotron.generation.evaluate import HFDatasetOptions, evaluate
     from nanotron.generation.generate import check_checkpoint_layout
     from nanotron.parallel.context import ParallelContext
 
@@ -128,7 +128,8 @@ def _evaluate(args: argparse.Namespace) -> None:
                             sequence_key="--sequence-length")
     pc = ParallelContext(tp=args.tp, pp=args.pp)
     try:
-        results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size)
+        results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size,
+                           HFDatasetOptions(tuple(args.hf_dataset_splits), args.text_column_name))
         if pc.rank == 0:
             for name, result in results.items():
                 print(f"{name}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
@@ -236,16 +237,22 @@ def _add_checkpoint_commands(commands) -> None:
     gen.set_defaults(run=_generate)
 
     evaluation = commands.add_parser(
-        "eval", help="held-out loss and perplexity per dataset folder",
-        description="Held-out loss and perplexity per dataset folder, under plain causal attention over each window "
+        "eval", help="held-out loss and perplexity per data source",
+        description="Held-out loss and perplexity per data source, under plain causal attention over each window "
                     "(also for a checkpoint trained with _use_doc_masking: true): comparable with transformers'.")
     evaluation.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
-    evaluation.add_argument("--data", type=Path, nargs="+", required=True, help="preprocessed folders, one per domain")
+    evaluation.add_argument("--data", type=Path, nargs="+", required=True,
+                            help="one source per domain, of any kind training reads: preprocessed or datatrove "
+                                 "folders, Hugging Face datasets (save_to_disk folders, folders of data files, Hub "
+                                 "names)")
+    evaluation.add_argument("--hf-dataset-splits", nargs="+", default=["train"], metavar="SPLIT",
+                            help="the splits read of a Hugging Face dataset, in order (default: train)")
+    evaluation.add_argument("--text-column-name", default="text", help="a Hugging Face dataset's text column")
     evaluation.add_argument("--tp", type=at_least(1), default=1)
     evaluation.add_argument("--pp", type=at_least(1), default=1)
     evaluation.add_argument("--sequence-length", type=at_least(1), default=256)
     evaluation.add_argument("--max-windows", type=at_least(1), default=64,
-                            help="windows read from the start of each folder")
+                            help="windows read from the start of each source")
     evaluation.add_argument("--batch-size", type=at_least(1), default=8)
     evaluation.add_argument("--output", type=output_file(".json"),
                             help="also write the results as JSON (replaced if it exists)")
