@@ -225,7 +225,7 @@ def test_eval_on_data_shorter_than_one_window_is_an_error(converted_llama, short
     assert fitting.code == 0 and f"| {tokens - 1} tokens" in fitting.stdout, fitting.stderr[-3000:]
     nothing = cli("eval", "--ckpt-path", converted_llama, "--data", short_data, "--sequence-length", 2,
                   "--max-windows", 0)
-    assert_user_error(nothing, "--max-windows (0)", "must all be at least 1")
+    assert_user_error(nothing, "argument --max-windows: must be at least 1 (got 0)")
 
 
 def test_generation_past_the_context_is_an_error(converted_llama):
@@ -240,4 +240,4 @@ def test_generation_past_the_context_is_an_error(converted_llama):
     one_more = cli("generate", "--ckpt-path", converted_llama, "--prompt", "the cat", "--max-new-tokens", most + 1)
     assert_user_error(one_more, f"--max-new-tokens ({most + 1})")
     assert_user_error(cli("generate", "--ckpt-path", converted_llama, "--prompt", "the cat", "--max-new-tokens", 0),
-                      "--max-new-tokens must be at least 1 (got 0)")
+                      "argument --max-new-tokens: must be at least 1 (got 0)")

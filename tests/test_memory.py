@@ -368,3 +368,12 @@ def test_compiled_mamba_estimates_are_within_10_percent_of_the_peaks_measured_on
     config = config_from_dict(apply_overrides(raw, overrides))
     peak = estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak / 1e9
     assert abs(peak - measured) / measured < 0.10, (run, peak, measured)
+
+
+@pytest.mark.parametrize("memory", ["-1", "0", "nan"])
+def test_the_command_refuses_a_gpu_memory_that_is_not_positive(capsys, memory):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate-memory", "--config-file", str(TINY), "--gpu-memory-gb", memory])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: argument --gpu-memory-gb: must be a number above 0 (got {memory})"

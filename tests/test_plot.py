@@ -122,3 +122,26 @@ def test_domain_weights_get_a_panel_of_their_own(tmp_path):
     output = tmp_path / "proxy.png"
     assert run_cli("--metrics", str(run), "--output", str(output)) == 0
     check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, loss per domain, domain weights
+
+
+@pytest.mark.parametrize("name, magic", [("curves.svg", b"<?xml"), ("curves.pdf", b"%PDF"), ("curves.PNG", b"\x89PNG")])
+def test_the_image_format_follows_the_extension(tmp_path, name, magic):
+    assert run_cli("--metrics", str(write_run(tmp_path / "r", steps=3)), "--output", str(tmp_path / name)) == 0
+    assert (tmp_path / name).read_bytes().startswith(magic)
+
+
+@pytest.mark.parametrize("output, message", [
+    ("curves.txt", "curves.txt does not end in .png, .pdf or .svg, the formats this command writes"),
+    ("curves", "curves does not end in .png, .pdf or .svg"),
+    ("folder.png", "folder.png is a folder, not a file"),
+    ("a-file/curves.png", "a-file is a file, not a folder to write"),
+], ids=["txt", "no-extension", "folder", "in-a-file"])
+def test_an_output_that_is_not_an_image_file_is_one_error_line(tmp_path, capsys, monkeypatch, output, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder.png").mkdir()
+    (tmp_path / "a-file").write_text("kept")
+    write_run(tmp_path / "r", steps=3)
+    assert run_cli("--metrics", "r", "--output", output) == 2
+    assert message in one_error_line(capsys, "--output")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file", "folder.png", "r"]
+    assert list((tmp_path / "folder.png").iterdir()) == [] and (tmp_path / "a-file").read_text() == "kept"

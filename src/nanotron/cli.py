@@ -1,7 +1,8 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``generate``, ``eval``, ``convert``,
 ``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``.
 
-Every subcommand turns the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
+Every subcommand checks its options while they are parsed (numeric ranges, output paths), before any work, and turns
+a bad command line and the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
 ``error:`` line and exit status 2, instead of a traceback.
 """
 
@@ -9,10 +10,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from nanotron.generation.generate import SamplingArgs
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -58,7 +65,6 @@ def _generate(args: argparse.Namespace) -> None:
     from nanotron.config import ConfigError
     from nanotron.data.tokenizer import eos_token_id
     from nanotron.generation.generate import (
-        SamplingArgs,
         check_checkpoint_layout,
         generate,
         load_checkpoint_tokenizer,
@@ -66,6 +72,7 @@ def _generate(args: argparse.Namespace) -> None:
     )
     from nanotron.parallel.context import ParallelContext
 
+    sampling = _sampling(args)
     prompts = [prompt for prompt in args.prompt or [] if prompt.strip()]
     if args.prompts_file:
         if not args.prompts_file.is_file():
@@ -78,7 +85,6 @@ def _generate(args: argparse.Namespace) -> None:
     try:
         model, checkpoint = load_model(args.ckpt_path, pc)
         tokenizer = load_checkpoint_tokenizer(checkpoint)
-        sampling = SamplingArgs(args.sampler, args.temperature, args.top_k, args.top_p, args.seed)
         ids = [tokenizer.encode(prompt).ids for prompt in prompts]
         empty = [prompt for prompt, prompt_ids in zip(prompts, ids) if not prompt_ids]
         if empty:
@@ -92,10 +98,29 @@ def _generate(args: argparse.Namespace) -> None:
         pc.destroy()
 
 
+# The samplers that use each sampling option; with another sampler the option is refused, not silently ignored.
+SAMPLING_OPTIONS = {"temperature": ("top-k", "top-p"), "top_k": ("top-k",), "top_p": ("top-p",)}
+
+
+def _sampling(args: argparse.Namespace) -> SamplingArgs:
+    """The ``SamplingArgs`` of ``generate``'s options (their defaults where not given)."""
+    from nanotron.config import ConfigError
+    from nanotron.generation.generate import SamplingArgs
+
+    given = {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    for name in given:
+        if args.sampler not in SAMPLING_OPTIONS[name]:
+            option = "--" + name.replace("_", "-")
+            raise ConfigError(f"{option} does nothing with --sampler {args.sampler}; pass --sampler "
+                              f"{' or '.join(SAMPLING_OPTIONS[name])} with it, or leave {option} out")
+    return SamplingArgs(args.sampler, seed=args.seed, **given)
+
+
 def _evaluate(args: argparse.Namespace) -> None:
     import json
 
-    from nanotron.generation.evaluate import evaluate
+    from nanotron.files import atomic_write_text
+    from nanotron.generation.evaluate import HFDatasetOptions, evaluate
     from nanotron.generation.generate import check_checkpoint_layout
     from nanotron.parallel.context import ParallelContext
 
@@ -103,13 +128,14 @@ def _evaluate(args: argparse.Namespace) -> None:
                             sequence_key="--sequence-length")
     pc = ParallelContext(tp=args.tp, pp=args.pp)
     try:
-        results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size)
+        results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size,
+                           HFDatasetOptions(tuple(args.hf_dataset_splits), args.text_column_name))
         if pc.rank == 0:
             for name, result in results.items():
                 print(f"{name}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
                       f"{result['tokens']:,} tokens")
             if args.output:
-                args.output.write_text(json.dumps(results, indent=2))
+                atomic_write_text(args.output, json.dumps(results, indent=2))
     finally:
         pc.destroy()
 
@@ -151,10 +177,11 @@ def _doremi_average(args: argparse.Namespace) -> None:
     import json
 
     from nanotron.features.doremi_weights import average_weights
+    from nanotron.files import atomic_write_text
 
     averaged = average_weights(args.history)
     if args.output is not None:
-        args.output.write_text(json.dumps(averaged, indent=2) + "\n")
+        atomic_write_text(args.output, json.dumps(averaged, indent=2) + "\n")
     print(f"domain_weights: [{', '.join(f'{weight:.6f}' for weight in averaged.values())}]  "
           f"# {', '.join(averaged)}")
 
@@ -167,50 +194,68 @@ def _estimate_memory(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanotron", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-
     train = commands.add_parser("train", help="train a model from a YAML config (under torchrun for several ranks)")
     train.add_argument("--config-file", type=Path, required=True)
     train.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                        help="change config values, e.g. parallelism.tp=2 parallelism.tp_mode=REDUCE_SCATTER")
     train.set_defaults(run=_train)
+    _add_data_commands(commands)
+    _add_checkpoint_commands(commands)
+    _add_run_commands(commands)
+    return parser
+
+
+def _add_data_commands(commands) -> None:
+    from nanotron.data.tokenizer import MIN_VOCAB_SIZE
 
     pre = commands.add_parser("preprocess", help="tokenize .txt/.jsonl/.parquet files into training shards")
     pre.add_argument("--input", type=Path, nargs="+", required=True, help="files or directories")
     pre.add_argument("--tokenizer", required=True, help="tokenizer.json, a folder holding one, or a hub name")
-    pre.add_argument("--output-folder", type=Path, required=True)
+    pre.add_argument("--output-folder", type=output_folder, required=True, help="a new or empty folder")
     pre.add_argument("--text-key", default="text", help="JSONL key / parquet column holding the text")
-    pre.add_argument("--num-workers", type=int, default=None, help="processes (default: all cores)")
-    pre.add_argument("--held-out-every", type=int, default=None, metavar="N",
+    pre.add_argument("--num-workers", type=at_least(1), default=None, help="processes (default: all cores)")
+    pre.add_argument("--held-out-every", type=at_least(2), default=None, metavar="N",
                      help="with --split: every N-th document is held out (for evaluation), the others are for training")
     pre.add_argument("--split", choices=["train", "held-out"], default=None, help="which split to write")
     pre.set_defaults(run=_preprocess)
 
     tok = commands.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on local text")
     tok.add_argument("--input", type=Path, nargs="+", required=True, help="files or directories")
-    tok.add_argument("--vocab-size", type=int, required=True)
-    tok.add_argument("--output", type=Path, required=True, help="a .json path or a folder")
+    tok.add_argument("--vocab-size", type=at_least(MIN_VOCAB_SIZE), required=True)
+    tok.add_argument("--output", type=tokenizer_output, required=True,
+                     help="a .json path or a folder (then its tokenizer.json); never an existing tokenizer")
     tok.add_argument("--text-key", default="text")
-    tok.add_argument("--min-frequency", type=int, default=2)
+    tok.add_argument("--min-frequency", type=at_least(1), default=2)
     tok.set_defaults(run=_train_tokenizer)
 
+
+def _add_checkpoint_commands(commands) -> None:
     gen = commands.add_parser("generate", help="generate text from a checkpoint (any --tp/--pp, under torchrun)")
     add_generate_arguments(gen)
     gen.set_defaults(run=_generate)
 
     evaluation = commands.add_parser(
-        "eval", help="held-out loss and perplexity per dataset folder",
-        description="Held-out loss and perplexity per dataset folder, under plain causal attention over each window "
+        "eval", help="held-out loss and perplexity per data source",
+        description="Held-out loss and perplexity per data source, under plain causal attention over each window "
                     "(also for a checkpoint trained with _use_doc_masking: true): comparable with transformers'.")
     evaluation.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
-    evaluation.add_argument("--data", type=Path, nargs="+", required=True, help="preprocessed folders, one per domain")
-    evaluation.add_argument("--tp", type=int, default=1)
-    evaluation.add_argument("--pp", type=int, default=1)
-    evaluation.add_argument("--sequence-length", type=int, default=256)
-    evaluation.add_argument("--max-windows", type=int, default=64, help="windows read from the start of each folder")
-    evaluation.add_argument("--batch-size", type=int, default=8)
-    evaluation.add_argument("--output", type=Path, help="also write the results as JSON")
+    evaluation.add_argument("--data", type=Path, nargs="+", required=True,
+                            help="one source per domain, of any kind training reads: preprocessed or datatrove "
+                                 "folders, Hugging Face datasets (save_to_disk folders, folders of data files, Hub "
+                                 "names)")
+    evaluation.add_argument("--hf-dataset-splits", nargs="+", default=["train"], metavar="SPLIT",
+                            help="the splits read of a Hugging Face dataset, in order (default: train)")
+    evaluation.add_argument("--text-column-name", default="text", help="a Hugging Face dataset's text column")
+    evaluation.add_argument("--tp", type=at_least(1), default=1)
+    evaluation.add_argument("--pp", type=at_least(1), default=1)
+    evaluation.add_argument("--sequence-length", type=at_least(1), default=256)
+    evaluation.add_argument("--max-windows", type=at_least(1), default=64,
+                            help="windows read from the start of each source")
+    evaluation.add_argument("--batch-size", type=at_least(1), default=8)
+    evaluation.add_argument("--output", type=output_file(".json"),
+                            help="also write the results as JSON (replaced if it exists)")
     evaluation.set_defaults(run=_evaluate)
 
     convert = commands.add_parser("convert", help="convert Llama, Qwen2, Mixtral or Mamba checkpoints to or from "
@@ -219,11 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     to_nanotron = directions.add_parser("hf-to-nanotron",
                                         help="a Hugging Face model folder -> a nanotron checkpoint")
     to_nanotron.add_argument("--hf-path", type=Path, required=True)
-    to_nanotron.add_argument("--save-path", type=Path, required=True)
+    to_nanotron.add_argument("--save-path", type=output_folder, required=True, help="a new folder")
     to_hf = directions.add_parser("nanotron-to-hf",
                                   help="a nanotron checkpoint -> a Hugging Face model folder")
     to_hf.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
-    to_hf.add_argument("--save-path", type=Path, required=True)
+    to_hf.add_argument("--save-path", type=output_folder, required=True,
+                       help="a new or empty folder, or an earlier export (replaced)")
     convert.set_defaults(run=_convert)
 
     checkpoint = commands.add_parser("checkpoint", help="inspect checkpoints")
@@ -232,10 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("ckpt_path", type=Path, metavar="CKPT_PATH", help="a checkpoint, or a run folder (latest.txt)")
     verify.set_defaults(run=_verify_checkpoint)
 
-    plot = commands.add_parser("plot", help="draw loss, LR, grad-norm, throughput and MFU curves of runs to a PNG")
+
+def _add_run_commands(commands) -> None:
+    from nanotron.plot import IMAGE_SUFFIXES
+
+    plot = commands.add_parser("plot", help="draw loss, LR, grad-norm, throughput and MFU curves of runs to an image")
     plot.add_argument("--metrics", type=Path, nargs="+", required=True, help="metrics.jsonl files (or run folders)")
-    plot.add_argument("--output", type=Path, required=True, help="the PNG to write")
-    plot.add_argument("--smooth", type=int, default=None, metavar="N", help="also draw the loss averaged over N steps")
+    plot.add_argument("--output", type=output_file(*IMAGE_SUFFIXES), required=True,
+                      help=f"the image to write, in the format of its extension ({', '.join(IMAGE_SUFFIXES)}; "
+                           "replaced if it exists)")
+    plot.add_argument("--smooth", type=at_least(1), default=None, metavar="N",
+                      help="also draw the loss averaged over N steps")
     plot.add_argument("--names", nargs="+", default=None, help="one label per run (default: the run folder names)")
     plot.set_defaults(run=_plot)
 
@@ -247,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.set_defaults(run=_doremi_train)
     average = doremi_actions.add_parser("average", help="the proxy's time-averaged domain weights, as a YAML line")
     average.add_argument("--history", type=Path, required=True, help="<checkpoints_path>/domain_weights.jsonl")
-    average.add_argument("--output", type=Path, default=None, help="also write {name: weight} as JSON here")
+    average.add_argument("--output", type=output_file(".json"), default=None,
+                         help="also write {name: weight} as JSON here (replaced if it exists)")
     average.set_defaults(run=_doremi_average)
 
     memory = commands.add_parser("estimate-memory",
@@ -255,25 +309,122 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--config-file", type=Path, required=True)
     memory.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                         help="change config values, e.g. parallelism.pp=2 tokens.micro_batch_size=8")
-    memory.add_argument("--gpu-memory-gb", type=float, default=None,
+    memory.add_argument("--gpu-memory-gb", type=positive, default=None,
                         help="memory of one GPU (default: this machine's GPU, else an H200's 150.1)")
     memory.set_defaults(run=_estimate_memory)
-    return parser
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the launcher starts tp*pp ranks)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--tp", type=at_least(1), default=1,
+                        help="tensor-parallel size (the launcher starts tp*pp ranks)")
+    parser.add_argument("--pp", type=at_least(1), default=1, help="pipeline-parallel size")
     parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     parser.add_argument("--prompts-file", type=Path, help="one prompt per line")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
     parser.add_argument("--sampler", choices=["greedy", "top-k", "top-p"], default="greedy")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=50)
-    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--temperature", type=positive, default=None,
+                        help="divides the logits before sampling (top-k and top-p; default 1)")
+    parser.add_argument("--top-k", type=at_least(1), default=None,
+                        help="--sampler top-k draws from the k likeliest tokens (default 50)")
+    parser.add_argument("--top-p", type=probability, default=None,
+                        help="--sampler top-p draws from the likeliest tokens holding this share of the probability "
+                             "(default 0.9; 1 keeps every token)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step")
+
+
+# --- Option types: a value out of range or an output path that cannot be written stops the command line while it
+# is parsed, before any data is read or model loaded, with argparse's "argument --name: problem" in one error line.
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """The type of a whole-number option of at least ``minimum``."""
+
+    def whole_number(text: str) -> int:
+        value = _number(int, text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return whole_number
+
+
+def positive(text: str) -> float:
+    """The type of a number option above 0 (and finite)."""
+    value = _number(float, text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 (got {text})")
+    return value
+
+
+def probability(text: str) -> float:
+    """The type of a share of the probability mass: above 0, at most 1."""
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1 (got {text})")
+    return value
+
+
+def _number(kind: type, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
+                                         f"got {text!r}") from None
+
+
+def output_file(*suffixes: str) -> Callable[[str], Path]:
+    """The type of an output file's option: a path ending in one of ``suffixes`` where a file can be written
+    (``files.output_problem``). An existing file there is replaced: the command writes results that it writes
+    again when run again."""
+
+    def writable_file(text: str) -> Path:
+        path = _writable(Path(text))
+        if path.suffix.lower() not in suffixes:
+            listed = f"{', '.join(suffixes[:-1])} or {suffixes[-1]}" if len(suffixes) > 1 else suffixes[0]
+            raise argparse.ArgumentTypeError(f"{path} does not end in {listed}, the "
+                                             f"format{'s' if len(suffixes) > 1 else ''} this command writes")
+        return path
+
+    return writable_file
+
+
+def output_folder(text: str) -> Path:
+    """The type of an output folder's option: a path where a folder can be written (``files.output_problem``);
+    whether an existing folder may be used is the command's rule."""
+    return _writable(Path(text), folder=True)
+
+
+def tokenizer_output(text: str) -> Path:
+    """``train-tokenizer --output``: a ``.json`` file or a folder for ``tokenizer.json``, never an existing
+    tokenizer, which the folders preprocessed with it need as it is."""
+    from nanotron.data.tokenizer import tokenizer_file
+
+    path = tokenizer_file(Path(text))
+    if path.is_file():
+        raise argparse.ArgumentTypeError(f"{path} already exists, and data preprocessed with it needs it as it is; "
+                                         "choose another path or delete it")
+    _writable(path)
+    return Path(text)
+
+
+def _writable(path: Path, folder: bool = False) -> Path:
+    from nanotron.files import output_problem
+
+    problem = output_problem(path, folder)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}; choose another path")
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse reporting a bad command line as the library's user errors are reported, in one ``error:`` line
+    with exit status 2, rather than with its usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        _report_once(message)
+        sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
 REPORT_GRACE_S = 10.0
 
 
-def _report_once(error: Exception) -> None:
+def _report_once(error: Exception | str) -> None:
     """Print ``error`` once per job, and always at least once.
 
     Under a launcher every rank usually meets the same error (the same config, the same data). Rank 0 prints at

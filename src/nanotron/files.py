@@ -12,10 +12,12 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    import torch
 
 
 def fsync_path(path: Path) -> None:
@@ -53,6 +55,8 @@ def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metad
     the OS error ("... (os error 28)"; older versions "code: 28"). It becomes the ``OSError`` a Python write would
     raise, naming ``path``, so that callers handle a full disk the same whoever wrote the bytes.
     """
+    from safetensors.torch import save_file  # torch, imported only by what writes tensors
+
     try:
         atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
     except SafetensorError as error:
@@ -61,3 +65,23 @@ def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metad
             raise
         number = int(code.group(1) or code.group(2))
         raise OSError(number, os.strerror(number), str(path)) from error
+
+
+def output_problem(path: Path, folder: bool = False) -> str | None:
+    """Why a file (``folder``: a folder) cannot be written at ``path``, or None, found before any work is done.
+
+    ``path`` may exist as what is written there (whether it may be replaced is the command's rule), not as the other
+    kind. Its missing parent folders are created when it is written (``atomic_write`` does), so the nearest one that
+    exists must be a folder this process may write in.
+    """
+    path = Path(path)
+    if path.is_dir() != folder and path.exists():
+        return f"{path} is a {'file' if folder else 'folder'}, not a {'folder' if folder else 'file'}"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder to write {path} in"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"this user may not write in {parent}"
+    return None

@@ -1,8 +1,9 @@
 """Training curves from ``metrics.jsonl`` files: ``nanotron plot``.
 
-One PNG, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU, a mixture of experts'
+One image, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU, a mixture of experts'
 expert load and load-balancing loss, and per-domain losses and domain weights when the records carry them), several runs
-on the same axes so they can be compared at a glance. matplotlib is an optional extra (``pip install -e ".[plot]"``):
+on the same axes so they can be compared at a glance. The image's format follows the output's extension, one of
+``IMAGE_SUFFIXES``. matplotlib is an optional extra (``pip install -e ".[plot]"``):
 training never needs it, so it is imported only here, and only its object-oriented API with the Agg canvas is used,
 which needs no display and changes no global backend.
 """
@@ -28,6 +29,7 @@ PANELS = [
 ]
 # Records holding one value per domain (multi-folder runs, DoReMi): one curve per domain.
 DOMAIN_PANELS = [("domain_losses", "loss per domain"), ("domain_weights", "domain weights")]
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg")  # what matplotlib writes with no other library
 PANEL_SIZE = (6.0, 3.5)  # inches per panel; two panels a row
 DPI = 100
 
@@ -92,7 +94,7 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_runs(paths: list[Path], output: Path, smooth: int | None = None, names: list[str] | None = None) -> Path:
-    """Draw every run's curves into one PNG at ``output`` and return its path."""
+    """Draw every run's curves into one image at ``output`` (its format: the extension's) and return its path."""
     if names is not None and len(names) != len(paths):
         raise PlotError(f"--names gives {len(names)} name(s) for {len(paths)} metrics file(s)")
     if smooth is not None and smooth < 1:
@@ -145,5 +147,5 @@ def plot_runs(paths: list[Path], output: Path, smooth: int | None = None, names:
     for ax in figure.axes[count:]:
         ax.set_visible(False)
     output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, format="png")
+    figure.savefig(output, format=output.suffix[1:].lower())
     return output

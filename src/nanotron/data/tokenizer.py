@@ -59,6 +59,13 @@ def load_tokenizer(name_or_path: str | Path, revision: str | None = None) -> Tok
                              f"the name and your connection") from error
 
 
+def tokenizer_file(output: Path) -> Path:
+    """The file ``train_tokenizer`` writes for ``output``: a ``.json`` path itself, else ``tokenizer.json`` in that
+    folder."""
+    output = Path(output)
+    return output if output.suffix == ".json" else output / TOKENIZER_FILE_NAME
+
+
 def train_tokenizer(inputs: Sequence[Path], vocab_size: int, output: Path, text_key: str = "text",
                     min_frequency: int = 2) -> Path:
     """Train a byte-level BPE tokenizer on the documents of ``inputs`` and write it as ``tokenizer.json``.
@@ -74,8 +81,7 @@ def train_tokenizer(inputs: Sequence[Path], vocab_size: int, output: Path, text_
     if min_frequency < 1:
         raise TokenizerError(f"min_frequency must be at least 1, got {min_frequency}")
     files = list_input_files(inputs)
-    output = Path(output)
-    output_file = output if output.suffix == ".json" else output / TOKENIZER_FILE_NAME
+    output_file = tokenizer_file(output)
     if output_file.is_dir():
         raise TokenizerError(f"tokenizer output {output_file} is a directory; pass a .json file path or a "
                              f"directory to write {TOKENIZER_FILE_NAME} into")

@@ -189,15 +189,21 @@ def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, posi
     return logits
 
 
-def load_checkpoint_tokenizer(checkpoint: Path):
-    """The tokenizer stored in the checkpoint, else the one its training config names."""
+def checkpoint_tokenizer(checkpoint: Path) -> str | Path:
+    """The tokenizer stored in the checkpoint, else the one its training config names (a path or a Hub name)."""
     from nanotron.config import load_config
-    from nanotron.data.tokenizer import load_tokenizer
 
     if (checkpoint / "tokenizer" / "tokenizer.json").exists():
-        return load_tokenizer(checkpoint / "tokenizer" / "tokenizer.json")
+        return checkpoint / "tokenizer" / "tokenizer.json"
     if (checkpoint / "config.yaml").exists():
         name = load_config(checkpoint / "config.yaml").tokenizer.tokenizer_name_or_path
         if name:
-            return load_tokenizer(name)
+            return name
     raise CheckpointError(f"{checkpoint} has no tokenizer (tokenizer/tokenizer.json) and its config names none")
+
+
+def load_checkpoint_tokenizer(checkpoint: Path):
+    """The checkpoint's tokenizer (``checkpoint_tokenizer``), loaded."""
+    from nanotron.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(checkpoint_tokenizer(checkpoint))
