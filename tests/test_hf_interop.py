@@ -159,3 +159,76 @@ def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
     assert result["tokens"] == 160 and result["loss"] == pytest.approx(single["manual"], rel=1e-5)
     assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"]).exp().item(), rel=1e-6)
     assert sharded[0]["tokenized"]["loss"] == pytest.approx(result["loss"], rel=1e-5)
+
+
+def _converted_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of a nanotron checkpoint over ``ids``, in this process at tp=1."""
+    from nanotron.generation.generate import forward_logits, load_model
+    from nanotron.parallel.context import ParallelContext
+
+    pc = ParallelContext(tp=1)
+    try:
+        model, _ = load_model(ckpt, pc)
+        return forward_logits(model, pc, ids, None, None, None, last_only=False)[0, :, :model.config.vocab_size]
+    finally:
+        pc.destroy()
+
+
+# transformers families whose MLP (and experts) take config.json's hidden_act, with the config of a tiny one
+GATED_FAMILIES = {
+    "Llama": {},
+    "Qwen2": {},
+    "Qwen2Moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]},
+    "Mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+# Each family with one activation in the default tier (every activation among them), all pairs in the full tier.
+DEFAULT_TIER_ACTIVATIONS = {"Llama": "gelu", "Qwen2": "gelu_pytorch_tanh", "Qwen2Moe": "relu", "Mixtral": "gelu"}
+
+
+@pytest.mark.parametrize("family, activation", [
+    pytest.param(family, activation, marks=() if DEFAULT_TIER_ACTIVATIONS[family] == activation
+                 else pytest.mark.full_tier)
+    for family in GATED_FAMILIES for activation in ("gelu", "gelu_pytorch_tanh", "relu")])
+def test_hidden_act_converts_with_the_logits_of_transformers_and_back(family, activation, tmp_path):
+    from helpers import away_from_initial_values, cli
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=112, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, hidden_act=activation,
+        **GATED_FAMILIES[family])
+    model = away_from_initial_values(getattr(transformers, f"{family}ForCausalLM")(config).eval())
+    model.save_pretrained(tmp_path / "hf")
+    for direction, source, target in (("hf-to-nanotron", "--hf-path", "nanotron"),
+                                      ("nanotron-to-hf", "--ckpt-path", "back")):
+        outcome = cli("convert", direction, source, tmp_path / ("hf" if target == "nanotron" else "nanotron"),
+                      "--save-path", tmp_path / target)
+        assert outcome.code == 0, outcome.stderr[-3000:]
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        reference = model(ids).logits[0]
+    assert (_converted_logits(tmp_path / "nanotron", ids) - reference).abs().max() < 1e-4
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert exported.config.hidden_act == activation
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits[0], reference)
+
+
+def test_gated_activations_keep_only_gate_up_for_the_backward():
+    """The memory planner counts a gated MLP's kept activations as SwiGLU's: gate|up and the output, whatever the
+    activation; and the gradients are those of transformers' activation."""
+    from transformers.activations import ACT2FN
+
+    from nanotron.nn.glu import glu
+
+    for activation in ("silu", "gelu", "gelu_pytorch_tanh", "relu"):
+        gate_up = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: t):
+            out = glu(gate_up, activation)
+        assert [t.data_ptr() for t in saved] == [gate_up.data_ptr()], activation
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert torch.equal(out, ACT2FN[activation](gate) * up), activation
+        assert torch.autograd.gradcheck(glu, (gate_up, activation)), activation
+

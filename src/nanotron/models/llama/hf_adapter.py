@@ -66,6 +66,7 @@ class LlamaHFAdapter:
             "num_attention_heads": hf["num_attention_heads"], "num_key_value_heads": hf.get("num_key_value_heads"),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
             "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), **_rope_from_hf(hf),
+            "hidden_act": hf.get("hidden_act", "silu"),
             "tie_word_embeddings": hf.get("tie_word_embeddings", False),
             "bos_token_id": hf.get("bos_token_id"), "eos_token_id": _first(hf.get("eos_token_id")),
             "pad_token_id": hf.get("pad_token_id"), **self._check_family(hf),
@@ -88,7 +89,7 @@ class LlamaHFAdapter:
 
     def config_to_hf(self, config: LlamaConfig, dtype: str) -> dict:
         return self._family_to_hf(config) | {
-            "hidden_act": "silu",
+            "hidden_act": config.hidden_act,
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
