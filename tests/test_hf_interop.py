@@ -232,3 +232,119 @@ def test_gated_activations_keep_only_gate_up_for_the_backward():
         assert torch.equal(out, ACT2FN[activation](gate) * up), activation
         assert torch.autograd.gradcheck(glu, (gate_up, activation)), activation
 
+
+def test_every_field_of_transformers_configs_is_read_ignored_or_refused():
+    """Each family's table classifies every field of the installed transformers' config class of each model_type it
+    converts: a field a new transformers adds fails here until it is classified."""
+    import inspect
+
+    from nanotron.models.hf_fields import Ignored, Read, Refused
+    from nanotron.models.registry import MODEL_SPECS
+
+    tables = {model_type: fields for spec in MODEL_SPECS.values() for model_type, fields in
+              spec.hf_adapter.hf_fields.items()}
+    assert set(tables) == {"llama", "qwen2", "smollm3", "qwen2_moe", "mixtral", "mamba"}
+    for model_type, fields in tables.items():
+        config_class = transformers.CONFIG_MAPPING[model_type]
+        declared = set(inspect.signature(config_class.__init__).parameters) | set(config_class().to_dict())
+        assert declared - {"self", "kwargs"} - set(fields) == set(), model_type
+        assert all(isinstance(field, (Read, Ignored, Refused)) for field in fields.values())
+
+
+class _RecordingDict(dict):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+def test_adapters_read_only_the_fields_their_tables_say_they_read():
+    from nanotron.models.hf_fields import Read
+    from nanotron.models.registry import MODEL_SPECS
+
+    for spec in MODEL_SPECS.values():
+        for model_type, fields in spec.hf_adapter.hf_fields.items():
+            hf = _RecordingDict(transformers.CONFIG_MAPPING[model_type](
+                vocab_size=112, hidden_size=64, num_hidden_layers=2).to_dict())
+            spec.hf_adapter.config_fields_from_hf(hf)
+            assert hf.read - {name for name, field in fields.items() if isinstance(field, Read)} == set(), model_type
+
+
+@pytest.mark.parametrize("model_type, change, fragment", [
+    ("llama", {"hidden_act": "gelu_new"}, "hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu"),
+    ("llama", {"mlp_bias": True}, "mlp_bias True is not supported (nanotron's MLP has no biases); only False is"),
+    ("llama", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config {'quant_method'"),
+    ("mamba", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ("mixtral", {"sliding_window": 4096}, "sliding_window 4096 is not supported"),
+    ("qwen2", {"is_encoder_decoder": True}, "is_encoder_decoder True is not supported"),
+])
+def test_conversion_refuses_a_field_it_does_not_build_in_one_line_writing_nothing(model_type, change, fragment,
+                                                                                   tmp_path):
+    import json
+
+    from helpers import assert_user_error, cli
+
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    config = transformers.CONFIG_MAPPING[model_type](vocab_size=112, hidden_size=64, intermediate_size=128,
+                                                     num_hidden_layers=2, num_attention_heads=4,
+                                                     num_key_value_heads=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    written = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(written | change))
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", tmp_path / "out")
+    assert_user_error(outcome, str(hf / "config.json"), fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_keys_that_no_transformers_field_names_are_ignored_with_one_warning(tmp_path, caplog):
+    import json
+
+    from nanotron.checkpoint.hf_folder import read_hf_config
+
+    hf = random_hf_llama(tmp_path / "hf", tied=True)
+    written = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(written | {"fused_add_norm": True, "n_layer": 4}))
+    with caplog.at_level("WARNING", logger="nanotron.convert"):
+        read_hf_config(hf)
+    (record,) = caplog.records
+    assert "ignored the keys fused_add_norm, n_layer" in record.getMessage()
+
+
+
+def _fields_table() -> str:
+    """docs/checkpoint-format.md's table of config.json fields, rendered from the families' ``hf_fields``: one row
+    per field and treatment, with the model types that treat it so."""
+    from nanotron.models.hf_fields import Ignored, Read
+    from nanotron.models.registry import MODEL_SPECS
+
+    tables = {model_type: fields for spec in MODEL_SPECS.values() for model_type, fields in
+              spec.hf_adapter.hf_fields.items()}
+    rows: dict[tuple[str, str], list[str]] = {}
+    for model_type, fields in tables.items():
+        for name, field in fields.items():
+            if isinstance(field, Read):
+                treatment = f"read: {field.into}"
+            elif isinstance(field, Ignored):
+                treatment = f"ignored: {field.reason}"
+            else:
+                allowed = " or ".join("null" if value is None else f"`{value!r}`" for value in field.allowed)
+                treatment = f"refused unless {allowed}: {field.reason}"
+            rows.setdefault((name, treatment), []).append(model_type)
+    lines = ["| Field | Model types | Conversion |", "|---|---|---|"]
+    for (name, treatment), model_types in sorted(rows.items()):
+        types = "all" if len(model_types) == len(tables) else ", ".join(model_types)
+        lines.append(f"| `{name}` | {types} | {treatment} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_docs_list_every_field_as_the_tables_treat_it():
+    docs = (ROOT / "docs" / "checkpoint-format.md").read_text()
+    assert _fields_table() in docs, "regenerate the table of docs/checkpoint-format.md with _fields_table()"

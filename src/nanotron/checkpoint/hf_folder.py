@@ -1,7 +1,8 @@
 """A Hugging Face model folder, read for conversion: its config.json as a checked nanotron model config, and its
 weights checked against that config before any tensor is read.
 
-config.json is read the way a YAML config is: the family's adapter maps it to nanotron's model-config fields, the
+config.json is read the way a YAML config is: the family's table of transformers' fields (``models/hf_fields.py``)
+refuses the values nanotron does not build, the family's adapter maps it to nanotron's model-config fields, the
 config loader checks their types, the family's rules their values (sizes, divisibility, RoPE scaling), and the
 adapter the config.json keys nanotron derives instead of reading. Then one check, the same for every family,
 compares the model that config describes with the stored tensors (``check_weights_fit``): a config.json that
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from nanotron.config import ConfigError, model_config_from_dict
 from nanotron.errors import CheckpointError
+from nanotron.models.hf_fields import check_fields
 from nanotron.models.registry import check_model_config, spec_for_hf_model_type
 from nanotron.models.spec import ModelSpec
 
@@ -45,6 +47,7 @@ def read_hf_config(hf_path: Path) -> tuple[ModelSpec, object]:
                           source=config_file)
     model_type = hf_config.get("model_type")
     spec = spec_for_hf_model_type(model_type, config_file)
+    check_fields(hf_config, spec.hf_adapter.hf_fields[model_type], str(config_file))
     try:
         fields = spec.hf_adapter.config_fields_from_hf(hf_config)
     except KeyError as missing:

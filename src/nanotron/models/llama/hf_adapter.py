@@ -11,6 +11,8 @@ Layouts (nanotron ← → Hugging Face):
 - Rotary embeddings use the same (rotate-half, non-interleaved) convention on both sides: no row permutation.
   RoPE scaling is read from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x) and written as
   ``rope_scaling``, which both read.
+
+``LLAMA_FIELDS`` says what becomes of every config.json field (``models/hf_fields.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ import torch
 
 from nanotron.config import ROPE_SCALING_KEYS, LlamaConfig
 from nanotron.errors import CheckpointError
+from nanotron.models.hf_fields import DECODER_FIELDS, Field, Ignored, Refused
+
+LLAMA_FIELDS: dict[str, Field] = DECODER_FIELDS | {
+    "attention_bias": Refused((False,), "it biases o_proj too, which nanotron's attention never does; q/k/v biases "
+                                        "alone are Qwen2's"),
+    "mlp_bias": Refused((False,), "nanotron's MLP has no biases"),
+    "pretraining_tp": Ignored("transformers 4 split the products into that many slices and summed them (the same "
+                              "values); transformers 5 does not read it"),
+}
 
 
 def _first(token_id):
@@ -49,14 +60,12 @@ def _rope_from_hf(hf: dict) -> dict:
 
 
 class LlamaHFAdapter:
-    model_types = ("llama",)
     config_class = LlamaConfig
+    hf_fields = {"llama": LLAMA_FIELDS}  # per config.json model_type
 
     def _check_family(self, hf: dict) -> dict:
-        """Config fields of the variant read from ``hf``, after refusing what nanotron does not build."""
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise CheckpointError("Llama models with attention_bias (which biases o_proj too) or mlp_bias are not "
-                                  "supported; only q/k/v biases are (Qwen2)")
+        """Config fields of the variant read from ``hf``, after refusing what nanotron does not build (beyond the
+        values its ``hf_fields`` refuse)."""
         return {"attention_bias": False}
 
     def config_fields_from_hf(self, hf: dict) -> dict:
