@@ -348,3 +348,26 @@ def _fields_table() -> str:
 def test_the_docs_list_every_field_as_the_tables_treat_it():
     docs = (ROOT / "docs" / "checkpoint-format.md").read_text()
     assert _fields_table() in docs, "regenerate the table of docs/checkpoint-format.md with _fields_table()"
+
+
+@pytest.mark.parametrize("value, fragment", [
+    (float("nan"), "holds 1 NaN or infinite values"),
+    (float("-inf"), "holds 1 NaN or infinite values"),
+    (7, "is stored as I8, not one of the floating-point dtypes nanotron converts (F64, F32, BF16, F16)"),
+])
+def test_conversion_refuses_non_finite_or_integer_weights_by_name_writing_nothing(value, fragment, tmp_path):
+    from safetensors.torch import save_file
+
+    from helpers import assert_user_error, cli
+
+    hf = random_hf_llama(tmp_path / "hf", tied=True)
+    weights = load_file(hf / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    if isinstance(value, float):
+        weights[name][3, 5] = value
+    else:
+        weights[name] = torch.full_like(weights[name], value, dtype=torch.int8)
+    save_file(weights, hf / "model.safetensors", metadata={"format": "pt"})
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", tmp_path / "out")
+    assert_user_error(outcome, f"'{name}' in {hf / 'model.safetensors'}", fragment)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()

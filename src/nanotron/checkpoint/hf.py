@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nanotron.checkpoint.hf_folder import check_weights_fit, read_hf_config, read_weights, stored_shapes
+from nanotron.checkpoint.hf_folder import FLOAT_DTYPES, check_weights_fit, read_hf_config, read_weights, stored_shapes
 from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_checkpoint
 from nanotron.checkpoint.logical_tensors import LogicalTensorReader, write_boxes
 from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
@@ -29,7 +29,6 @@ from nanotron.files import fsync_path
 from nanotron.models.registry import check_model_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def _copy_tokenizer(source: Path, target: Path) -> bool:
@@ -42,7 +41,9 @@ def _copy_tokenizer(source: Path, target: Path) -> bool:
 
 
 def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
-    """Write a nanotron checkpoint (weights only, step 0) from a Hugging Face model folder; returns its folder."""
+    """Write a nanotron checkpoint (weights only, step 0) from a Hugging Face model folder; returns its folder.
+    Nothing is written before config.json, the stored tensors' names, shapes and dtypes, and their values (finite)
+    have been checked."""
     hf_path, save_path = Path(hf_path), Path(save_path)
     if save_path.exists():
         raise CheckpointError(f"{save_path} already exists; choose another --save-path or delete it")
@@ -140,4 +141,4 @@ def _replace_folder(staging: Path, target: Path) -> None:
 def _stored_dtype(reader: LogicalTensorReader, name: str) -> torch.dtype:
     entry = reader.entries[name][0]
     with safe_open(str(entry.file), framework="pt") as handle:
-        return SAFETENSORS_DTYPES[handle.get_slice(entry.key).get_dtype()]
+        return FLOAT_DTYPES[handle.get_slice(entry.key).get_dtype()]
