@@ -371,3 +371,89 @@ def test_conversion_refuses_non_finite_or_integer_weights_by_name_writing_nothin
     outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", tmp_path / "out")
     assert_user_error(outcome, f"'{name}' in {hf / 'model.safetensors'}", fragment)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+class _Scripted(transformers.LogitsProcessor):
+    """Forces generation to emit ``script`` after a prompt of ``prompt_length`` tokens, then its last token."""
+
+    def __init__(self, script: list[int], prompt_length: int):
+        self.script, self.prompt_length = script, prompt_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = min(input_ids.shape[1] - self.prompt_length, len(self.script) - 1)
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.script[step]] = 0.0
+        return forced
+
+
+
+@pytest.fixture(scope="module")
+def run_with_default_token_ids(tiny_data, tmp_path_factory) -> Path:
+    """A quickstart-like run whose config leaves bos and eos at the schema's defaults (1 and 2: ``!`` and ``"`` of
+    the tiny byte-level BPE)."""
+    from helpers import tiny_config_dict, train
+
+    root = tmp_path_factory.mktemp("default_token_ids")
+    train(tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 2}), root / "config.yaml")
+    return root / "run"
+
+
+def _export(run: Path, target: Path) -> dict:
+    """config.json of ``run`` exported by the CLI into ``target``."""
+    import json
+
+    from helpers import cli
+
+    outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", run, "--save-path", target)
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    return json.loads((target / "config.json").read_text())
+
+
+def test_an_exported_run_stops_generating_at_its_tokenizers_end_of_text_only(run_with_default_token_ids, tiny_data,
+                                                                             tmp_path):
+    """Training takes the tokenizer's ids in place of the defaults, and the export writes them: transformers'
+    generate goes on past ``"`` and stops at ``<|endoftext|>``."""
+    from helpers import checkpoint_json
+    from nanotron.data.tokenizer import EOS_TOKEN, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_data["tokenizer"])
+    end, quote = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id('"')
+    assert quote == 2 and end != 2
+    trained = checkpoint_json(run_with_default_token_ids)["model"]["config"]
+    assert (trained["bos_token_id"], trained["eos_token_id"]) == (None, end)
+    written = _export(run_with_default_token_ids, tmp_path / "hf")
+    assert (written["bos_token_id"], written["eos_token_id"]) == (None, end)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = torch.tensor([tokenizer.encode("the river").ids])
+    script = [quote, 5, quote, end, 7]
+    out = model.generate(prompt, max_new_tokens=len(script), do_sample=False, pad_token_id=end,
+                         logits_processor=[_Scripted(script, prompt.shape[1])])
+    assert out[0, prompt.shape[1]:].tolist() == [quote, 5, quote, end]
+
+
+@pytest.mark.parametrize("bos, eos, warned", [
+    (1, 2, None),
+    (None, 5, "eos_token_id (5 ('%')) is an ordinary token of its tokenizer; exported the tokenizer's own, "
+              "0 ('<|endoftext|>')"),
+    (3, 0, "bos_token_id (3 ('#')) is an ordinary token of its tokenizer; exported the tokenizer's own, null"),
+])
+def test_export_takes_the_tokenizers_ids_where_the_checkpoint_has_ordinary_tokens(run_with_default_token_ids, bos,
+                                                                                   eos, warned, tmp_path, caplog):
+    """A checkpoint trained before the ids were taken from the tokenizer carries the defaults, exported as the
+    tokenizer's; other ordinary tokens are exported as the tokenizer's too, with a warning naming them."""
+    import json
+    import shutil
+
+    from nanotron.checkpoint.integrity import sealed
+
+    run = shutil.copytree(run_with_default_token_ids, tmp_path / "run")
+    checkpoint = run / (run / "latest.txt").read_text().strip() / "checkpoint.json"
+    metadata = json.loads(checkpoint.read_text())
+    metadata["model"]["config"] |= {"bos_token_id": bos, "eos_token_id": eos}
+    checkpoint.write_text(json.dumps(sealed(metadata)))  # as a save with these ids writes it
+    with caplog.at_level("WARNING", logger="nanotron.convert"):
+        written = _export(run, tmp_path / "hf")
+    assert (written["bos_token_id"], written["eos_token_id"]) == (None, 0)
+    assert [record.getMessage() for record in caplog.records] == ([] if warned is None else
+                                                                  [f"the checkpoint's {warned}"])
