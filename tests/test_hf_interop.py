@@ -1,4 +1,6 @@
-"""Hugging Face interop and generation: conversion both ways, logits parity at any layout, greedy decoding."""
+"""Hugging Face interop and generation: conversion both ways, logits parity at any layout, greedy decoding; every
+activation of the gated MLPs, every config.json field classified, weights that cannot convert refused, and the
+tokenizer's bos and eos ids in exports."""
 
 from __future__ import annotations
 
@@ -274,6 +276,7 @@ def test_adapters_read_only_the_fields_their_tables_say_they_read():
             hf = _RecordingDict(transformers.CONFIG_MAPPING[model_type](
                 vocab_size=112, hidden_size=64, num_hidden_layers=2).to_dict())
             spec.hf_adapter.config_fields_from_hf(hf)
+            assert "vocab_size" in hf.read, model_type
             assert hf.read - {name for name, field in fields.items() if isinstance(field, Read)} == set(), model_type
 
 
