@@ -78,7 +78,7 @@ FULL: dict[str, Any] = {
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             "tie_word_embeddings": True,
             "attention_bias": True,
-            "hidden_act": "silu",
+            "hidden_act": "gelu",
             "bos_token_id": 0,
             "eos_token_id": 1,
             "pad_token_id": 3,
@@ -169,7 +169,7 @@ FULL: dict[str, Any] = {
             "exclude_modules": ["o_proj$"], "log_out_of_range": True},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
-SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "hidden_act", "pretraining_tp",
+SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "pretraining_tp",
                  "checkpoints_path_is_shared_file_system"}
 
 
@@ -572,7 +572,8 @@ RULES = {
         _set(f"{MC}.rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
         [f"{MC}.rope_scaling misses low_freq_factor", "rope_type llama3 takes exactly the keys"],
     ),
-    "activation is silu": (_set(f"{MC}.hidden_act", "gelu"), [f"{MC}.hidden_act must be 'silu'"]),
+    "activation is one the MLP builds": (_set(f"{MC}.hidden_act", "gelu_new"),
+                                         [f"{MC}.hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu"]),
     "pretraining_tp is 1": (_set(f"{MC}.pretraining_tp", 2), [f"{MC}.pretraining_tp must be 1", "parallelism.tp"]),
     "token ids fit the vocabulary": (_set(f"{MC}.eos_token_id", 4096), [f"{MC}.eos_token_id (4096)", "vocab_size"]),
     "learning rate is positive": (

@@ -1,6 +1,6 @@
 """Continued pretraining of real checkpoints: RoPE scaling (Llama 3.1 ``llama3``, ``linear``), Qwen2 (q/k/v biases,
-tied or untied, sliding windows), SmolLM3 (NoPE layers), Mixtral (mixtures of experts) and the shape rules checked
-before a model is built, against random small ``transformers`` models."""
+tied or untied, sliding windows), SmolLM3 (NoPE layers), Mixtral (mixtures of experts), MLPs of other activations
+than SiLU and the shape rules checked before a model is built, against random small ``transformers`` models."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ VARIANTS = {
     "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 3,
                             "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0}),
     "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # other gated activations than SiLU, in a dense MLP and in experts, split over tp ranks too
+    "llama-relu": ("Llama", {"hidden_act": "relu"}),
+    "mixtral-gelu-tanh": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                      "hidden_act": "gelu_pytorch_tanh"}),
 }
 
 

@@ -81,6 +81,53 @@ def test_eos_token_id_follows_the_candidate_order():
         eos_token_id(without_eos)
 
 
+def _llama_like() -> Tokenizer:
+    """A word-level tokenizer whose post-processor puts ``<s>`` before every text, as Llama's does."""
+    from tokenizers import AddedToken, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "<|im_end|>": 4},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in ("<unk>", "<s>", "</s>", "<|im_end|>")])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tokenizer
+
+
+@pytest.mark.parametrize("written, expected, ordinary", [
+    ({}, {"bos_token_id": None, "eos_token_id": 0}, []),  # the defaults, 1 and 2, are "!" and '"'
+    ({"bos_token_id": 0, "eos_token_id": None}, {"bos_token_id": 0, "eos_token_id": None}, []),
+    ({"eos_token_id": 5}, {"bos_token_id": None, "eos_token_id": 0}, ["eos_token_id"]),
+])
+def test_a_model_takes_the_tokenizers_ids_in_place_of_defaults_and_ordinary_tokens(tokenizer_file, written, expected,
+                                                                                   ordinary):
+    from nanotron.config import LlamaConfig
+    from nanotron.data.tokenizer import model_token_ids
+
+    assert model_token_ids(load_tokenizer(tokenizer_file), LlamaConfig(**written)) == (expected, ordinary)
+
+
+def test_the_bos_id_is_the_token_the_tokenizer_puts_before_every_text():
+    from nanotron.config import LlamaConfig
+    from nanotron.data.tokenizer import model_token_ids
+
+    llama_like = _llama_like()
+    assert model_token_ids(llama_like, LlamaConfig(bos_token_id=3, eos_token_id=3)) == (
+        {"bos_token_id": 1, "eos_token_id": 2}, ["bos_token_id", "eos_token_id"])
+    assert model_token_ids(llama_like, LlamaConfig(eos_token_id=4)) == ({"bos_token_id": 1, "eos_token_id": 4}, [])
+
+
+def test_training_refuses_an_eos_id_that_names_an_ordinary_token_in_one_line(tiny_data, tmp_path):
+    from helpers import assert_user_error, cli, tiny_config_dict, write_config
+
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 1})
+    config["model"]["model_config"]["eos_token_id"] = 5
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    assert_user_error(outcome, "model.model_config.eos_token_id (5 ('%')) is an ordinary token of the tokenizer "
+                               f"({tiny_data['tokenizer']}), not a special one; set it to the tokenizer's own, "
+                               "0 ('<|endoftext|>'), or leave it out to take that")
+    assert not any((tmp_path / "run").glob("*/checkpoint.json"))
+
+
 def test_fingerprint_identifies_the_tokenizer(corpus, tokenizer_file, tmp_path):
     tokenizer = load_tokenizer(tokenizer_file)
     assert tokenizer_fingerprint(tokenizer) == hashlib.sha256(tokenizer.to_str().encode()).hexdigest()

@@ -4,13 +4,14 @@ The family is detected from ``config.json``'s ``model_type`` (Hugging Face → n
 ``model.type`` (nanotron → Hugging Face); its ``HFAdapter`` maps configs and tensor names, this module does the
 reading and writing (a Hugging Face folder is read through ``hf_folder``, which checks its config.json and weights
 against each other first). nanotron may pad the vocabulary (``make_vocab_size_divisible_by`` × tp); exports keep
-the first ``vocab_size`` rows. Only ``safetensors`` and JSON are needed; ``transformers`` itself is used by the
-tests, never here.
+the first ``vocab_size`` rows, and the bos and eos ids of the tokenizer the checkpoint carries. Only
+``safetensors``, ``tokenizers`` and JSON are needed; ``transformers`` itself is used by the tests, never here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,17 +20,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nanotron.checkpoint.hf_folder import check_weights_fit, read_hf_config, read_weights, stored_shapes
+from nanotron.checkpoint.hf_folder import FLOAT_DTYPES, check_weights_fit, read_hf_config, read_weights, stored_shapes
 from nanotron.checkpoint.integrity import file_entry, read_metadata, verify_checkpoint
 from nanotron.checkpoint.logical_tensors import LogicalTensorReader, write_boxes
 from nanotron.checkpoint.manager import checkpoint_metadata, checkpoint_model, model_metadata, write_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
+from nanotron.data.tokenizer import TOKENIZER_FILE_NAME, describe_token, load_tokenizer, model_token_ids
 from nanotron.errors import CheckpointError
 from nanotron.files import fsync_path
 from nanotron.models.registry import check_model_config
 
+logger = logging.getLogger("nanotron.convert")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def _copy_tokenizer(source: Path, target: Path) -> bool:
@@ -42,7 +44,9 @@ def _copy_tokenizer(source: Path, target: Path) -> bool:
 
 
 def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
-    """Write a nanotron checkpoint (weights only, step 0) from a Hugging Face model folder; returns its folder."""
+    """Write a nanotron checkpoint (weights only, step 0) from a Hugging Face model folder; returns its folder.
+    Nothing is written before config.json, the stored tensors' names, shapes and dtypes, and their values (finite)
+    have been checked."""
     hf_path, save_path = Path(hf_path), Path(save_path)
     if save_path.exists():
         raise CheckpointError(f"{save_path} already exists; choose another --save-path or delete it")
@@ -97,6 +101,7 @@ def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
         save_file({k: v.contiguous() for k, v in hf.items()}, str(staging / "model.safetensors"),
                   metadata={"format": "pt"})
         hf_config = spec.hf_adapter.config_to_hf(config, metadata["model"]["dtype"])
+        hf_config |= _tokenizer_token_ids(checkpoint / "tokenizer", config)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
         _copy_tokenizer(checkpoint / "tokenizer", staging)
         _replace_folder(staging, save_path)
@@ -104,6 +109,20 @@ def nanotron_to_hf(ckpt_path: Path, save_path: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return save_path
+
+
+def _tokenizer_token_ids(folder: Path, config) -> dict[str, int | None]:
+    """The ``bos_token_id`` and ``eos_token_id`` of the tokenizer in ``folder`` where the checkpoint's config has
+    other ones than its special tokens (``model_token_ids``: the schema's defaults of a run trained before they were
+    taken from the tokenizer, or ids written as ordinary tokens, which are named); none without a tokenizer.json."""
+    if not (folder / TOKENIZER_FILE_NAME).is_file():
+        return {}
+    tokenizer = load_tokenizer(folder)
+    ids, ordinary = model_token_ids(tokenizer, config)
+    for name in ordinary:
+        logger.warning(f"the checkpoint's {name} ({describe_token(tokenizer, getattr(config, name))}) is an ordinary "
+                       f"token of its tokenizer; exported the tokenizer's own, {describe_token(tokenizer, ids[name])}")
+    return ids
 
 
 EXPORT_FILES = ("model.safetensors", "config.json", *TOKENIZER_FILES)
@@ -140,4 +159,4 @@ def _replace_folder(staging: Path, target: Path) -> None:
 def _stored_dtype(reader: LogicalTensorReader, name: str) -> torch.dtype:
     entry = reader.entries[name][0]
     with safe_open(str(entry.file), framework="pt") as handle:
-        return SAFETENSORS_DTYPES[handle.get_slice(entry.key).get_dtype()]
+        return FLOAT_DTYPES[handle.get_slice(entry.key).get_dtype()]

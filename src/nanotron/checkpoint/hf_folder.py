@@ -1,7 +1,8 @@
 """A Hugging Face model folder, read for conversion: its config.json as a checked nanotron model config, and its
 weights checked against that config before any tensor is read.
 
-config.json is read the way a YAML config is: the family's adapter maps it to nanotron's model-config fields, the
+config.json is read the way a YAML config is: the family's table of transformers' fields (``models/hf_fields.py``)
+refuses the values nanotron does not build, the family's adapter maps it to nanotron's model-config fields, the
 config loader checks their types, the family's rules their values (sizes, divisibility, RoPE scaling), and the
 adapter the config.json keys nanotron derives instead of reading. Then one check, the same for every family,
 compares the model that config describes with the stored tensors (``check_weights_fit``): a config.json that
@@ -20,11 +21,14 @@ from safetensors import safe_open
 
 from nanotron.config import ConfigError, model_config_from_dict
 from nanotron.errors import CheckpointError
+from nanotron.models.hf_fields import check_fields
 from nanotron.models.registry import check_model_config, spec_for_hf_model_type
 from nanotron.models.spec import ModelSpec
 
 # torch cannot size a tensor of 2**63 bytes or more, even on the meta device (4 bytes per float32 value)
 _MAX_PARAMETERS = 2**61
+# The floating-point dtypes of safetensors files that conversion reads, by their names in the file headers.
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def read_hf_config(hf_path: Path) -> tuple[ModelSpec, object]:
@@ -45,6 +49,7 @@ def read_hf_config(hf_path: Path) -> tuple[ModelSpec, object]:
                           source=config_file)
     model_type = hf_config.get("model_type")
     spec = spec_for_hf_model_type(model_type, config_file)
+    check_fields(hf_config, spec.hf_adapter.hf_fields[model_type], str(config_file))
     try:
         fields = spec.hf_adapter.config_fields_from_hf(hf_config)
     except KeyError as missing:
@@ -70,27 +75,38 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def stored_shapes(folder: Path) -> dict[str, torch.Tensor]:
-    """Every stored tensor as an empty tensor of its shape on the meta device, from the safetensors headers alone."""
+    """Every stored tensor as an empty tensor of its shape and dtype on the meta device, from the safetensors headers
+    alone; a tensor of another dtype than ``FLOAT_DTYPES`` (integers, float8: a quantized checkpoint) is refused."""
     stored, where = {}, {}
     for file in _weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as handle:
-                shapes = {key: handle.get_slice(key).get_shape() for key in handle.keys()}
+                headers = {key: handle.get_slice(key) for key in handle.keys()}
+                headers = {key: (info.get_shape(), info.get_dtype()) for key, info in headers.items()}
         except Exception as error:  # safetensors raises several types for truncated or foreign files
             raise CheckpointError(f"cannot read {file}: {error}; the file is corrupt") from error
-        for key, shape in shapes.items():
+        for key, (shape, dtype) in headers.items():
             if key in where:
                 raise CheckpointError(f"{key!r} is stored in both {where[key]} and {file}; keep one of them")
-            where[key], stored[key] = file, torch.empty(shape, device="meta")
+            if dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{key!r} in {file} is stored as {dtype}, not one of the floating-point dtypes "
+                                      f"nanotron converts ({', '.join(FLOAT_DTYPES)}); a quantized model must be "
+                                      "dequantized and saved in one of them first")
+            where[key], stored[key] = file, torch.empty(shape, dtype=FLOAT_DTYPES[dtype], device="meta")
     return stored
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor; one holding a NaN or an infinite value is refused by name."""
     tensors = {}
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
-                tensors[key] = handle.get_tensor(key)
+                tensor = tensors[key] = handle.get_tensor(key)
+                finite = int(torch.isfinite(tensor).sum())
+                if finite != tensor.numel():
+                    raise CheckpointError(f"{key!r} in {file} holds {tensor.numel() - finite:,} NaN or infinite "
+                                          "values; nanotron converts finite weights only")
     return tensors
 
 

@@ -17,6 +17,9 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+# The activations of the gated MLP, ``down(act(gate(x)) * up(x))``, named as transformers' ``hidden_act``: ``silu``
+# (SwiGLU), ``gelu`` (exact, erf), ``gelu_pytorch_tanh`` (tanh approximation) and ``relu``.
+HiddenAct = Literal["silu", "gelu", "gelu_pytorch_tanh", "relu"]
 
 
 @dataclass
@@ -35,7 +38,7 @@ class LlamaConfig:
     rope_scaling: dict | None = None  # None, or {rope_type: linear | llama3, ...}: see ROPE_SCALING_KEYS
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q, k and v (Qwen2); the output projection never has one
-    hidden_act: Literal["silu"] = "silu"  # the MLP is SwiGLU
+    hidden_act: HiddenAct = "silu"  # the gated MLP's activation (and its experts'); silu: SwiGLU
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     pad_token_id: int | None = None

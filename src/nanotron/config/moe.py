@@ -15,7 +15,7 @@ class MoESettings:
 
     num_experts: int
     top_k: int
-    ffn: int  # each routed expert's SwiGLU width
+    ffn: int  # each routed expert's gated MLP width
     normalize_topk: bool  # renormalise the top-k probabilities to sum to 1
     capacity_factor: float | None  # None: dropless
     aux_loss_coef: float
@@ -29,8 +29,8 @@ class MoESettings:
 class LlaMoEConfig(LlamaConfig):
     """Llama with mixture-of-experts feed-forward layers (nanotron's ``is_llamoe_config``; Mixtral's architecture).
 
-    Each MoE layer routes every token to ``num_experts_per_tok`` of ``moe_num_experts`` SwiGLU experts of width
-    ``intermediate_size``. The first ``moe_first_dense_layers`` layers keep a dense SwiGLU MLP.
+    Each MoE layer routes every token to ``num_experts_per_tok`` of ``moe_num_experts`` gated MLP experts of width
+    ``intermediate_size``. The first ``moe_first_dense_layers`` layers keep a dense MLP.
     """
 
     is_llama_config: bool = False

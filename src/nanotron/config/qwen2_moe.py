@@ -2,10 +2,10 @@
 rules.
 
 Upstream's keys and defaults (its ``MoEConfig``), plus transformers' ``norm_topk_prob``. The chosen layers' MLPs become
-``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, each token routed to ``top_k`` of them by the
+``num_experts`` gated MLP experts of width ``moe_intermediate_size``, each token routed to ``top_k`` of them by the
 softmax of a router, with its weights the raw top-k probabilities (upstream's and ``Qwen2MoeForCausalLM``'s default)
 or renormalised ones (``norm_topk_prob``); with ``enable_shared_expert`` every token also goes through one shared
-SwiGLU expert of width ``shared_expert_intermediate_size``, scaled by ``sigmoid(shared_expert_gate(x))``. The other
+gated MLP expert of width ``shared_expert_intermediate_size``, scaled by ``sigmoid(shared_expert_gate(x))``. The other
 layers keep the dense MLP of ``intermediate_size``. The blocks are LlaMoE's (``models/moe``), run dropless.
 """
 

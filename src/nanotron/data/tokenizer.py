@@ -7,6 +7,7 @@ compares tokenizers known by a name only (datatrove records one) by the same fin
 this machine.
 """
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
@@ -109,12 +110,55 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 def eos_token_id(tokenizer: Tokenizer) -> int:
     """The id of the end-of-document token, the first of ``EOS_TOKEN_CANDIDATES`` in the vocabulary."""
-    for token in EOS_TOKEN_CANDIDATES:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    raise TokenizerError(f"the tokenizer has none of the end-of-document tokens {', '.join(EOS_TOKEN_CANDIDATES)}; "
-                         f"use a tokenizer that defines one (e.g. train one with `nanotron train-tokenizer`)")
+    token_id = _end_of_document_id(tokenizer)
+    if token_id is None:
+        raise TokenizerError(f"the tokenizer has none of the end-of-document tokens "
+                             f"{', '.join(EOS_TOKEN_CANDIDATES)}; use a tokenizer that defines one (e.g. train one "
+                             f"with `nanotron train-tokenizer`)")
+    return token_id
+
+
+def _end_of_document_id(tokenizer: Tokenizer) -> int | None:
+    ids = (tokenizer.token_to_id(token) for token in EOS_TOKEN_CANDIDATES)
+    return next((token_id for token_id in ids if token_id is not None), None)
+
+
+def _prepended_id(tokenizer: Tokenizer) -> int | None:
+    """The special token the tokenizer's post-processor puts before every text (Llama's ``<s>``), None if none."""
+    encoding = tokenizer.encode("a")
+    return encoding.ids[0] if encoding.special_tokens_mask[0] else None
+
+
+def _is_special(tokenizer: Tokenizer, token_id: int | None) -> bool:
+    token = tokenizer.get_added_tokens_decoder().get(token_id)
+    return token is not None and token.special
+
+
+def describe_token(tokenizer: Tokenizer, token_id: int | None) -> str:
+    """``token_id`` and its text, for messages (``null`` for None)."""
+    return "null" if token_id is None else f"{token_id} ({tokenizer.id_to_token(token_id)!r})"
+
+
+def model_token_ids(tokenizer: Tokenizer, model_config) -> tuple[dict[str, int | None], list[str]]:
+    """``model_config``'s ``bos_token_id`` and ``eos_token_id`` as a model of ``tokenizer`` has them, and the names of
+    those that named an ordinary token of it.
+
+    The tokenizer's own ids are the token its post-processor puts before every text (None: none) and its
+    end-of-document token, which ``nanotron preprocess`` appends to every document. An id that names one of the
+    tokenizer's special tokens is kept (a chat model's end of turn, a converted model's own), and so is None; one
+    left at the config class's default becomes the tokenizer's own (the defaults 1 and 2 are ``!`` and ``"`` of a
+    byte-level BPE); any other is replaced by the tokenizer's own too, and named.
+    """
+    own = {"bos_token_id": _prepended_id(tokenizer), "eos_token_id": _end_of_document_id(tokenizer)}
+    defaults = {field.name: field.default for field in dataclasses.fields(model_config)}
+    ids, ordinary = {}, []
+    for name, theirs in own.items():
+        value = getattr(model_config, name)
+        kept = value is None or value == theirs or _is_special(tokenizer, value)
+        ids[name] = value if kept else theirs
+        if not kept and value != defaults[name]:
+            ordinary.append(name)
+    return ids, ordinary
 
 
 def local_tokenizer_file(name_or_path: str | Path, revision: str | None = None) -> Path | None:

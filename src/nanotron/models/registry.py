@@ -35,9 +35,9 @@ def spec_for_config(model_config: object) -> ModelSpec:
 
 def spec_for_hf_model_type(model_type: str | None, source: object) -> ModelSpec:
     for spec in MODEL_SPECS.values():
-        if model_type in spec.hf_adapter.model_types:
+        if model_type in spec.hf_adapter.hf_fields:
             return spec
-    known = sorted(t for spec in MODEL_SPECS.values() for t in spec.hf_adapter.model_types)
+    known = sorted(t for spec in MODEL_SPECS.values() for t in spec.hf_adapter.hf_fields)
     raise CheckpointError(f"{source} describes a {model_type!r} model; supported model_type values: "
                           f"{', '.join(known)}")
 

@@ -148,7 +148,9 @@ LayerActivations = Callable[[Any, int, ActivationShape], tuple[int, int]]
 class HFAdapter(Protocol):
     """Maps a family's checkpoints to and from Hugging Face ``transformers`` (config.json and tensor names)."""
 
-    model_types: tuple[str, ...]  # the config.json ``model_type`` values this adapter reads
+    # Per config.json ``model_type`` this adapter reads, what becomes of each field of transformers' config class
+    # (``models/hf_fields.py``)
+    hf_fields: dict[str, dict[str, Any]]
 
     def config_fields_from_hf(self, hf_config: dict) -> dict:
         """nanotron's model-config fields for config.json's values, as found (the config loader checks their types,

@@ -18,7 +18,14 @@ from nanotron.data.datatrove_folder import DatatroveDataset, briefly, not_a_toke
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import TokenizerIdentity, eos_token_id, load_tokenizer, tokenizer_fingerprint
+from nanotron.data.tokenizer import (
+    TokenizerIdentity,
+    describe_token,
+    eos_token_id,
+    load_tokenizer,
+    model_token_ids,
+    tokenizer_fingerprint,
+)
 from nanotron.memory import memory_summary
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
@@ -48,6 +55,7 @@ def load_data(config: Config, pc: ParallelContext,
                 f"model.model_config.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
                 f"({tokenizer.get_vocab_size()}, {config.tokenizer.tokenizer_name_or_path}); raise vocab_size"
             )
+        _take_token_ids(config, tokenizer)
     datasets: dict[str, SampleSource] = {}
     for stage in config.data_stages:
         dataset = datasets[stage.name] = _dataset(config, pc, stage, features)
@@ -93,6 +101,21 @@ def tokenizer_problem(stage: DatasetStageArgs, dataset: SampleSource,
                 return (f"{domain} was tokenized with {recorded} but {key} is {reference}, another tokenizer "
                         f"({how}); {fix.format(reference)}")
     return None
+
+
+def _take_token_ids(config: Config, tokenizer) -> None:
+    """Set ``model_config``'s bos and eos ids to the tokenizer's where they are left at the schema's defaults, which
+    checkpoints and exports then carry (``model_token_ids``); refuse one written as an ordinary token of it."""
+    model_config = config.model.model_config
+    ids, ordinary = model_token_ids(tokenizer, model_config)
+    if ordinary:
+        name = ordinary[0]
+        written, own = (describe_token(tokenizer, token_id) for token_id in (getattr(model_config, name), ids[name]))
+        raise ConfigError(f"model.model_config.{name} ({written}) is an ordinary token of the tokenizer "
+                          f"({config.tokenizer.tokenizer_name_or_path}), not a special one; set it to the tokenizer's "
+                          f"own, {own}, or leave it out to take that")
+    for name, token_id in ids.items():
+        setattr(model_config, name, token_id)
 
 
 def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str, int | None]:

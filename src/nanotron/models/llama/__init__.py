@@ -1,4 +1,4 @@
-"""Llama (and Qwen2, which is Llama with q/k/v biases): a decoder of grouped-query attention and SwiGLU MLPs.
+"""Llama (and Qwen2, which is Llama with q/k/v biases): a decoder of grouped-query attention and gated MLPs.
 
 ``model.py`` is the pure model, ``parallelize.py`` its tensor-parallel plan, ``costs.py`` its parameters and FLOPs,
 ``hf_adapter.py`` its Hugging Face mapping; ``LLAMA`` ties them together for the registry.

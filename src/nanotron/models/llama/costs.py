@@ -90,7 +90,8 @@ class FeedForwardActivations:
 
 def swiglu_activations(ffn: int, value_bytes: int) -> FeedForwardActivations:
     """A SwiGLU MLP ``ffn`` wide on this rank keeps its gate|up output, which the SwiGLU backward reads, and the SwiGLU
-    output, the down_proj input (3d·ffn); its backward adds their gradients (3d·ffn)."""
+    output, the down_proj input (3d·ffn); its backward adds their gradients (3d·ffn). The gated MLPs of the other
+    activations (``hidden_act``) keep and add the same (``nn/glu.py``)."""
     d = value_bytes
     return FeedForwardActivations(kept=3 * d * ffn, gradients=3 * d * ffn, recomputed_kept=d * ffn,
                                   products=2 * d * ffn)

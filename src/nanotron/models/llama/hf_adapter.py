@@ -11,6 +11,8 @@ Layouts (nanotron ← → Hugging Face):
 - Rotary embeddings use the same (rotate-half, non-interleaved) convention on both sides: no row permutation.
   RoPE scaling is read from ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x) and written as
   ``rope_scaling``, which both read.
+
+``LLAMA_FIELDS`` says what becomes of every config.json field (``models/hf_fields.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ import torch
 
 from nanotron.config import ROPE_SCALING_KEYS, LlamaConfig
 from nanotron.errors import CheckpointError
+from nanotron.models.hf_fields import DECODER_FIELDS, Field, Ignored, Refused
+
+LLAMA_FIELDS: dict[str, Field] = DECODER_FIELDS | {
+    "attention_bias": Refused((False,), "it biases o_proj too, which nanotron's attention never does; q/k/v biases "
+                                        "alone are Qwen2's"),
+    "mlp_bias": Refused((False,), "nanotron's MLP has no biases"),
+    "pretraining_tp": Ignored("transformers 4 split the products into that many slices and summed them (the same "
+                              "values); transformers 5 does not read it"),
+}
 
 
 def _first(token_id):
@@ -49,14 +60,12 @@ def _rope_from_hf(hf: dict) -> dict:
 
 
 class LlamaHFAdapter:
-    model_types = ("llama",)
     config_class = LlamaConfig
+    hf_fields = {"llama": LLAMA_FIELDS}  # per config.json model_type
 
     def _check_family(self, hf: dict) -> dict:
-        """Config fields of the variant read from ``hf``, after refusing what nanotron does not build."""
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise CheckpointError("Llama models with attention_bias (which biases o_proj too) or mlp_bias are not "
-                                  "supported; only q/k/v biases are (Qwen2)")
+        """Config fields of the variant read from ``hf``, after refusing what nanotron does not build (beyond the
+        values its ``hf_fields`` refuse)."""
         return {"attention_bias": False}
 
     def config_fields_from_hf(self, hf: dict) -> dict:
@@ -66,6 +75,7 @@ class LlamaHFAdapter:
             "num_attention_heads": hf["num_attention_heads"], "num_key_value_heads": hf.get("num_key_value_heads"),
             "max_position_embeddings": hf.get("max_position_embeddings", 2048),
             "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), **_rope_from_hf(hf),
+            "hidden_act": hf.get("hidden_act", "silu"),
             "tie_word_embeddings": hf.get("tie_word_embeddings", False),
             "bos_token_id": hf.get("bos_token_id"), "eos_token_id": _first(hf.get("eos_token_id")),
             "pad_token_id": hf.get("pad_token_id"), **self._check_family(hf),
@@ -88,7 +98,7 @@ class LlamaHFAdapter:
 
     def config_to_hf(self, config: LlamaConfig, dtype: str) -> dict:
         return self._family_to_hf(config) | {
-            "hidden_act": "silu",
+            "hidden_act": config.hidden_act,
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
             "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,

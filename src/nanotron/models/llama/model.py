@@ -22,10 +22,10 @@ from nanotron.config import LlamaConfig
 from nanotron.models.init import constant, normal
 from nanotron.models.spec import Initializer, tie_embeddings
 from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask
+from nanotron.nn.glu import glu
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary
-from nanotron.nn.swiglu import swiglu
 
 
 class KVCache:
@@ -91,15 +91,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate|up projection."""
+    """Gated feed-forward ``down(act(gate) * up)`` with a fused gate|up projection; ``act`` is the config's
+    ``hidden_act`` (silu: SwiGLU)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.activation = config.hidden_act
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(glu(self.gate_up_proj(x), self.activation))
 
 
 class LlamaDecoderLayer(nn.Module):

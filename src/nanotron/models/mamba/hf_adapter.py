@@ -13,7 +13,29 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from nanotron.config import MambaConfig
-from nanotron.errors import CheckpointError
+from nanotron.models.hf_fields import COMMON_FIELDS, INITIALIZER_RANGE, Field, Ignored, Read, Refused
+
+MAMBA_FIELDS: dict[str, Field] = COMMON_FIELDS | {
+    name: Read(ours) for name, ours in (
+        ("vocab_size", "vocab_size"), ("hidden_size", "d_model"), ("num_hidden_layers", "num_hidden_layers"),
+        ("state_size", "ssm_cfg.d_state"), ("conv_kernel", "ssm_cfg.d_conv"), ("expand", "ssm_cfg.expand"),
+        ("time_step_rank", "ssm_cfg.dt_rank"), ("time_step_min", "ssm_cfg.dt_min"),
+        ("time_step_max", "ssm_cfg.dt_max"), ("time_step_init_scheme", "ssm_cfg.dt_init"),
+        ("time_step_scale", "ssm_cfg.dt_scale"), ("time_step_floor", "ssm_cfg.dt_init_floor"),
+        ("use_conv_bias", "ssm_cfg.conv_bias"), ("use_bias", "ssm_cfg.bias"), ("layer_norm_epsilon", "rms_norm_eps"),
+        ("residual_in_fp32", "residual_in_fp32"), ("tie_word_embeddings", "tie_word_embeddings"),
+        ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id (the first of a list)"),
+        ("pad_token_id", "pad_token_id"), ("intermediate_size", "checked against expand x hidden_size"))
+} | {
+    "hidden_act": Refused(("silu",), "the convolution's and the gate's activation, which the selective scan's "
+                                     "kernels fuse"),
+    "initializer_range": INITIALIZER_RANGE,
+    "rescale_prenorm_residual": Ignored("scales out_proj's initial weights: conversion takes the weights"),
+    "use_cache": Ignored("whether generation keeps the convolution and scan states: the same logits"),
+    "use_mambapy": Ignored("which plain-torch scan transformers runs without the CUDA kernels: the same values"),
+    "use_associative_scan": Ignored("which plain-torch scan transformers runs without the CUDA kernels: the same "
+                                    "values"),
+}
 
 _MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
           "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")
@@ -24,11 +46,9 @@ def _first(token_id):
 
 
 class MambaHFAdapter:
-    model_types = ("mamba",)
+    hf_fields = {"mamba": MAMBA_FIELDS}  # per config.json model_type
 
     def config_fields_from_hf(self, hf: dict) -> dict:
-        if hf.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"Mamba models with hidden_act {hf['hidden_act']!r} are not supported (only silu)")
         ssm = {
             "d_state": hf.get("state_size", 16), "d_conv": hf.get("conv_kernel", 4), "expand": hf.get("expand", 2),
             "dt_rank": hf.get("time_step_rank", "auto"), "dt_min": hf.get("time_step_min", 0.001),

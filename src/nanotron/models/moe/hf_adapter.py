@@ -9,7 +9,19 @@ import torch
 
 from nanotron.config import LlaMoEConfig
 from nanotron.errors import CheckpointError
+from nanotron.models.hf_fields import DECODER_FIELDS, Field, Ignored, Read, Refused
 from nanotron.models.llama.hf_adapter import LlamaHFAdapter
+
+MIXTRAL_FIELDS: dict[str, Field] = DECODER_FIELDS | {
+    "num_local_experts": Read("moe_num_experts"), "num_experts_per_tok": Read("num_experts_per_tok"),
+    "router_aux_loss_coef": Read("moe_aux_loss_coef"),
+    "sliding_window": Refused((None,), "nanotron's Mixtral attends to the whole context; set it to null if the model "
+                                       "was trained without one"),
+    "output_router_logits": Ignored("makes transformers' forward return the router logits and add the auxiliary "
+                                    "loss to its loss: the same logits (nanotron always adds it while training)"),
+    "router_jitter_noise": Ignored("noise on the router's input in transformers' training, never at inference; "
+                                   "nanotron trains without it"),
+}
 
 
 class MixtralHFAdapter(LlamaHFAdapter):
@@ -19,16 +31,13 @@ class MixtralHFAdapter(LlamaHFAdapter):
     gate/up/down, and ``block_sparse_moe.gate`` the router; the Hub checkpoints and transformers 4) or fused
     (``mlp.experts.gate_up_proj`` [E, 2 * ffn, hidden] and ``down_proj``, ``mlp.gate``; transformers 5 in memory).
     Exports use the per-expert layout, which both versions load. The router's jitter noise (training only) is not
-    implemented and is ignored.
+    implemented and is ignored (``MIXTRAL_FIELDS``).
     """
 
-    model_types = ("mixtral",)
     config_class = LlaMoEConfig
+    hf_fields = {"mixtral": MIXTRAL_FIELDS}
 
     def _check_family(self, hf: dict) -> dict:
-        if hf.get("sliding_window") is not None:
-            raise CheckpointError("Mixtral models with a sliding_window are not supported (nanotron attends to the "
-                                  "whole context); set sliding_window to null if the model was trained without one")
         return {"moe_num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
                 "moe_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "moe_normalize_topk": True}
 

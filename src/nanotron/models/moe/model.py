@@ -1,4 +1,4 @@
-"""Mixture of experts: Llama whose feed-forward blocks send each token to ``k`` of ``E`` SwiGLU experts (Mixtral,
+"""Mixture of experts: Llama whose feed-forward blocks send each token to ``k`` of ``E`` gated MLP experts (Mixtral,
 nanotron's LlaMoE). Pure like every model here: expert parallelism and tensor parallelism change the block from
 outside (``parallel/expert_parallel.py``, ``parallel/tensor_parallel.py``).
 
@@ -12,7 +12,7 @@ A block's forward:
 2. **permute**: assignments are sorted by expert (a stable sort on the device: no host sync), so each expert's
    tokens are one contiguous block and the experts run as grouped GEMMs (``GroupedExperts``).
 3. **combine**: the outputs go back to assignment order and each token sums its rows, times their weights;
-4. **shared expert** (Qwen2's, when the settings have one): every token also goes through one more SwiGLU expert,
+4. **shared expert** (Qwen2's, when the settings have one): every token also goes through one more expert,
    scaled by ``sigmoid(shared_expert_gate(x))``, added to the routed sum.
 
 The block reads its sizes from the config's ``moe`` (``MoESettings``), so any family's config can carry experts.
@@ -44,12 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanotron.config import LlamaConfig, LlaMoEConfig
+from nanotron.config.llama import HiddenAct
 from nanotron.models.init import normal
 from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
 from nanotron.models.spec import Initializer
+from nanotron.nn.glu import glu
 from nanotron.nn.linear import Linear
 from nanotron.nn.sequence_sum import SequenceSum
-from nanotron.nn.swiglu import swiglu
 from nanotron.parallel.statistics import Statistics
 
 
@@ -130,8 +131,9 @@ def run_experts(experts: GroupedExperts, tokens: torch.Tensor, tokens_per_expert
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU MLPs stored as [experts, ...] tensors, laid out like Hugging Face's Mixtral:
-    ``gate_up_proj`` [E, 2 * ffn, hidden] (gate rows, then up rows) and ``down_proj`` [E, hidden, ffn].
+    """``num_experts`` gated MLPs (``nn/glu.py`` with ``activation``; silu: SwiGLU) stored as [experts, ...] tensors,
+    laid out like Hugging Face's Mixtral: ``gate_up_proj`` [E, 2 * ffn, hidden] (gate rows, then up rows) and
+    ``down_proj`` [E, hidden, ffn].
 
     On CUDA in bf16 the experts run as two grouped GEMMs (``torch._grouped_mm``, where the torch build has it) over
     the expert offsets, with no host sync; elsewhere a loop over experts is the reference. ``grouped_mm`` forces
@@ -146,9 +148,9 @@ class GroupedExperts(nn.Module):
     grouped_mm: bool | None = None  # None: grouped GEMMs where they are supported
     expert_matmul = None  # (input, weight) -> output for one expert; None: F.linear, or the grouped GEMMs
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn: int):
+    def __init__(self, num_experts: int, hidden_size: int, ffn: int, activation: HiddenAct = "silu"):
         super().__init__()
-        self.num_experts, self.hidden_size, self.ffn = num_experts, hidden_size, ffn
+        self.num_experts, self.hidden_size, self.ffn, self.activation = num_experts, hidden_size, ffn, activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn))
 
@@ -162,12 +164,12 @@ class GroupedExperts(nn.Module):
         if self.expert_matmul is None and self._use_grouped_mm(x):
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             hidden = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(swiglu(hidden), self.down_proj.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(glu(hidden, self.activation), self.down_proj.transpose(-2, -1), offs=offsets)
         matmul = self.expert_matmul or F.linear
         if (self.grouped_mm is not False and hasattr(matmul, "grouped")
                 and matmul.groups(x, self.gate_up_proj, self.down_proj)):
             x, rows, offsets = _grouped_layout(x, tokens_per_expert, matmul.token_alignment)
-            hidden = swiglu(matmul.grouped(x, self.gate_up_proj, offsets))
+            hidden = glu(matmul.grouped(x, self.gate_up_proj, offsets), self.activation)
             return matmul.grouped(hidden, self.down_proj, offsets).index_select(0, rows)
         alignment = getattr(matmul, "token_alignment", 1)
         if alignment > 1:
@@ -176,7 +178,7 @@ class GroupedExperts(nn.Module):
             counts = tokens_per_expert.tolist()
         outputs = []
         for expert, chunk in enumerate(x.split(counts)):
-            hidden = swiglu(matmul(chunk, self.gate_up_proj[expert]))
+            hidden = glu(matmul(chunk, self.gate_up_proj[expert]), self.activation)
             outputs.append(matmul(hidden, self.down_proj[expert]))
         out = torch.cat(outputs)
         return out if alignment == 1 else out.index_select(0, rows)
@@ -242,10 +244,10 @@ class MoEFeedForward(nn.Module):
         self.config, self.settings = config, config.moe
         s = self.settings
         self.router = Linear(config.hidden_size, s.num_experts, bias=False)
-        self.experts = GroupedExperts(s.num_experts, config.hidden_size, s.ffn)
+        self.experts = GroupedExperts(s.num_experts, config.hidden_size, s.ffn, config.hidden_act)
         self.shared_expert = self.shared_expert_gate = None
         if s.shared_ffn is not None:
-            self.shared_expert = GroupedExperts(1, config.hidden_size, s.shared_ffn)
+            self.shared_expert = GroupedExperts(1, config.hidden_size, s.shared_ffn, config.hidden_act)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.exchange = run_experts
         self.sequence_sum = SequenceSum()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.config import LlamaConfig
+from nanotron.config.llama import HiddenAct
 from nanotron.models.llama.parallelize import llama_plan
 from nanotron.models.moe.model import GroupedExperts, MoEFeedForward
 from nanotron.parallel.expert_parallel import ExpertExchange
@@ -23,8 +24,8 @@ class ShardedExperts(GroupedExperts):
     """This rank's experts (``num_experts / ep`` of them) and slice of their feed-forward width (``ffn / tp``, gate
     and up rows split alike), with the placements that say so."""
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn: int, ep: int, tp: int):
-        super().__init__(num_experts // ep, hidden_size, ffn // tp)
+    def __init__(self, num_experts: int, hidden_size: int, ffn: int, ep: int, tp: int, activation: HiddenAct):
+        super().__init__(num_experts // ep, hidden_size, ffn // tp, activation)
         self.logical_experts, self.logical_ffn, self.ep, self.tp = num_experts, ffn, ep, tp
         by_expert = (Shard("ep", 0),) if ep > 1 else ()
         self.parameter_shards = {
@@ -39,7 +40,7 @@ class ShardedExperts(GroupedExperts):
         num_experts = getattr(experts, "logical_experts", experts.num_experts)
         ffn = getattr(experts, "logical_ffn", experts.ffn)
         return cls(num_experts, experts.hidden_size, ffn, ep or getattr(experts, "ep", 1),
-                   tp or getattr(experts, "tp", 1))
+                   tp or getattr(experts, "tp", 1), experts.activation)
 
 
 class TensorParallelMoE(MoEFeedForward):

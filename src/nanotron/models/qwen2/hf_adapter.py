@@ -30,11 +30,30 @@ import torch
 
 from nanotron.config import Qwen2Config
 from nanotron.errors import CheckpointError
-from nanotron.models.llama.hf_adapter import LlamaHFAdapter
+from nanotron.models.hf_fields import DECODER_FIELDS, Field, Ignored, Read
+from nanotron.models.llama.hf_adapter import LLAMA_FIELDS, LlamaHFAdapter
 from nanotron.models.moe.hf_adapter import experts_from_hf, experts_to_hf
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+_WINDOWS: dict[str, Field] = {"use_sliding_window": Read("sliding_window_layers"),
+                              "sliding_window": Read("sliding_window_size"),
+                              "layer_types": Read("sliding_window_layers")}
+QWEN2_FIELDS: dict[str, Field] = DECODER_FIELDS | _WINDOWS | {
+    "max_window_layers": Read("sliding_window_layers (the first sliding layer, without layer_types)")}
+SMOLLM3_FIELDS: dict[str, Field] = DECODER_FIELDS | _WINDOWS | {
+    "no_rope_layers": Read("nope_layers"), "no_rope_layer_interval": Read("no_rope_layer"),
+    "attention_bias": LLAMA_FIELDS["attention_bias"], "mlp_bias": LLAMA_FIELDS["mlp_bias"]}
+QWEN2_MOE_FIELDS: dict[str, Field] = QWEN2_FIELDS | {
+    "qkv_bias": Read("attention_bias"), "num_experts_per_tok": Read("moe_config.top_k"),
+    **{name: Read(f"moe_config.{name}") for name in ("num_experts", "moe_intermediate_size",
+                                                     "shared_expert_intermediate_size", "norm_topk_prob",
+                                                     "router_aux_loss_coef")},
+    "decoder_sparse_step": Read("moe_config.layers"), "mlp_only_layers": Read("moe_config.layers"),
+    "output_router_logits": Ignored("makes transformers' forward return the router logits and add the auxiliary "
+                                    "loss to its loss: the same logits (nanotron always adds it while training)"),
+}
 
 
 def _per_layer(hf: dict, key: str, values: tuple) -> list | None:
@@ -79,8 +98,8 @@ def _moe_config_from_hf(hf: dict) -> dict | None:
 
 
 class Qwen2HFAdapter(LlamaHFAdapter):
-    model_types = ("qwen2", "smollm3", "qwen2_moe")
     config_class = Qwen2Config
+    hf_fields = {"qwen2": QWEN2_FIELDS, "smollm3": SMOLLM3_FIELDS, "qwen2_moe": QWEN2_MOE_FIELDS}
 
     def _check_family(self, hf: dict) -> dict:
         """The biases and each layer's RoPE switch and window. Per-layer lists are derived (from a count or an
@@ -89,9 +108,6 @@ class Qwen2HFAdapter(LlamaHFAdapter):
         layers = hf["num_hidden_layers"]
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
         smollm3, moe = hf.get("model_type") == "smollm3", hf.get("model_type") == "qwen2_moe"
-        if smollm3 and (hf.get("attention_bias") or hf.get("mlp_bias")):
-            raise CheckpointError("SmolLM3 models with attention_bias (which biases o_proj too) or mlp_bias are not "
-                                  "supported")
         fields = {"attention_bias": hf.get("qkv_bias", True) if moe else not smollm3, "nope_layers": None,
                   "no_rope_layer": None, "moe_config": _moe_config_from_hf(hf) if moe else None}
         rope = _per_layer(hf, "no_rope_layers", (0, 1)) if smollm3 else None
