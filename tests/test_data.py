@@ -3,6 +3,8 @@
 import json
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from helpers import running
 from nanotron.data import preprocess as preprocess_module
 from nanotron.data.dataset import BLEND_PERIOD, DataError, PretrainDataset, TokenShards
 from nanotron.data.loader import MicroBatchLoader, global_batch_indices, rank_micro_batches
@@ -382,3 +385,29 @@ def test_loader_resumes_at_any_step_and_workers_change_nothing(blend):
         for expected, plain, loaded in zip(steps[step], resumed.next_step(), with_workers.next_step()):
             for key in ("input_ids", "labels", "label_mask", "domain_ids"):
                 assert torch.equal(plain[key], expected[key]) and torch.equal(loaded[key], expected[key]), key
+
+
+# Started as a fresh process: a loader with a worker, left open by an exception, prints the worker's process id.
+_LOADER_LEFT_OPEN = """
+import multiprocessing
+from nanotron.data.loader import MicroBatchLoader
+from nanotron.data.synthetic import SyntheticDataset
+
+loader = MicroBatchLoader(SyntheticDataset(64, 8, seed=0), first_sample=0, start_step=0, micro_batch_size=2,
+                          accumulation=1, dp_rank=0, dp_size=1, num_workers=1)
+loader.next_step()
+print(*(child.pid for child in multiprocessing.active_children()), flush=True)
+raise RuntimeError("an error with the loader open")
+"""
+
+
+def test_a_loader_left_open_by_an_error_lets_the_process_exit(tmp_path):
+    """Its worker ignores SIGTERM, with which the interpreter's exit ends daemon processes before waiting for them:
+    the process used to wait for it forever."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOADER_LEFT_OPEN], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit within 60 s")
+    assert done.returncode == 1 and "RuntimeError: an error with the loader open" in done.stderr, done.stderr
+    (worker,) = map(int, done.stdout.split())
+    assert not running(worker)

@@ -7,6 +7,8 @@ any data-parallel size, so a run trains on the same samples whatever its layout,
 needs nothing but ``s``.
 """
 
+import atexit
+import functools
 import itertools
 import multiprocessing
 import signal
@@ -116,6 +118,17 @@ def _leave_trainer_signals_to_the_trainer(worker_id: int) -> None:
         signal.signal(number, signal.SIG_IGN)
 
 
+def _end_workers(workers: list[multiprocessing.Process]) -> None:
+    """Kill loader workers and wait for them. They hold nothing but read-only memory maps and batches in flight, and
+    ignore SIGTERM (``_leave_trainer_signals_to_the_trainer``), with which the interpreter's exit ends daemon processes
+    before joining them: a worker left to that exit keeps its rank waiting forever."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join()
+
+
 def _how_it_ended(worker: multiprocessing.Process) -> str:
     code = worker.exitcode
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -128,7 +141,8 @@ class MicroBatchLoader:
     ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``; with an ``end_of_document`` id (document masking) also
     ``"position_ids"`` and ``"document_ids"``, int64 ``[mbs, S]``, computed here (in the workers, off the training
     loop) and read by every pipeline stage. With ``num_workers > 0`` worker processes load ahead of the training
-    loop; the batches are identical to those of ``num_workers = 0``.
+    loop; the batches are identical to those of ``num_workers = 0``. ``close`` ends the workers; so does the exit of
+    the process, also where an exception left the loader referenced (by its traceback) until then.
     """
 
     def __init__(self, dataset: SampleSource, *, first_sample: int, start_step: int, micro_batch_size: int,
@@ -156,6 +170,9 @@ class MicroBatchLoader:
                                              num_workers=num_workers, prefetch_factor=2,
                                              worker_init_fn=_leave_trainer_signals_to_the_trainer))
             self._workers = [p for p in multiprocessing.active_children() if p not in before]
+            # Runs before multiprocessing's own exit handler (registered earlier), which would wait on them forever.
+            self._end_at_exit = functools.partial(_end_workers, self._workers)
+            atexit.register(self._end_at_exit)
             # torch's SIGCHLD handler raises a dead worker's error wherever the process is (in a collective, a save,
             # the report of another error); without it, next_step notices the death when it reads, and names it.
             if threading.current_thread() is threading.main_thread():
@@ -175,6 +192,12 @@ class MicroBatchLoader:
                 "training process); continue with checkpoints.resume_checkpoint_path: auto") from None
         self.step += 1
         return micro_batches
+
+    def close(self) -> None:
+        """End the worker processes now (the end of a data stage or of training, or an error in a step)."""
+        if self._workers:
+            atexit.unregister(self._end_at_exit)
+            _end_workers(self._workers)
 
     def _dead_worker(self) -> multiprocessing.Process | None:
         deadline = time.monotonic() + DEATH_NOTICE_S
