@@ -18,7 +18,7 @@ import torch
 
 from helpers import corpus_documents, datatrove_folder
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
-from nanotron.data.datatrove_folder import DatatroveDataset
+from nanotron.data.datatrove_folder import DatatroveDataset, DatatroveTokens
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.synthetic import SyntheticDataset
 from nanotron.data.tokenizer import eos_token_id, load_tokenizer
@@ -105,10 +105,15 @@ def test_datatrove_folders_blend_by_weight(datatrove_folders):
 
 def test_datatrove_ids_outside_the_vocabulary_name_the_file(datatrove_folders):
     (file,) = datatrove_folders[0].glob("*.ds")
-    largest = int(np.fromfile(file, dtype="<u2").max())
+    tokens = np.fromfile(file, dtype="<u2")
+    largest, first = int(tokens.max()), int(tokens.argmax())
     with pytest.raises(DataError) as error:
         DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=largest)
-    _one_line(error, f"file {file} holds token id {largest}", f"({largest} ids)")
+    _one_line(error, f"file {file} holds token id {largest} at token {first},", f"({largest} ids)")
+    # The copy a data-loading worker opens, unchecked, names the file and the token in the window it reads.
+    with pytest.raises(DataError) as error:
+        DatatroveTokens(datatrove_folders[0], vocab_size=largest, id_share=None).read(first - 2, 4)
+    _one_line(error, f"file {file} holds token id {largest} at token {first},", f"({largest} ids)")
 
 
 def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, tmp_path):

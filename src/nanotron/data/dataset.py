@@ -34,6 +34,7 @@ BLEND_PERIOD = 4096
 # Permutation streams of different domains must not collide for any realistic number of epochs.
 _STREAMS_PER_DOMAIN = 2**20
 _REBUILD = "re-run `nanotron preprocess` to rebuild the folder"
+_CORRUPT = f"the folder is corrupt; {_REBUILD}"
 _IDS_CHECKED_AT_ONCE = 1 << 24  # tokens: bounds the memory of checking a shard's ids, whatever its size
 
 
@@ -52,18 +53,22 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard",
-                    first: int = 0) -> None:
+                    first: int = 0, recorded_range: tuple[int, int] | None = None) -> None:
     """Refuse ``tokens`` (the ids of the ``kind`` file ``path`` from its token ``first`` on) if one lies outside
-    ``[0, vocab_size)``: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from
-    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``remedy`` ends the error:
-    what is wrong and what to do."""
+    ``[0, vocab_size)``, or outside the ``recorded_range`` (smallest, largest id; inside the vocabulary) that its
+    metadata records: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from its
+    cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``remedy`` ends the error: what
+    is wrong and what to do."""
+    lowest, highest = (0, vocab_size - 1) if recorded_range is None else recorded_range
     for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
         chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
-        if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
+        if chunk.max() <= highest and ((lowest <= 0 and tokens.dtype.kind == "u") or chunk.min() >= lowest):
             continue
-        position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        position = int(np.flatnonzero((chunk < lowest) | (chunk > highest))[0])
+        outside = (f"the vocabulary of its tokenizer ({vocab_size} ids)" if recorded_range is None else
+                   f"the range {lowest} to {highest} that {METADATA_FILE_NAME} records for it")
         raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {first + start + position}, "
-                        f"outside the vocabulary of its tokenizer ({vocab_size} ids): {remedy}")
+                        f"outside {outside}: {remedy}")
 
 
 class TokenStream(Protocol):
@@ -78,10 +83,23 @@ class TokenStream(Protocol):
 
 
 class ConcatenatedArrays:
-    """Token arrays (memory maps) read as one stream, the arrays following each other without a gap."""
+    """Token arrays (memory maps) read as one stream, the arrays following each other without a gap.
 
-    def _concatenate(self, arrays: list[np.ndarray]) -> None:
+    Every piece read is checked against the ids its file may hold (``check_token_ids``: the vocabulary, or the range
+    that the file's metadata records), a pass over tokens already in memory: a file changed after it was checked or
+    its range recorded stops the run with one line naming it and the offset, not with an IndexError in the embedding.
+    """
+
+    folder: Path
+    vocab_size: int
+
+    def _concatenate(self, arrays: list[np.ndarray], files: list[Path], kind: str, id_remedy: str,
+                     recorded_ranges: list[tuple[int, int] | None] | None = None) -> None:
+        """``arrays`` are the tokens of ``files``; ``kind`` and ``id_remedy`` word the error of an id outside those
+        of its file (``check_token_ids``), ``recorded_ranges`` the smallest and largest id of each file, if known."""
         self._tokens = arrays
+        self._files, self._kind, self._id_remedy = files, kind, id_remedy
+        self._recorded_ranges = recorded_ranges or [None] * len(arrays)
         self._shard_starts = np.cumsum([0] + [len(tokens) for tokens in arrays[:-1]])
         self.num_tokens = sum(len(tokens) for tokens in arrays)
 
@@ -96,6 +114,8 @@ class ConcatenatedArrays:
         while filled < length:
             local_start = start + filled - int(self._shard_starts[shard])
             piece = self._tokens[shard][local_start:local_start + length - filled]
+            check_token_ids(self._files[shard], piece, self.vocab_size, self._id_remedy, self._kind, local_start,
+                            self._recorded_ranges[shard])
             out[filled:filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
@@ -105,11 +125,12 @@ class ConcatenatedArrays:
 class TokenShards(ConcatenatedArrays):
     """One preprocessed folder, memory-mapped read-only, seen as a single token stream.
 
-    Every token id is checked against the folder's vocabulary once, when the folder is opened, so that reading
-    samples costs nothing more and a corrupt or foreign shard is named before training starts, in the training
-    process rather than in a data-loading worker. The check compares the id range that ``nanotron preprocess``
-    recorded for each shard with the vocabulary; only a shard without one is read (a few GB/s from the page cache).
-    ``ids_checked`` skips the check for a folder already checked by this run (the copy a worker opens).
+    Every token id is checked against the folder's vocabulary once, when the folder is opened, so that a corrupt or
+    foreign shard is named before training starts, in the training process rather than in a data-loading worker. The
+    check compares the id range that ``nanotron preprocess`` recorded for each shard with the vocabulary; only a shard
+    without one is read (a few GB/s from the page cache). Each window read is then checked against that range
+    (``ConcatenatedArrays``). ``ids_checked`` skips the check at opening for a folder already checked by this run
+    (the copy a worker opens).
     """
 
     def __init__(self, folder: Path, ids_checked: bool = False):
@@ -137,7 +158,8 @@ class TokenShards(ConcatenatedArrays):
             if not ids_checked:
                 self._check_ids(self.folder / tokens_file, arrays[-1], id_range)
             self._open_array(documents_file, np.dtype(np.int64), num_documents)
-        self._concatenate(arrays)
+        self._concatenate(arrays, [self.folder / shard[0] for shard in shards], "shard", _CORRUPT,
+                          [shard[4] for shard in shards])
         if self.num_tokens != recorded_tokens:
             raise DataError(f"{metadata_file} records {recorded_tokens} tokens but its shards hold "
                             f"{self.num_tokens}; {_REBUILD}")
@@ -173,12 +195,12 @@ class TokenShards(ConcatenatedArrays):
         if recorded_range is not None:
             raise DataError(f"shard {path} holds token ids {recorded_range[0]} to {recorded_range[1]} as recorded "
                             f"in {METADATA_FILE_NAME}, outside the vocabulary of its tokenizer ({self.vocab_size} "
-                            f"ids): the folder is corrupt; {_REBUILD}")
+                            f"ids): {_CORRUPT}")
         self._check_ids_by_reading(path, tokens)
 
     def _check_ids_by_reading(self, path: Path, tokens: np.ndarray) -> None:
         """The check of a shard whose metadata records no id range."""
-        check_token_ids(path, tokens, self.vocab_size, f"the folder is corrupt; {_REBUILD}")
+        check_token_ids(path, tokens, self.vocab_size, _CORRUPT)
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens;

@@ -101,13 +101,19 @@ class _RankMicroBatches(Dataset):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
 
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor] | DataError:
+        """The micro-batch, or the ``DataError`` that reading it met (a file changed since it was checked), returned
+        so that a worker passes it on as it is: the DataLoader would raise it again wrapped in the worker's
+        traceback, lines where the user is owed one."""
         step, micro = divmod(k, self.accumulation)
         global_batch_size = self.dp_size * self.micro_batch_size * self.accumulation
         indices = global_batch_indices(self.start_step + step, self.first_sample, global_batch_size)
         micro_batches = rank_micro_batches(indices, self.dp_rank, self.dp_size, self.micro_batch_size,
                                            self.accumulation)
-        return _to_micro_batch(self.dataset.samples(micro_batches[micro]), self.end_of_document)
+        try:
+            return _to_micro_batch(self.dataset.samples(micro_batches[micro]), self.end_of_document)
+        except DataError as error:
+            return error
 
 
 def _leave_trainer_signals_to_the_trainer(worker_id: int) -> None:
@@ -190,6 +196,9 @@ class MicroBatchLoader:
                 f"data loader worker (pid {dead.pid}) {_how_it_ended(dead)}; the run stopped without saving this "
                 "step. If the system ran out of memory, lower data_stages[].data.num_loading_workers (0 loads in the "
                 "training process); continue with checkpoints.resume_checkpoint_path: auto") from None
+        for micro_batch in micro_batches:
+            if isinstance(micro_batch, DataError):
+                raise micro_batch
         self.step += 1
         return micro_batches
 
