@@ -16,7 +16,7 @@ import torch
 
 from helpers import running
 from nanotron.data import preprocess as preprocess_module
-from nanotron.data.dataset import BLEND_PERIOD, DataError, PretrainDataset, TokenShards
+from nanotron.data.dataset import BLEND_PERIOD, DataError, PretrainDataset, TokenShards, unique_domain_names
 from nanotron.data.loader import MicroBatchLoader, global_batch_indices, rank_micro_batches
 from nanotron.data.permutation import permute
 from nanotron.data.preprocess import iter_documents, list_input_files, preprocess
@@ -293,6 +293,18 @@ def test_blend_follows_the_quantised_weights_and_labels_every_domain(domains):
     windows = [_windows(folder, 8) for folder in domains]
     for tokens, domain in zip(batch["tokens"].numpy(), domain_ids):
         assert tokens.tobytes() in windows[domain]
+
+
+def test_folders_of_one_name_are_domains_named_by_the_end_of_their_paths(domains, tmp_path):
+    for parent in ("a", "b", "c/a"):
+        (tmp_path / parent).mkdir(parents=True)
+        shutil.copytree(domains[1], tmp_path / parent / "web")
+    folders = [tmp_path / "a" / "web", domains[0], tmp_path / "b" / "web", tmp_path / "c" / "a" / "web"]
+    assert PretrainDataset(folders, None, 8, seed=3).domain_names == [f"{tmp_path.name}/a/web", "prose", "b/web",
+                                                                      "c/a/web"]  # a/web ends c/a/web too
+    assert unique_domain_names(["a/web", "b/web", "code"]) == ["a/web", "b/web", "code"]
+    with pytest.raises(DataError, match=f"the data stage lists {tmp_path / 'a' / 'web'} twice; list it once"):
+        PretrainDataset([folders[0], tmp_path / "b" / ".." / "a" / "web"], None, 8, seed=3)
 
 
 def test_default_weights_follow_token_counts_and_small_weights_keep_a_slot(domains):

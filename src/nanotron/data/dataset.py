@@ -17,6 +17,7 @@ data-parallel layout) replays exactly the same samples.
 
 import json
 import os
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -28,7 +29,7 @@ from nanotron.data.permutation import permute
 from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, DataError
 
 __all__ = ["BLEND_PERIOD", "BlendedDataset", "DataError", "PretrainDataset", "SampleSource", "TokenShards",
-           "TokenStream", "check_token_ids", "domain_name", "folder_list"]
+           "TokenStream", "check_token_ids", "domain_name", "folder_list", "unique_domain_names"]
 
 BLEND_PERIOD = 4096
 # Permutation streams of different domains must not collide for any realistic number of epochs.
@@ -41,6 +42,27 @@ _IDS_CHECKED_AT_ONCE = 1 << 24  # tokens: bounds the memory of checking a shard'
 def domain_name(folder: str | Path) -> str:
     """The name of a folder's domain (in metrics, and DoReMi's weights): its own name, also when given as ``.``."""
     return Path(os.path.abspath(folder)).name
+
+
+def unique_domain_names(sources: Sequence[str | Path], names: Sequence[str] | None = None) -> list[str]:
+    """The names of the domains read from ``sources`` (folders, or Hugging Face datasets' names), as metrics, the
+    step line, DoReMi's weights and ``nanotron eval`` key them: ``names`` (default: each folder's own name,
+    ``domain_name``) where they are unique; domains that share one are each named by the shortest end of its source's
+    path that none of the others ends with (``a/web`` and ``b/web``). A source listed twice is refused."""
+    paths = [Path(os.path.abspath(source)).parts for source in sources]
+    unique = [domain_name(source) for source in sources] if names is None else list(names)
+    sharing = defaultdict(list)
+    for index, name in enumerate(unique):
+        sharing[name].append(index)
+    for indices in (indices for indices in sharing.values() if len(indices) > 1):
+        for index in indices:
+            path, others = paths[index], [paths[other] for other in indices if other != index]
+            if path in others:
+                raise DataError(f"the data stage lists {Path(*path)} twice; list it once (its weight sets its share)")
+            depth = next(k for k in range(min(2, len(path)), len(path) + 1)
+                         if all(other[-k:] != path[-k:] for other in others))
+            unique[index] = str(Path(*path[-depth:]))
+    return unique
 
 
 def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -248,11 +270,12 @@ class BlendedDataset:
 
     A stream's windows start every ``window_stride`` tokens inside each of its segments: ``sequence_length`` (the
     default) makes neighbours share one token, ``sequence_length + 1`` makes them disjoint. ``weights`` defaults to
-    the streams' token counts. Domain ids are positions in ``streams``.
+    the streams' token counts. Domain ids are positions in ``streams``; domains are named after the ``sources``
+    they are read from (default: the streams' folders; ``unique_domain_names``).
     """
 
     def __init__(self, streams: Sequence[TokenStream], weights: Sequence[float] | None, sequence_length: int,
-                 seed: int, window_stride: int | None = None):
+                 seed: int, window_stride: int | None = None, sources: Sequence[str | Path] | None = None):
         check_sequence_length(sequence_length)
         window_stride = sequence_length if window_stride is None else window_stride
         if not 1 <= window_stride <= sequence_length + 1:
@@ -261,7 +284,8 @@ class BlendedDataset:
         self.window_stride = window_stride
         self.seed = seed
         self._streams = list(streams)
-        self.domain_names = [stream.name for stream in self._streams]
+        self.domain_names = unique_domain_names([stream.folder for stream in self._streams] if sources is None
+                                                else sources, [stream.name for stream in self._streams])
         # Per domain: the first token of each segment and the index of its first window.
         self._segment_starts, self._segment_first_windows, self.num_windows = [], [], []
         for stream in self._streams:
@@ -326,10 +350,12 @@ class PretrainDataset(BlendedDataset):
     """The sample stream of preprocessed folders (``nanotron preprocess``): windows of ``sequence_length + 1``
     tokens with stride ``sequence_length``, neighbours sharing one token.
 
-    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``.
+    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``; ``sources`` are what
+    they were made from, if not themselves (``BlendedDataset``).
     """
 
-    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int):
+    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int,
+                 sources: Sequence[str | Path] | None = None):
         folders = folder_list(folders)
         check_sequence_length(sequence_length)
         shards = [TokenShards(folder) for folder in folders]
@@ -340,7 +366,7 @@ class PretrainDataset(BlendedDataset):
             raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
                             + ", ".join(f"{folder.folder}: {folder.tokenizer_fingerprint[:12]}" for folder in shards)
                             + "); preprocess them all with the same tokenizer")
-        super().__init__(shards, weights, sequence_length, seed)
+        super().__init__(shards, weights, sequence_length, seed, sources=sources)
 
 
 def _validated_weights(weights: Sequence[float] | None, shards: Sequence[TokenStream]) -> np.ndarray:

@@ -236,4 +236,4 @@ class HFDataset(PretrainDataset):
         folders = [tokenize_hf_dataset(name, tokenizer, splits=splits, text_column=text_column,
                                        config_name=config_name, num_proc=num_proc, cache_folder=cache_folder,
                                        overwrite_cache=overwrite_cache) for name in names]
-        super().__init__(folders, weights, sequence_length, seed)
+        super().__init__(folders, weights, sequence_length, seed, sources=self.dataset_names)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import ConfigError
-from nanotron.data.dataset import DataError, TokenShards
+from nanotron.data.dataset import DataError, TokenShards, unique_domain_names
 from nanotron.generation.generate import forward_logits, load_model
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
@@ -51,10 +51,11 @@ def evaluate(ckpt_path: Path, folders: list[Path], parallel_context: ParallelCon
              max_windows: int, batch_size: int) -> dict[str, dict[str, float]]:
     pc = parallel_context
     sources = evaluation_windows(folders, sequence_length, max_windows, batch_size)
+    names = unique_domain_names(folders)
     model, _ = load_model(ckpt_path, pc)
     vocab = model.config.vocab_size
     results = {}
-    for shards, windows in sources:
+    for (shards, windows), name in zip(sources, names):
         total, count = torch.zeros((), dtype=torch.float64, device=pc.device), 0
         for start in range(0, windows, batch_size):
             rows = [shards.read(i * sequence_length, sequence_length + 1)
@@ -67,5 +68,5 @@ def evaluate(ckpt_path: Path, folders: list[Path], parallel_context: ParallelCon
         if pc.size("pp") > 1:
             dist.broadcast(total, src=pc.group_ranks["pp"][-1], group=pc.groups["pp"])
         loss = total.item() / count
-        results[shards.name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
+        results[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
     return results
