@@ -244,6 +244,31 @@ def killed_on_failure(processes: list[subprocess.Popen]):
         raise
 
 
+def finished(process: subprocess.Popen, log: Path, timeout_s: float) -> Outcome:
+    """The exit status and output (``log``, all in ``stderr``) of ``process`` once it ends; one still running after
+    ``timeout_s`` fails the test (inside ``killed_on_failure``, which then stops it with everything it started)."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout_s} s:\n{log.read_text()[-4000:]}")
+    return Outcome(process.returncode, "", log.read_text())
+
+
+def training_outcome(config_path: Path, launcher: list[str], log: Path, timeout_s: float) -> Outcome:
+    """A training run (``start_training``) to its end, within ``timeout_s`` (``finished``)."""
+    process = start_training(config_path, launcher, log)
+    with killed_on_failure([process]):
+        return finished(process, log, timeout_s)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, which only waits to be reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 # --- The CLI in this process ------------------------------------------------------------------------------------------
 
 

@@ -157,6 +157,17 @@ def test_eval_at_pp2_gives_the_loss_of_pp1(base, tiny_data, tmp_path):
     assert pp2["perplexity"] == pytest.approx(pp1["perplexity"], rel=1e-6)
 
 
+def test_eval_of_folders_of_one_name_reports_each(base, tiny_data, tmp_path):
+    """The second overwrote the first: both were "tokenized"."""
+    folders = [tmp_path / "a" / "tokenized", tmp_path / "b" / "tokenized"]
+    for folder in folders:
+        shutil.copytree(tiny_data["tokenized"], folder)
+    outcome = cli("eval", "--ckpt-path", base["run"], "--data", *folders, *EVAL_ARGS, "--output", tmp_path / "e.json")
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    results = json.loads((tmp_path / "e.json").read_text())
+    assert list(results) == ["a/tokenized", "b/tokenized"] and results["a/tokenized"] == results["b/tokenized"]
+
+
 # --- d. resume across a data-stage boundary ---------------------------------------------------------------------
 
 STEPS, SECOND_STAGE_START = 10, 6

@@ -3,6 +3,8 @@
 import json
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from helpers import running
 from nanotron.data import preprocess as preprocess_module
-from nanotron.data.dataset import BLEND_PERIOD, DataError, PretrainDataset, TokenShards
+from nanotron.data.dataset import BLEND_PERIOD, DataError, PretrainDataset, TokenShards, unique_domain_names
 from nanotron.data.loader import MicroBatchLoader, global_batch_indices, rank_micro_batches
 from nanotron.data.permutation import permute
 from nanotron.data.preprocess import iter_documents, list_input_files, preprocess
@@ -292,6 +295,18 @@ def test_blend_follows_the_quantised_weights_and_labels_every_domain(domains):
         assert tokens.tobytes() in windows[domain]
 
 
+def test_folders_of_one_name_are_domains_named_by_the_end_of_their_paths(domains, tmp_path):
+    for parent in ("a", "b", "c/a"):
+        (tmp_path / parent).mkdir(parents=True)
+        shutil.copytree(domains[1], tmp_path / parent / "web")
+    folders = [tmp_path / "a" / "web", domains[0], tmp_path / "b" / "web", tmp_path / "c" / "a" / "web"]
+    assert PretrainDataset(folders, None, 8, seed=3).domain_names == [f"{tmp_path.name}/a/web", "prose", "b/web",
+                                                                      "c/a/web"]  # a/web ends c/a/web too
+    assert unique_domain_names(["a/web", "b/web", "code"]) == ["a/web", "b/web", "code"]
+    with pytest.raises(DataError, match=f"the data stage lists {tmp_path / 'a' / 'web'} twice; list it once"):
+        PretrainDataset([folders[0], tmp_path / "b" / ".." / "a" / "web"], None, 8, seed=3)
+
+
 def test_default_weights_follow_token_counts_and_small_weights_keep_a_slot(domains):
     tokens = np.array([TokenShards(folder).num_tokens for folder in domains])
     dataset = PretrainDataset(domains, None, sequence_length=8, seed=0)
@@ -382,3 +397,29 @@ def test_loader_resumes_at_any_step_and_workers_change_nothing(blend):
         for expected, plain, loaded in zip(steps[step], resumed.next_step(), with_workers.next_step()):
             for key in ("input_ids", "labels", "label_mask", "domain_ids"):
                 assert torch.equal(plain[key], expected[key]) and torch.equal(loaded[key], expected[key]), key
+
+
+# Started as a fresh process: a loader with a worker, left open by an exception, prints the worker's process id.
+_LOADER_LEFT_OPEN = """
+import multiprocessing
+from nanotron.data.loader import MicroBatchLoader
+from nanotron.data.synthetic import SyntheticDataset
+
+loader = MicroBatchLoader(SyntheticDataset(64, 8, seed=0), first_sample=0, start_step=0, micro_batch_size=2,
+                          accumulation=1, dp_rank=0, dp_size=1, num_workers=1)
+loader.next_step()
+print(*(child.pid for child in multiprocessing.active_children()), flush=True)
+raise RuntimeError("an error with the loader open")
+"""
+
+
+def test_a_loader_left_open_by_an_error_lets_the_process_exit(tmp_path):
+    """Its worker ignores SIGTERM, with which the interpreter's exit ends daemon processes before waiting for them:
+    the process used to wait for it forever."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOADER_LEFT_OPEN], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit within 60 s")
+    assert done.returncode == 1 and "RuntimeError: an error with the loader open" in done.stderr, done.stderr
+    (worker,) = map(int, done.stdout.split())
+    assert not running(worker)

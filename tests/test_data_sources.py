@@ -6,6 +6,7 @@ install.
 """
 
 import json
+import logging
 import pickle
 import shutil
 import sys
@@ -27,7 +28,7 @@ from helpers import (
     write_corpus,
 )
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
-from nanotron.data.datatrove_folder import DatatroveDataset
+from nanotron.data.datatrove_folder import DatatroveDataset, DatatroveTokens
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.preprocess import preprocess
 from nanotron.data.synthetic import SyntheticDataset
@@ -115,11 +116,16 @@ def test_datatrove_folders_blend_by_weight(datatrove_folders):
 
 def test_datatrove_ids_outside_the_vocabulary_name_the_file_and_its_tokenizer(tiny_data, datatrove_folders):
     (file,) = datatrove_folders[0].glob("*.ds")
-    largest = int(np.fromfile(file, dtype="<u2").max())
+    tokens = np.fromfile(file, dtype="<u2")
+    largest, first = int(tokens.max()), int(tokens.argmax())
     with pytest.raises(DataError) as error:
         DatatroveDataset(datatrove_folders[0], None, SEQUENCE_LENGTH, SEED, vocab_size=largest)
     _one_line(error, f"file {file} holds token id {largest}", f"outside the {largest} ids of the model's vocabulary",
               f"the folder was tokenized with {tiny_data['tokenizer']}, whose ids go beyond the model's vocabulary")
+    # The copy a data-loading worker opens, unchecked, names the file and the token in the window it reads.
+    with pytest.raises(DataError) as error:
+        DatatroveTokens(datatrove_folders[0], vocab_size=largest, id_share=None).read(first - 2, 4)
+    _one_line(error, f"file {file} holds token id {largest} at token {first},", f"({largest} ids)")
 
 
 def test_datatrove_empty_and_mismatched_folders_are_refused(datatrove_folders, tmp_path):
@@ -406,6 +412,62 @@ def test_hf_dataset_errors_are_one_line(tiny_data, hf_sources, hf_cache, tmp_pat
     with pytest.raises(DataError) as error:
         HFDataset(tmp_path / "missing", tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
     _one_line(error, f"could not load the Hugging Face dataset {tmp_path / 'missing'}")
+
+
+def _saved(datasets, folder: Path, texts: list | None, **splits) -> Path:
+    """A save_to_disk folder of ``texts`` (a text column, null values included), or of the datasets ``splits``."""
+    features = datasets.Features({"text": datasets.Value("string")})
+    if texts is not None:
+        datasets.Dataset.from_dict({"text": texts}, features=features).save_to_disk(folder)
+    else:
+        datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": rows}, features=features)
+                              for name, rows in splits.items()}).save_to_disk(folder)
+    return folder
+
+
+def test_hf_datasets_without_rows_or_text_are_one_line(tiny_data, hf_cache, tmp_path):
+    from nanotron.data.hf_dataset import HFDataset
+
+    datasets = pytest.importorskip("datasets", reason=_DATASETS_REASON)
+    filtered = tmp_path / "filtered"
+    datasets.Dataset.from_dict({"text": ["a b", "c d"]}).filter(lambda row: False).save_to_disk(filtered)
+    (tmp_path / "blank_jsonl").mkdir()
+    (tmp_path / "blank_jsonl" / "train.jsonl").write_text("")
+    (tmp_path / "parquet").mkdir()
+    datasets.Dataset.from_dict({"text": ["a"]}).filter(lambda row: False).to_parquet(tmp_path / "parquet" / "a.parquet")
+    null_typed = tmp_path / "null_typed"
+    datasets.Dataset.from_dict({"text": [None, None]}).save_to_disk(null_typed)  # Arrow's null type, no string
+    cases = [
+        (_saved(datasets, tmp_path / "no_rows", []), {}, "has no rows; give a dataset with rows"),
+        (filtered, {}, "has no rows in split train; give hf_dataset_splits that hold rows"),
+        (_saved(datasets, tmp_path / "split", None, train=["a b"] * 50, validation=[]), {"splits": "validation"},
+         "has no rows in split validation"),
+        (tmp_path / "blank_jsonl", {}, "has no rows: its data files are empty"),
+        (tmp_path / "parquet", {}, "has no rows: its data files are empty"),
+        (_saved(datasets, tmp_path / "null", [None] * 3000), {}, "has text in column 'text' (all 3,000 are null"),
+        (_saved(datasets, tmp_path / "blank", ["", None]), {}, "has text in column 'text' (all 2 are null or empty)"),
+        (null_typed, {}, "has text in column 'text' (all 2 are null or empty); set text_column_name"),
+    ]
+    for folder, options, fragment in cases:
+        with pytest.raises(DataError) as error:
+            HFDataset(folder, tiny_data["tokenizer"], SEQUENCE_LENGTH, SEED, cache_folder=hf_cache, **options)
+        _one_line(error, f"the Hugging Face dataset {folder} ", fragment)
+    # A split without rows beside those asked for is never loaded.
+    assert HFDataset(tmp_path / "split", tiny_data["tokenizer"], 4, SEED, cache_folder=hf_cache).num_windows
+
+
+def test_hf_null_texts_among_others_are_empty_documents_counted_in_a_warning(tiny_data, hf_cache, tmp_path, caplog):
+    from nanotron.data.hf_dataset import tokenize_hf_dataset
+
+    datasets = pytest.importorskip("datasets", reason=_DATASETS_REASON)
+    documents = corpus_documents(tiny_data["corpus"])[:40]
+    with_nulls = _saved(datasets, tmp_path / "nulls", [None, *documents[:20], None, None, *documents[20:]])
+    with_empty = _saved(datasets, tmp_path / "empty", ["", *documents[:20], "", "", *documents[20:]])
+    with caplog.at_level(logging.WARNING, logger="nanotron"):
+        folder = tokenize_hf_dataset(with_nulls, tiny_data["tokenizer"], cache_folder=hf_cache)
+    assert caplog.messages == [f"3 of the 43 rows of the Hugging Face dataset {with_nulls} have no text (null in "
+                               "column 'text'); each is an empty document: an end-of-document id alone"]
+    assert _tokens(folder) == _tokens(tokenize_hf_dataset(with_empty, tiny_data["tokenizer"], cache_folder=hf_cache))
 
 
 def test_a_missing_datasets_library_is_named_with_its_extra(tiny_data, monkeypatch, tmp_path):

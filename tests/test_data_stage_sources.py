@@ -1,9 +1,12 @@
 """Training reads each data stage from the source its config names: a Hugging Face dataset (also in upstream's DoReMi
-layout, one save_to_disk folder per domain) and synthetic tokens."""
+layout, one save_to_disk folder per domain) and synthetic tokens; a Hugging Face dataset without text is refused.
+Its domains keep apart in the metrics and on the step line, also folders of one name."""
+
+import shutil
 
 import pytest
 
-from helpers import corpus_documents, metrics, tiny_config_dict, train
+from helpers import assert_user_error, cli, corpus_documents, metrics, tiny_config_dict, train, write_config
 
 
 @pytest.fixture
@@ -36,3 +39,32 @@ def test_a_null_dataset_trains_on_synthetic_tokens(tiny_data, tmp_path):
     config["data_stages"][0]["data"]["dataset"] = None
     train(config, tmp_path / "config.yaml")
     assert [record["step"] for record in metrics(run)] == [1, 2]
+
+
+def test_a_hugging_face_dataset_whose_texts_are_all_null_is_refused(tiny_data, tmp_path, monkeypatch):
+    """It trained on end-of-document ids alone, and exited 0."""
+    datasets = pytest.importorskip("datasets", reason='the Hugging Face readers need it: pip install -e ".[data]"')
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    folder = tmp_path / "null_texts"
+    datasets.Dataset.from_dict({"text": [None] * 3000}, features=datasets.Features(
+        {"text": datasets.Value("string")})).save_to_disk(folder)
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 2})
+    config["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(folder), "text_column_name": "text"}
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
+                      f"no row of the Hugging Face dataset {folder} has text in column 'text' (all 3,000 are null or "
+                      "empty); set text_column_name to its text column")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_folders_of_one_name_are_apart_in_the_metrics_and_on_the_step_line(tiny_data, tmp_path):
+    """They were one domain, "web", their losses merged."""
+    folders = [tmp_path / "a" / "web", tmp_path / "b" / "web"]
+    for folder in folders:
+        shutil.copytree(tiny_data["tokenized"], folder)
+    run = tmp_path / "run"
+    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
+    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder) for folder in folders]}
+    outcome = train(config, tmp_path / "config.yaml")
+    assert all(set(record["domain_losses"]) == {"a/web", "b/web"} for record in metrics(run)), metrics(run)
+    step_lines = [line for line in outcome.stderr.splitlines() if "| a/web " in line and "| b/web " in line]
+    assert len(step_lines) == 2, outcome.stderr[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,18 @@ def test_a_reference_with_another_vocabulary_is_refused(tiny_data, doremi_domain
     config["model"]["model_config"]["vocab_size"] = 512
     outcome = cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config))
     assert_user_error(outcome, "vocabulary of 384", "vocab_size is 512")
+
+
+def test_a_proxy_over_folders_of_one_name_keys_its_weights_by_the_end_of_their_paths(tiny_data, doremi_domains,
+                                                                                     doremi_reference, tmp_path):
+    """They were refused as domains of one name."""
+    folders = [tmp_path / "a" / "animals", tmp_path / "b" / "animals", doremi_domains[1]]
+    for source, folder in zip(doremi_domains[:2], folders):
+        shutil.copytree(source, folder)
+    run = tmp_path / "run"
+    config = doremi_config(tiny_data, folders, run, reference=doremi_reference, steps=2)
+    assert cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config)).code == 0
+    names = {"a/animals", "b/animals", "colours"}
+    history = [json.loads(line) for line in (run / "domain_weights.jsonl").read_text().splitlines()]
+    assert [set(record["weights"]) for record in history] == [names, names]
+    assert set(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["domain_losses"]) == names

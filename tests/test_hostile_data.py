@@ -124,14 +124,19 @@ def test_a_shard_with_ids_outside_the_vocabulary_is_one_error_naming_it(tiny_dat
     assert_user_error(outcome, f"shard {shard} holds token id {value} at token {position}", "outside the vocabulary")
 
 
-def test_a_shard_is_checked_once_when_opened_not_when_read(tiny_data, tmp_path):
+def test_a_shard_is_read_whole_once_when_opened_then_window_by_window(tiny_data, tmp_path):
     from nanotron.data.dataset import DataError, TokenShards
 
-    _, value, position = _damaged_copy(tiny_data, tmp_path / "data", "past")
+    shard, value, position = _damaged_copy(tiny_data, tmp_path / "data", "past")
     with pytest.raises(DataError, match="outside the vocabulary"):
         TokenShards(tmp_path / "data")
-    # The copy a data-loading worker opens (ids already checked) reads without scanning the tokens again.
-    assert TokenShards(tmp_path / "data", ids_checked=True).read(position, 1).tolist() == [value]
+    # The copy a data-loading worker opens (ids already checked) does not scan the tokens again; it checks the
+    # windows it reads.
+    worker_copy = TokenShards(tmp_path / "data", ids_checked=True)
+    assert len(worker_copy.read(0, position)) == position
+    with pytest.raises(DataError, match=f"shard {shard} holds token id {value} at token {position}, outside the "
+                                        f"vocabulary of its tokenizer \\({value} ids\\)"):
+        worker_copy.read(0, position + 1)
 
 
 # --- DoReMi weights resumed onto other domains ---------------------------------------------------------------------

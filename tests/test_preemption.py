@@ -1,7 +1,9 @@
-"""Preemption under torchrun with data loader workers: whoever gets the stop signal (torchrun's agent, which passes it
-on to each rank's process group; every process of the job, as Slurm's scancel and --signal do; or one rank), every
-rank finishes its step, saves the same step and exits 0 without a traceback, and the resumed run trains exactly as an
-uninterrupted one. A loader worker that dies anyway (the out-of-memory killer) ends its rank with one error line."""
+"""How a run with data loader workers ends, under torchrun or not. Preempted: whoever gets the stop signal (torchrun's
+agent, which passes it on to each rank's process group; every process of the job, as Slurm's scancel and --signal do;
+or one rank), every rank finishes its step, saves the same step and exits 0 without a traceback, and the resumed run
+trains exactly as an uninterrupted one. A loader worker that dies anyway (the out-of-memory killer) ends its rank with
+one error line. An exception in a step ends its rank at once, its workers killed, and the launcher then stops the
+others."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from helpers import (
     checkpoint_json,
     children,
     descendants,
+    finished,
     killed_on_failure,
     metrics,
+    running,
     signal_all,
     start_training,
     tiny_config_dict,
+    training_outcome,
     write_config,
 )
 
@@ -52,13 +57,6 @@ def _config(tiny_data, run: Path, ranks: int, train_steps: int, **checkpoints) -
     return config
 
 
-def _wait(process: subprocess.Popen, log: Path) -> None:
-    try:
-        process.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
 def _wait_for_steps(process: subprocess.Popen, run: Path, steps: int, log: Path) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= steps):
@@ -68,11 +66,8 @@ def _wait_for_steps(process: subprocess.Popen, run: Path, steps: int, log: Path)
 
 
 def _train(config: dict, ranks: int, path: Path) -> None:
-    log = path.with_suffix(".log")
-    process = start_training(write_config(path, config), _torchrun(ranks), log)
-    with killed_on_failure([process]):
-        _wait(process, log)
-    assert process.returncode == 0, log.read_text()[-4000:]
+    outcome = training_outcome(write_config(path, config), _torchrun(ranks), path.with_suffix(".log"), TIMEOUT_S)
+    assert outcome.code == 0, outcome.stderr[-4000:]
 
 
 def _curve(run: Path) -> list[tuple]:
@@ -105,7 +100,7 @@ def test_a_preempted_run_with_loader_workers_saves_on_every_rank_and_resumes_exa
         targets = {"torchrun": [agent.pid], "one rank": rank_processes[-1:]}.get(
             receivers, [agent.pid, *descendants(agent.pid)])
         signal_all(targets, signum)
-        _wait(agent, agent_log)
+        finished(agent, agent_log, TIMEOUT_S)
 
     outputs = [(rank_logs / f"rank-{rank}.log").read_text() for rank in range(ranks)]
     for rank, output in enumerate(outputs):
@@ -133,9 +128,47 @@ def test_a_loader_worker_that_dies_ends_the_run_with_one_error_line(tiny_data, t
         _wait_for_steps(process, run, 2, log)
         [worker] = children(process.pid)
         os.kill(worker, signal.SIGKILL)  # what the out-of-memory killer does
-        _wait(process, log)
+        finished(process, log, TIMEOUT_S)
     output = log.read_text()
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert process.returncode == 2 and "Traceback" not in output and len(errors) == 1, output[-4000:]
     assert f"data loader worker (pid {worker}) was killed by SIGKILL" in errors[0], errors[0]
     assert "num_loading_workers" in errors[0] and "resume_checkpoint_path: auto" in errors[0], errors[0]
+
+
+# Runs the script it is given (run_train.py) with a bug in step 2 of rank $FAILING_RANK, which first writes the process
+# ids of its rank's loader workers to the file $WORKER_PIDS.
+FAILING_STEP = """
+import multiprocessing, os, runpy, sys
+from nanotron.trainer import Trainer
+
+forward_backward = Trainer.forward_backward
+
+def failing(self, micro_batches):
+    if self.progress.step + 1 == 2 and os.environ.get("RANK", "0") == os.environ["FAILING_RANK"]:
+        pids = [str(child.pid) for child in multiprocessing.active_children()]
+        open(os.environ["WORKER_PIDS"], "w").write(" ".join(pids))
+        raise RuntimeError("a bug in step 2")
+    return forward_backward(self, micro_batches)
+
+Trainer.forward_backward = failing
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_an_exception_in_a_step_ends_the_run_at_once_with_its_traceback(tiny_data, tmp_path, monkeypatch, ranks):
+    """It hung: the exception's traceback kept the loader, whose workers ignore SIGTERM, alive until the interpreter's
+    exit, which ends daemon processes with SIGTERM and then waits for them. Under torchrun the failing rank ends, the
+    others fail in their next collective or are stopped by torchrun."""
+    script, pids = tmp_path / "failing_step.py", tmp_path / "worker-pids"
+    script.write_text(FAILING_STEP)
+    monkeypatch.setenv("FAILING_RANK", str(ranks - 1))
+    monkeypatch.setenv("WORKER_PIDS", str(pids))
+    launcher = (_torchrun(ranks) if ranks > 1 else [sys.executable]) + [str(script)]
+    outcome = training_outcome(write_config(tmp_path / "config.yaml", _config(tiny_data, tmp_path / "run", ranks, 10)),
+                               launcher, tmp_path / "train.log", TIMEOUT_S)
+    assert outcome.code == 1 and "RuntimeError: a bug in step 2" in outcome.stderr, outcome.stderr[-4000:]
+    workers = [int(pid) for pid in pids.read_text().split()]
+    assert len(workers) == 1 and not any(running(pid) for pid in workers), workers

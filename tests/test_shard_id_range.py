@@ -1,19 +1,22 @@
 """The ids of a preprocessed folder are checked against its vocabulary from the id range that ``nanotron preprocess``
 records for each shard, without reading the shards (which would cost every rank of every run a pass over the
-dataset); a folder without recorded ranges is still checked by reading it, once.
+dataset); a folder without recorded ranges is still checked by reading it, once. Every window read is checked against
+the range of its shard, so a shard changed since it was recorded stops the run with one line naming it.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import _config, assert_user_error, cli, without_id_ranges, write_config
+from helpers import _config, assert_user_error, cli, training_outcome, without_id_ranges, write_config
 from nanotron.data.dataset import DataError, TokenShards
 from nanotron.data.preprocess import preprocess
 
@@ -72,15 +75,23 @@ def test_a_folder_from_preprocess_is_checked_without_reading_its_shards(sharded,
     assert shards.read(0, 8).tolist() == np.load(sharded / "tokens-00000.npy")[:8].tolist()
 
 
-def test_a_shard_altered_after_preprocessing_is_judged_by_its_recorded_range(sharded, tmp_path):
-    """The proof, without instrumenting the code, that the shard is not read: an id written past the vocabulary
-    after ``nanotron preprocess`` goes unseen while the metadata keeps its range (docs/data.md says so: a shard
-    edited by hand needs its range updated or removed)."""
+def test_a_shard_altered_after_preprocessing_opens_unread_and_its_window_is_refused_when_read(sharded, tmp_path):
+    """The proof, without instrumenting the code, that opening does not read the shard: an id written past the
+    vocabulary after ``nanotron preprocess`` goes unseen while the metadata keeps its range. The window that holds it
+    is refused when read, naming the shard and the offset in it."""
     folder, metadata = _edited_copy(sharded, tmp_path / "data", lambda _, metadata: metadata)
-    tokens = np.load(folder / metadata["shards"][0]["tokens"], mmap_mode="r+")
-    tokens[5] = metadata["tokenizer"]["vocab_size"]
+    shard, vocab = metadata["shards"][1], metadata["tokenizer"]["vocab_size"]
+    tokens = np.load(folder / shard["tokens"], mmap_mode="r+")
+    tokens[3] = vocab
     tokens.flush()
-    assert TokenShards(folder).read(5, 1).tolist() == [metadata["tokenizer"]["vocab_size"]]
+    opened = TokenShards(folder)
+    assert opened.read(_TOKENS_PER_SHARD, 3).tolist() == np.load(sharded / shard["tokens"])[:3].tolist()
+    with pytest.raises(DataError) as error:
+        opened.read(_TOKENS_PER_SHARD - 8, 12)  # from the first shard into the id
+    assert str(error.value) == (
+        f"shard {folder / shard['tokens']} holds token id {vocab} at token 3, outside the range "
+        f"{shard['min_token_id']} to {shard['max_token_id']} that metadata.json records for it: the folder is "
+        "corrupt; re-run `nanotron preprocess` to rebuild the folder")
 
 
 def test_a_signed_shard_with_a_recorded_range_inside_the_vocabulary_is_not_read(sharded, tmp_path, reads):
@@ -135,3 +146,29 @@ def test_half_a_recorded_range_is_malformed_metadata(sharded, tmp_path):
     folder, _ = _edited_copy(sharded, tmp_path / "data", without_a_largest_id)
     with pytest.raises(DataError, match=r"metadata.json is malformed \(KeyError: 'max_token_id'\)"):
         TokenShards(folder)
+
+
+def _negative_ids(folder: Path, metadata: dict) -> dict:
+    """Every 50th token of every shard rewritten as -3, the shards as int32, their recorded ranges kept: a folder
+    edited after ``nanotron preprocess``, whose ranges still fit the vocabulary."""
+    metadata = _as_int32(folder, metadata)
+    for shard in metadata["shards"]:
+        tokens = np.load(folder / shard["tokens"])
+        tokens[::50] = -3
+        np.save(folder / shard["tokens"], tokens)
+    return metadata
+
+
+def test_a_shard_disagreeing_with_its_recorded_range_ends_a_run_with_loader_workers_in_one_line(tiny_data, sharded,
+                                                                                              tmp_path):
+    """It used to stop in the embedding (IndexError) and then hang on the loader worker, for an hour and more."""
+    folder, metadata = _edited_copy(sharded, tmp_path / "data", _negative_ids)
+    stage = {"name": "main", "start_training_step": 1,
+             "data": {"seed": 3, "num_loading_workers": 1, "dataset": {"dataset_folder": [str(folder)]}}}
+    config = write_config(tmp_path / "config.yaml", _config(tiny_data, tmp_path / "run", 4, data_stages=[stage]))
+    line = assert_user_error(training_outcome(config, [sys.executable], tmp_path / "train.log", timeout_s=120),
+                             "holds token id -3 at token", "that metadata.json records for it: the folder is corrupt")
+    ranges = {str(folder / shard["tokens"]): (shard["min_token_id"], shard["max_token_id"])
+              for shard in metadata["shards"]}
+    found = re.search(r"shard (\S+) holds token id -3 at token (\d+), outside the range (\d+) to (\d+) ", line)
+    assert found and ranges[found[1]] == (int(found[3]), int(found[4])) and int(found[2]) % 50 == 0, line

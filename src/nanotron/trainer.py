@@ -75,6 +75,7 @@ class Trainer:
         take_the_ranks_of_node_folders(config.checkpoints)  # node-local checkpoints: whatever order the nodes join in
         self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
         self.checkpoints: RunCheckpoints | None = None  # the run folder's lock, taken first by ``_set_up``
+        self.loader: MicroBatchLoader | None = None  # the current data stage's, while training
         try:
             self._set_up(converters, features)
         except BaseException:
@@ -301,6 +302,7 @@ class Trainer:
             with redirect, self._profiler() as profiler, StopRequests() as stop:
                 self._loop(bar, profiler, stop)
         finally:
+            self._close_loader()  # whatever ended the loop: its workers would outlive it
             for feature in self.features:
                 feature.after_training()
         self.wait_for_saves()
@@ -368,11 +370,13 @@ class Trainer:
                 return
 
     def _loader(self, stage) -> MicroBatchLoader:
-        """The micro-batches of ``stage`` from where training stands; the step statistics follow its domains."""
+        """The micro-batches of ``stage`` from where training stands, in place of the previous stage's (whose workers
+        end); the step statistics follow its domains."""
         t = self.config.tokens
         self._domain_names = self.datasets[stage.name].domain_names
         self._num_domains = len(self._domain_names)
-        return MicroBatchLoader(
+        self._close_loader()
+        self.loader = MicroBatchLoader(
             self.datasets[stage.name],
             first_sample=self.progress.consumed_samples.get(stage.name, 0),
             start_step=0,
@@ -383,6 +387,12 @@ class Trainer:
             num_workers=stage.data.num_loading_workers,
             end_of_document=self.document_ends[stage.name],
         )
+        return self.loader
+
+    def _close_loader(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
 
     def _profiler(self):
         path = self.config.profiler.profiler_export_path if self.config.profiler else None

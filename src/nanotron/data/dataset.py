@@ -17,6 +17,7 @@ data-parallel layout) replays exactly the same samples.
 
 import json
 import os
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -28,18 +29,40 @@ from nanotron.data.permutation import permute
 from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, DataError
 
 __all__ = ["BLEND_PERIOD", "BlendedDataset", "DataError", "PretrainDataset", "SampleSource", "TokenShards",
-           "TokenStream", "check_token_ids", "domain_name", "folder_list"]
+           "TokenStream", "check_token_ids", "domain_name", "folder_list", "unique_domain_names"]
 
 BLEND_PERIOD = 4096
 # Permutation streams of different domains must not collide for any realistic number of epochs.
 _STREAMS_PER_DOMAIN = 2**20
 _REBUILD = "re-run `nanotron preprocess` to rebuild the folder"
+_CORRUPT = f"the folder is corrupt; {_REBUILD}"
 _IDS_CHECKED_AT_ONCE = 1 << 24  # tokens: bounds the memory of checking a shard's ids, whatever its size
 
 
 def domain_name(folder: str | Path) -> str:
     """The name of a folder's domain (in metrics, and DoReMi's weights): its own name, also when given as ``.``."""
     return Path(os.path.abspath(folder)).name
+
+
+def unique_domain_names(sources: Sequence[str | Path], names: Sequence[str] | None = None) -> list[str]:
+    """The names of the domains read from ``sources`` (folders, or Hugging Face datasets' names), as metrics, the
+    step line, DoReMi's weights and ``nanotron eval`` key them: ``names`` (default: each folder's own name,
+    ``domain_name``) where they are unique; domains that share one are each named by the shortest end of its source's
+    path that none of the others ends with (``a/web`` and ``b/web``). A source listed twice is refused."""
+    paths = [Path(os.path.abspath(source)).parts for source in sources]
+    unique = [domain_name(source) for source in sources] if names is None else list(names)
+    sharing = defaultdict(list)
+    for index, name in enumerate(unique):
+        sharing[name].append(index)
+    for indices in (indices for indices in sharing.values() if len(indices) > 1):
+        for index in indices:
+            path, others = paths[index], [paths[other] for other in indices if other != index]
+            if path in others:
+                raise DataError(f"the data stage lists {Path(*path)} twice; list it once (its weight sets its share)")
+            depth = next(k for k in range(min(2, len(path)), len(path) + 1)
+                         if all(other[-k:] != path[-k:] for other in others))
+            unique[index] = str(Path(*path[-depth:]))
+    return unique
 
 
 def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
@@ -52,20 +75,26 @@ def folder_list(folders: str | Path | Sequence[str | Path]) -> list[Path]:
 
 
 def check_token_ids(path: Path, tokens: np.ndarray, vocab_size: int, remedy: str, kind: str = "shard",
-                    first: int = 0, vocabulary: str | None = None) -> None:
+                    first: int = 0, vocabulary: str | None = None,
+                    recorded_range: tuple[int, int] | None = None) -> None:
     """Refuse ``tokens`` (the ids of the ``kind`` file ``path`` from its token ``first`` on) if one lies outside
-    ``[0, vocab_size)``: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from
-    its cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``vocabulary`` says whose
+    ``[0, vocab_size)``, or outside the ``recorded_range`` (smallest, largest id; inside the vocabulary) that its
+    metadata records: it would index past the embedding (an IndexError, or a device-side assert on a GPU) far from its
+    cause. Reads the ids in chunks of bounded memory, a few GB/s from the page cache. ``vocabulary`` says whose
     ``vocab_size`` ids these are (default: the shard's tokenizer's); ``remedy`` ends the error: what is wrong and
     what to do."""
-    vocabulary = vocabulary or f"the vocabulary of its tokenizer ({vocab_size} ids)"
+    lowest, highest = (0, vocab_size - 1) if recorded_range is None else recorded_range
     for start in range(0, len(tokens), _IDS_CHECKED_AT_ONCE):
         chunk = tokens[start:start + _IDS_CHECKED_AT_ONCE]
-        if chunk.max() < vocab_size and (tokens.dtype.kind == "u" or chunk.min() >= 0):
+        if chunk.max() <= highest and ((lowest <= 0 and tokens.dtype.kind == "u") or chunk.min() >= lowest):
             continue
-        position = int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+        position = int(np.flatnonzero((chunk < lowest) | (chunk > highest))[0])
+        if recorded_range is None:
+            outside = vocabulary or f"the vocabulary of its tokenizer ({vocab_size} ids)"
+        else:
+            outside = f"the range {lowest} to {highest} that {METADATA_FILE_NAME} records for it"
         raise DataError(f"{kind} {path} holds token id {chunk[position]} at token {first + start + position}, "
-                        f"outside {vocabulary}: {remedy}")
+                        f"outside {outside}: {remedy}")
 
 
 class TokenStream(Protocol):
@@ -83,10 +112,23 @@ class TokenStream(Protocol):
 
 
 class ConcatenatedArrays:
-    """Token arrays (memory maps) read as one stream, the arrays following each other without a gap."""
+    """Token arrays (memory maps) read as one stream, the arrays following each other without a gap.
 
-    def _concatenate(self, arrays: list[np.ndarray]) -> None:
+    Every piece read is checked against the ids its file may hold (``check_token_ids``: the vocabulary, or the range
+    that the file's metadata records), a pass over tokens already in memory: a file changed after it was checked or
+    its range recorded stops the run with one line naming it and the offset, not with an IndexError in the embedding.
+    """
+
+    folder: Path
+    vocab_size: int
+
+    def _concatenate(self, arrays: list[np.ndarray], files: list[Path], kind: str, id_remedy: str,
+                     recorded_ranges: list[tuple[int, int] | None] | None = None) -> None:
+        """``arrays`` are the tokens of ``files``; ``kind`` and ``id_remedy`` word the error of an id outside those
+        of its file (``check_token_ids``), ``recorded_ranges`` the smallest and largest id of each file, if known."""
         self._tokens = arrays
+        self._files, self._kind, self._id_remedy = files, kind, id_remedy
+        self._recorded_ranges = recorded_ranges or [None] * len(arrays)
         self._shard_starts = np.cumsum([0] + [len(tokens) for tokens in arrays[:-1]])
         self.num_tokens = sum(len(tokens) for tokens in arrays)
 
@@ -101,6 +143,8 @@ class ConcatenatedArrays:
         while filled < length:
             local_start = start + filled - int(self._shard_starts[shard])
             piece = self._tokens[shard][local_start:local_start + length - filled]
+            check_token_ids(self._files[shard], piece, self.vocab_size, self._id_remedy, self._kind, local_start,
+                            recorded_range=self._recorded_ranges[shard])
             out[filled:filled + len(piece)] = piece
             filled += len(piece)
             shard += 1
@@ -110,11 +154,12 @@ class ConcatenatedArrays:
 class TokenShards(ConcatenatedArrays):
     """One preprocessed folder, memory-mapped read-only, seen as a single token stream.
 
-    Every token id is checked against the folder's vocabulary once, when the folder is opened, so that reading
-    samples costs nothing more and a corrupt or foreign shard is named before training starts, in the training
-    process rather than in a data-loading worker. The check compares the id range that ``nanotron preprocess``
-    recorded for each shard with the vocabulary; only a shard without one is read (a few GB/s from the page cache).
-    ``ids_checked`` skips the check for a folder already checked by this run (the copy a worker opens).
+    Every token id is checked against the folder's vocabulary once, when the folder is opened, so that a corrupt or
+    foreign shard is named before training starts, in the training process rather than in a data-loading worker. The
+    check compares the id range that ``nanotron preprocess`` recorded for each shard with the vocabulary; only a shard
+    without one is read (a few GB/s from the page cache). Each window read is then checked against that range
+    (``ConcatenatedArrays``). ``ids_checked`` skips the check at opening for a folder already checked by this run
+    (the copy a worker opens).
     """
 
     def __init__(self, folder: Path, ids_checked: bool = False):
@@ -143,7 +188,8 @@ class TokenShards(ConcatenatedArrays):
             if not ids_checked:
                 self._check_ids(self.folder / tokens_file, arrays[-1], id_range)
             self._open_array(documents_file, np.dtype(np.int64), num_documents)
-        self._concatenate(arrays)
+        self._concatenate(arrays, [self.folder / shard[0] for shard in shards], "shard", _CORRUPT,
+                          [shard[4] for shard in shards])
         if self.num_tokens != recorded_tokens:
             raise DataError(f"{metadata_file} records {recorded_tokens} tokens but its shards hold "
                             f"{self.num_tokens}; {_REBUILD}")
@@ -179,12 +225,12 @@ class TokenShards(ConcatenatedArrays):
         if recorded_range is not None:
             raise DataError(f"shard {path} holds token ids {recorded_range[0]} to {recorded_range[1]} as recorded "
                             f"in {METADATA_FILE_NAME}, outside the vocabulary of its tokenizer ({self.vocab_size} "
-                            f"ids): the folder is corrupt; {_REBUILD}")
+                            f"ids): {_CORRUPT}")
         self._check_ids_by_reading(path, tokens)
 
     def _check_ids_by_reading(self, path: Path, tokens: np.ndarray) -> None:
         """The check of a shard whose metadata records no id range."""
-        check_token_ids(path, tokens, self.vocab_size, f"the folder is corrupt; {_REBUILD}")
+        check_token_ids(path, tokens, self.vocab_size, _CORRUPT)
 
     def __reduce__(self):
         # Reopen the memory maps in the receiving process (data-loading workers) instead of pickling the tokens;
@@ -238,13 +284,14 @@ class BlendedDataset:
 
     A stream's windows start every ``window_stride`` tokens inside each of its segments: ``sequence_length`` (the
     default) makes neighbours share one token, ``sequence_length + 1`` makes them disjoint. ``weights`` defaults to
-    the streams' token counts. Domain ids are positions in ``streams``.
+    the streams' token counts. Domain ids are positions in ``streams``; domains are named after the ``sources``
+    they are read from (default: the streams' folders; ``unique_domain_names``).
     """
 
     records_document_ends = False  # a subclass whose streams have ``document_ends`` may set it
 
     def __init__(self, streams: Sequence[TokenStream], weights: Sequence[float] | None, sequence_length: int,
-                 seed: int, window_stride: int | None = None):
+                 seed: int, window_stride: int | None = None, sources: Sequence[str | Path] | None = None):
         check_sequence_length(sequence_length)
         window_stride = sequence_length if window_stride is None else window_stride
         if not 1 <= window_stride <= sequence_length + 1:
@@ -253,7 +300,8 @@ class BlendedDataset:
         self.window_stride = window_stride
         self.seed = seed
         self._streams = list(streams)
-        self.domain_names = [stream.name for stream in self._streams]
+        self.domain_names = unique_domain_names([stream.folder for stream in self._streams] if sources is None
+                                                else sources, [stream.name for stream in self._streams])
         # Per domain: the first token of each segment and the index of its first window.
         self._segment_starts, self._segment_first_windows, self.num_windows = [], [], []
         for stream in self._streams:
@@ -327,10 +375,12 @@ class PretrainDataset(BlendedDataset):
     """The sample stream of preprocessed folders (``nanotron preprocess``): windows of ``sequence_length + 1``
     tokens with stride ``sequence_length``, neighbours sharing one token.
 
-    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``.
+    ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``; ``sources`` are what
+    they were made from, if not themselves (``BlendedDataset``).
     """
 
-    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int):
+    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int,
+                 sources: Sequence[str | Path] | None = None):
         folders = folder_list(folders)
         check_sequence_length(sequence_length)
         shards = [TokenShards(folder) for folder in folders]
@@ -342,7 +392,7 @@ class PretrainDataset(BlendedDataset):
             raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
                             + ", ".join(f"{folder.folder}: {folder.tokenizer_fingerprint[:12]}" for folder in shards)
                             + "); preprocess them all with the same tokenizer")
-        super().__init__(shards, weights, sequence_length, seed)
+        super().__init__(shards, weights, sequence_length, seed, sources=sources)
 
 
 def _validated_weights(weights: Sequence[float] | None, shards: Sequence[TokenStream]) -> np.ndarray:

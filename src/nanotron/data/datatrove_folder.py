@@ -93,7 +93,7 @@ class DatatroveTokens(ConcatenatedArrays):
                 start, end = len(tokens) * part // parts, len(tokens) * (part + 1) // parts
                 check_token_ids(file, tokens[start:end], vocab_size, self._id_remedy(), kind="file", first=start,
                                 vocabulary=f"the {vocab_size} ids of the model's vocabulary")
-        self._concatenate(list(arrays))
+        self._concatenate(arrays, files, "file", self._id_remedy())
         self.segment_lengths = tuple(len(tokens) for tokens in arrays)  # windows never cross a file's end
 
     def _one_value(self, what: str, values: dict[Path, object]) -> object | None:

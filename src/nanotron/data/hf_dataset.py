@@ -18,6 +18,7 @@ upstream cuts Hugging Face datasets too, an exact resume and the same global bat
 
 import hashlib
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -33,8 +34,11 @@ from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 __all__ = ["HFDataset", "tokenize_hf_dataset"]
 
+logger = logging.getLogger(__name__)
+
 INSTALL_HINT = 'pip install -e ".[data]"'
-_SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what save_to_disk writes (a DatasetDict, a Dataset)
+_DATA_FILE_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".tsv", ".txt")
+_BLANK_FILE_BYTES = 1 << 16  # larger text files are taken to hold rows, unread
 _ROWS_PER_MAP_BATCH = 1000
 
 
@@ -64,34 +68,86 @@ def _load_splits(dataset: str | Path, splits: Sequence[str], config_name: str | 
     datasets = _datasets_library()
     path = Path(dataset)
     try:
-        if path.is_dir() and any((path / name).is_file() for name in _SAVED_DATASET_FILES):
-            saved = datasets.load_from_disk(str(path))
-            if isinstance(saved, datasets.Dataset):  # a single split saved on its own is every split asked for
-                return [saved]
+        if (path / "state.json").is_file():  # a single split saved on its own is every split asked for
+            return [_load_saved_split(datasets, path, dataset, "")]
+        if (path / "dataset_dict.json").is_file():
+            saved = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
             missing = [split for split in splits if split not in saved]
             if missing:
                 raise DataError(f"the Hugging Face dataset {dataset} has no split {', '.join(missing)} (it has "
                                 f"{', '.join(saved)}); set hf_dataset_splits to some of those")
-            return [saved[split] for split in splits]
+            return [_load_saved_split(datasets, path / split, dataset, split) for split in splits]
         return list(datasets.load_dataset(str(dataset), config_name, split=list(splits)))
     except DataError:
         raise
     except Exception as error:
+        if path.is_dir() and _data_files_without_rows(path):
+            raise DataError(f"the Hugging Face dataset {dataset} has no rows: its data files are empty; give a "
+                            "dataset with rows") from None
         reason = (str(error).strip().splitlines() or [""])[0]
         raise DataError(f"could not load the Hugging Face dataset {dataset} (splits {', '.join(splits)}): "
                         f"{type(error).__name__}: {reason}; give a save_to_disk folder, a folder of data files or a "
                         f"Hub name that is reachable") from None
 
 
-def _checked_text_column(dataset: str | Path, parts: list, text_column: str) -> None:
+def _load_saved_split(datasets, folder: Path, dataset: str | Path, split: str):
+    """The split ``split`` of ``dataset`` that ``save_to_disk`` wrote to ``folder`` (each split of a DatasetDict has
+    its own, as ``DatasetDict.load_from_disk`` reads them). A split of no rows is saved without a data file, which
+    ``load_from_disk`` cannot load back (an IndexError): refused, naming it."""
+    if json.loads((folder / "state.json").read_text(encoding="utf-8")).get("_data_files") == []:
+        where, fix = (f" in split {split}", "hf_dataset_splits that hold rows") if split else (
+            "", "a dataset with rows")
+        raise DataError(f"the Hugging Face dataset {dataset} has no rows{where}; give {fix}")
+    return datasets.load_from_disk(str(folder))
+
+
+def _data_files_without_rows(folder: Path) -> bool:
+    """Whether the data files of ``folder`` hold no row (empty text files, parquet files of no rows), which
+    ``datasets.load_dataset`` fails to load (StopIteration, or "corresponds to no data")."""
+    files = [file for file in folder.rglob("*") if file.suffix in _DATA_FILE_SUFFIXES and file.is_file()]
+
+    def without_rows(file: Path) -> bool:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet
+
+            return pyarrow.parquet.read_metadata(file).num_rows == 0
+        return file.stat().st_size < _BLANK_FILE_BYTES and not file.read_bytes().strip()
+
+    return bool(files) and all(map(without_rows, files))
+
+
+def _checked_text_column(dataset: str | Path, splits: Sequence[str], parts: list, text_column: str) -> None:
+    """Refuse a dataset without rows or without text in ``text_column`` (null or empty in every row: it would train
+    on end-of-document ids alone); warn of null texts among others, each of which becomes an empty document."""
     for part in parts:
         feature = part.features.get(text_column)
         if feature is None:
             raise DataError(f"the Hugging Face dataset {dataset} has no column {text_column!r} (it has "
                             f"{', '.join(part.column_names)}); set text_column_name to its text column")
-        if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        if getattr(feature, "dtype", None) not in ("string", "large_string", "null"):  # null: every row is null
             raise DataError(f"column {text_column!r} of the Hugging Face dataset {dataset} holds {feature}, not text; "
                             f"set text_column_name to its text column")
+    rows = sum(part.num_rows for part in parts)
+    if rows == 0:
+        raise DataError(f"the Hugging Face dataset {dataset} has no rows in split {', '.join(splits)}; give "
+                        f"hf_dataset_splits that hold rows")
+    texts = [part.data.column(text_column) for part in parts]
+    if sum(_non_empty(text) for text in texts) == 0:
+        raise DataError(f"no row of the Hugging Face dataset {dataset} has text in column {text_column!r} (all "
+                        f"{rows:,} are null or empty); set text_column_name to its text column")
+    nulls = sum(text.null_count for text in texts)
+    if nulls:
+        logger.warning(f"{nulls:,} of the {rows:,} rows of the Hugging Face dataset {dataset} have no text (null in "
+                       f"column {text_column!r}); each is an empty document: an end-of-document id alone")
+
+
+def _non_empty(texts) -> int:
+    """The number of texts (an Arrow column) that are neither null nor empty."""
+    import pyarrow.compute
+
+    if texts.null_count == len(texts):  # also a column of Arrow's null type, which holds no string
+        return 0
+    return pyarrow.compute.sum(pyarrow.compute.greater(pyarrow.compute.utf8_length(texts), 0)).as_py() or 0
 
 
 def _cache_key(parts: list, splits: Sequence[str], text_column: str, fingerprint: str) -> str:
@@ -121,7 +177,7 @@ def tokenize_hf_dataset(dataset: str | Path, tokenizer: str | Path, *, splits: s
     if num_proc < 1:
         raise DataError(f"dataset_processing_num_proc_per_process must be at least 1, got {num_proc}")
     parts = _load_splits(dataset, splits, config_name)
-    _checked_text_column(dataset, parts, text_column)
+    _checked_text_column(dataset, splits, parts, text_column)
     fingerprint = tokenizer_fingerprint(load_tokenizer(tokenizer))
     cache_root = Path(cache_folder) if cache_folder is not None else Path(datasets.config.HF_DATASETS_CACHE) / (
         "nanotron-tokenized")
@@ -180,4 +236,4 @@ class HFDataset(PretrainDataset):
         folders = [tokenize_hf_dataset(name, tokenizer, splits=splits, text_column=text_column,
                                        config_name=config_name, num_proc=num_proc, cache_folder=cache_folder,
                                        overwrite_cache=overwrite_cache) for name in names]
-        super().__init__(folders, weights, sequence_length, seed)
+        super().__init__(folders, weights, sequence_length, seed, sources=self.dataset_names)

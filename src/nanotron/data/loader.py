@@ -7,6 +7,8 @@ any data-parallel size, so a run trains on the same samples whatever its layout,
 needs nothing but ``s``.
 """
 
+import atexit
+import functools
 import itertools
 import multiprocessing
 import signal
@@ -102,13 +104,19 @@ class _RankMicroBatches(Dataset):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
 
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor] | DataError:
+        """The micro-batch, or the ``DataError`` that reading it met (a file changed since it was checked), returned
+        so that a worker passes it on as it is: the DataLoader would raise it again wrapped in the worker's
+        traceback, lines where the user is owed one."""
         step, micro = divmod(k, self.accumulation)
         global_batch_size = self.dp_size * self.micro_batch_size * self.accumulation
         indices = global_batch_indices(self.start_step + step, self.first_sample, global_batch_size)
         micro_batches = rank_micro_batches(indices, self.dp_rank, self.dp_size, self.micro_batch_size,
                                            self.accumulation)
-        return _to_micro_batch(self.dataset.samples(micro_batches[micro]), self.end_of_document)
+        try:
+            return _to_micro_batch(self.dataset.samples(micro_batches[micro]), self.end_of_document)
+        except DataError as error:
+            return error
 
 
 def _leave_trainer_signals_to_the_trainer(worker_id: int) -> None:
@@ -117,6 +125,17 @@ def _leave_trainer_signals_to_the_trainer(worker_id: int) -> None:
     process); a worker whose rank died notices and exits."""
     for number in TRAINER_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
+
+
+def _end_workers(workers: list[multiprocessing.Process]) -> None:
+    """Kill loader workers and wait for them. They hold nothing but read-only memory maps and batches in flight, and
+    ignore SIGTERM (``_leave_trainer_signals_to_the_trainer``), with which the interpreter's exit ends daemon processes
+    before joining them: a worker left to that exit keeps its rank waiting forever."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join()
 
 
 def _how_it_ended(worker: multiprocessing.Process) -> str:
@@ -131,7 +150,8 @@ class MicroBatchLoader:
     ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``; under document masking (``_to_micro_batch``) also
     ``"position_ids"`` and ``"document_ids"``, int64 ``[mbs, S]``, computed here (in the workers, off the training
     loop) and read by every pipeline stage. With ``num_workers > 0`` worker processes load ahead of the training
-    loop; the batches are identical to those of ``num_workers = 0``.
+    loop; the batches are identical to those of ``num_workers = 0``. ``close`` ends the workers; so does the exit of
+    the process, also where an exception left the loader referenced (by its traceback) until then.
     """
 
     def __init__(self, dataset: SampleSource, *, first_sample: int, start_step: int, micro_batch_size: int,
@@ -159,6 +179,9 @@ class MicroBatchLoader:
                                              num_workers=num_workers, prefetch_factor=2,
                                              worker_init_fn=_leave_trainer_signals_to_the_trainer))
             self._workers = [p for p in multiprocessing.active_children() if p not in before]
+            # Runs before multiprocessing's own exit handler (registered earlier), which would wait on them forever.
+            self._end_at_exit = functools.partial(_end_workers, self._workers)
+            atexit.register(self._end_at_exit)
             # torch's SIGCHLD handler raises a dead worker's error wherever the process is (in a collective, a save,
             # the report of another error); without it, next_step notices the death when it reads, and names it.
             if threading.current_thread() is threading.main_thread():
@@ -176,8 +199,17 @@ class MicroBatchLoader:
                 f"data loader worker (pid {dead.pid}) {_how_it_ended(dead)}; the run stopped without saving this "
                 "step. If the system ran out of memory, lower data_stages[].data.num_loading_workers (0 loads in the "
                 "training process); continue with checkpoints.resume_checkpoint_path: auto") from None
+        for micro_batch in micro_batches:
+            if isinstance(micro_batch, DataError):
+                raise micro_batch
         self.step += 1
         return micro_batches
+
+    def close(self) -> None:
+        """End the worker processes now (the end of a data stage or of training, or an error in a step)."""
+        if self._workers:
+            atexit.unregister(self._end_at_exit)
+            _end_workers(self._workers)
 
     def _dead_worker(self) -> multiprocessing.Process | None:
         deadline = time.monotonic() + DEATH_NOTICE_S

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import Config, ConfigError, DatasetStageArgs, DoReMiArgs, load_config
-from nanotron.data.dataset import domain_name
+from nanotron.data.dataset import unique_domain_names
 from nanotron.errors import CheckpointError
 from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
@@ -83,10 +83,10 @@ _DOMAIN_NAMING = "named by doremi.domain_names, else by the folders of data_stag
 
 def domain_names(config: Config) -> list[str]:
     """The names of a DoReMi run's domains, which key its weights: ``doremi.domain_names``, else the names of the
-    folders of its data stage; two domains of the same name are refused."""
+    folders of its data stage (``unique_domain_names``); two domains given the same name are refused."""
     doremi, folders = config.doremi, config.data_stages[0].data.dataset.dataset_folder
-    names = list(doremi.domain_names) if doremi is not None and doremi.domain_names is not None else [
-        domain_name(folder) for folder in folders]
+    names = list(doremi.domain_names) if doremi is not None and doremi.domain_names is not None else (
+        unique_domain_names(folders))
     repeated = [name for name, count in Counter(names).items() if count > 1]
     if repeated:
         raise ConfigError(f"DoReMi keys its weights by domain name, and {', '.join(map(repr, repeated))} names "

@@ -30,7 +30,7 @@ from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.manager import checkpoint_model, first_problem
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import ConfigError
-from nanotron.data.dataset import DataError, TokenShards, TokenStream
+from nanotron.data.dataset import DataError, TokenShards, TokenStream, unique_domain_names
 from nanotron.data.datatrove_folder import DatatroveTokens
 from nanotron.data.hf_dataset import tokenize_hf_dataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
@@ -132,10 +132,11 @@ def evaluate(ckpt_path: Path, data: Sequence[Path], parallel_context: ParallelCo
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     _, model_config = checkpoint_model(checkpoint, read_metadata(checkpoint))
     sources = open_sources(data, model_config.vocab_size, lambda: checkpoint_tokenizer(checkpoint), hf, pc)
+    names = unique_domain_names(data, [source.stream.name for source in sources])
     windows = evaluation_windows(sources, sequence_length, max_windows)
     model, _ = load_model(checkpoint, pc)
     results = {}
-    for source, starts in zip(sources, windows):
+    for source, starts, name in zip(sources, windows, names):
         total, count = torch.zeros((), dtype=torch.float64, device=pc.device), 0
         for first in range(0, len(starts), batch_size):
             rows = [source.stream.read(start, sequence_length + 1) for start in starts[first:first + batch_size]]
@@ -148,5 +149,5 @@ def evaluate(ckpt_path: Path, data: Sequence[Path], parallel_context: ParallelCo
         if pc.size("pp") > 1:
             dist.broadcast(total, src=pc.group_ranks["pp"][-1], group=pc.groups["pp"])
         loss = total.item() / count
-        results[source.stream.name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
+        results[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
     return results
