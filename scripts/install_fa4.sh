@@ -24,9 +24,9 @@ if [ "${1:-}" = download ]; then
     "${platforms[@]}" -d .whl/fa4 "${WHEELS[@]}"
 fi
 target=${1:?give the folder to install into, or download}
-# The libraries' wheel last, over the folder its siblings created (pip replaces it only with --upgrade).
 "$PYTHON" -m pip install -q --no-deps --no-index --no-compile --find-links .whl/fa4 --target "$target" \
   "${WHEELS[@]:0:7}"
-"$PYTHON" -m pip install -q --no-deps --no-index --no-compile --upgrade --find-links .whl/fa4 --target "$target" \
-  "${WHEELS[7]}"
+# The libraries' wheel unpacked over the nvidia_cutlass_dsl folder its siblings created: pip would replace that folder
+# whole (--upgrade) or refuse to touch it.
+"$PYTHON" -m zipfile -e .whl/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-*.whl "$target"
 echo "export PYTHONPATH=$target:$target/nvidia_cutlass_dsl/dsl_packages\${PYTHONPATH:+:\$PYTHONPATH}"
