@@ -54,7 +54,8 @@ def test_fa4_matches_an_fp32_reference_within_bf16_error(case):
     q, k, v, grad = (torch.randn(shape, generator=generator).cuda() for shape in shapes)
     documents = _documents(generator) if documented else None
     if runs is None:
-        masks = [AttentionMasks.of_sequence(SEQUENCE, q.device, documents=documents, flash=flash) for flash in (1, 0)]
+        masks = [AttentionMasks.of_sequence(SEQUENCE, q.device, documents=documents, flash=flash)
+                 for flash in (True, False)]
     else:
         rows = torch.cat([torch.arange(first, first + length) for first, length in runs]).cuda()
         masks = [AttentionMasks(rows, torch.arange(SEQUENCE, device="cuda"), query_runs=runs, flash=flash)
