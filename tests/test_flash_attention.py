@@ -11,12 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from distributed import run_distributed
 from helpers import (
     SMALL,
     AttentionCalls,
+    assemble,
     assert_same_gradients,
     assert_user_error,
     cli,
+    first_step_then_train,
     ids_for,
     loss_and_gradients,
     metrics,
@@ -105,12 +108,16 @@ class StandIn:
         return dq, dk, dv
 
 
+def _stand_in_kernels(kernels: StandIn) -> tuple[flash_attention.Kernels, None]:
+    """The stand-in as loaded FA4 kernels that take every device, dtype and head dimension."""
+    return flash_attention.Kernels(kernels.forward, kernels.backward, lambda device, dtype, head_dim: None), None
+
+
 @pytest.fixture
 def stand_in(monkeypatch) -> StandIn:
-    """FA4 'installed' on this CPU: the stand-in's kernels, which take every device, dtype and head dimension."""
+    """FA4 'installed' on this CPU."""
     kernels = StandIn()
-    loaded = flash_attention.Kernels(kernels.forward, kernels.backward, lambda device, dtype, head_dim: None)
-    monkeypatch.setattr(flash_attention, "_loaded", (loaded, None))
+    monkeypatch.setattr(flash_attention, "_loaded", _stand_in_kernels(kernels))
     monkeypatch.setattr(flash_attention, "_reported", set())
     return kernels
 
@@ -243,6 +250,31 @@ def test_training_through_fa4_matches_torchs_kernels(stand_in, tiny_data, tmp_pa
     losses = {backend: [m["lm_loss"] for m in metrics(run)] for backend, run in runs.items()}
     assert losses["fa4"] == pytest.approx(losses["torch"], rel=1e-5)
     assert stand_in.calls >= 3 * 2  # every layer of every step ran FA4's op
+
+
+def _first_step_through_the_stand_in(config: dict) -> dict:
+    """``first_step_then_train`` in a rank of its own, FA4 'installed' there; and how often it ran."""
+    kernels = StandIn()
+    flash_attention._loaded = _stand_in_kernels(kernels)
+    return first_step_then_train(config) | {"fa4_calls": kernels.calls}
+
+
+def test_context_parallel_ranks_through_fa4_train_as_one_rank_of_torchs_kernels(tiny_data, tmp_path):
+    """Each cp rank's two chunks of queries against the gathered keys, a sliding layer and a full one."""
+    def config(run: str, backend: str, cp: int) -> dict:
+        config = _tiny_qwen2(tiny_data, tmp_path / run, backend)
+        config["model"]["model_config"]["_use_doc_masking"] = False
+        return config | {"parallelism": config["parallelism"] | {"context_parallel_size": cp}}
+
+    (reference,) = run_distributed(first_step_then_train, 1, config=config("one", "torch", 1))
+    ranks = run_distributed(_first_step_through_the_stand_in, 2, config=config("cp2", "fa4", 2))
+    assert all(rank["fa4_calls"] >= 2 * 2 * 2 for rank in ranks)  # two chunks, two layers, forward of each step
+    assert ranks[0]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    expected = assemble([reference], "grads")
+    for name, grad in assemble(ranks, "grads").items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert [m["lm_loss"] for m in ranks[0]["metrics"]] == pytest.approx([m["lm_loss"] for m in reference["metrics"]],
+                                                                        rel=1e-5)
 
 
 def test_asking_for_fa4_where_it_cannot_run_is_one_config_error(tiny_data, tmp_path):
