@@ -12,12 +12,10 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
 from safetensors import SafetensorError
-
-if TYPE_CHECKING:
-    import torch
+from safetensors.torch import save_file
 
 
 def fsync_path(path: Path) -> None:
@@ -55,8 +53,6 @@ def atomic_write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metad
     the OS error ("... (os error 28)"; older versions "code: 28"). It becomes the ``OSError`` a Python write would
     raise, naming ``path``, so that callers handle a full disk the same whoever wrote the bytes.
     """
-    from safetensors.torch import save_file  # torch, imported only by what writes tensors
-
     try:
         atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
     except SafetensorError as error:
