@@ -18,8 +18,7 @@ from nanotron.config import (
     MambaConfig,
     MambaSSMArgs,
     config_from_dict,
-    llama_problems,
-    mamba_problems,
+    model_config_problems,
     validate_config,
 )
 
@@ -152,7 +151,7 @@ def test_literals_of_configs_built_in_code_are_checked_too():
         validate_config(bad)
     assert info.value.problems == ["parallelism.pp_engine must be one of afab, 1f1b (got 'gpipe')",
                                    "fp8.recipe must be one of tensorwise, rowwise, delayed (got 'blockwise')"]
-    assert llama_problems(LlamaConfig(hidden_act="tanh"), key=None) == [
+    assert model_config_problems(LlamaConfig(hidden_act="tanh"), key=None) == [
         "hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu (got 'tanh')"]
-    assert mamba_problems(MambaConfig(ssm_cfg=MambaSSMArgs(dt_init="zeros")), key="model.config") == [
+    assert model_config_problems(MambaConfig(ssm_cfg=MambaSSMArgs(dt_init="zeros")), key="model.config") == [
         "model.config.ssm_cfg.dt_init must be one of random, constant (got 'zeros')"]

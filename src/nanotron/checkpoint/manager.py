@@ -157,7 +157,7 @@ def check_same_model(checkpoint: Path, metadata: dict, model_config) -> None:
                               f"{current.name} model")
     differences = [f"{f.name} {getattr(saved, f.name)!r} (checkpoint) vs {getattr(model_config, f.name)!r} (config)"
                    for f in fields(saved)
-                   if f.name not in spec.resume_may_change and getattr(saved, f.name) != getattr(model_config, f.name)]
+                   if f.name not in saved.resume_may_change and getattr(saved, f.name) != getattr(model_config, f.name)]
     if differences:
         raise CheckpointError(f"model.model_config does not match the model in {checkpoint}: {'; '.join(differences)};"
                               " set those keys to the checkpoint's values (its checkpoint.json) to load it")

@@ -21,8 +21,7 @@ import yaml
 from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DatasetArgs, HFDatasetArgs
 from nanotron.config.general import DEFAULT_RUN_NAME
-from nanotron.config.llama import LlamaConfig
-from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
+from nanotron.config.model import MISPLACED_KEYS, MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
 from nanotron.config.rules import (
     ConfigError,
     canonical,
@@ -32,7 +31,7 @@ from nanotron.config.rules import (
     unannotated,
     union_members,
 )
-from nanotron.config.upstream import MOE_FIELDS, V04_DATA_STAGE_NAME, other_spellings, translate
+from nanotron.config.upstream import V04_DATA_STAGE_NAME, other_spellings, translate
 from nanotron.files import atomic_write_text
 
 _SCALAR_NAMES: dict[type, tuple[str, str]] = {
@@ -247,9 +246,10 @@ class _Reader:
     def dataclass(self, cls: type, raw: dict, key: str) -> Any:
         start = len(self.problems)
         hints = typing.get_type_hints(cls, include_extras=True)  # with the Spellings of Literal fields
+        names = [f.name for f in fields(cls)]  # not the class variables (a family's facts)
         for name in raw:
-            if name not in hints:
-                self._unknown_key(cls, _join(key, name), str(name), list(hints))
+            if name not in names:
+                self._unknown_key(cls, _join(key, name), str(name), names)
         values = {}
         for f in fields(cls):
             dotted = _join(key, f.name)
@@ -262,9 +262,9 @@ class _Reader:
         return cls(**values) if len(self.problems) == start else _INVALID
 
     def _unknown_key(self, cls: type, dotted: str, name: str, valid: list[str]) -> None:
-        if cls is LlamaConfig and name in MOE_FIELDS:
-            self.problems.append(f"unknown key '{dotted}': mixture-of-experts fields need 'is_llamoe_config: true' "
-                                 "in place of 'is_llama_config: true'")
+        keys, hint = MISPLACED_KEYS.get(cls, ((), ""))
+        if name in keys:
+            self.problems.append(f"unknown key '{dotted}': {hint}")
             return
         close = closest_key(name, valid)
         hint = f"did you mean '{close}'?" if close else f"valid keys are: {', '.join(valid)}"

@@ -2,9 +2,12 @@
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, model_config_problems, positive, prefix
+import torch
+
+from nanotron.config.family import FamilyFacts
+from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
 
 
 @dataclass
@@ -37,8 +40,9 @@ class MambaSSMArgs:
 
 
 @dataclass
-class MambaConfig:
-    """Mamba-1 (Gu & Dao, 2023): pre-norm residual blocks of selective state-space mixers, no attention."""
+class MambaConfig(FamilyFacts):
+    """Mamba-1 (Gu & Dao, 2023): pre-norm residual blocks of selective state-space mixers, no attention: no context
+    limit, and a sequence is scanned in order (no context parallelism)."""
 
     is_mamba_config: bool = True
     d_model: int = 2560
@@ -56,6 +60,9 @@ class MambaConfig:
     eos_token_id: int | None = 0
     pad_token_id: int | None = 0
 
+    resume_may_change: ClassVar[frozenset[str]] = frozenset({"bos_token_id", "eos_token_id", "pad_token_id",
+                                                             "initializer_range"})
+
     def __post_init__(self) -> None:
         if isinstance(self.ssm_cfg, dict):  # read back from checkpoint.json
             self.ssm_cfg = MambaSSMArgs(**self.ssm_cfg)
@@ -72,6 +79,13 @@ class MambaConfig:
     def dt_rank(self) -> int:
         rank = self.ssm_cfg.dt_rank
         return -(-self.d_model // 16) if rank == "auto" else int(rank)
+
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream, which stages exchange: fp32 with ``residual_in_fp32``."""
+        return torch.float32 if self.residual_in_fp32 else dtype
+
+    def context_parallel_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
+        return f"a Mamba model ({key} with is_mamba_config: true) scans the sequence in order"
 
     def problems(self, key: str | None = MODEL_CONFIG_KEY) -> Iterator[str]:
         """Rules on the values alone; the shapes are ``layout_problems``."""
@@ -99,7 +113,3 @@ class MambaConfig:
             problems.append(f"{k}ssm_cfg.bias: true is not supported with {tp_key} ({tp}) > 1 (a row-parallel "
                             "out_proj bias would be added on every rank); set it to false or use tp 1")
         return problems
-
-
-# Every rule of a Mamba config read from a file, at tp ranks: the registry's `config_problems` of the family.
-mamba_problems = model_config_problems

@@ -19,7 +19,7 @@ name when switched on.
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.moe import MoESettings
@@ -56,6 +56,12 @@ class Qwen2Config(LlamaConfig):
     ring_attn_heads_k_stride: int | None = None
     log_attn_probs: bool = True  # upstream logs attention probabilities with it; nanotron does not
 
+    # The z-loss and document masking shape the objective, not the weights: a run may switch them when it continues.
+    # The implementation keys choose kernels only.
+    resume_may_change: ClassVar[frozenset[str]] = LlamaConfig.resume_may_change | {
+        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask",
+        "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"}
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.moe_config, dict):  # read back from checkpoint.json
@@ -87,9 +93,12 @@ class Qwen2Config(LlamaConfig):
         return self.sliding_window_size if self.uses_rope(index) else None
 
     @property
-    def z_loss(self) -> float:
-        """The weight of the logit z-loss in the trained objective (0: none)."""
+    def logit_z_loss(self) -> float:
         return self.z_loss_coefficient if self.z_loss_enabled else 0.0
+
+    @property
+    def document_masking(self) -> bool:
+        return self._use_doc_masking
 
     def _marker_problems(self, k: str) -> Iterator[str]:
         if self.is_llama_config or not self.is_qwen2_config:

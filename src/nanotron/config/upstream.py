@@ -78,10 +78,6 @@ FEATURES: dict[str, Feature] = {
     f"{_DATASET}.use_old_brrr_dataloader": Feature("the brrr data loader (use_old_brrr_dataloader)", (False,)),
 }
 
-# Fields of the mixture-of-experts config, which a Llama config (is_llama_config) does not have.
-MOE_FIELDS = ("moe_num_experts", "num_experts_per_tok", "moe_capacity_factor", "moe_aux_loss_coef",
-              "moe_z_loss_coef", "moe_normalize_topk", "moe_first_dense_layers")
-
 _MAMBA_INIT_KEYS = {"initializer_range", "rescale_prenorm_residual", "n_residuals_per_layer"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 V04_DATA_STAGE_NAME = "main"

@@ -27,7 +27,6 @@ from nanotron.data.tokenizer import (
     tokenizer_fingerprint,
 )
 from nanotron.memory import memory_summary
-from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
@@ -125,7 +124,7 @@ def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str
     datasets), else the tokenizer's, else for synthetic tokens ``model_config.eos_token_id``. Refuses a stage without
     one before the model is allocated."""
     model_config = config.model.model_config
-    if not spec_for_config(model_config).document_masking(model_config):
+    if not model_config.document_masking:
         return dict.fromkeys(datasets)
     name = config.tokenizer.tokenizer_name_or_path
     tokenizer_end = eos_token_id(load_tokenizer(name, config.tokenizer.tokenizer_revision)) if name else None
@@ -182,9 +181,8 @@ def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
     if isinstance(source, HFDatasetArgs):
         dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
     elif _holds_datatrove_files(source.dataset_folder):
-        masking = spec_for_config(config.model.model_config).document_masking(config.model.model_config)
         dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab,
-                                               document_ends=masking)
+                                               document_ends=config.model.model_config.document_masking)
     else:
         dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
     for feature in features:
@@ -286,7 +284,7 @@ def pipeline_schedule(config: Config, pc: ParallelContext,
                                                                             else 1)
     model_config = config.model.model_config
     shape = (config.tokens.micro_batch_size, sequence, model_config.hidden_size)
-    dtype = spec_for_config(model_config).activation_dtype(model_config, config.model.torch_dtype())
+    dtype = model_config.activation_dtype(config.model.torch_dtype())
     p2p = P2P(pc, shape, dtype, p.pp_timeout_s)
     return PipelineSchedule(pc, p.pp_engine, p2p, stage_forward, before_last_backward)
 
