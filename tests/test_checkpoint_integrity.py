@@ -160,6 +160,16 @@ def test_checkpoints_of_format_2_load_without_a_manifest_checksum_and_later_ones
     assert_user_error(cli("checkpoint", "verify", run), str(file), "has no manifest_sha256")
 
 
+def test_a_model_config_of_the_wrong_type_in_checkpoint_json_is_one_line_naming_the_key(run, tiny_data):
+    """checkpoint.json's model config is read as a YAML file's is (keys, types, Literal values), whoever sealed it."""
+    file = run / "2" / "checkpoint.json"
+    metadata = json.loads(file.read_text())
+    metadata["model"]["config"]["hidden_size"] = "64"
+    write_metadata(file.parent, metadata)
+    assert_user_error(_eval(run, tiny_data), str(file), "model config this version cannot read",
+                      "hidden_size: expected an integer, got '64'")
+
+
 # --- the file list names regular files inside the checkpoint folder, nothing else --------------------------------
 
 def _a_path_outside(checkpoint: Path, tmp_path: Path) -> tuple[str, dict]:

@@ -31,6 +31,7 @@ from nanotron.checkpoint.integrity import sealed, verify_checksums
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, LogicalTensorReader
 from nanotron.checkpoint.node_folders import NODE_RANKS, node_checkpoint_problem
 from nanotron.checkpoint.run_folder import METADATA
+from nanotron.config import ConfigError, model_config_from_dict
 from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_text
 from nanotron.models.registry import spec_for_config, spec_named
@@ -91,10 +92,10 @@ def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, objec
         family = "llama"  # format 1, which named no family, held Llama models only
     spec = spec_named(family, checkpoint)
     try:
-        return spec, spec.config_class(**model["config"])
-    except TypeError as error:
+        return spec, model_config_from_dict(spec.config_class, model["config"])
+    except ConfigError as error:
         raise CheckpointError(f"{checkpoint / METADATA} has a {spec.name} model config this version cannot read: "
-                              f"{error}") from error
+                              f"{'; '.join(error.problems)}") from None
 
 
 def first_problem(problem: str | None, world_size: int, group: dist.ProcessGroup | None = None) -> str | None:

@@ -382,9 +382,10 @@ def config_from_dict(d: dict) -> Config:
 
 
 def model_config_from_dict(config_class: type, raw: dict, source: str | Path | None = None) -> Any:
-    """A model config of ``config_class`` from plain data that is not a YAML config (a Hugging Face config.json
-    mapped to nanotron's fields), type-checked like ``model.model_config`` in a YAML file; ConfigError lists every
-    problem. The values are checked by the family's rules afterwards (``ModelSpec.config_problems``)."""
+    """A model config of ``config_class`` from plain data that is not a YAML config (the ``model.config`` of
+    checkpoint.json, a Hugging Face config.json mapped to nanotron's fields), read like ``model.model_config`` in a
+    YAML file: the one way a model config is built from data. ConfigError lists every problem. The values are
+    checked by the family's rules afterwards (``model_config_problems``)."""
     reader = _Reader()
     config = reader.dataclass(config_class, raw, "")
     if reader.problems:

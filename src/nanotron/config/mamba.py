@@ -63,10 +63,6 @@ class MambaConfig(FamilyFacts):
     resume_may_change: ClassVar[frozenset[str]] = frozenset({"bos_token_id", "eos_token_id", "pad_token_id",
                                                              "initializer_range"})
 
-    def __post_init__(self) -> None:
-        if isinstance(self.ssm_cfg, dict):  # read back from checkpoint.json
-            self.ssm_cfg = MambaSSMArgs(**self.ssm_cfg)
-
     @property
     def hidden_size(self) -> int:
         return self.d_model

@@ -62,11 +62,6 @@ class Qwen2Config(LlamaConfig):
         "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask",
         "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"}
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.moe_config, dict):  # read back from checkpoint.json
-            self.moe_config = Qwen2MoEConfig(**self.moe_config)
-
     @property
     def moe(self) -> MoESettings | None:
         """The mixture-of-experts blocks ``moe_config`` describes (dropless, no router z-loss), or None: dense."""
