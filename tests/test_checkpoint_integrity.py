@@ -170,6 +170,17 @@ def test_a_model_config_of_the_wrong_type_in_checkpoint_json_is_one_line_naming_
                       "hidden_size: expected an integer, got '64'")
 
 
+def test_a_model_config_saved_with_upstream_fields_nothing_reads_still_loads(run, tiny_data, tmp_path):
+    """checkpoint.json of the versions whose schema still held upstream's unread fields, at the values they saved."""
+    file = run / "2" / "checkpoint.json"
+    metadata = json.loads(file.read_text())
+    metadata["model"]["config"] |= {"rope_interleaved": False, "pretraining_tp": 1, "use_cache": True}
+    write_metadata(file.parent, metadata)
+    assert _eval(run, tiny_data).code == 0
+    resumed = _resume(run, tiny_data, tmp_path)
+    assert resumed.code == 0, resumed.stderr[-3000:]
+
+
 # --- the file list names regular files inside the checkpoint folder, nothing else --------------------------------
 
 def _a_path_outside(checkpoint: Path, tmp_path: Path) -> tuple[str, dict]:

@@ -68,7 +68,6 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
         *cfg.checkpoints.problems(),
         *cfg.parallelism.problems(),
         *cfg.model.problems(),
-        *cfg.tokenizer.problems(),
         *cfg.tokens.problems(),
         *cfg.optimizer.problems(),
         *data_stages_problems(cfg.data_stages),

@@ -37,7 +37,6 @@ class LlamaConfig(FamilyFacts):
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_interleaved: bool = False  # only the Hugging Face (non-interleaved) rotary layout is implemented
     rope_scaling: dict | None = None  # None, or {rope_type: linear | llama3, ...}: see ROPE_SCALING_KEYS
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q, k and v (Qwen2); the output projection never has one
@@ -46,13 +45,11 @@ class LlamaConfig(FamilyFacts):
     eos_token_id: int | None = 2
     pad_token_id: int | None = None
     initializer_range: float = 0.02
-    pretraining_tp: int = 1  # Hugging Face field; must stay 1
-    use_cache: bool = True
 
     # Extending the context changes max_position_embeddings and usually the RoPE theta or scaling with it.
     resume_may_change: ClassVar[frozenset[str]] = frozenset({
         "max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id",
-        "initializer_range", "use_cache"})
+        "initializer_range"})
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -82,15 +79,8 @@ class LlamaConfig(FamilyFacts):
         yield from positive(f"{k}rms_norm_eps", self.rms_norm_eps)
         yield from positive(f"{k}rope_theta", self.rope_theta)
         yield from positive(f"{k}initializer_range", self.initializer_range)
-        if self.rope_interleaved:
-            yield (
-                f"{k}rope_interleaved must be false: only the Hugging Face (non-interleaved) rotary layout is "
-                "implemented"
-            )
         if self.rope_scaling is not None:
             yield from rope_scaling_problems(self.rope_scaling, f"{k}rope_scaling")
-        if self.pretraining_tp != 1:
-            yield f"{k}pretraining_tp must be 1 (got {self.pretraining_tp}); use parallelism.tp for tensor parallelism"
 
     def layout_problems(self, tp: int, *, key: str | None = MODEL_CONFIG_KEY, tp_key: str = "parallelism.tp",
                         sequence_length: int | None = None,

@@ -31,7 +31,7 @@ from nanotron.config.rules import (
     unannotated,
     union_members,
 )
-from nanotron.config.upstream import V04_DATA_STAGE_NAME, other_spellings, translate
+from nanotron.config.upstream import V04_DATA_STAGE_NAME, other_spellings, translate, translate_model_config
 from nanotron.files import atomic_write_text
 
 _SCALAR_NAMES: dict[type, tuple[str, str]] = {
@@ -385,11 +385,16 @@ def model_config_from_dict(config_class: type, raw: dict, source: str | Path | N
     """A model config of ``config_class`` from plain data that is not a YAML config (the ``model.config`` of
     checkpoint.json, a Hugging Face config.json mapped to nanotron's fields), read like ``model.model_config`` in a
     YAML file: the one way a model config is built from data. ConfigError lists every problem. The values are
-    checked by the family's rules afterwards (``model_config_problems``)."""
+    checked by the family's rules afterwards (``model_config_problems``). Upstream's keys are translated first, as in
+    a YAML file."""
+    raw, translation = translate_model_config(raw)
+    ignored = translation.ignored_warning()
+    if ignored is not None:
+        warnings.warn(ignored, LegacyKeyWarning, stacklevel=2)
     reader = _Reader()
     config = reader.dataclass(config_class, raw, "")
-    if reader.problems:
-        raise ConfigError(*reader.problems, source=source)
+    if translation.problems or reader.problems:
+        raise ConfigError(*translation.problems, *reader.problems, source=source)
     return config
 
 

@@ -25,7 +25,6 @@ class MambaSSMArgs:
     dt_init_floor: float = 1e-4
     conv_bias: bool = True
     bias: bool = False  # on in_proj and out_proj
-    use_fast_path: bool = True  # fused kernels where available; the plain-torch scan otherwise
 
     def problems(self, key: str) -> Iterator[str]:
         k = prefix(key)
@@ -49,11 +48,8 @@ class MambaConfig(FamilyFacts):
     num_hidden_layers: int = 64
     vocab_size: int = 50277
     ssm_cfg: MambaSSMArgs = field(default_factory=MambaSSMArgs)
-    rms_norm: bool = True
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # the blocks' RMSNorm (upstream's rms_norm: false, LayerNorm, is refused)
     residual_in_fp32: bool = True
-    fused_add_norm: bool = True  # a kernel choice in mamba_ssm; the same maths here
-    pad_vocab_size_multiple: int = 8  # mamba_ssm's padding; here model.make_vocab_size_divisible_by pads
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     bos_token_id: int | None = 0
@@ -89,8 +85,6 @@ class MambaConfig(FamilyFacts):
         if not self.is_mamba_config:
             yield f"{k}is_mamba_config must be true for a Mamba model config"
         yield from self.ssm_cfg.problems(f"{k}ssm_cfg")
-        if not self.rms_norm:
-            yield f"{k}rms_norm must be true: only RMSNorm is implemented for Mamba"
         yield from positive(f"{k}rms_norm_eps", self.rms_norm_eps)
         yield from positive(f"{k}initializer_range", self.initializer_range)
 

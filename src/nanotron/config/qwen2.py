@@ -13,23 +13,18 @@ documents, ``nn/attention.py`` applies the rule). ``moe_config`` (upstream's key
 layers mixtures of experts with a shared expert.
 
 Upstream's implementation keys (``_attn_implementation``, ``flex_attention_mask``, ``_fused_*``, ``_use_qkv_packed``,
-...) choose kernels, not results: they are accepted and nanotron picks its own. Features not built yet are refused by
-name when switched on.
+...) choose kernels, not results: the upstream translation (``upstream.py``) drops them and nanotron picks its own.
+Features not built yet are refused there by name when switched on.
 """
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.moe import MoESettings
 from nanotron.config.qwen2_moe import Qwen2MoEConfig
 from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, prefix
-
-# Upstream nanotron's attention kernels (its ALL_ATTENTION_FUNCTIONS); nanotron chooses its own whatever is written.
-AttentionImplementation = Literal["flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring",
-                                  "llama3_ring_attention"]
-FlexAttentionMask = Literal["sliding_window", "document", "sliding_window_document"]
 
 
 @dataclass
@@ -46,21 +41,10 @@ class Qwen2Config(LlamaConfig):
     z_loss_coefficient: float = 0.0001
     _use_doc_masking: bool = False  # attention stays inside each document packed in a sample (nn/attention.py)
     moe_config: Qwen2MoEConfig | None = None  # Qwen2's mixture of experts (upstream's MoEConfig keys); None: dense
-    rope_seq_len_interpolation_factor: float | None = None
-    # Kernel choices of upstream nanotron: accepted, without effect on the results (nanotron picks its kernels).
-    _attn_implementation: AttentionImplementation | None = None
-    flex_attention_mask: FlexAttentionMask | None = None
-    _fused_rotary_emb: bool = True
-    _fused_rms_norm: bool = True
-    _use_qkv_packed: bool = True
-    ring_attn_heads_k_stride: int | None = None
-    log_attn_probs: bool = True  # upstream logs attention probabilities with it; nanotron does not
 
     # The z-loss and document masking shape the objective, not the weights: a run may switch them when it continues.
-    # The implementation keys choose kernels only.
     resume_may_change: ClassVar[frozenset[str]] = LlamaConfig.resume_may_change | {
-        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask",
-        "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"}
+        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking"}
 
     @property
     def moe(self) -> MoESettings | None:
@@ -100,17 +84,11 @@ class Qwen2Config(LlamaConfig):
             yield f"{k}is_qwen2_config must be true (and is_llama_config absent) for a Qwen2 model config"
 
     def problems(self, key: str | None = MODEL_CONFIG_KEY) -> Iterator[str]:
-        """Llama's rules on the values, then the layers' attention, the z-loss and the features not built yet."""
+        """Llama's rules on the values, then the experts', the layers' attention and the z-loss."""
         yield from super().problems(key)
         k = prefix(key)
-        if self.flex_attention_mask in ("document", "sliding_window_document") and not self._use_doc_masking:
-            yield (f"{k}flex_attention_mask: {self.flex_attention_mask} masks documents, which {k}_use_doc_masking "
-                   "switches on: set _use_doc_masking: true, or flex_attention_mask: null")
         if self.moe_config is not None:
             yield from self.moe_config.problems(f"{k}moe_config", self.num_hidden_layers)
-        if self.rope_seq_len_interpolation_factor is not None:
-            yield (f"{k}rope_seq_len_interpolation_factor: write position interpolation as rope_scaling: "
-                   f"{{rope_type: linear, factor: {self.rope_seq_len_interpolation_factor}}} and set this key to null")
         if self.sliding_window_size is not None:
             yield from at_least(f"{k}sliding_window_size", self.sliding_window_size, 1)
         elif self.sliding_window_layers:
