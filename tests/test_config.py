@@ -59,8 +59,7 @@ FULL: dict[str, Any] = {
         "pp_stage_layers": [1, 3],
         "pp_timeout_s": 30.0,
         "replica_check_interval": 7,
-        "recompute_layer": True,
-        "recompute_granularity": "selective",
+        "recompute": "selective",
     },
     "model": {
         "model_config": {  # the mixture-of-experts family: every Llama field plus the MoE ones

@@ -122,7 +122,7 @@ class Trainer:
                                                          config.tokens.sequence_length)
         self.num_parameters = self.costs.parameters
         self.flops_per_token = self.costs.flops_per_token
-        self.hardware_flops_per_token = self.costs.hardware_flops_per_token(p.recompute_layer, p.recompute_granularity)
+        self.hardware_flops_per_token = self.costs.hardware_flops_per_token(p.recompute)
         self.step_log = StepLog(config, self.pc, self.costs, self.progress.step)
         log_summary(config, self.pc, self.model, self.num_parameters)
         for feature in self.features:

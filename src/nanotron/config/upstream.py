@@ -4,7 +4,7 @@ Users bring the YAML files of upstream nanotron (v0.4 and its later main). ``tra
 into our schema's form, so the typed reader stays strict for everything else:
 
 - keys with an upstream meaning we have under another name or shape are rewritten to it (``optimizer_factory``,
-  ``interleaved_rotary``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
+  ``recompute_layer`` with ``recompute_granularity``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
   section, ``domain_names`` as one comma-separated string, ...);
 - keys that change nothing here are dropped and named, all together, in one ``LegacyKeyWarning``: those that have no
   effect whatever their value (``IGNORED_KEYS``), and upstream's fields that nothing here reads (``UNREAD_KEYS``),
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nanotron.config.optimizer import OptimizerArgs
+from nanotron.config.parallelism import Recompute
+from nanotron.config.rules import literal_values
 
 MODEL_CONFIG = "model.model_config"
 
@@ -76,7 +78,7 @@ _DATASET = "data_stages[].data.dataset"
 # Keyed by the dotted key with list indices written as [] (data stages) and the model config's fields.
 FEATURES: dict[str, Feature] = {
     "parallelism.moe_layer_recompute": Feature(
-        "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
+        "recomputing the MoE layers alone", (False,), "parallelism.recompute: full recomputes whole layers"),
     "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),
     "data_stages[].sequence_length": Feature(
         "a sequence length per data stage", (None,),
@@ -158,7 +160,7 @@ def translate(raw: Any) -> tuple[Any, Translation]:
         value = section.pop(name)
         if runs_anyway is not EVERY_VALUE and value != runs_anyway:
             found.ignored[key] = why
-    for rewrite in (_optimizer_factory, _init_method, _model_config, _datasets, _domain_names):
+    for rewrite in (_optimizer_factory, _recompute, _init_method, _model_config, _datasets, _domain_names):
         rewrite(raw, found)
     return raw, found
 
@@ -288,6 +290,32 @@ def _same_setting(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     return read(a) == read(b)
+
+
+def _recompute(raw: dict, found: Translation) -> None:
+    """Upstream's ``recompute_layer`` (a bool) and ``recompute_granularity`` (what a recomputed layer rebuilds; it
+    takes effect only with ``recompute_layer: true``) are our one ``recompute`` setting."""
+    parallelism = _section(raw, "parallelism")
+    if parallelism is None or not {"recompute_layer", "recompute_granularity"} & parallelism.keys():
+        return
+    layer = parallelism.pop("recompute_layer", False)
+    granularity = parallelism.pop("recompute_granularity", "full")
+    if "recompute" in parallelism:
+        found.problems.append("parallelism.recompute and upstream's recompute_layer / recompute_granularity are both "
+                              "set; keep recompute (none, full, selective or pointwise)")
+        return
+    granularities = [value for value in literal_values(Recompute) if value != "none"]
+    if not (isinstance(granularity, str) and granularity.lower() in granularities):
+        found.problems.append(f"parallelism.recompute_granularity must be one of {', '.join(granularities)} (got "
+                              f"{granularity!r})")
+    elif not isinstance(layer, bool):
+        found.problems.append(f"parallelism.recompute_layer: expected a boolean (true/false), got {_yaml(layer)}")
+    elif not layer and granularity.lower() != "full":
+        found.problems.append(f"parallelism.recompute_granularity: {granularity} takes effect only with "
+                              "parallelism.recompute_layer: true; set recompute_layer to true, or remove "
+                              "recompute_granularity")
+    else:
+        parallelism["recompute"] = granularity.lower() if layer else "none"
 
 
 def other_spellings(dotted: str) -> tuple[str, ...]:

@@ -81,14 +81,14 @@ class ModelCosts:
     attention_pair_flops: tuple[float, ...] = ()
     attention_windows: tuple[int | None, ...] = ()
 
-    def hardware_flops_per_token(self, recompute_layers: bool, granularity: str = "full") -> float:
-        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer (of all
-        but its attention kernel with ``parallelism.recompute_granularity: selective``). ``pointwise`` adds none: it
+    def hardware_flops_per_token(self, recompute: str = "none") -> float:
+        """FLOPs the devices execute with ``parallelism.recompute``: the model's, plus one more forward of every
+        decoder layer (``full``) or of all but its attention kernel (``selective``). ``pointwise`` adds none: it
         reruns only elementwise ops (norms, RoPE, SwiGLU's product, residual adds), which the model's count, of
         matmuls and attention, leaves out too."""
-        if not recompute_layers or granularity == "pointwise":
+        if recompute in ("none", "pointwise"):
             return self.flops_per_token
-        recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if granularity == "selective" else 0.0)
+        recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if recompute == "selective" else 0.0)
         return self.flops_per_token + recomputed / 3
 
     def document_attention_flops(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -102,15 +102,14 @@ class ModelCosts:
             total = total + flops * pairs[window]
         return total
 
-    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute_layers: bool = False,
-                               granularity: str = "full") -> float:
-        """FLOPs per token (the devices', as ``hardware_flops_per_token``, with ``recompute_layers``) of ``tokens``
-        whose attention took ``attention_flops`` (``document_attention_flops``) instead of causal attention over
-        whole sequences: the linears, MLP and head cost per token what they did, and a fully recomputed layer runs
-        its attention twice."""
+    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute: str = "none") -> float:
+        """FLOPs per token (the devices', as ``hardware_flops_per_token``, with ``recompute``) of ``tokens`` whose
+        attention took ``attention_flops`` (``document_attention_flops``) instead of causal attention over whole
+        sequences: the linears, MLP and head cost per token what they did, and a fully recomputed layer runs its
+        attention twice."""
         change = attention_flops / tokens - sum(self.attention_flops)
-        attention_runs = 1 + (1 / 3 if recompute_layers and granularity == "full" else 0)
-        return self.hardware_flops_per_token(recompute_layers, granularity) + change * attention_runs
+        attention_runs = 1 + (1 / 3 if recompute == "full" else 0)
+        return self.hardware_flops_per_token(recompute) + change * attention_runs
 
 
 def attended_pairs(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -135,10 +134,9 @@ class ActivationShape:
     residual_share: float  # of the tokens of the residual stream a rank keeps (1/tp with sequence parallelism)
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
-    recomputed: bool  # parallelism.recompute_layer
-    # parallelism.recompute_granularity, with ``recomputed``: what else than its input a recomputed layer keeps
-    # (selective: its attention outputs; pointwise: those and its matmuls' outputs)
-    granularity: str = "full"
+    # parallelism.recompute: what else than its input a recomputed layer keeps (full: nothing; selective: its
+    # attention outputs; pointwise: those and its matmuls' outputs); none: everything
+    recompute: str = "none"
     cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 
