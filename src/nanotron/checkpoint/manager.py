@@ -80,16 +80,14 @@ def write_metadata(folder: Path, metadata: dict) -> None:
 
 
 def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, object]:
-    """The model family and config recorded in a checkpoint (checkpoints of format 1 hold Llama models)."""
+    """The model family and config recorded in a checkpoint."""
     model = metadata.get("model", {})
     if "config" not in model:
         raise CheckpointError(f"{checkpoint / METADATA} has no model config: it was written by an older version")
     family = model.get("type")
     if family is None:
-        if metadata.get("format_version") != 1:
-            raise CheckpointError(f"{checkpoint / METADATA} names no model family (model.type): the file was edited "
-                                  "or truncated; restore it from the run's other copy or an earlier checkpoint")
-        family = "llama"  # format 1, which named no family, held Llama models only
+        raise CheckpointError(f"{checkpoint / METADATA} names no model family (model.type): the file was edited or "
+                              "truncated; restore it from the run's other copy or an earlier checkpoint")
     spec = spec_named(family, checkpoint)
     try:
         return spec, model_config_from_dict(spec.config_class, model["config"])
@@ -200,8 +198,6 @@ def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, model: nn.M
 
 def load_rng(checkpoint: Path, parallel_context: ParallelContext) -> bool:
     """Restore this rank's generators if the checkpoint has a rank with the same coordinates; else report False.
-
-    Checkpoints of format 1 kept them pickled (``rank-*.pt``); those are never read, since unpickling runs code.
-    """
+    They are read from safetensors only: no file is unpickled, since unpickling runs code."""
     path = checkpoint / "rng" / f"rank-{parallel_context.rank:05d}.safetensors"
     return path.exists() and load_rng_state(path, parallel_context.device, parallel_context.coordinates)
