@@ -2,8 +2,8 @@
 
 They need the model and the layout at once (shapes split over tensor, pipeline and expert-parallel ranks; the
 sequence against the positions and the tensor-parallel split), the schedule and the run length, or the DoReMi
-domains and the dataset folders of every stage. They name no model family: what a family supports is asked of its
-config (``config/family.py``).
+domains and the dataset folders of every stage. They name no model family (what a family supports is asked of its
+config, ``config/family.py``) and no kind of data source (a source's settings are asked for the keys they have).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from nanotron.config.data import DatasetArgs, HFDatasetArgs
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.rules import MODEL_CONFIG_KEY
 
@@ -45,7 +44,7 @@ def _doremi_vs_data_stages(cfg: Config) -> Iterator[str]:
         return
     for stage in cfg.data_stages:
         dataset = stage.data.dataset
-        if isinstance(dataset, HFDatasetArgs) and isinstance(dataset.hf_dataset_or_datasets, str) and d.domain_names:
+        if isinstance(getattr(dataset, "hf_dataset_or_datasets", None), str) and d.domain_names:
             continue  # upstream's DoReMi layout: one save_to_disk folder per domain name inside the dataset folder
         domains = stage.data.num_domains
         for key, values in (("domain_names", d.domain_names), ("domain_weights", d.domain_weights)):
@@ -92,7 +91,7 @@ def _documents_vs_data_stages(cfg: Config) -> Iterator[str]:
     if not cfg.model.model_config.document_masking:
         return
     for stage in cfg.data_stages:
-        if isinstance(stage.data.dataset, DatasetArgs) and not stage.data.dataset.return_positions:
+        if not getattr(stage.data.dataset, "return_positions", True):  # token folders' (upstream's Nanoset)
             yield (f"data_stages[{stage.name!r}].data.dataset.return_positions is false, but "
                    f"{MODEL_CONFIG_KEY}._use_doc_masking needs the positions of the documents in each sample: set "
                    "return_positions: true, or _use_doc_masking: false")
