@@ -788,8 +788,8 @@ def first_step_then_train(config: dict) -> dict:
 RECOMPUTE_STEPS = 6
 
 
-def recompute_config(tiny_data, folder, recompute: bool, **parallelism) -> dict:
-    parallelism = tiny_config_dict(tiny_data, folder)["parallelism"] | parallelism | {"recompute_layer": recompute}
+def recompute_config(tiny_data, folder, recompute: str, **parallelism) -> dict:
+    parallelism = tiny_config_dict(tiny_data, folder)["parallelism"] | parallelism | {"recompute": recompute}
     return tiny_config_dict(tiny_data, folder, parallelism=parallelism, tokens={"train_steps": RECOMPUTE_STEPS},
                             checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
 
@@ -834,11 +834,11 @@ def small_llama(config: LlamaConfig = SMALL, device: str = "cpu") -> LlamaForCau
     return model
 
 
-def recomputed(model: LlamaForCausalLM, granularity: str | None, compiled: bool = False) -> LlamaForCausalLM:
+def recomputed(model: LlamaForCausalLM, recompute: str | None, compiled: bool = False) -> LlamaForCausalLM:
     model = copy.deepcopy(model)
     for layer in model.layers.values():
-        if granularity is not None:
-            recompute_in_backward(layer, granularity)
+        if recompute is not None:
+            recompute_in_backward(layer, recompute)
         if compiled:
             compile_layer(layer)
     return model

@@ -160,6 +160,39 @@ def test_checkpoints_of_format_2_load_without_a_manifest_checksum_and_later_ones
     assert_user_error(cli("checkpoint", "verify", run), str(file), "has no manifest_sha256")
 
 
+def test_a_checkpoint_of_format_1_is_refused_by_every_loader(run, tiny_data, tmp_path):
+    """Format 1 (no model family, files by size alone) never left development: refused in one line, not guessed."""
+    file = run / "2" / "checkpoint.json"
+    metadata = json.loads(file.read_text())
+    metadata.pop("manifest_sha256", None)
+    file.write_text(json.dumps(metadata | {"format_version": 1}, indent=2, sort_keys=True))
+    expected = (str(run / "2"), "has format 1", "this version reads formats 2 to 3")
+    assert_user_error(cli("checkpoint", "verify", run), *expected)
+    assert_user_error(_eval(run, tiny_data), *expected)
+    assert_user_error(_resume(run, tiny_data, tmp_path), *expected)
+
+
+def test_a_model_config_of_the_wrong_type_in_checkpoint_json_is_one_line_naming_the_key(run, tiny_data):
+    """checkpoint.json's model config is read as a YAML file's is (keys, types, Literal values), whoever sealed it."""
+    file = run / "2" / "checkpoint.json"
+    metadata = json.loads(file.read_text())
+    metadata["model"]["config"]["hidden_size"] = "64"
+    write_metadata(file.parent, metadata)
+    assert_user_error(_eval(run, tiny_data), str(file), "model config this version cannot read",
+                      "hidden_size: expected an integer, got '64'")
+
+
+def test_a_model_config_saved_with_upstream_fields_nothing_reads_still_loads(run, tiny_data, tmp_path):
+    """checkpoint.json of the versions whose schema still held upstream's unread fields, at the values they saved."""
+    file = run / "2" / "checkpoint.json"
+    metadata = json.loads(file.read_text())
+    metadata["model"]["config"] |= {"rope_interleaved": False, "pretraining_tp": 1, "use_cache": True}
+    write_metadata(file.parent, metadata)
+    assert _eval(run, tiny_data).code == 0
+    resumed = _resume(run, tiny_data, tmp_path)
+    assert resumed.code == 0, resumed.stderr[-3000:]
+
+
 # --- the file list names regular files inside the checkpoint folder, nothing else --------------------------------
 
 def _a_path_outside(checkpoint: Path, tmp_path: Path) -> tuple[str, dict]:

@@ -59,8 +59,7 @@ FULL: dict[str, Any] = {
         "pp_stage_layers": [1, 3],
         "pp_timeout_s": 30.0,
         "replica_check_interval": 7,
-        "recompute_layer": True,
-        "recompute_granularity": "selective",
+        "recompute": "selective",
     },
     "model": {
         "model_config": {  # the mixture-of-experts family: every Llama field plus the MoE ones
@@ -74,7 +73,6 @@ FULL: dict[str, Any] = {
             "max_position_embeddings": 128,
             "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0,
-            "rope_interleaved": False,
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
             "tie_word_embeddings": True,
             "attention_bias": True,
@@ -83,8 +81,6 @@ FULL: dict[str, Any] = {
             "eos_token_id": 1,
             "pad_token_id": 3,
             "initializer_range": 0.01,
-            "pretraining_tp": 1,
-            "use_cache": False,
             "is_llamoe_config": True,
             "moe_num_experts": 4,
             "num_experts_per_tok": 2,
@@ -102,7 +98,7 @@ FULL: dict[str, Any] = {
         "loss_chunk_tokens": 2048,
         "attention_backend": "torch",
     },
-    "tokenizer": {"tokenizer_name_or_path": "gpt2", "tokenizer_revision": "main", "tokenizer_max_length": 1024},
+    "tokenizer": {"tokenizer_name_or_path": "gpt2", "tokenizer_revision": "main"},
     "optimizer": {
         "learning_rate_scheduler": {
             "learning_rate": 6e-4,
@@ -170,8 +166,7 @@ FULL: dict[str, Any] = {
             "exclude_modules": ["o_proj$"], "log_out_of_range": True},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
-SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "rope_interleaved", "pretraining_tp",
-                 "checkpoints_path_is_shared_file_system"}
+SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "checkpoints_path_is_shared_file_system"}
 
 
 def example_dict() -> dict[str, Any]:
@@ -564,7 +559,8 @@ RULES = {
         _all(_set("tokens.sequence_length", 512), _set(f"{MC}.rope_scaling", {"rope_type": "linear", "factor": 2.0})),
         ["tokens.sequence_length (512)", f"{MC}.max_position_embeddings (256)", "raise max_position_embeddings"],
     ),
-    "rope is not interleaved": (_set(f"{MC}.rope_interleaved", True), [f"{MC}.rope_interleaved must be false"]),
+    "rope is not interleaved": (_set(f"{MC}.rope_interleaved", True),
+                                [f"{MC}.rope_interleaved (true): the interleaved rotary layout is not available"]),
     "rope scaling names its type": (
         _set(f"{MC}.rope_scaling", {"factor": 2.0}),
         [f"{MC}.rope_scaling.rope_type must be one of linear, llama3", "null for plain RoPE"],
@@ -575,7 +571,7 @@ RULES = {
     ),
     "activation is one the MLP builds": (_set(f"{MC}.hidden_act", "gelu_new"),
                                          [f"{MC}.hidden_act must be one of silu, gelu, gelu_pytorch_tanh, relu"]),
-    "pretraining_tp is 1": (_set(f"{MC}.pretraining_tp", 2), [f"{MC}.pretraining_tp must be 1", "parallelism.tp"]),
+    "pretraining_tp is 1": (_set(f"{MC}.pretraining_tp", 2), [f"{MC}.pretraining_tp (2)", "parallelism.tp"]),
     "token ids fit the vocabulary": (_set(f"{MC}.eos_token_id", 4096), [f"{MC}.eos_token_id (4096)", "vocab_size"]),
     "learning rate is positive": (
         _all(_set(f"{LR}.learning_rate", 0.0), _set(f"{LR}.min_decay_lr", 0.0)),

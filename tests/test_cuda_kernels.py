@@ -143,11 +143,11 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
     conv and loop scan, output and every parameter's gradient, in fp32."""
     import nanotron.models.mamba.model as mamba
     import nanotron.nn.causal_conv1d as conv
-    from nanotron.config import MambaConfig
+    from nanotron.config import MambaConfig, MambaSSMArgs
     from nanotron.nn.selective_scan import selective_scan_reference
 
     torch.manual_seed(0)
-    config = MambaConfig(d_model=96, num_hidden_layers=1, vocab_size=64, ssm_cfg={"d_state": 16})
+    config = MambaConfig(d_model=96, num_hidden_layers=1, vocab_size=64, ssm_cfg=MambaSSMArgs(d_state=16))
     mixer = mamba.MambaMixer(config).cuda()
     for name, parameter in mixer.named_parameters():
         initial = torch.empty_like(parameter.cpu())

@@ -524,3 +524,33 @@ def test_every_source_resumes_exactly_and_ignores_the_layout(source, request, ti
     assert all(torch.equal(a, b) for a, b in zip(straight[3:], resumed))
     assert all(torch.equal(a, b) for a, b in zip(straight, _steps(build(), first_sample=0, steps=5, dp_size=2)))
     assert not torch.equal(straight[0], straight[1])
+
+
+# --------------------------------------------------------------------------------------------- the table of sources
+
+
+@pytest.mark.parametrize("kind", ["preprocessed", "datatrove", "hf", "synthetic"])
+def test_each_kind_of_source_is_one_row_answering_its_domains_sources_and_document_end(kind, request, tiny_data):
+    """``build_source`` picks the builder by the class of the settings; the source it returns says what each domain
+    is read from (as written) and which id ends its documents: recorded by a preprocessed folder, else the
+    tokenizer's (datatrove), else, for synthetic tokens, the model's."""
+    from nanotron.config import DatasetArgs, HFDatasetArgs
+    from nanotron.data.sources import SOURCES, SourceContext, build_source
+
+    eos = eos_token_id(load_tokenizer(tiny_data["tokenizer"]))
+    tokenizer = {"tokenizer": str(tiny_data["tokenizer"]), "tokenizer_eos_token_id": eos}
+    settings, context, sources = None, SourceContext(SEQUENCE_LENGTH, SEED, 384, model_eos_token_id=eos), []
+    if kind in ("preprocessed", "datatrove"):
+        sources = ([tiny_data["tokenized"]] if kind == "preprocessed" else request.getfixturevalue("datatrove_folders"))
+        settings = DatasetArgs(dataset_folder=sources)
+        context = SourceContext(SEQUENCE_LENGTH, SEED, 384, **(tokenizer if kind == "datatrove" else {}))
+    elif kind == "hf":
+        request.getfixturevalue("hf_cache")
+        hf = request.getfixturevalue("hf_sources")
+        sources = [hf["saved"], hf["parquet"]]
+        settings = HFDatasetArgs(hf_dataset_or_datasets={str(path): 1.0 for path in sources})
+        context = SourceContext(SEQUENCE_LENGTH, SEED, 384, **tokenizer)
+    source = build_source(settings, context)
+    assert type(settings) in SOURCES
+    assert source.domain_sources == ([str(path) for path in sources] or ["synthetic tokens"])
+    assert len(source.domain_names) == len(source.domain_sources) and source.eos_token_id == eos

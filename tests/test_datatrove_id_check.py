@@ -15,13 +15,14 @@ VOCAB, TOKENS, BAD_AT = 384, 5000, 3777  # the bad id in the second half of the 
 
 
 def _open_on_every_rank(folder: Path) -> tuple[list[tuple[int, int]], str | None]:
-    """Opens the folder as a trainer does (``load_data``'s datatrove path); returns the (first token, tokens) this
+    """Opens the folder as a trainer does (its row of ``data/sources.py``); returns the (first token, tokens) this
     rank checked and the error it raised."""
+    from nanotron.checkpoint.manager import first_problem
     from nanotron.config import DatasetArgs
     from nanotron.data import datatrove_folder
     from nanotron.data.dataset import DataError
+    from nanotron.data.sources import Ranks, SourceContext, build_source
     from nanotron.parallel.context import ParallelContext
-    from nanotron.training.build import _datatrove_read_by_all_ranks
 
     pc = ParallelContext(dp=2)
     checked, check = [], datatrove_folder.check_token_ids
@@ -32,7 +33,8 @@ def _open_on_every_rank(folder: Path) -> tuple[list[tuple[int, int]], str | None
 
     with mock.patch.object(datatrove_folder, "check_token_ids", recording):
         try:
-            _datatrove_read_by_all_ranks(pc, DatasetArgs(dataset_folder=[folder]), None, 64, 0, VOCAB)
+            build_source(DatasetArgs(dataset_folder=[folder]),
+                         SourceContext(64, 0, VOCAB, Ranks(pc.rank, pc.world_size, first_problem)))
         except DataError as error:
             return checked, str(error)
     return checked, None

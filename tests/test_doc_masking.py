@@ -251,13 +251,14 @@ def test_a_resumed_run_continues_exactly(tiny_data, tmp_path):
 
 def test_synthetic_tokens_end_documents_at_the_models_eos_id(tiny_data, tmp_path):
     from nanotron.config import config_from_dict
-    from nanotron.data.synthetic import SyntheticDataset
+    from nanotron.data.sources import SourceContext, build_source
     from nanotron.training.build import document_ends
 
     config = _config(tiny_data, tmp_path / "run", eos_token_id=5)
     config["data_stages"][0]["data"]["dataset"] = None
     config["tokenizer"] = {"tokenizer_name_or_path": None}
-    assert document_ends(config_from_dict(config), {"main": SyntheticDataset(384, 64, 0)}) == {"main": 5}
+    synthetic = build_source(None, SourceContext(64, 0, 384, document_masking=True, model_eos_token_id=5))
+    assert document_ends(config_from_dict(config), {"main": synthetic}) == {"main": 5}
 
 
 def test_synthetic_tokens_without_an_eos_id_name_the_key_to_set(tiny_data, tmp_path):
@@ -354,11 +355,11 @@ def test_datatrove_files_without_an_index_end_documents_at_the_tokenizers_eos_id
         config = _config(tiny_data, tmp_path / f"run-{recorded}")
         config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder)]}
         warned.clear()
-        logging.getLogger("nanotron.trainer").addHandler(warnings)  # the trainer sets up "nanotron" anew
+        logging.getLogger("nanotron.data.sources").addHandler(warnings)  # the trainer sets up "nanotron" anew
         try:
             trainer = Trainer(config_from_dict(config))
         finally:
-            logging.getLogger("nanotron.trainer").removeHandler(warnings)
+            logging.getLogger("nanotron.data.sources").removeHandler(warnings)
         try:
             assert any("files without a .ds.index" in line and f"end-of-document id {eos}" in line
                        for line in warned) != recorded

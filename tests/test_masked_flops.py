@@ -64,12 +64,12 @@ def test_costs_count_each_layers_pairs_and_keep_the_rest_per_token():
     other = costs.flops_per_token - whole
     assert costs.masked_flops_per_token(20, attention.item()) == pytest.approx(other + 768 * 193 / 20, rel=1e-12)
     layers = sum(costs.layer_flops) - whole + 768 * 193 / 20
-    assert costs.masked_flops_per_token(20, attention.item(), recompute_layers=True) == pytest.approx(
+    assert costs.masked_flops_per_token(20, attention.item(), recompute="full") == pytest.approx(
         other + 768 * 193 / 20 + layers / 3, rel=1e-12)
     # the whole sequence's count of attention gives back the unmasked numbers
     assert costs.masked_flops_per_token(20, 20 * whole) == pytest.approx(costs.flops_per_token, rel=1e-12)
-    assert costs.masked_flops_per_token(20, 20 * whole, True) == pytest.approx(
-        costs.hardware_flops_per_token(True), rel=1e-12)
+    assert costs.masked_flops_per_token(20, 20 * whole, "full") == pytest.approx(
+        costs.hardware_flops_per_token("full"), rel=1e-12)
 
 
 def _config(tiny_data, run, **parallelism) -> dict:
@@ -106,7 +106,7 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(_config(tiny_data, tmp_path / "run", **(
-        {"recompute_layer": True, "recompute_granularity": recompute} if recompute else {}))))
+        {"recompute": recompute} if recompute else {}))))
     try:
         eos = trainer.document_ends["main"]  # the preprocessed folders'
         loader = trainer._loader(trainer.config.data_stages[0])  # the batches train() reads: its loader starts alike

@@ -71,7 +71,7 @@ def test_held_gradients_count_at_the_backwards_start_unless_a_later_moment_holds
     assert (held.activations, held.logits) == (buffered.activations, buffered.logits)
     assert held.peak == buffered.peak - D * (3 * LAYER_PARAMETERS)
 
-    wide = ["model.model_config.intermediate_size=8192", "parallelism.recompute_layer=true",
+    wide = ["model.model_config.intermediate_size=8192", "parallelism.recompute=full",
             "tokens.micro_batch_size=1"]
     late, start = (estimate_memory(load_config(TINY, wide + LOGITS_IN_FULL + extra), gpu_memory_gb=80).stages[0]
                    for extra in ([], BUFFERS))
@@ -118,7 +118,7 @@ def test_pipeline_stages_hold_their_layers_and_keep_their_micro_batches_in_fligh
 
 def test_recomputed_layers_keep_only_their_input_and_rebuild_one_layer_in_the_backward():
     plain = estimate_memory(tiny(), gpu_memory_gb=80).stages[0]
-    recomputed = estimate_memory(tiny("parallelism.recompute_layer=true"), gpu_memory_gb=80).stages[0]
+    recomputed = estimate_memory(tiny("parallelism.recompute=full"), gpu_memory_gb=80).stages[0]
     layer_input = TOKENS * D * H
     rebuilt = LAYER_KEPT + LAYER_BACKWARD
     assert recomputed.activations + recomputed.logits == (
@@ -180,7 +180,7 @@ def test_the_command_reports_a_missing_config_in_one_error_line(tmp_path, capsys
 LLAMA_8B = ["model.model_config.hidden_size=4096", "model.model_config.intermediate_size=14336",
             "model.model_config.num_hidden_layers=32", "model.model_config.tie_word_embeddings=false",
             "tokens.micro_batch_size=1"]
-LLAMA_8B_ONE_GPU = LLAMA_8B + ["parallelism.recompute_layer=true", "optimizer.accumulate_grad_in_fp32=false"]
+LLAMA_8B_ONE_GPU = LLAMA_8B + ["parallelism.recompute=full", "optimizer.accumulate_grad_in_fp32=false"]
 COPIES = ["optimizer.store_param_remainders=false", *BUFFERS]  # how the peaks below were measured
 MEASURED_PEAKS = {  # docs/benchmarks.md: peak allocated GB per rank, one per pipeline stage
     "1B, one GPU": ([], [52.3]),
@@ -267,7 +267,7 @@ def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     out.sum().backward()
     tokens = BATCH * LENGTH
     shape = ActivationShape(tokens=tokens, sequence_length=LENGTH, tp=1, value_bytes=4, residual_share=1.0,
-                            linear_input_share=1.0, compiled=compiled, recomputed=False, granularity="full")
+                            linear_input_share=1.0, compiled=compiled, recompute="none")
     tables = 2 * LENGTH * config.head_dim * 4
     assert sum(saved.values()) == llama_layer_activations(config, 0, shape)[0] - tables + 2 * 4 * tokens
     kv = config.num_key_value_heads * config.head_dim
@@ -334,7 +334,7 @@ def test_a_compiled_mamba_block_matches_the_hand_count_and_tp_splits_its_channel
     embedding = VOCAB * M_H
     assert one.weights == M_D * (4 * MAMBA_BLOCK_PARAMETERS + embedding + M_H)
     assert one.activations == 4 * int(MAMBA_BLOCK_KEPT) + COMPILED_FINAL_NORM
-    recomputed = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true", "parallelism.recompute_layer=true"]),
+    recomputed = estimate_memory(load_config(TINY_MAMBA, ["model.compile=true", "parallelism.recompute=full"]),
                                  gpu_memory_gb=80).stages[0]
     assert recomputed.activations == 4 * TOKENS * 4 * M_H + int(MAMBA_BLOCK_KEPT) + COMPILED_FINAL_NORM  # fp32 inputs
     # tp=2: every mixer parameter but the norms is split by channels, the vocabulary too.
@@ -349,7 +349,7 @@ MAMBA_PRESETS = {"130M": {"d_model": 768, "num_hidden_layers": 24}, "1.4B": {"d_
 MAMBA_PEAKS = {  # docs/benchmarks.md: compiled, sequence 2048, bf16, one H200
     "130M, micro-batch 8": ("130M", ["tokens.micro_batch_size=8", *BUFFERS, *LOGITS_IN_FULL], 22.17),
     "130M, micro-batch 8, recomputed layers": ("130M", ["tokens.micro_batch_size=8", *BUFFERS, *LOGITS_IN_FULL,
-                                                        "parallelism.recompute_layer=true"], 6.98),
+                                                        "parallelism.recompute=full"], 6.98),
     "1.4B, micro-batch 4": ("1.4B", ["tokens.micro_batch_size=4", *BUFFERS, *LOGITS_IN_FULL], 70.18),
     # the default training of bc7f8fa (benchmarks/results/2026-12-04-h200-mamba1.4b-held-large-gradients.json and
     # the second run of 2026-12-04-h200-mamba130m-buffers-then-held.json)

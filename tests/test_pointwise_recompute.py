@@ -1,4 +1,4 @@
-"""Pointwise activation recomputation (`parallelism.recompute_granularity: pointwise`): a recomputed layer keeps its
+"""Pointwise activation recomputation (`parallelism.recompute: pointwise`): a recomputed layer keeps its
 input and the outputs of its matmuls and attention op, so its backward reruns only elementwise ops; the same losses
 and gradients as without recomputation (one process, and tensor parallelism), eager and compiled; the key in the
 config, the memory planner and the hardware FLOPs."""
@@ -43,7 +43,7 @@ from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import MATMUL_OPS, keep_matmul_and_attention_context, recompute_in_backward
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
-POINTWISE = ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=pointwise"]
+POINTWISE = ["parallelism.recompute=pointwise"]
 ONE_LAYER = dataclasses.replace(SMALL, num_hidden_layers=1)
 LINEARS_PER_LAYER = 4  # q|k|v, o_proj, gate|up, down_proj
 
@@ -74,7 +74,7 @@ def pointwise_layer_bytes(config, compiled: bool) -> int:
 
 def planner_layer_bytes(config, compiled: bool) -> int:
     shape = ActivationShape(tokens=BATCH * SEQ, sequence_length=SEQ, tp=1, value_bytes=4, residual_share=1.0,
-                            linear_input_share=1.0, compiled=compiled, recomputed=True, granularity="pointwise")
+                            linear_input_share=1.0, compiled=compiled, recompute="pointwise")
     return llama_layer_activations(config, 0, shape)[0]
 
 
@@ -147,7 +147,7 @@ def test_eager_pointwise_moe_layer_keeps_what_the_planner_counts():
     layer = recompute_in_backward(copy.deepcopy(model).layers["0"], "pointwise")
     kept, _, _ = eager_layer_keeps(layer, hidden, rotary, not_activations)
     shape = ActivationShape(tokens=BATCH * SEQ, sequence_length=SEQ, tp=1, value_bytes=4, residual_share=1.0,
-                            linear_input_share=1.0, compiled=False, recomputed=True, granularity="pointwise")
+                            linear_input_share=1.0, compiled=False, recompute="pointwise")
     counted, _ = moe_layer_activations(config, 0, shape)
     assert 0 <= kept - counted < 64  # the block's record of the step's routing (a few scalars) is not an activation
     assert kept < plain
@@ -218,8 +218,8 @@ def test_compiled_pointwise_recompute_matches_and_keeps_what_the_planner_counts(
 def single_process_runs(tiny_data, tmp_path_factory) -> dict[str, dict]:
     """Training without recomputation and with pointwise recomputation, on one process."""
     root = tmp_path_factory.mktemp("pointwise")
-    configs = {"plain": recompute_config(tiny_data, root / "plain", False),
-               "pointwise": recompute_config(tiny_data, root / "pointwise", True, recompute_granularity="pointwise")}
+    configs = {"plain": recompute_config(tiny_data, root / "plain", "none"),
+               "pointwise": recompute_config(tiny_data, root / "pointwise", "pointwise")}
     results = run_distributed_each(train_with_flops, 1, [{"config": config} for config in configs.values()])
     return {name: {"config": config, **result} for (name, config), (result,) in zip(configs.items(), results)}
 
@@ -240,14 +240,14 @@ def test_pointwise_training_matches_and_adds_no_hardware_flops(single_process_ru
     vocab = padded_vocab_size(model.vocab_size, config.model.make_vocab_size_divisible_by, 1)
     costs = llama_costs(model, vocab, config.tokens.sequence_length)
     assert got["hardware_flops"] == got["model_flops"] == reference["hardware_flops"] == costs.flops_per_token
-    assert costs.hardware_flops_per_token(True, "pointwise") == costs.flops_per_token
-    assert costs.masked_flops_per_token(1000, 1e9, True, "pointwise") == costs.masked_flops_per_token(1000, 1e9)
+    assert costs.hardware_flops_per_token("pointwise") == costs.flops_per_token
+    assert costs.masked_flops_per_token(1000, 1e9, "pointwise") == costs.masked_flops_per_token(1000, 1e9)
 
 
 def test_pointwise_recompute_with_tensor_parallelism_all_reduce(single_process_runs, tiny_data, tmp_path):
     """The row-parallel linears' outputs are kept and all-reduced in the forward: summed in place, the recomputed
     forward would have summed them again."""
-    config = recompute_config(tiny_data, tmp_path, True, tp=2, tp_mode="ALL_REDUCE", recompute_granularity="pointwise")
+    config = recompute_config(tiny_data, tmp_path, "pointwise", tp=2, tp_mode="ALL_REDUCE")
     (runs,) = run_distributed_each(train_with_flops, 2, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
@@ -256,8 +256,8 @@ def test_pointwise_recompute_with_tensor_parallelism_all_reduce(single_process_r
 @pytest.mark.slow
 def test_pointwise_recompute_with_sequence_and_pipeline_parallelism(single_process_runs, tiny_data, tmp_path):
     """The sequence-parallel collectives, the overlapped column-parallel backward and 1F1B's late backwards."""
-    config = recompute_config(tiny_data, tmp_path, True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
-                              tp_linear_async_communication=True, recompute_granularity="pointwise")
+    config = recompute_config(tiny_data, tmp_path, "pointwise", tp=2, pp=2, tp_mode="REDUCE_SCATTER",
+                              tp_linear_async_communication=True)
     (runs,) = run_distributed_each(train_with_flops, 4, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
     assert_same_training(single_process_runs["plain"]["metrics"], metrics, rel=1e-5)
@@ -267,8 +267,7 @@ def test_pointwise_recompute_with_sequence_and_pipeline_parallelism(single_proce
 def test_memory_planner_counts_what_a_pointwise_layer_keeps(compiled):
     overrides = ["model.loss_chunk_tokens=0", f"model.compile={compiled}"]
     plain = load_config(TINY, overrides)
-    selective = load_config(TINY, overrides + ["parallelism.recompute_layer=true",
-                                               "parallelism.recompute_granularity=selective"])
+    selective = load_config(TINY, overrides + ["parallelism.recompute=selective"])
     pointwise = load_config(TINY, overrides + POINTWISE)
     c, t = pointwise.model.model_config, pointwise.tokens
     tokens, d = t.micro_batch_size * t.sequence_length, 4  # fp32
@@ -277,8 +276,8 @@ def test_memory_planner_counts_what_a_pointwise_layer_keeps(compiled):
     own = tokens * d * (2 * c.hidden_size + (0 if compiled else c.hidden_size))  # input, o_proj's, eagerly down's
     shape = dict(tokens=tokens, sequence_length=t.sequence_length, tp=1, value_bytes=d, residual_share=1.0,
                  linear_input_share=1.0, compiled=compiled)
-    full, transient = llama_layer_activations(c, 0, ActivationShape(**shape, recomputed=False))
-    assert llama_layer_activations(c, 0, ActivationShape(**shape, recomputed=True, granularity="pointwise")) == (
+    full, transient = llama_layer_activations(c, 0, ActivationShape(**shape, recompute="none"))
+    assert llama_layer_activations(c, 0, ActivationShape(**shape, recompute="pointwise")) == (
         kept_too_without + own, full + transient - kept_too_without)
     stages = {name: estimate_memory(cfg, gpu_memory_gb=80).stages[0].activations
               for name, cfg in (("plain", plain), ("selective", selective), ("pointwise", pointwise))}

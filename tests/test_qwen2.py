@@ -315,8 +315,9 @@ def test_a_yaml_with_upstreams_qwen2_keys_trains(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("changes, fragment", [
-    ({"rope_interleaved": True}, "rope_interleaved must be false"),
-], ids=["interleaved"])
+    ({"rope_interleaved": True}, "rope_interleaved (true): the interleaved rotary layout is not available"),
+    ({"rope_seq_len_interpolation_factor": 2.0}, "rope_scaling: {rope_type: linear, factor: 2.0}"),
+], ids=["interleaved", "interpolation-factor"])
 def test_features_not_built_are_refused_by_name(tiny_data, tmp_path, changes, fragment):
     path = write_config(tmp_path / "config.yaml", _upstream_config(tiny_data, tmp_path, **changes))
     assert_user_error(cli("train", "--config-file", path), fragment)
@@ -334,7 +335,6 @@ def test_checkpoint_records_the_qwen2_type(converted):
     ({"nope_layers": [1, 1]}, "nope_layers ([1, 1]) must list distinct layer indices in [0, "),
     ({"sliding_window_size": 0}, "sliding_window_size must be >= 1 (got 0)"),
     ({"z_loss_coefficient": -1.0}, "z_loss_coefficient must be >= 0"),
-    ({"rope_seq_len_interpolation_factor": 2.0}, "rope_scaling: {rope_type: linear, factor: 2.0}"),
 ])
 def test_layer_and_z_loss_rules_name_the_key(changes, fragment):
     from nanotron.config import Qwen2Config

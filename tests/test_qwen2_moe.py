@@ -154,12 +154,13 @@ def test_declared_sizes_are_checked_against_the_stored_tensors(stored, tmp_path,
 
 def test_what_qwen2moe_cannot_express_is_refused_on_export():
     from nanotron.config import Qwen2Config
+    from nanotron.config.qwen2_moe import Qwen2MoEConfig
     from nanotron.errors import CheckpointError
     from nanotron.models.qwen2.hf_adapter import Qwen2HFAdapter
 
-    moe = {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32}
     for changes, fragment in (({}, "no shared expert"), ({"no_rope_layer": 2}, "layers without RoPE")):
-        config = Qwen2Config(num_hidden_layers=2, moe_config=dict(moe), **changes)
+        moe = Qwen2MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=32)
+        config = Qwen2Config(num_hidden_layers=2, moe_config=moe, **changes)
         with pytest.raises(CheckpointError, match=fragment):
             Qwen2HFAdapter().config_to_hf(config, "float32")
 
@@ -170,14 +171,16 @@ def test_the_auxiliary_loss_is_the_coefficient_times_the_logged_load_balancing_l
     """One forward of a model with dense and MoE layers: what the trainer adds to the loss is
     router_aux_loss_coef times the load-balancing statistic it logs, summed over the MoE layers only."""
     from nanotron.config import Qwen2Config
+    from nanotron.config.qwen2_moe import Qwen2MoEConfig
     from nanotron.models.moe.model import router_losses, router_metrics, router_statistics_template
     from nanotron.models.qwen2.model import Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                         num_attention_heads=4, moe_config={"num_experts": 4, "top_k": 2, "moe_intermediate_size": 16,
-                                                            "shared_expert_intermediate_size": 24, "layers": [0, 2],
-                                                            "enable_shared_expert": True, "router_aux_loss_coef": 0.3})
+                         num_attention_heads=4,
+                         moe_config=Qwen2MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=16,
+                                                   shared_expert_intermediate_size=24, layers=[0, 2],
+                                                   enable_shared_expert=True, router_aux_loss_coef=0.3))
     model = Qwen2ForCausalLM(config, 64)
     for param in model.parameters():
         torch.nn.init.normal_(param, 0, 0.3)
@@ -199,13 +202,14 @@ def test_a_dense_qwen2_model_has_no_router_statistics():
 
 def test_costs_count_every_parameter_and_a_token_uses_its_k_experts_and_the_shared_one():
     from nanotron.config import Qwen2Config
+    from nanotron.config.qwen2_moe import Qwen2MoEConfig
     from nanotron.models.registry import spec_for_config
 
     hidden, experts, ffn, shared = 32, 4, 16, 24
+    moe = Qwen2MoEConfig(num_experts=experts, top_k=2, moe_intermediate_size=ffn, layers=[1],
+                         shared_expert_intermediate_size=shared, enable_shared_expert=True)
     config = Qwen2Config(vocab_size=64, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, attention_bias=True,
-                         moe_config={"num_experts": experts, "top_k": 2, "moe_intermediate_size": ffn, "layers": [1],
-                                     "shared_expert_intermediate_size": shared, "enable_shared_expert": True})
+                         num_attention_heads=4, attention_bias=True, moe_config=moe)
     spec = spec_for_config(config)
     with torch.device("meta"):
         model = spec.model_class(config, 64)
@@ -317,8 +321,7 @@ def test_upstreams_qwen_with_moe_example_trains_its_experts(tiny_data, tmp_path)
     saved = json.loads((tmp_path / "run" / "2" / "checkpoint.json").read_text())["model"]["config"]["moe_config"]
     assert saved | {"layers": None} == {"num_experts": 8, "top_k": 1, "moe_intermediate_size": 1408,
                                         "shared_expert_intermediate_size": 5632, "router_aux_loss_coef": 0.01,
-                                        "layers": None, "enable_shared_expert": True,
-                                        "token_dispatcher_type": "alltoall", "norm_topk_prob": False}
+                                        "layers": None, "enable_shared_expert": True, "norm_topk_prob": False}
 
 
 # --- rules ------------------------------------------------------------------------------------------------------
@@ -328,8 +331,8 @@ def test_upstreams_qwen_with_moe_example_trains_its_experts(tiny_data, tmp_path)
     ({"top_k": 5}, {}, ("moe_config.top_k (5)", "[1, 4]")),
     ({"layers": [1, 3]}, {}, ("moe_config.layers ([1, 3])", "[0, 3)")),
     ({"layers": []}, {}, ("moe_config.layers ([])", "moe_config: null")),
-    ({"token_dispatcher_type": "allgather"}, {}, ("token_dispatcher_type: allgather", "set alltoall")),
-    ({"token_dispatcher_type": "ring"}, {}, ("token_dispatcher_type must be one of alltoall, allgather",)),
+    ({"token_dispatcher_type": "allgather"}, {}, ("token_dispatcher_type (allgather)", "set alltoall")),
+    ({"token_dispatcher_type": "ring"}, {}, ("token_dispatcher_type (ring): dispatching tokens otherwise",)),
     ({"moe_intermediate_size": 33}, {"tp": 2}, ("moe_config.moe_intermediate_size (33)", "parallelism.tp (2)")),
     ({"shared_expert_intermediate_size": 0}, {}, ("moe_config.shared_expert_intermediate_size must be >= 1",)),
     ({"router_aux_loss_coef": -1.0}, {}, ("moe_config.router_aux_loss_coef must be >= 0",)),

@@ -1,4 +1,4 @@
-"""Full activation recomputation (`parallelism.recompute_layer`): the same training with fewer saved activations,
+"""Full activation recomputation (`parallelism.recompute: full`): the same training with fewer saved activations,
 unchanged parameter names, FLOP figures that count the extra forward, and a config key like any other."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from distributed import run_distributed_each
@@ -40,7 +41,7 @@ def _saved_for_backward(config: dict) -> dict:
 def single_process_runs(tiny_data, tmp_path_factory) -> tuple[dict, dict]:
     """Training without, then with recomputation, on one process."""
     root = tmp_path_factory.mktemp("recompute")
-    calls = [{"config": recompute_config(tiny_data, root / f"recompute-{on}", on)} for on in (False, True)]
+    calls = [{"config": recompute_config(tiny_data, root / f"recompute-{on}", on)} for on in ("none", "full")]
     (plain,), (recomputed,) = run_distributed_each(train_with_flops, 1, calls)
     return plain, recomputed
 
@@ -64,7 +65,7 @@ def test_recomputed_training_matches_and_reports_hardware_flops(single_process_r
 def test_recompute_with_tensor_and_pipeline_parallelism(single_process_runs, tiny_data, tmp_path):
     """Collectives of the tensor-parallel layers run again in backward, and 1F1B backwards come late."""
     reference = single_process_runs[0]["metrics"]
-    config = recompute_config(tiny_data, tmp_path, True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
+    config = recompute_config(tiny_data, tmp_path, "full", tp=2, pp=2, tp_mode="REDUCE_SCATTER",
                               tp_linear_async_communication=True)
     (runs,) = run_distributed_each(train_with_flops, 4, [{"config": config}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]
@@ -74,7 +75,7 @@ def test_recompute_with_tensor_and_pipeline_parallelism(single_process_runs, tin
 
 
 def test_recompute_saves_activations_keeps_names_and_gradients(tiny_data, tmp_path):
-    calls = [{"config": recompute_config(tiny_data, tmp_path, on)} for on in (False, True)]
+    calls = [{"config": recompute_config(tiny_data, tmp_path, on)} for on in ("none", "full")]
     (plain,), (recomputed,) = run_distributed_each(_saved_for_backward, 1, calls)
     # Only the embedding, final norm and LM head save their activations; each layer keeps just its input.
     assert recomputed["count"] < plain["count"] / 3 and recomputed["bytes"] < plain["bytes"] / 3
@@ -95,8 +96,8 @@ def test_hardware_flops_add_one_forward_of_the_layers():
     assert costs.parameters == 4 * layer_params + 104 * 16 + 16
     assert costs.flops_per_token == 6 * costs.parameters + 6 * 4 * 16 * 32  # 6 per weight, causal attention
     assert costs.head_flops == 6 * 104 * 16
-    assert costs.hardware_flops_per_token(recompute_layers=False) == costs.flops_per_token
-    recomputed = costs.hardware_flops_per_token(recompute_layers=True)
+    assert costs.hardware_flops_per_token("none") == costs.flops_per_token
+    recomputed = costs.hardware_flops_per_token("full")
     assert recomputed == pytest.approx(costs.flops_per_token + 4 * (2 * layer_params + 2 * 16 * 32))
 
 
@@ -136,13 +137,43 @@ def test_recompute_in_backward_checkpoints_only_with_grad(monkeypatch):
     assert not torch.equal(clone(x), module(x))
 
 
-def test_recompute_layer_key_loads_and_is_type_checked(tiny_data, tmp_path):
+@pytest.mark.parametrize("upstream, recompute", [
+    ({"recompute_layer": True}, "full"),
+    ({"recompute_layer": True, "recompute_granularity": "SELECTIVE"}, "selective"),
+    ({"recompute_layer": True, "recompute_granularity": "pointwise"}, "pointwise"),
+    ({"recompute_layer": False, "recompute_granularity": "full"}, "none"),
+    ({"recompute_granularity": "full"}, "none"),
+], ids=["layer", "selective", "pointwise", "off", "granularity-alone"])
+def test_upstreams_recompute_keys_load_as_the_one_recompute_setting(tiny_data, tmp_path, upstream, recompute):
+    """Upstream's recompute_layer and recompute_granularity, as written in its files, become parallelism.recompute,
+    which a saved config then holds alone."""
+    from nanotron.config import load_config, save_config
+
+    config = tiny_config_dict(tiny_data, tmp_path)
+    config["parallelism"] |= upstream
+    loaded = load_config(write_config(tmp_path / "upstream.yaml", config))
+    assert loaded.parallelism.recompute == recompute
+    save_config(loaded, tmp_path / "saved.yaml")
+    saved = yaml.safe_load((tmp_path / "saved.yaml").read_text())["parallelism"]
+    assert saved["recompute"] == recompute and not {"recompute_layer", "recompute_granularity"} & saved.keys()
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallelism.recompute=attention"], "parallelism.recompute must be one of none, full, selective, pointwise"),
+    (["parallelism.recompute_layer=1"], "parallelism.recompute_layer: expected a boolean (true/false), got 1"),
+    (["parallelism.recompute_layer=true", "parallelism.recompute_granularity=attention"],
+     "parallelism.recompute_granularity must be one of full, selective, pointwise (got 'attention')"),
+    (["parallelism.recompute_granularity=selective"],
+     "parallelism.recompute_granularity: selective takes effect only with parallelism.recompute_layer: true"),
+    (["parallelism.recompute=full", "parallelism.recompute_layer=true"],
+     "parallelism.recompute and upstream's recompute_layer / recompute_granularity are both set"),
+], ids=["value", "layer-type", "granularity-value", "granularity-alone", "both"])
+def test_a_bad_recompute_setting_is_one_line_naming_the_key(tiny_data, tmp_path, overrides, fragment):
     from nanotron.config import ConfigError, load_config
 
-    path = write_config(tmp_path / "config.yaml", recompute_config(tiny_data, tmp_path, True))
-    assert load_config(path).parallelism.recompute_layer is True
     plain = write_config(tmp_path / "plain.yaml", tiny_config_dict(tiny_data, tmp_path))
-    assert load_config(plain).parallelism.recompute_layer is False
-    assert load_config(plain, ["parallelism.recompute_layer=true"]).parallelism.recompute_layer is True
-    with pytest.raises(ConfigError, match=r"parallelism.recompute_layer: expected a boolean \(true/false\), got 1"):
-        load_config(plain, ["parallelism.recompute_layer=1"])
+    assert load_config(plain).parallelism.recompute == "none"
+    with pytest.raises(ConfigError) as info:
+        load_config(plain, overrides)
+    (problem,) = info.value.problems
+    assert fragment in problem, problem

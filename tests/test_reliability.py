@@ -123,7 +123,7 @@ def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
 
     rng = saved["checkpoint"] / "rng"
     marker = tmp_path / "executed"
-    for file in rng.iterdir():  # a format-1 style rng file with a payload, and no other rng state
+    for file in rng.iterdir():  # a pickled rng file with a payload, and no other rng state
         file.unlink()
     (rng / "rank-00000.pt").write_bytes(pickle.dumps({"coords": {}, "state": _Payload(marker)}))
     metadata = json.loads((saved["checkpoint"] / "checkpoint.json").read_text())

@@ -33,7 +33,7 @@ def test_registry_finds_llama_by_name_config_and_hf_model_type():
         spec_for_hf_model_type("gpt2", "hf/config.json")
 
 
-def test_checkpoint_records_the_model_type_and_older_checkpoints_read_as_llama(tmp_path):
+def test_checkpoint_records_the_model_type_and_one_without_it_is_refused(tmp_path):
     from nanotron.checkpoint.manager import checkpoint_model, model_metadata
     from nanotron.config import LlamaConfig
     from nanotron.errors import CheckpointError
@@ -43,10 +43,9 @@ def test_checkpoint_records_the_model_type_and_older_checkpoints_read_as_llama(t
     assert metadata["model"]["type"] == "llama" and metadata["model"]["padded_vocab_size"] == 32000
     assert checkpoint_model(tmp_path, metadata) == (checkpoint_model(tmp_path, metadata)[0], config)
     del metadata["model"]["type"]
-    with pytest.raises(CheckpointError, match="names no model family"):  # a later format always names it
-        checkpoint_model(tmp_path, metadata)
-    metadata["format_version"] = 1  # format 1 had no type: it only held Llama models
-    assert checkpoint_model(tmp_path, metadata)[1] == config
+    for version in (1, 3):  # format 1, which named none, is refused before (tests/test_checkpoint_integrity.py)
+        with pytest.raises(CheckpointError, match="names no model family"):
+            checkpoint_model(tmp_path, metadata | {"format_version": version})
 
 
 # --- converters, the linear matmul and buffers ----------------------------------------------------------------------

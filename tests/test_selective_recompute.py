@@ -1,4 +1,4 @@
-"""Selective activation recomputation (`parallelism.recompute_granularity: selective`): the same losses and gradients
+"""Selective activation recomputation (`parallelism.recompute: selective`): the same losses and gradients
 as without recomputation, the attention kernel run once per layer instead of twice (its output and log-sum-exp are
 kept), eager and compiled; the key in the config, the memory planner and the hardware FLOPs."""
 
@@ -38,7 +38,7 @@ from nanotron.parallel.context import ParallelContext
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
-SELECTIVE = ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=selective"]
+SELECTIVE = ["parallelism.recompute=selective"]
 # Names the profiler gives the attention kernels' forward ops (flex attention's is a Triton template on CUDA).
 ATTENTION_OP_NAMES = frozenset(op.name() for op in ATTENTION_OPS if isinstance(op, torch._ops.OpOverload))
 def attention_runs(model, ids: torch.Tensor, **inputs) -> int:
@@ -93,7 +93,7 @@ def test_compiled_selective_recompute_matches_and_keeps_only_input_and_attention
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         layer(hidden, rotary).sum().backward()  # plain causal attention, as in the model's forward
     shape = ActivationShape(tokens=BATCH * SEQ, sequence_length=SEQ, tp=1, value_bytes=4, residual_share=1.0,
-                            linear_input_share=1.0, compiled=False, recomputed=True, granularity="selective")
+                            linear_input_share=1.0, compiled=False, recompute="selective")
     kept, _ = llama_layer_activations(config, 0, shape)
     q_width = config.num_attention_heads * config.head_dim
     assert sum(saved.values()) == kept == BATCH * SEQ * 4 * (config.hidden_size + q_width + config.num_attention_heads)
@@ -119,38 +119,32 @@ def test_the_config_key_reaches_the_built_model(tiny_data, tmp_path):
     assert got["attention_runs"] == reference["attention_runs"] == got["layers"]
 
 
-@pytest.mark.parametrize("granularity", ["selective", "pointwise"])
-def test_recompute_granularity_key_defaults_to_full_and_is_checked(granularity):
-    assert load_config(TINY).parallelism.recompute_granularity == "full"
-    assert load_config(TINY, ["parallelism.recompute_layer=true",
-                              f"parallelism.recompute_granularity={granularity.upper()}"]
-                       ).parallelism.recompute_granularity == granularity
-    with pytest.raises(ConfigError,
-                       match=r"recompute_granularity must be one of full, selective, pointwise \(got 'attention'\)"):
-        load_config(TINY, ["parallelism.recompute_layer=true", "parallelism.recompute_granularity=attention"])
-    with pytest.raises(ConfigError, match=rf"parallelism.recompute_granularity: {granularity} takes effect only with "
-                                          r"parallelism.recompute_layer: true; set recompute_layer to true"):
-        load_config(TINY, [f"parallelism.recompute_granularity={granularity}"])
-    with pytest.raises(ValueError, match="recompute granularity 'attention'.*expected one of full, selective, "
-                                         "pointwise"):
-        recompute_in_backward(torch.nn.Linear(2, 2), "attention")
+@pytest.mark.parametrize("recompute", ["selective", "pointwise"])
+def test_recompute_setting_is_case_insensitive_and_checked(recompute):
+    assert load_config(TINY, [f"parallelism.recompute={recompute.upper()}"]).parallelism.recompute == recompute
+    with pytest.raises(ConfigError, match=r"parallelism.recompute must be one of none, full, selective, pointwise "
+                                          r"\(got 'attention'\)"):
+        load_config(TINY, ["parallelism.recompute=attention"])
+    for value in ("attention", "none"):
+        with pytest.raises(ValueError, match=f"recompute '{value}': expected one of full, selective, pointwise"):
+            recompute_in_backward(torch.nn.Linear(2, 2), value)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_memory_planner_counts_the_attention_outputs_selective_recompute_keeps(compiled):
     """Derived from the code (what the policy saves: the attention op's output and fp32 log-sum-exp) and measured on
     CPU by the compiled test above; not measured on a GPU."""
-    overrides = ["model.loss_chunk_tokens=0", f"model.compile={compiled}", "parallelism.recompute_layer=true"]
+    overrides = ["model.loss_chunk_tokens=0", f"model.compile={compiled}", "parallelism.recompute=full"]
     full = load_config(TINY, overrides)
-    selective = load_config(TINY, overrides + ["parallelism.recompute_granularity=selective"])
+    selective = load_config(TINY, overrides + ["parallelism.recompute=selective"])
     c, t = full.model.model_config, full.tokens
     tokens, d = t.micro_batch_size * t.sequence_length, 4  # fp32
     attention_outputs = tokens * (d * c.num_attention_heads * c.head_dim + 4 * c.num_attention_heads)
     layers = c.num_hidden_layers
     shape = dict(tokens=tokens, sequence_length=t.sequence_length, tp=1, value_bytes=d, residual_share=1.0,
-                 linear_input_share=1.0, compiled=compiled, recomputed=True)
+                 linear_input_share=1.0, compiled=compiled, recompute="full")
     full_kept, full_rebuilt = llama_layer_activations(c, 0, ActivationShape(**shape))
-    kept, rebuilt = llama_layer_activations(c, 0, ActivationShape(**shape, granularity="selective"))
+    kept, rebuilt = llama_layer_activations(c, 0, ActivationShape(**shape | {"recompute": "selective"}))
     assert (kept, rebuilt) == (full_kept + attention_outputs, full_rebuilt - attention_outputs)
     (full_stage,), (selective_stage,) = (estimate_memory(cfg, gpu_memory_gb=80).stages for cfg in (full, selective))
     assert selective_stage.activations > full_stage.activations
@@ -163,17 +157,17 @@ def test_hardware_flops_count_the_recomputed_layers_without_their_attention():
     attention = 12 * SMALL.hidden_size * 32 / 2  # per layer and token: scores and weighted sum, causal
     assert costs.attention_flops == (attention,) * SMALL.num_hidden_layers
     layer = costs.layer_flops[0]
-    assert costs.hardware_flops_per_token(True, "selective") == pytest.approx(
+    assert costs.hardware_flops_per_token("selective") == pytest.approx(
         costs.flops_per_token + SMALL.num_hidden_layers * (layer - attention) / 3)
-    assert costs.hardware_flops_per_token(True) == pytest.approx(costs.flops_per_token + sum(costs.layer_flops) / 3)
-    assert costs.hardware_flops_per_token(False, "selective") == costs.flops_per_token
+    assert costs.hardware_flops_per_token("full") == pytest.approx(costs.flops_per_token + sum(costs.layer_flops) / 3)
+    assert costs.hardware_flops_per_token("none") == costs.flops_per_token
 
     # The 1B shape at 128k tokens: attention is most of a layer, so selective recomputes a small part of it.
     bench = load_config(BENCH, ["tokens.sequence_length=131072", "model.model_config.max_position_embeddings=131072"])
     long = llama_costs(bench.model.model_config, 128256, 131072)
-    recomputed = long.hardware_flops_per_token(True, "selective") - long.flops_per_token
+    recomputed = long.hardware_flops_per_token("selective") - long.flops_per_token
     assert recomputed < sum(long.layer_flops) / 3 / 4
-    assert recomputed < (long.hardware_flops_per_token(True) - long.flops_per_token) / 4
+    assert recomputed < (long.hardware_flops_per_token("full") - long.flops_per_token) / 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -199,9 +193,8 @@ def test_cuda_compiled_selective_recompute_matches_no_recompute(document_masking
 
 
 def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tmp_path):
-    plain = recompute_config(tiny_data, tmp_path / "plain", False)
-    selective = apply_overrides(recompute_config(tiny_data, tmp_path / "selective", True),
-                                ["parallelism.recompute_granularity=selective"])
+    plain = recompute_config(tiny_data, tmp_path / "plain", "none")
+    selective = recompute_config(tiny_data, tmp_path / "selective", "selective")
     (reference,), (got,) = run_distributed_each(train_with_flops, 1, [{"config": plain}, {"config": selective}])
     for expected, step in zip(reference["metrics"], got["metrics"], strict=True):
         assert step["lm_loss"] == pytest.approx(expected["lm_loss"], rel=0, abs=1e-6), step["step"]
@@ -211,16 +204,16 @@ def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tm
     vocab = padded_vocab_size(model.vocab_size, config.model.make_vocab_size_divisible_by, 1)
     costs = llama_costs(model, vocab, config.tokens.sequence_length)
     assert got["model_flops"] == reference["model_flops"] == costs.flops_per_token
-    assert got["hardware_flops"] == costs.hardware_flops_per_token(True, "selective")
-    assert reference["model_flops"] < got["hardware_flops"] < costs.hardware_flops_per_token(True)
+    assert got["hardware_flops"] == costs.hardware_flops_per_token("selective")
+    assert reference["model_flops"] < got["hardware_flops"] < costs.hardware_flops_per_token("full")
 
 
 @pytest.mark.slow
 def test_selective_recompute_with_tensor_and_pipeline_parallelism(tiny_data, tmp_path):
     """The tensor-parallel layers' collectives run again in the recomputed forward, under the selective policy."""
-    plain = recompute_config(tiny_data, tmp_path / "plain", False)
-    selective = recompute_config(tiny_data, tmp_path / "selective", True, tp=2, pp=2, tp_mode="REDUCE_SCATTER",
-                                 tp_linear_async_communication=True, recompute_granularity="selective")
+    plain = recompute_config(tiny_data, tmp_path / "plain", "none")
+    selective = recompute_config(tiny_data, tmp_path / "selective", "selective", tp=2, pp=2, tp_mode="REDUCE_SCATTER",
+                                 tp_linear_async_communication=True)
     ((reference,),) = run_distributed_each(train_with_flops, 1, [{"config": plain}])
     (runs,) = run_distributed_each(train_with_flops, 4, [{"config": selective}])
     (metrics,) = [run["metrics"] for run in runs if run["metrics"]]

@@ -21,6 +21,7 @@ from nanotron.config import (
     closest_key,
     config_from_dict,
     load_config,
+    save_config,
 )
 
 UPSTREAM = Path(__file__).parent / "upstream_configs"
@@ -260,11 +261,15 @@ def test_qwen2_marker_is_the_qwen2_family():
     assert type(model).__name__ == "Qwen2Config" and model.attention_bias and model.rope_theta == 100000
 
 
-def test_interleaved_rotary_true_is_refused_by_name():
+@pytest.mark.parametrize("key", ["rope_interleaved", "interleaved_rotary"])
+def test_interleaved_rotary_true_is_refused_by_name(key):
     raw = _upstream("main/config_resume_training.yaml")
-    raw["model"]["model_config"].update(interleaved_rotary=True, rope_interleaved=True)
-    with pytest.raises(ConfigError, match=r"rope_interleaved must be false: only the Hugging Face"):
+    raw["model"]["model_config"][key] = True
+    with pytest.raises(ConfigError) as info:
         _loaded(raw)
+    assert info.value.problems == [
+        f"model.model_config.{key} (true): the interleaved rotary layout is not available yet; remove {key} or set it "
+        "to false: the Hugging Face layout (rotating the two halves of each head) is the one implemented"]
 
 
 @pytest.mark.parametrize("key, value, feature", [
@@ -427,3 +432,26 @@ def test_fields_nothing_reads_are_named_in_the_ignored_keys_warning():
     for key in ("tokenizer.tokenizer_max_length", "model_config.fused_add_norm", "model_config.pad_vocab_size_multiple",
                 "ssm_cfg.use_fast_path"):
         assert key in str(warning.message), warning.message
+
+
+@pytest.mark.parametrize("name", ["main/config_qwen.yaml", "main/config_qwen_with_moe.yaml",
+                                  "v0.4/mamba__config_mamba.yaml"])
+def test_upstream_fields_nothing_reads_load_silently_and_are_never_saved(name, tmp_path):
+    """Kernel choices, guard fields at their "off" value and unread fields at upstream's defaults: accepted without
+    a word by the translation, and absent from the config nanotron saves (and from checkpoint.json)."""
+    raw = _upstream(name)
+    raw["model"]["init_method"] = {"std": 0.02}
+    unread = {"_attn_implementation", "_fused_rms_norm", "_fused_rotary_emb", "_use_qkv_packed", "flex_attention_mask",
+              "pretraining_tp", "rope_interleaved", "use_cache", "log_attn_probs", "ring_attn_heads_k_stride",
+              "rope_seq_len_interpolation_factor", "rms_norm", "fused_add_norm", "pad_vocab_size_multiple"}
+    assert unread & raw["model"]["model_config"].keys()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = config_from_dict(raw)
+    assert not [w for w in caught if issubclass(w.category, LegacyKeyWarning) and "model_config" in str(w.message)]
+    save_config(config, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert not unread & saved["model"]["model_config"].keys()
+    assert "tokenizer_max_length" not in saved["tokenizer"]
+    assert "token_dispatcher_type" not in (saved["model"]["model_config"].get("moe_config") or {})
+    assert "use_fast_path" not in saved["model"]["model_config"].get("ssm_cfg", {})

@@ -34,11 +34,11 @@ How each part is computed, and why:
   ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a single stage keeps one), all of them under AFAB.
   What a decoder layer saves cannot be read from its parameters: each family models it
   (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
-  layer on an H200; with ``parallelism.recompute_layer`` each layer keeps only its input (and, with
-  ``recompute_granularity: selective``, its attention output and log-sum-exp; with ``pointwise``, those and its
-  matmuls' outputs), and the backward rebuilds one layer at a time. The last stage adds the final norm (compiled
+  layer on an H200; with ``parallelism.recompute: full`` each layer keeps only its input (with ``selective``, also
+  its attention output and log-sum-exp; with ``pointwise``, those and its matmuls' outputs), and the backward
+  rebuilds one layer at a time. The last stage adds the final norm (compiled
   with the layers: it then keeps its input, not an fp32 copy of it).
-- **FP8** (``fp8.enabled``) with ``parallelism.recompute_layer``: the compiled forward keeps the FP8 copies of the
+- **FP8** (``fp8.enabled``) with ``parallelism.recompute``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
   (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
   less than bf16, since the backward recomputes the cast inputs (45.8 against 52.3 GB at the 1B shape); that is
@@ -214,9 +214,8 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
                    f"{p.tp} x pp {p.pp} ({_schedule_name(config)}), micro-batch {t.micro_batch_size} x "
                    f"{t.sequence_length} tokens, {t.batch_accumulation_per_replica} per step, {config.model.dtype}"
                    + (", compiled" if config.model.compile else ", eager")
-                   + (", recomputed layers" if p.recompute_layer else "")
-                   + (f" ({p.recompute_granularity})" if p.recompute_layer and p.recompute_granularity != "full"
-                      else ""))
+                   + (", recomputed layers" if p.recompute != "none" else "")
+                   + (f" ({p.recompute})" if p.recompute not in ("none", "full") else ""))
     return MemoryEstimate(description, stages_at(t.micro_batch_size), gpu_memory_gb, t.micro_batch_size, largest)
 
 
@@ -354,8 +353,7 @@ def _activation_shape(config: Config, micro_batch_size: int) -> ActivationShape:
         tokens=_rank_tokens(config, micro_batch_size), sequence_length=config.tokens.sequence_length,
         tp=config.parallelism.tp, value_bytes=config.model.torch_dtype().itemsize, residual_share=residual_share,
         linear_input_share=linear_input_share, compiled=config.model.compile,
-        recomputed=config.parallelism.recompute_layer, cp=config.parallelism.context_parallel_size,
-        granularity=config.parallelism.recompute_granularity,
+        recompute=config.parallelism.recompute, cp=config.parallelism.context_parallel_size,
     )
 
 
@@ -433,10 +431,9 @@ def _schedule_name(config: Config) -> str:
 def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageState,
                   micro_batch_size: int) -> StageMemory:
     in_flight = _in_flight(config, stage)
-    recomputed = config.parallelism.recompute_layer
     shape = _activation_shape(config, micro_batch_size)
     per_layer = [spec.layer_activations(config.model.model_config, index, shape) for index in state.layers]
-    if recomputed:  # one byte each: the FP8 weights a recomputed forward keeps
+    if shape.recompute != "none":  # one byte each: the FP8 weights a recomputed forward keeps
         per_layer = [(k + fp8, t) for (k, t), fp8 in zip(per_layer, state.fp8_weight_elements, strict=True)]
     kept = sum(k for k, _ in per_layer)
     backward = max(t for _, t in per_layer)

@@ -95,8 +95,8 @@ class Trainer:
         self.document_ends = document_ends(config, self.datasets)
         model_config = config.model.model_config
         self.auxiliary_losses = spec_for_config(model_config).auxiliary_losses
-        self._document_masking = spec_for_config(model_config).document_masking(model_config)
-        self.z_loss = spec_for_config(model_config).logit_z_loss(model_config)  # its coefficient; 0: none
+        self._document_masking = model_config.document_masking
+        self.z_loss = model_config.logit_z_loss  # its coefficient; 0: none
         initial = self.checkpoints.initial_checkpoint(self.datasets, self.features)
         self.checkpoints.check_metrics_file(initial)
         converters = (*converters, *(c for feature in self.features for c in feature.converters(self.pc.device)))
@@ -122,7 +122,7 @@ class Trainer:
                                                          config.tokens.sequence_length)
         self.num_parameters = self.costs.parameters
         self.flops_per_token = self.costs.flops_per_token
-        self.hardware_flops_per_token = self.costs.hardware_flops_per_token(p.recompute_layer, p.recompute_granularity)
+        self.hardware_flops_per_token = self.costs.hardware_flops_per_token(p.recompute)
         self.step_log = StepLog(config, self.pc, self.costs, self.progress.step)
         log_summary(config, self.pc, self.model, self.num_parameters)
         for feature in self.features:

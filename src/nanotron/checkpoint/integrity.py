@@ -27,7 +27,9 @@ CHUNK_BYTES = 16 * 2**20
 REQUIRED = {"format_version": int, "step": int, "optimizer_step": int, "lr_schedule_start_step": int,
             "consumed_samples": dict, "consumed_tokens": int, "layout": dict, "model": dict, "files": dict}
 MANIFEST_CHECKSUM = "manifest_sha256"
-FIRST_SEALED_FORMAT = 3  # older checkpoints have no manifest checksum and load unchecked
+FIRST_SEALED_FORMAT = 3  # format 2 has no manifest checksum and loads unchecked
+# Format 1 (before the model family was recorded, 2026-11-29 to 12-01) never left development: it is refused.
+OLDEST_FORMAT = 2
 
 
 def manifest_checksum(metadata: dict) -> str:
@@ -55,9 +57,11 @@ def file_entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "crc32": file_checksum(path)}
 
 
-def _expected(entry) -> tuple[int, str | None]:
-    """(size, checksum) of a ``files`` entry; format 1 recorded the size alone."""
-    return (entry, None) if isinstance(entry, int) else (entry["bytes"], entry["crc32"])
+def _file_entry_problem(path: Path, name: str, entry) -> str | None:
+    """Why a ``files`` entry of checkpoint.json is not ``{bytes, crc32}`` (None if it is)."""
+    if isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("crc32"), str):
+        return None
+    return f"{path}: the 'files' entry of {name!r} is not {{bytes, crc32}} (got {entry!r}); the checkpoint is corrupt"
 
 
 def read_metadata(checkpoint: Path) -> dict:
@@ -74,12 +78,20 @@ def read_metadata(checkpoint: Path) -> dict:
         if not isinstance(metadata.get(key), kind) or isinstance(metadata.get(key), bool):
             raise CheckpointError(f"{path}: {key!r} is missing or not a{'n' if kind is int else ''} "
                                   f"{kind.__name__} (got {metadata.get(key)!r}); the checkpoint is corrupt")
-    if metadata["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {metadata['format_version']}; "
-                              f"this version reads formats up to {FORMAT_VERSION}): upgrade nanotron to load it")
+    version = metadata["format_version"]
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{checkpoint} was written by a newer nanotron (format {version}; this version reads "
+                              f"formats up to {FORMAT_VERSION}): upgrade nanotron to load it")
+    if version < OLDEST_FORMAT:
+        raise CheckpointError(f"{checkpoint} has format {version}, written by a development version of nanotron that "
+                              f"was never released; this version reads formats {OLDEST_FORMAT} to {FORMAT_VERSION}: "
+                              "train the model again")
     _check_manifest_checksum(path, metadata)
     for name, entry in metadata["files"].items():
-        status, (size, _) = _regular_file_inside(checkpoint, name), _expected(entry)
+        problem = _file_entry_problem(path, name, entry)
+        if problem is not None:
+            raise CheckpointError(problem)
+        status, size = _regular_file_inside(checkpoint, name), entry["bytes"]
         if status.st_size != size:
             raise CheckpointError(f"checkpoint file {checkpoint / name} has {status.st_size} bytes, expected {size}: "
                                   "corrupt")
@@ -118,8 +130,8 @@ def _regular_file_inside(checkpoint: Path, name: str) -> os.stat_result:
 def verify_checksums(checkpoint: Path, metadata: dict, rank: int = 0, world: int = 1) -> str | None:
     """This rank's share of the checksum check: the first mismatch as a message, or None."""
     for name in sorted(metadata["files"])[rank::world]:
-        _, expected = _expected(metadata["files"][name])
-        if expected is not None and file_checksum(checkpoint / name) != expected:
+        expected = metadata["files"][name]["crc32"]
+        if file_checksum(checkpoint / name) != expected:
             return (f"checkpoint file {checkpoint / name} does not match its checksum (crc32 {expected} recorded at "
                     "save): the file is corrupt; resume from another checkpoint")
     return None

@@ -31,6 +31,7 @@ from nanotron.checkpoint.integrity import sealed, verify_checksums
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION, LogicalTensorReader
 from nanotron.checkpoint.node_folders import NODE_RANKS, node_checkpoint_problem
 from nanotron.checkpoint.run_folder import METADATA
+from nanotron.config import ConfigError, model_config_from_dict
 from nanotron.errors import CheckpointError
 from nanotron.files import atomic_write_text
 from nanotron.models.registry import spec_for_config, spec_named
@@ -79,22 +80,20 @@ def write_metadata(folder: Path, metadata: dict) -> None:
 
 
 def checkpoint_model(checkpoint: Path, metadata: dict) -> tuple[ModelSpec, object]:
-    """The model family and config recorded in a checkpoint (checkpoints of format 1 hold Llama models)."""
+    """The model family and config recorded in a checkpoint."""
     model = metadata.get("model", {})
     if "config" not in model:
         raise CheckpointError(f"{checkpoint / METADATA} has no model config: it was written by an older version")
     family = model.get("type")
     if family is None:
-        if metadata.get("format_version") != 1:
-            raise CheckpointError(f"{checkpoint / METADATA} names no model family (model.type): the file was edited "
-                                  "or truncated; restore it from the run's other copy or an earlier checkpoint")
-        family = "llama"  # format 1, which named no family, held Llama models only
+        raise CheckpointError(f"{checkpoint / METADATA} names no model family (model.type): the file was edited or "
+                              "truncated; restore it from the run's other copy or an earlier checkpoint")
     spec = spec_named(family, checkpoint)
     try:
-        return spec, spec.config_class(**model["config"])
-    except TypeError as error:
+        return spec, model_config_from_dict(spec.config_class, model["config"])
+    except ConfigError as error:
         raise CheckpointError(f"{checkpoint / METADATA} has a {spec.name} model config this version cannot read: "
-                              f"{error}") from error
+                              f"{'; '.join(error.problems)}") from None
 
 
 def first_problem(problem: str | None, world_size: int, group: dist.ProcessGroup | None = None) -> str | None:
@@ -157,7 +156,7 @@ def check_same_model(checkpoint: Path, metadata: dict, model_config) -> None:
                               f"{current.name} model")
     differences = [f"{f.name} {getattr(saved, f.name)!r} (checkpoint) vs {getattr(model_config, f.name)!r} (config)"
                    for f in fields(saved)
-                   if f.name not in spec.resume_may_change and getattr(saved, f.name) != getattr(model_config, f.name)]
+                   if f.name not in saved.resume_may_change and getattr(saved, f.name) != getattr(model_config, f.name)]
     if differences:
         raise CheckpointError(f"model.model_config does not match the model in {checkpoint}: {'; '.join(differences)};"
                               " set those keys to the checkpoint's values (its checkpoint.json) to load it")
@@ -199,8 +198,6 @@ def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, model: nn.M
 
 def load_rng(checkpoint: Path, parallel_context: ParallelContext) -> bool:
     """Restore this rank's generators if the checkpoint has a rank with the same coordinates; else report False.
-
-    Checkpoints of format 1 kept them pickled (``rank-*.pt``); those are never read, since unpickling runs code.
-    """
+    They are read from safetensors only: no file is unpickled, since unpickling runs code."""
     path = checkpoint / "rng" / f"rank-{parallel_context.rank:05d}.safetensors"
     return path.exists() and load_rng_state(path, parallel_context.device, parallel_context.coordinates)

@@ -10,7 +10,7 @@ from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, HFDatasetArgs, TokenizerArgs, TokensArgs
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
-from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig, llama_problems
+from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig
 from nanotron.config.loading import (
     DuplicateKeyWarning,
     LegacyKeyWarning,
@@ -24,13 +24,13 @@ from nanotron.config.loading import (
     model_config_from_dict,
     save_config,
 )
-from nanotron.config.mamba import MambaConfig, MambaSSMArgs, mamba_problems
+from nanotron.config.mamba import MambaConfig, MambaSSMArgs
 from nanotron.config.model import MODEL_CONFIG_CLASSES, ExistingCheckpointInit, ModelArgs, RandomInit
 from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LRSchedulerArgs, OptimizerArgs
 from nanotron.config.parallelism import ParallelismArgs
 from nanotron.config.qwen2 import Qwen2Config
-from nanotron.config.rules import ConfigError
+from nanotron.config.rules import ConfigError, model_config_problems
 from nanotron.config.upstream import IGNORED_KEYS
 
 __all__ = [
@@ -72,10 +72,9 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "expand_run_name",
-    "llama_problems",
     "load_config",
-    "mamba_problems",
     "model_config_from_dict",
+    "model_config_problems",
     "save_config",
     "validate_config",
 ]

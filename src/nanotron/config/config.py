@@ -71,7 +71,6 @@ def validate_config(cfg: Config, world_size: int | None = None, device: torch.de
         *cfg.checkpoints.problems(),
         *cfg.parallelism.problems(),
         *cfg.model.problems(),
-        *cfg.tokenizer.problems(),
         *cfg.tokens.problems(),
         *cfg.optimizer.problems(),
         *data_stages_problems(cfg.data_stages),

@@ -2,7 +2,8 @@
 
 They need the model and the layout at once (shapes split over tensor, pipeline and expert-parallel ranks; the
 sequence against the positions and the tensor-parallel split), the schedule and the run length, or the DoReMi
-domains and the dataset folders of every stage.
+domains and the dataset folders of every stage. They name no model family (what a family supports is asked of its
+config, ``config/family.py``) and no kind of data source (a source's settings are asked for the keys they have).
 """
 
 from __future__ import annotations
@@ -10,10 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from nanotron.config.data import DatasetArgs, HFDatasetArgs
-from nanotron.config.mamba import MambaConfig
 from nanotron.config.optimizer import LR_KEY
-from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.rules import MODEL_CONFIG_KEY
 
 if TYPE_CHECKING:
@@ -46,7 +44,7 @@ def _doremi_vs_data_stages(cfg: Config) -> Iterator[str]:
         return
     for stage in cfg.data_stages:
         dataset = stage.data.dataset
-        if isinstance(dataset, HFDatasetArgs) and isinstance(dataset.hf_dataset_or_datasets, str) and d.domain_names:
+        if isinstance(getattr(dataset, "hf_dataset_or_datasets", None), str) and d.domain_names:
             continue  # upstream's DoReMi layout: one save_to_disk folder per domain name inside the dataset folder
         domains = stage.data.num_domains
         for key, values in (("domain_names", d.domain_names), ("domain_weights", d.domain_weights)):
@@ -68,7 +66,7 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
             f"{key}.num_hidden_layers is {c.num_hidden_layers}: every layer must be on exactly one stage"
         )
     yield from c.layout_problems(p.tp, key=key, sequence_length=tokens.sequence_length)
-    ep, moe = p.expert_parallel_size, getattr(c, "moe", None)
+    ep, moe = p.expert_parallel_size, c.moe
     if ep > 1 and moe is None:
         yield (f"parallelism.expert_parallel_size ({ep}) needs a mixture-of-experts model ({key} with "
                "is_llamoe_config: true, or is_qwen2_config: true with a moe_config); set it to 1 for this model")
@@ -90,11 +88,10 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
 
 def _documents_vs_data_stages(cfg: Config) -> Iterator[str]:
     """Document masking reads the documents' positions, which upstream's ``return_positions: false`` turns off."""
-    c = cfg.model.model_config
-    if not (isinstance(c, Qwen2Config) and c._use_doc_masking):
+    if not cfg.model.model_config.document_masking:
         return
     for stage in cfg.data_stages:
-        if isinstance(stage.data.dataset, DatasetArgs) and not stage.data.dataset.return_positions:
+        if not getattr(stage.data.dataset, "return_positions", True):  # token folders' (upstream's Nanoset)
             yield (f"data_stages[{stage.name!r}].data.dataset.return_positions is false, but "
                    f"{MODEL_CONFIG_KEY}._use_doc_masking needs the positions of the documents in each sample: set "
                    "return_positions: true, or _use_doc_masking: false")
@@ -114,10 +111,10 @@ def _context_parallelism(cfg: Config) -> Iterator[str]:
         yield (f"tokens.sequence_length / parallelism.context_parallel_size ({length // cp}) must be divisible by "
                f"parallelism.tp ({p.tp}) with parallelism.tp_mode: REDUCE_SCATTER, which splits each rank's part of "
                "the sequence over TP; change tokens.sequence_length or tp_mode")
-    if isinstance(c, MambaConfig):
-        yield (f"parallelism.context_parallel_size ({cp}) needs an attention model: a Mamba model ({key} with "
-               "is_mamba_config: true) scans the sequence in order; set it to 1")
-    moe = getattr(c, "moe", None)
+    refusal = c.context_parallel_refusal(key)
+    if refusal is not None:
+        yield f"parallelism.context_parallel_size ({cp}) needs an attention model: {refusal}; set it to 1"
+    moe = c.moe
     if moe is not None and moe.capacity_factor is not None:
         yield (f"{key}.moe_capacity_factor ({moe.capacity_factor}): the experts' capacity drops assignments by "
                "their order in the whole micro-batch, which no rank holds under parallelism.context_parallel_size "

@@ -12,11 +12,6 @@ from nanotron.config.rules import at_least, positive
 class TokenizerArgs:
     tokenizer_name_or_path: str | None = None
     tokenizer_revision: str | None = None
-    tokenizer_max_length: int | None = None
-
-    def problems(self) -> Iterator[str]:
-        if self.tokenizer_max_length is not None:
-            yield from at_least("tokenizer.tokenizer_max_length", self.tokenizer_max_length, 1)
 
 
 @dataclass

@@ -6,9 +6,10 @@ length, which training validation, generation, evaluation and conversion all che
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, model_config_problems, positive, prefix
+from nanotron.config.family import FamilyFacts
+from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
 
 # The RoPE scaling types of `LlamaConfig.rope_scaling` and the keys each needs besides `rope_type`, named as in
 # Hugging Face's config.json: `linear` divides every frequency by `factor` (position interpolation); `llama3`
@@ -23,7 +24,9 @@ HiddenAct = Literal["silu", "gelu", "gelu_pytorch_tanh", "relu"]
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(FamilyFacts):
+    """Llama's architecture; its context is ``max_position_embeddings`` (``FamilyFacts``)."""
+
     is_llama_config: bool = True  # the marker that selects this class in `model.model_config`
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -34,7 +37,6 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_interleaved: bool = False  # only the Hugging Face (non-interleaved) rotary layout is implemented
     rope_scaling: dict | None = None  # None, or {rope_type: linear | llama3, ...}: see ROPE_SCALING_KEYS
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q, k and v (Qwen2); the output projection never has one
@@ -43,8 +45,11 @@ class LlamaConfig:
     eos_token_id: int | None = 2
     pad_token_id: int | None = None
     initializer_range: float = 0.02
-    pretraining_tp: int = 1  # Hugging Face field; must stay 1
-    use_cache: bool = True
+
+    # Extending the context changes max_position_embeddings and usually the RoPE theta or scaling with it.
+    resume_may_change: ClassVar[frozenset[str]] = frozenset({
+        "max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id",
+        "initializer_range"})
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -55,10 +60,8 @@ class LlamaConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
-    def moe(self) -> None:
-        """The mixture-of-experts settings (``config/moe.py``'s ``MoESettings``) of the variants that have experts;
-        a dense model has none."""
-        return None
+    def context_length(self) -> int | None:
+        return self.max_position_embeddings
 
     def _marker_problems(self, k: str) -> Iterator[str]:
         if not self.is_llama_config:
@@ -76,15 +79,8 @@ class LlamaConfig:
         yield from positive(f"{k}rms_norm_eps", self.rms_norm_eps)
         yield from positive(f"{k}rope_theta", self.rope_theta)
         yield from positive(f"{k}initializer_range", self.initializer_range)
-        if self.rope_interleaved:
-            yield (
-                f"{k}rope_interleaved must be false: only the Hugging Face (non-interleaved) rotary layout is "
-                "implemented"
-            )
         if self.rope_scaling is not None:
             yield from rope_scaling_problems(self.rope_scaling, f"{k}rope_scaling")
-        if self.pretraining_tp != 1:
-            yield f"{k}pretraining_tp must be 1 (got {self.pretraining_tp}); use parallelism.tp for tensor parallelism"
 
     def layout_problems(self, tp: int, *, key: str | None = MODEL_CONFIG_KEY, tp_key: str = "parallelism.tp",
                         sequence_length: int | None = None,
@@ -158,7 +154,3 @@ def rope_scaling_problems(scaling: dict, key: str) -> Iterator[str]:
         if not (isinstance(original, int) and not isinstance(original, bool) and original >= 1):
             yield (f"{key}.original_max_position_embeddings must be an integer >= 1 (got {original!r}): the "
                    "context length the model was pretrained with (Llama 3.1: 8192)")
-
-
-# Every rule of a Llama or LlaMoE config read from a file, at tp ranks: the registry's `config_problems` of both.
-llama_problems = model_config_problems

@@ -21,8 +21,7 @@ import yaml
 from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DatasetArgs, HFDatasetArgs
 from nanotron.config.general import DEFAULT_RUN_NAME
-from nanotron.config.llama import LlamaConfig
-from nanotron.config.model import MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
+from nanotron.config.model import MISPLACED_KEYS, MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
 from nanotron.config.rules import (
     ConfigError,
     canonical,
@@ -32,7 +31,7 @@ from nanotron.config.rules import (
     unannotated,
     union_members,
 )
-from nanotron.config.upstream import MOE_FIELDS, V04_DATA_STAGE_NAME, other_spellings, translate
+from nanotron.config.upstream import V04_DATA_STAGE_NAME, other_spellings, translate, translate_model_config
 from nanotron.files import atomic_write_text
 
 _SCALAR_NAMES: dict[type, tuple[str, str]] = {
@@ -247,9 +246,10 @@ class _Reader:
     def dataclass(self, cls: type, raw: dict, key: str) -> Any:
         start = len(self.problems)
         hints = typing.get_type_hints(cls, include_extras=True)  # with the Spellings of Literal fields
+        names = [f.name for f in fields(cls)]  # not the class variables (a family's facts)
         for name in raw:
-            if name not in hints:
-                self._unknown_key(cls, _join(key, name), str(name), list(hints))
+            if name not in names:
+                self._unknown_key(cls, _join(key, name), str(name), names)
         values = {}
         for f in fields(cls):
             dotted = _join(key, f.name)
@@ -262,9 +262,9 @@ class _Reader:
         return cls(**values) if len(self.problems) == start else _INVALID
 
     def _unknown_key(self, cls: type, dotted: str, name: str, valid: list[str]) -> None:
-        if cls is LlamaConfig and name in MOE_FIELDS:
-            self.problems.append(f"unknown key '{dotted}': mixture-of-experts fields need 'is_llamoe_config: true' "
-                                 "in place of 'is_llama_config: true'")
+        keys, hint = MISPLACED_KEYS.get(cls, ((), ""))
+        if name in keys:
+            self.problems.append(f"unknown key '{dotted}': {hint}")
             return
         close = closest_key(name, valid)
         hint = f"did you mean '{close}'?" if close else f"valid keys are: {', '.join(valid)}"
@@ -382,13 +382,19 @@ def config_from_dict(d: dict) -> Config:
 
 
 def model_config_from_dict(config_class: type, raw: dict, source: str | Path | None = None) -> Any:
-    """A model config of ``config_class`` from plain data that is not a YAML config (a Hugging Face config.json
-    mapped to nanotron's fields), type-checked like ``model.model_config`` in a YAML file; ConfigError lists every
-    problem. The values are checked by the family's rules afterwards (``ModelSpec.config_problems``)."""
+    """A model config of ``config_class`` from plain data that is not a YAML config (the ``model.config`` of
+    checkpoint.json, a Hugging Face config.json mapped to nanotron's fields), read like ``model.model_config`` in a
+    YAML file: the one way a model config is built from data. ConfigError lists every problem. The values are
+    checked by the family's rules afterwards (``model_config_problems``). Upstream's keys are translated first, as in
+    a YAML file."""
+    raw, translation = translate_model_config(raw)
+    ignored = translation.ignored_warning()
+    if ignored is not None:
+        warnings.warn(ignored, LegacyKeyWarning, stacklevel=2)
     reader = _Reader()
     config = reader.dataclass(config_class, raw, "")
-    if reader.problems:
-        raise ConfigError(*reader.problems, source=source)
+    if translation.problems or reader.problems:
+        raise ConfigError(*translation.problems, *reader.problems, source=source)
     return config
 
 

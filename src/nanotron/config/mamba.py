@@ -2,9 +2,12 @@
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, model_config_problems, positive, prefix
+import torch
+
+from nanotron.config.family import FamilyFacts
+from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
 
 
 @dataclass
@@ -22,7 +25,6 @@ class MambaSSMArgs:
     dt_init_floor: float = 1e-4
     conv_bias: bool = True
     bias: bool = False  # on in_proj and out_proj
-    use_fast_path: bool = True  # fused kernels where available; the plain-torch scan otherwise
 
     def problems(self, key: str) -> Iterator[str]:
         k = prefix(key)
@@ -37,28 +39,25 @@ class MambaSSMArgs:
 
 
 @dataclass
-class MambaConfig:
-    """Mamba-1 (Gu & Dao, 2023): pre-norm residual blocks of selective state-space mixers, no attention."""
+class MambaConfig(FamilyFacts):
+    """Mamba-1 (Gu & Dao, 2023): pre-norm residual blocks of selective state-space mixers, no attention: no context
+    limit, and a sequence is scanned in order (no context parallelism)."""
 
     is_mamba_config: bool = True
     d_model: int = 2560
     num_hidden_layers: int = 64
     vocab_size: int = 50277
     ssm_cfg: MambaSSMArgs = field(default_factory=MambaSSMArgs)
-    rms_norm: bool = True
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # the blocks' RMSNorm (upstream's rms_norm: false, LayerNorm, is refused)
     residual_in_fp32: bool = True
-    fused_add_norm: bool = True  # a kernel choice in mamba_ssm; the same maths here
-    pad_vocab_size_multiple: int = 8  # mamba_ssm's padding; here model.make_vocab_size_divisible_by pads
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     bos_token_id: int | None = 0
     eos_token_id: int | None = 0
     pad_token_id: int | None = 0
 
-    def __post_init__(self) -> None:
-        if isinstance(self.ssm_cfg, dict):  # read back from checkpoint.json
-            self.ssm_cfg = MambaSSMArgs(**self.ssm_cfg)
+    resume_may_change: ClassVar[frozenset[str]] = frozenset({"bos_token_id", "eos_token_id", "pad_token_id",
+                                                             "initializer_range"})
 
     @property
     def hidden_size(self) -> int:
@@ -73,14 +72,19 @@ class MambaConfig:
         rank = self.ssm_cfg.dt_rank
         return -(-self.d_model // 16) if rank == "auto" else int(rank)
 
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream, which stages exchange: fp32 with ``residual_in_fp32``."""
+        return torch.float32 if self.residual_in_fp32 else dtype
+
+    def context_parallel_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
+        return f"a Mamba model ({key} with is_mamba_config: true) scans the sequence in order"
+
     def problems(self, key: str | None = MODEL_CONFIG_KEY) -> Iterator[str]:
         """Rules on the values alone; the shapes are ``layout_problems``."""
         k = prefix(key)
         if not self.is_mamba_config:
             yield f"{k}is_mamba_config must be true for a Mamba model config"
         yield from self.ssm_cfg.problems(f"{k}ssm_cfg")
-        if not self.rms_norm:
-            yield f"{k}rms_norm must be true: only RMSNorm is implemented for Mamba"
         yield from positive(f"{k}rms_norm_eps", self.rms_norm_eps)
         yield from positive(f"{k}initializer_range", self.initializer_range)
 
@@ -99,7 +103,3 @@ class MambaConfig:
             problems.append(f"{k}ssm_cfg.bias: true is not supported with {tp_key} ({tp}) > 1 (a row-parallel "
                             "out_proj bias would be added on every rank); set it to false or use tp 1")
         return problems
-
-
-# Every rule of a Mamba config read from a file, at tp ranks: the registry's `config_problems` of the family.
-mamba_problems = model_config_problems

@@ -1,7 +1,7 @@
 """The ``model`` section: which family (``model_config``, chosen by its marker), how it starts, its dtype."""
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,6 +16,11 @@ from nanotron.config.rules import MODEL_CONFIG_KEY, Spellings, at_least, canonic
 # `model.model_config` is chosen by the `is_<name>_config: true` marker it contains; add new architectures here.
 MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_llamoe_config": LlaMoEConfig,
                                          "is_mamba_config": MambaConfig, "is_qwen2_config": Qwen2Config}
+# Keys of another family's config that a config class lacks, and what the loader's error says about them.
+MISPLACED_KEYS: dict[type, tuple[frozenset[str], str]] = {
+    LlamaConfig: (frozenset(f.name for f in fields(LlaMoEConfig)) - {f.name for f in fields(LlamaConfig)},
+                  "mixture-of-experts fields need 'is_llamoe_config: true' in place of 'is_llama_config: true'"),
+}
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DType = Annotated[Literal["float32", "bfloat16", "float16"], Spellings(fold=str.lower, aliases=DTYPE_ALIASES)]

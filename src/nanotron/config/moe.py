@@ -3,6 +3,7 @@
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
@@ -42,6 +43,9 @@ class LlaMoEConfig(LlamaConfig):
     moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE): mean squared log-sum-exp of the router logits
     moe_normalize_topk: bool = True  # renormalise the top-k probabilities to sum to 1 (Mixtral); False: raw softmax
     moe_first_dense_layers: int = 0
+
+    resume_may_change: ClassVar[frozenset[str]] = LlamaConfig.resume_may_change | {
+        "moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef"}
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.moe_first_dense_layers

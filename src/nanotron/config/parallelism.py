@@ -9,9 +9,19 @@ from nanotron.config.rules import Spellings, at_least, canonical_spellings, posi
 # nanotron matched these enum names case-insensitively; one spelling is stored so that equal configs compare equal.
 PipelineEngine = Annotated[Literal["afab", "1f1b"], Spellings(fold=str.lower)]
 TensorParallelMode = Annotated[Literal["ALL_REDUCE", "REDUCE_SCATTER"], Spellings(fold=str.upper)]
-# Megatron-LM's names (upstream nanotron's RecomputeGranularity enum spells them in capitals), and nanotron's
-# ``pointwise``.
-RecomputeGranularity = Annotated[Literal["full", "selective", "pointwise"], Spellings(fold=str.lower)]
+# What each decoder layer keeps for the backward and runs again there, and what that costs. The setting's three
+# consequences, one per value:
+#   value      keeps (memory planner: a family's ``layer_activations``)  reruns in the backward (``nn/recompute.py``)
+#              extra FLOPs counted (``ModelCosts.hardware_flops_per_token``)
+#   none       every activation                                          nothing; none
+#   full       its input                                                 the whole layer; a third of its FLOPs
+#   selective  its input and its attention kernels' outputs              all but attention; a third of all but
+#                                                                        attention's
+#   pointwise  its input, its attention kernels' and matmuls' outputs    only elementwise ops; none (their FLOPs are
+#                                                                        uncounted anyway)
+# Upstream's recompute_layer (a bool) with Megatron-LM's recompute_granularity (full, selective) is translated to it
+# (``upstream.py``).
+Recompute = Annotated[Literal["none", "full", "selective", "pointwise"], Spellings(fold=str.lower)]
 
 
 @dataclass
@@ -27,12 +37,7 @@ class ParallelismArgs:
     pp_stage_layers: list[int] | None = None  # decoder layers per stage; None: balanced by estimated cost
     pp_timeout_s: float = 600.0  # a pipeline exchange waiting longer than this fails, naming the stage and step
     replica_check_interval: int | None = 100  # steps between weight checksums across data-parallel replicas
-    # Recompute each decoder layer's activations in backward (saves memory, ~1/3 more layer FLOPs).
-    recompute_layer: bool = False
-    # With recompute_layer, what the backward rebuilds (nn/recompute.py): the whole layer (full), all but the
-    # attention kernels' outputs, which are kept (selective: ~6% more layer FLOPs at long sequences instead of ~1/3),
-    # or all but the matmuls' and attention kernels' outputs (pointwise: only elementwise ops rerun).
-    recompute_granularity: RecomputeGranularity = "full"
+    recompute: Recompute = "none"  # what each decoder layer rebuilds in the backward (``Recompute``)
 
     def __post_init__(self) -> None:
         canonical_spellings(self)
@@ -48,11 +53,6 @@ class ParallelismArgs:
             yield (
                 "parallelism.tp_linear_async_communication: true needs parallelism.tp_mode: REDUCE_SCATTER "
                 "(only that mode overlaps communication with compute); change one of them"
-            )
-        if self.recompute_granularity != "full" and not self.recompute_layer:
-            yield (
-                f"parallelism.recompute_granularity: {self.recompute_granularity} takes effect only with "
-                "parallelism.recompute_layer: true; set recompute_layer to true, or remove recompute_granularity"
             )
         yield from positive("parallelism.pp_timeout_s", self.pp_timeout_s)
         if self.replica_check_interval is not None:

@@ -13,23 +13,18 @@ documents, ``nn/attention.py`` applies the rule). ``moe_config`` (upstream's key
 layers mixtures of experts with a shared expert.
 
 Upstream's implementation keys (``_attn_implementation``, ``flex_attention_mask``, ``_fused_*``, ``_use_qkv_packed``,
-...) choose kernels, not results: they are accepted and nanotron picks its own. Features not built yet are refused by
-name when switched on.
+...) choose kernels, not results: the upstream translation (``upstream.py``) drops them and nanotron picks its own.
+Features not built yet are refused there by name when switched on.
 """
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar
 
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.moe import MoESettings
 from nanotron.config.qwen2_moe import Qwen2MoEConfig
 from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, prefix
-
-# Upstream nanotron's attention kernels (its ALL_ATTENTION_FUNCTIONS); nanotron chooses its own whatever is written.
-AttentionImplementation = Literal["flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring",
-                                  "llama3_ring_attention"]
-FlexAttentionMask = Literal["sliding_window", "document", "sliding_window_document"]
 
 
 @dataclass
@@ -46,20 +41,10 @@ class Qwen2Config(LlamaConfig):
     z_loss_coefficient: float = 0.0001
     _use_doc_masking: bool = False  # attention stays inside each document packed in a sample (nn/attention.py)
     moe_config: Qwen2MoEConfig | None = None  # Qwen2's mixture of experts (upstream's MoEConfig keys); None: dense
-    rope_seq_len_interpolation_factor: float | None = None
-    # Kernel choices of upstream nanotron: accepted, without effect on the results (nanotron picks its kernels).
-    _attn_implementation: AttentionImplementation | None = None
-    flex_attention_mask: FlexAttentionMask | None = None
-    _fused_rotary_emb: bool = True
-    _fused_rms_norm: bool = True
-    _use_qkv_packed: bool = True
-    ring_attn_heads_k_stride: int | None = None
-    log_attn_probs: bool = True  # upstream logs attention probabilities with it; nanotron does not
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.moe_config, dict):  # read back from checkpoint.json
-            self.moe_config = Qwen2MoEConfig(**self.moe_config)
+    # The z-loss and document masking shape the objective, not the weights: a run may switch them when it continues.
+    resume_may_change: ClassVar[frozenset[str]] = LlamaConfig.resume_may_change | {
+        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking"}
 
     @property
     def moe(self) -> MoESettings | None:
@@ -87,26 +72,23 @@ class Qwen2Config(LlamaConfig):
         return self.sliding_window_size if self.uses_rope(index) else None
 
     @property
-    def z_loss(self) -> float:
-        """The weight of the logit z-loss in the trained objective (0: none)."""
+    def logit_z_loss(self) -> float:
         return self.z_loss_coefficient if self.z_loss_enabled else 0.0
+
+    @property
+    def document_masking(self) -> bool:
+        return self._use_doc_masking
 
     def _marker_problems(self, k: str) -> Iterator[str]:
         if self.is_llama_config or not self.is_qwen2_config:
             yield f"{k}is_qwen2_config must be true (and is_llama_config absent) for a Qwen2 model config"
 
     def problems(self, key: str | None = MODEL_CONFIG_KEY) -> Iterator[str]:
-        """Llama's rules on the values, then the layers' attention, the z-loss and the features not built yet."""
+        """Llama's rules on the values, then the experts', the layers' attention and the z-loss."""
         yield from super().problems(key)
         k = prefix(key)
-        if self.flex_attention_mask in ("document", "sliding_window_document") and not self._use_doc_masking:
-            yield (f"{k}flex_attention_mask: {self.flex_attention_mask} masks documents, which {k}_use_doc_masking "
-                   "switches on: set _use_doc_masking: true, or flex_attention_mask: null")
         if self.moe_config is not None:
             yield from self.moe_config.problems(f"{k}moe_config", self.num_hidden_layers)
-        if self.rope_seq_len_interpolation_factor is not None:
-            yield (f"{k}rope_seq_len_interpolation_factor: write position interpolation as rope_scaling: "
-                   f"{{rope_type: linear, factor: {self.rope_seq_len_interpolation_factor}}} and set this key to null")
         if self.sliding_window_size is not None:
             yield from at_least(f"{k}sliding_window_size", self.sliding_window_size, 1)
         elif self.sliding_window_layers:

@@ -11,7 +11,6 @@ layers keep the dense MLP of ``intermediate_size``. The blocks are LlaMoE's (``m
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
 
 from nanotron.config.rules import at_least
 
@@ -27,7 +26,6 @@ class Qwen2MoEConfig:
     router_aux_loss_coef: float = 0.01  # load-balancing loss, per sequence, averaged over layers (as LlaMoE's)
     layers: list[int] = field(default_factory=lambda: list(ALL_LAYERS))  # [-1]: every layer
     enable_shared_expert: bool = False
-    token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"  # only alltoall is built
     norm_topk_prob: bool = False  # transformers' key: renormalise the top-k probabilities to sum to 1
 
     def layer_indices(self, num_hidden_layers: int) -> tuple[int, ...]:
@@ -50,9 +48,6 @@ class Qwen2MoEConfig:
                                           or not all(0 <= i < num_hidden_layers for i in self.layers)):
             yield (f"{key}.layers ({self.layers}) must be [-1] (every layer) or list distinct layer indices in "
                    f"[0, num_hidden_layers) = [0, {num_hidden_layers}); set moe_config: null for a dense model")
-        if self.token_dispatcher_type != "alltoall":
-            yield (f"{key}.token_dispatcher_type: {self.token_dispatcher_type}: dispatching tokens by all-gather is "
-                   "not available; set alltoall (the same results: tokens travel to their experts by all-to-all)")
 
     def layout_problems(self, tp: int, key: str, tp_key: str) -> Iterator[str]:
         """The experts' widths split over ``tp`` tensor-parallel ranks."""

@@ -3,8 +3,8 @@
 Each section module holds its dataclasses and, beside their fields, their rules: a ``problems()`` method yielding
 one line per broken rule, naming the key and the fix. Enumerations are ``Literal`` types (wrapped in ``Annotated``
 with ``Spellings`` where other spellings are accepted), so no section writes a "must be one of" rule: the loader
-checks every Literal value as it reads it (``literal_problem``), and ``literal_problems`` checks objects that were
-built in code or from checkpoint.json rather than read by the loader.
+checks every Literal value as it reads it (``literal_problem``), and ``literal_problems`` checks a ``Config`` that was
+built in code rather than read by the loader.
 """
 
 import types
@@ -120,8 +120,7 @@ def literal_problem(key: str, tp: Any, raw: Any) -> str | None:
 def literal_problems(obj: Any, key: str | None = None) -> list[str]:
     """Every Literal field of the dataclass ``obj`` and of the dataclasses inside it whose value is not allowed.
 
-    The loader checks these as it reads YAML; this covers objects it never read (built in code, or a model config
-    read back from checkpoint.json)."""
+    The loader checks these as it reads YAML; this covers objects it never read (built in code)."""
     hints = typing.get_type_hints(type(obj), include_extras=True)
     problems = []
     for f in fields(obj):
@@ -146,10 +145,10 @@ def canonical_spellings(obj: Any) -> None:
 
 
 def model_config_problems(c: Any, tp: int = 1, *, key: str | None = MODEL_CONFIG_KEY, **layout) -> list[str]:
-    """Every rule of a model config (any family) at ``tp`` tensor-parallel ranks: its Literal values, its values'
-    rules (``problems``), then its shapes (``layout_problems``, which takes the other keyword arguments).
+    """Every rule of a model config (any family) at ``tp`` tensor-parallel ranks: its values' rules (``problems``),
+    then its shapes (``layout_problems``, which takes the other keyword arguments).
 
-    Generation, evaluation and conversion check configs read from files with it (``ModelSpec.config_problems``);
-    a config read back from checkpoint.json never went through the loader, hence the Literal check here.
+    Generation, evaluation and conversion check the configs they read from files (checkpoint.json, config.json) with
+    it, after the loader read them (``loading.model_config_from_dict``: keys, types and Literal values).
     """
-    return [*literal_problems(c, key), *c.problems(key), *c.layout_problems(tp, key=key, **layout)]
+    return [*c.problems(key), *c.layout_problems(tp, key=key, **layout)]

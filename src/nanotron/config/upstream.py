@@ -4,11 +4,15 @@ Users bring the YAML files of upstream nanotron (v0.4 and its later main). ``tra
 into our schema's form, so the typed reader stays strict for everything else:
 
 - keys with an upstream meaning we have under another name or shape are rewritten to it (``optimizer_factory``,
-  ``interleaved_rotary``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
+  ``recompute_layer`` with ``recompute_granularity``, ``dataset_folder`` as ``{folder: weight}``, the v0.4 ``data``
   section, ``domain_names`` as one comma-separated string, ...);
-- keys that change nothing here are dropped and named, all together, in one ``LegacyKeyWarning``;
+- keys that change nothing here are dropped and named, all together, in one ``LegacyKeyWarning``: those that have no
+  effect whatever their value (``IGNORED_KEYS``), and upstream's fields that nothing here reads (``UNREAD_KEYS``),
+  named only for a value other than the one that describes what runs here anyway;
 - a feature we do not have is refused in one line naming it, unless its value is the one that means "off" (``1``,
   ``null``, ``false``), which is dropped silently.
+
+So the schema has no field that nothing reads: upstream's are accepted here, before it, and never saved.
 
 docs/upstream.md lists every key and what happens to it.
 """
@@ -17,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from nanotron.config.optimizer import OptimizerArgs
+from nanotron.config.parallelism import Recompute
+from nanotron.config.rules import literal_values
 
 MODEL_CONFIG = "model.model_config"
 
@@ -40,14 +46,22 @@ IGNORED_KEYS: dict[str, str] = {
 }
 
 
-# Fields our schema keeps (checkpoints and saved configs hold them) but nothing reads: named in the same warning
-# when a file gives them another value than the one that describes what runs anyway, and left in place.
-UNREAD_FIELDS: dict[str, tuple[Any, str]] = {
+EVERY_VALUE = object()  # an UNREAD_KEYS entry whose every value describes what runs here
+_KERNEL_CHOICE = "chooses upstream's kernels, not the results; nanotron picks its own"
+# Upstream's fields that nothing here reads, dropped: named in the same warning when a file gives another value than
+# the one that describes what runs here anyway (EVERY_VALUE: none does; kernel choices). Older checkpoints and
+# configs saved by nanotron hold them at those values.
+UNREAD_KEYS: dict[str, tuple[Any, str]] = {
     "tokenizer.tokenizer_max_length": (None, "training reads whole windows of tokens.sequence_length"),
+    f"{MODEL_CONFIG}.use_cache": (True, "generation keeps a KV cache unless `nanotron generate --no-cache`"),
     f"{MODEL_CONFIG}.fused_add_norm": (True, "a kernel choice of mamba_ssm; the same maths here"),
     f"{MODEL_CONFIG}.pad_vocab_size_multiple": (8, "model.make_vocab_size_divisible_by pads the vocabulary"),
     f"{MODEL_CONFIG}.ssm_cfg.use_fast_path": (True, "the kernels are chosen by the device (plain torch where none "
                                                     "runs)"),
+    **{f"{MODEL_CONFIG}.{key}": (EVERY_VALUE, _KERNEL_CHOICE)
+       for key in ("_attn_implementation", "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed",
+                   "ring_attn_heads_k_stride")},
+    f"{MODEL_CONFIG}.log_attn_probs": (EVERY_VALUE, "nanotron logs no attention probabilities"),
 }
 
 
@@ -57,14 +71,14 @@ class Feature:
 
     name: str  # the feature, as a user would look it up
     off: tuple[Any, ...]  # values that leave it off
-    fix: str = ""  # what to write instead, when there is an equivalent
+    fix: str = ""  # what to write instead, when there is an equivalent ("{value}" stands for the value written)
 
 
 _DATASET = "data_stages[].data.dataset"
 # Keyed by the dotted key with list indices written as [] (data stages) and the model config's fields.
 FEATURES: dict[str, Feature] = {
     "parallelism.moe_layer_recompute": Feature(
-        "recomputing the MoE layers alone", (False,), "parallelism.recompute_layer: true recomputes whole layers"),
+        "recomputing the MoE layers alone", (False,), "parallelism.recompute: full recomputes whole layers"),
     "metrics_logging": Feature("detailed metrics logging (metrics_logging)", (None,)),
     "data_stages[].sequence_length": Feature(
         "a sequence length per data stage", (None,),
@@ -76,11 +90,21 @@ FEATURES: dict[str, Feature] = {
         "padding the samples to the global batch (pad_samples_to_global_batch_size)", (False,)),
     f"{_DATASET}.shuffle_files": Feature("shuffling the files of a folder (shuffle_files)", (False,)),
     f"{_DATASET}.use_old_brrr_dataloader": Feature("the brrr data loader (use_old_brrr_dataloader)", (False,)),
+    **{f"{MODEL_CONFIG}.{key}": Feature(
+        "the interleaved rotary layout", (False,),
+        f"remove {key} or set it to false: the Hugging Face layout (rotating the two halves of each head) is the one "
+        "implemented") for key in ("rope_interleaved", "interleaved_rotary")},
+    f"{MODEL_CONFIG}.pretraining_tp": Feature(
+        "splitting the products into pretraining_tp slices", (1,),
+        "remove pretraining_tp or set it to 1; tensor parallelism is parallelism.tp"),
+    f"{MODEL_CONFIG}.rope_seq_len_interpolation_factor": Feature(
+        "position interpolation under this key", (None,),
+        "write it as rope_scaling: {{rope_type: linear, factor: {value}}} and remove this key"),
+    f"{MODEL_CONFIG}.rms_norm": Feature("LayerNorm in Mamba blocks", (True,), "remove rms_norm or set it to true"),
+    f"{MODEL_CONFIG}.moe_config.token_dispatcher_type": Feature(
+        "dispatching tokens otherwise than by all-to-all", ("alltoall",),
+        "set alltoall (the same results as upstream's allgather: tokens travel to their experts by all-to-all)"),
 }
-
-# Fields of the mixture-of-experts config, which a Llama config (is_llama_config) does not have.
-MOE_FIELDS = ("moe_num_experts", "num_experts_per_tok", "moe_capacity_factor", "moe_aux_loss_coef",
-              "moe_z_loss_coef", "moe_normalize_topk", "moe_first_dense_layers")
 
 _MAMBA_INIT_KEYS = {"initializer_range", "rescale_prenorm_residual", "n_residuals_per_layer"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -128,14 +152,24 @@ def translate(raw: Any) -> tuple[Any, Translation]:
     _walk_features(raw, "", "", found)
     for key in IGNORED_KEYS:
         _drop_ignored(raw, key, found)
-    for key, (runs_anyway, why) in UNREAD_FIELDS.items():
+    for key, (runs_anyway, why) in UNREAD_KEYS.items():
         parent, _, name = key.rpartition(".")
         section = _section(raw, parent)
-        if section is not None and section.get(name, runs_anyway) != runs_anyway:
+        if section is None or name not in section:
+            continue
+        value = section.pop(name)
+        if runs_anyway is not EVERY_VALUE and value != runs_anyway:
             found.ignored[key] = why
-    for rewrite in (_optimizer_factory, _init_method, _model_config, _datasets, _domain_names):
+    for rewrite in (_optimizer_factory, _recompute, _init_method, _model_config, _datasets, _domain_names):
         rewrite(raw, found)
     return raw, found
+
+
+def translate_model_config(raw: Any) -> tuple[Any, Translation]:
+    """A model config on its own (checkpoint.json's ``model.config``) as ``translate`` rewrites it inside a file:
+    older checkpoints hold upstream fields that the schema no longer has."""
+    translated, found = translate({"model": {"model_config": raw}})
+    return translated["model"]["model_config"], found
 
 
 def _copy(value: Any) -> Any:
@@ -178,7 +212,7 @@ def _walk_features(node: Any, pattern: str, dotted: str, found: Translation) -> 
         value = node.pop(name)
         if not any(value == off and type(value) is type(off) for off in feature.off):
             shown = "" if isinstance(value, (dict, list)) else f" ({_yaml(value)})"
-            fix = feature.fix or f"remove {name} or set it to {_yaml(feature.off[0])}"
+            fix = feature.fix.format(value=_yaml(value)) or f"remove {name} or set it to {_yaml(feature.off[0])}"
             found.problems.append(f"{key}{shown}: {feature.name} is not available yet; {fix}")
 
 
@@ -258,6 +292,32 @@ def _same_setting(a: Any, b: Any) -> bool:
     return read(a) == read(b)
 
 
+def _recompute(raw: dict, found: Translation) -> None:
+    """Upstream's ``recompute_layer`` (a bool) and ``recompute_granularity`` (what a recomputed layer rebuilds; it
+    takes effect only with ``recompute_layer: true``) are our one ``recompute`` setting."""
+    parallelism = _section(raw, "parallelism")
+    if parallelism is None or not {"recompute_layer", "recompute_granularity"} & parallelism.keys():
+        return
+    layer = parallelism.pop("recompute_layer", False)
+    granularity = parallelism.pop("recompute_granularity", "full")
+    if "recompute" in parallelism:
+        found.problems.append("parallelism.recompute and upstream's recompute_layer / recompute_granularity are both "
+                              "set; keep recompute (none, full, selective or pointwise)")
+        return
+    granularities = [value for value in literal_values(Recompute) if value != "none"]
+    if not (isinstance(granularity, str) and granularity.lower() in granularities):
+        found.problems.append(f"parallelism.recompute_granularity must be one of {', '.join(granularities)} (got "
+                              f"{granularity!r})")
+    elif not isinstance(layer, bool):
+        found.problems.append(f"parallelism.recompute_layer: expected a boolean (true/false), got {_yaml(layer)}")
+    elif not layer and granularity.lower() != "full":
+        found.problems.append(f"parallelism.recompute_granularity: {granularity} takes effect only with "
+                              "parallelism.recompute_layer: true; set recompute_layer to true, or remove "
+                              "recompute_granularity")
+    else:
+        parallelism["recompute"] = granularity.lower() if layer else "none"
+
+
 def other_spellings(dotted: str) -> tuple[str, ...]:
     """The other keys that upstream files may give the setting ``dotted`` under, which must agree with it: an
     override of one of them sets them all (``loading.apply_overrides``)."""
@@ -295,15 +355,16 @@ def _init_method(raw: dict, found: Translation) -> None:
 
 
 def _model_config(raw: dict, found: Translation) -> None:
+    """Upstream's flex-attention mask is a kernel choice, but one that names documents needs document masking on; a
+    Mamba config's own dtype must be the model's."""
     config = _section(raw, MODEL_CONFIG)
     if config is None:
         return
-    if "interleaved_rotary" in config:
-        value = config.pop("interleaved_rotary")
-        if "rope_interleaved" in config and config["rope_interleaved"] != value:
-            found.problems.append(f"{MODEL_CONFIG}.interleaved_rotary ({value!r}) and rope_interleaved "
-                                  f"({config['rope_interleaved']!r}) disagree; keep rope_interleaved")
-        config.setdefault("rope_interleaved", value)
+    mask = config.pop("flex_attention_mask", None)
+    if mask in ("document", "sliding_window_document") and config.get("_use_doc_masking") is not True:
+        found.problems.append(f"{MODEL_CONFIG}.flex_attention_mask: {mask} masks documents, which "
+                              f"{MODEL_CONFIG}._use_doc_masking switches on: set _use_doc_masking: true, or "
+                              "flex_attention_mask: null")
     if config.get("is_mamba_config") is True and "dtype" in config:
         layers = config.pop("dtype")
         model = _section(raw, "model") or {}

@@ -262,13 +262,19 @@ def _read_metadata(metadata_file: Path) -> dict:
 
 
 class SampleSource(Protocol):
-    """What the loader and the trainer use of a data stage's samples (``BlendedDataset``, ``SyntheticDataset``)."""
+    """What the loader and the trainer use of a data stage's samples (``BlendedDataset``, ``SyntheticDataset``), as
+    ``data/sources.py`` builds them."""
 
     sequence_length: int
     vocab_size: int
     domain_names: list[str]
+    domain_sources: list[str]  # what each domain is read from, for messages: a folder or a dataset as written
     weights: list[float]
-    eos_token_id: int | None  # the end-of-document id the tokens were written with, where the source records it
+    # Per domain, its samples in an epoch, and the tokens between the starts of neighbouring windows; None for an
+    # endless stream (synthetic tokens)
+    num_windows: list[int] | None
+    window_stride: int | None
+    eos_token_id: int | None  # the id that ends the documents of its tokens, where it is known
     # Per domain, the tokenizer its data records: by name and by fingerprint (None where the source does not say).
     tokenizer_names: list[str | None]
     tokenizer_fingerprints: list[str | None]
@@ -285,7 +291,7 @@ class BlendedDataset:
     A stream's windows start every ``window_stride`` tokens inside each of its segments: ``sequence_length`` (the
     default) makes neighbours share one token, ``sequence_length + 1`` makes them disjoint. ``weights`` defaults to
     the streams' token counts. Domain ids are positions in ``streams``; domains are named after the ``sources``
-    they are read from (default: the streams' folders; ``unique_domain_names``).
+    they are read from (default: the streams' folders; ``unique_domain_names``), which ``domain_sources`` lists.
     """
 
     records_document_ends = False  # a subclass whose streams have ``document_ends`` may set it
@@ -300,8 +306,9 @@ class BlendedDataset:
         self.window_stride = window_stride
         self.seed = seed
         self._streams = list(streams)
-        self.domain_names = unique_domain_names([stream.folder for stream in self._streams] if sources is None
-                                                else sources, [stream.name for stream in self._streams])
+        sources = [stream.folder for stream in self._streams] if sources is None else sources
+        self.domain_sources = [str(source) for source in sources]
+        self.domain_names = unique_domain_names(sources, [stream.name for stream in self._streams])
         # Per domain: the first token of each segment and the index of its first window.
         self._segment_starts, self._segment_first_windows, self.num_windows = [], [], []
         for stream in self._streams:

@@ -224,17 +224,18 @@ class DatatroveDataset(BlendedDataset):
     of the files the names lead to on this machine (``TokenizerIdentity.find``; None where there are none), so that
     folders, the model's tokenizer and a checkpoint's are compared by content. With ``document_ends`` (document
     masking) the samples carry the document ends the ``.ds.index`` files record, when every file has one
-    (``records_document_ends``; else ``files_without_index`` names those that have none).
+    (``records_document_ends``; else ``files_without_index`` names those that have none). Datatrove records no
+    end-of-document id: ``eos_token_id`` is the tokenizer's, where it is known.
     """
 
     def __init__(self, folders: str | Path | Sequence[str | Path], weights: Sequence[float] | None,
                  sequence_length: int, seed: int, vocab_size: int, token_size: int | None = None,
-                 id_share: tuple[int, int] = (0, 1), document_ends: bool = False):
+                 id_share: tuple[int, int] = (0, 1), document_ends: bool = False, eos_token_id: int | None = None):
         folders = folder_list(folders)
         check_sequence_length(sequence_length)
         streams = [DatatroveTokens(folder, vocab_size, token_size, id_share) for folder in folders]
         self.vocab_size = vocab_size
-        self.eos_token_id = None  # datatrove records none: it is the tokenizer's
+        self.eos_token_id = eos_token_id
         self.tokenizer_names = [stream.tokenizer_name for stream in streams]
         found = {name: TokenizerIdentity.find(name) for name in set(self.tokenizer_names) if name is not None}
         self.tokenizer_fingerprints = [found[name].fingerprint if name else None for name in self.tokenizer_names]

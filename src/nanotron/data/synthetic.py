@@ -21,7 +21,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: consecutive p
 class SyntheticDataset:
     """An infinite stream of samples of ``sequence_length + 1`` uniformly random ids in ``[0, vocab_size)``."""
 
-    def __init__(self, vocab_size: int, sequence_length: int, seed: int):
+    def __init__(self, vocab_size: int, sequence_length: int, seed: int, eos_token_id: int | None = None):
         check_sequence_length(sequence_length)
         if vocab_size < 1:
             raise DataError(f"vocab_size must be at least 1 for synthetic data, got {vocab_size}")
@@ -29,11 +29,13 @@ class SyntheticDataset:
         self.sequence_length = sequence_length
         self.seed = seed
         self.domain_names = ["synthetic"]
+        self.domain_sources = ["synthetic tokens"]
         self.weights = [1.0]
+        self.num_windows = self.window_stride = None  # an endless stream
         self.tokenizer_fingerprints = [None]
         self.tokenizer_names = [None]
         self.records_document_ends = False
-        self.eos_token_id = None  # random ids: documents end wherever the model's end-of-document id falls
+        self.eos_token_id = eos_token_id  # random ids: documents end wherever this id falls
         self._key = np.uint64(_splitmix64(seed & ((1 << 64) - 1)))
         self._positions = (np.arange(1, sequence_length + 2, dtype=np.uint64) * _GOLDEN)[None, :]
 

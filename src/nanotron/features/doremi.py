@@ -38,7 +38,7 @@ from nanotron.data.dataset import unique_domain_names
 from nanotron.errors import CheckpointError
 from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
-from nanotron.models.registry import spec_for_config, spec_named
+from nanotron.models.registry import spec_named
 from nanotron.models.spec import ModelSpec
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
@@ -65,7 +65,7 @@ def reference_checkpoint(config: Config) -> Path:
         raise ConfigError(f"the reference {checkpoint} has a vocabulary of {model['vocab_size']} but "
                           f"model.model_config.vocab_size is {proxy.vocab_size}: reference and proxy must share a "
                           "tokenizer")
-    if spec_for_config(proxy).document_masking(proxy) and not _masks_documents(spec_named(model["type"], checkpoint)):
+    if proxy.document_masking and not _masks_documents(spec_named(model["type"], checkpoint)):
         raise ConfigError(f"model.model_config._use_doc_masking is true, but the reference {checkpoint} is a "
                           f"{model['type']} model, which cannot keep each document apart: its losses would not be "
                           "those of the documents the proxy reads; train an attention-family reference, or set "

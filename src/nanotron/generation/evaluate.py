@@ -33,9 +33,7 @@ from nanotron.config import ConfigError
 from nanotron.data.dataset import DataError, TokenShards, TokenStream, unique_domain_names
 from nanotron.data.datatrove_folder import DatatroveTokens
 from nanotron.data.hf_dataset import tokenize_hf_dataset
-from nanotron.data.preprocess import METADATA_FILE_NAME
-from nanotron.data.tokenizer import TokenizerError
-from nanotron.errors import CheckpointError
+from nanotron.data.sources import DATATROVE, PREPROCESSED, Ranks, folder_kind, opened_together
 from nanotron.generation.generate import checkpoint_tokenizer, forward_logits, load_model
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
@@ -66,15 +64,16 @@ class Source:
 
 def open_source(path: Path, vocab_size: int, tokenizer: Callable[[], str | Path], hf: HFDatasetOptions,
                 checked: bool = False) -> Source:
-    """``path`` opened as training opens it (``training/build.py`` tells the kinds apart the same way): a folder
-    holding ``metadata.json`` is a preprocessed folder, one holding ``*.ds`` files a datatrove folder, anything else a
-    Hugging Face dataset, tokenized with ``tokenizer()``. A path that does not exist is a Hub name, unless it is
-    plainly a local one (absolute, or in a folder that exists). A datatrove folder's ids are checked against
-    ``vocab_size``, the model's; ``checked``: another rank checked the ids already."""
+    """``path`` opened as training opens it: a token folder of the kind it holds (``data/sources.folder_kind``, the
+    rule training's ``dataset_folder`` follows), anything else a Hugging Face dataset, tokenized with ``tokenizer()``.
+    A path that does not exist is a Hub name, unless it is plainly a local one (absolute, or in a folder that exists).
+    A datatrove folder's ids are checked against ``vocab_size``, the model's; ``checked``: another rank checked the
+    ids already."""
     path = Path(path)
-    if (path / METADATA_FILE_NAME).exists():
+    kind = folder_kind(path)
+    if kind == PREPROCESSED:
         return Source(TokenShards(path, ids_checked=checked), disjoint=False)
-    if any(path.glob("*.ds")):
+    if kind == DATATROVE:
         return Source(DatatroveTokens(path, vocab_size, id_share=None if checked else (0, 1)), disjoint=True)
     if not path.exists() and (path.is_absolute() or path.parent != Path(".") and path.parent.exists()):
         raise DataError(f"--data {path} does not exist; give a preprocessed or datatrove folder, or a Hugging Face "
@@ -89,17 +88,9 @@ def open_sources(paths: Sequence[Path], vocab_size: int, tokenizer: Callable[[],
     ids), then by the other ranks (which read the cache and skip the checks); a problem on rank 0 stops every rank
     with its message."""
     pc = parallel_context
-    sources, problem = None, None
-    if pc.rank == 0:
-        try:
-            sources = [open_source(path, vocab_size, tokenizer, hf) for path in paths]
-        except (DataError, TokenizerError, CheckpointError) as error:
-            problem = str(error)
-    problem = first_problem(problem, pc.world_size)
-    if problem is not None:
-        raise DataError(problem)
-    return sources if sources is not None else [open_source(path, vocab_size, tokenizer, hf, checked=True)
-                                                for path in paths]
+    ranks = Ranks(pc.rank, pc.world_size, first_problem)
+    return opened_together(ranks, lambda: [open_source(path, vocab_size, tokenizer, hf, checked=pc.rank != 0)
+                                           for path in paths], rank_0_first=True)
 
 
 def evaluation_windows(sources: Sequence[Source], sequence_length: int, max_windows: int) -> list[list[int]]:

@@ -66,7 +66,7 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
     # The sequence length only weighs attention in the pipeline split; a family without a context limit keeps the
     # default.
     options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
-                           sequence_length=spec_for_config(model_config).context_length(model_config)
+                           sequence_length=model_config.context_length
                            or BuildOptions.sequence_length)
     model = build_model(model_config, parallel_context, options)
     load_weights(checkpoint, model, parallel_context, metadata)
@@ -75,7 +75,7 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
 
 def checked_model_config(checkpoint: Path, metadata: dict, tp: int, **keys):
     """The checkpoint's model config, refused with one line per problem if its model cannot run at ``tp`` ranks
-    (``keys``: a sequence length to check too, see ``ModelSpec.config_problems``)."""
+    (``keys``: a sequence length to check too, see ``model_config_problems``)."""
     _, model_config = checkpoint_model(checkpoint, metadata)
     check_model_config(model_config, tp, checkpoint / "checkpoint.json", key="model.config", tp_key="--tp", **keys)
     return model_config
@@ -93,7 +93,7 @@ def check_within_context(model_config, prompt_tokens: int, max_new_tokens: int) 
     family has one): beyond them it runs silently on positions it never saw."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1 (got {max_new_tokens})")
-    limit = spec_for_config(model_config).context_length(model_config)
+    limit = model_config.context_length
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         fix = (f"pass --max-new-tokens {limit - prompt_tokens} or less" if prompt_tokens < limit
                else "shorten the prompt")
@@ -172,7 +172,7 @@ def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, posi
     attention inside each document packed in ``ids``.
     """
     hidden_size = model.config.hidden_size
-    dtype = spec_for_config(model.config).activation_dtype(model.config, next(model.parameters()).dtype)
+    dtype = model.config.activation_dtype(next(model.parameters()).dtype)
     p2p = P2P(pc, (ids.shape[0], ids.shape[1], hidden_size), dtype, timeout_s=600.0)
     hidden = None if pc.is_first_stage else p2p.recv_forward()
     documents = {} if document_ids is None else {"document_ids": document_ids}  # only families with attention take it

@@ -37,8 +37,7 @@ class BuildOptions:
     tp_overlap: bool = False  # parallelism.tp_linear_async_communication
     pp_stage_layers: list[int] | None = None
     sequence_length: int = 2048  # weighs attention in the pipeline split
-    recompute_layers: bool = False
-    recompute_granularity: str = "full"  # parallelism.recompute_granularity: full | selective | pointwise
+    recompute: str = "none"  # parallelism.recompute: none | full | selective | pointwise
     compile: bool = False
     attention_backend: str = "auto"  # model.attention_backend: auto | torch | fa4
 
@@ -50,8 +49,7 @@ class BuildOptions:
             init_std=getattr(model.init_method, "std", model.model_config.initializer_range),
             vocab_multiple=model.make_vocab_size_divisible_by, tp_mode=p.tp_mode,
             tp_overlap=p.tp_linear_async_communication, pp_stage_layers=p.pp_stage_layers,
-            sequence_length=config.tokens.sequence_length, recompute_layers=p.recompute_layer,
-            recompute_granularity=p.recompute_granularity, compile=model.compile,
+            sequence_length=config.tokens.sequence_length, recompute=p.recompute, compile=model.compile,
             attention_backend=model.attention_backend,
         )
 
@@ -143,9 +141,9 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
         log_stages(model, pc.coord("pp"))
     init_parameters(model, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
                     pc.coordinates, pc.sizes)
-    if options.recompute_layers:  # before compiling, so that the compiled forward recomputes too
+    if options.recompute != "none":  # before compiling, so that the compiled forward recomputes too
         for layer in model.layers.values():
-            recompute_in_backward(layer, options.recompute_granularity)
+            recompute_in_backward(layer, options.recompute)
     if options.compile:
         for layer in model.layers.values():
             compile_layer(layer)

@@ -7,7 +7,7 @@ lives in ``nanotron/config`` (with its ``is_<name>_config`` marker). docs/design
 
 from __future__ import annotations
 
-from nanotron.config import ConfigError
+from nanotron.config import ConfigError, model_config_problems
 from nanotron.errors import CheckpointError
 from nanotron.models.llama import LLAMA
 from nanotron.models.mamba import MAMBA
@@ -44,7 +44,8 @@ def spec_for_hf_model_type(model_type: str | None, source: object) -> ModelSpec:
 
 def check_model_config(model_config, tp: int, source: object, **keys) -> None:
     """Refuse a model config read from ``source`` (a file) that its family cannot build at ``tp`` ranks, with one
-    line per problem, before anything is allocated; ``keys`` name the fields in messages (see ``config_problems``)."""
-    problems = spec_for_config(model_config).config_problems(model_config, tp, **keys)
+    line per problem, before anything is allocated; ``keys`` name the fields in messages (see
+    ``model_config_problems``)."""
+    problems = model_config_problems(model_config, tp, **keys)
     if problems:
         raise ConfigError(*problems, source=source)

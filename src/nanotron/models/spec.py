@@ -1,10 +1,12 @@
 """What the rest of nanotron needs to know about a model family, and the interface its models offer.
 
-A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel plan,
-costs (parameters, FLOPs per token per part, for MFU and the pipeline split), what its layers keep for the backward
-(the memory planner), initial weights, Hugging Face adapter, inference cache, config rules and auxiliary losses. The
-trainer, the pipeline, generation, metrics and checkpoints only talk to a model through :class:`CausalLM` and its
-spec, so adding a family means adding its files and one registry entry.
+A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class and what it does in code: model
+class, tensor-parallel plan, costs (parameters, FLOPs per token per part, for MFU and the pipeline split), what its
+layers keep for the backward (the memory planner), initial weights, Hugging Face adapter, inference cache, expert
+parallelism and auxiliary losses. What follows from the config alone (context length, z-loss, document masking, the
+dtype between stages, what a resume may change) is a property of the config (``config/family.py``). The trainer, the
+pipeline, generation, metrics and checkpoints only talk to a model through :class:`CausalLM`, its config and its spec,
+so adding a family means adding its files and one registry entry.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class CausalLM(Protocol):
         stage may be handed the ids too, for the sequence's length only. ``caches`` maps layer indices to their
         inference caches (generation). ``head=False`` leaves the LM head out: the last stage returns the final norm's
         output, for a loss that applies the head itself chunk by chunk (``parallel/linear_cross_entropy.py``).
-        ``document_ids`` [batch, seq] are given to families with ``ModelSpec.document_masking`` only, ``masks``
+        ``document_ids`` [batch, seq] are given to configs with ``document_masking`` only, ``masks``
         (``nn.attention.AttentionMasks``) to attention families under context parallelism only."""
 
     def tie_weights(self) -> None:
@@ -79,14 +81,14 @@ class ModelCosts:
     attention_pair_flops: tuple[float, ...] = ()
     attention_windows: tuple[int | None, ...] = ()
 
-    def hardware_flops_per_token(self, recompute_layers: bool, granularity: str = "full") -> float:
-        """FLOPs the devices execute: the model's, plus one more forward of every recomputed decoder layer (of all
-        but its attention kernel with ``parallelism.recompute_granularity: selective``). ``pointwise`` adds none: it
+    def hardware_flops_per_token(self, recompute: str = "none") -> float:
+        """FLOPs the devices execute with ``parallelism.recompute``: the model's, plus one more forward of every
+        decoder layer (``full``) or of all but its attention kernel (``selective``). ``pointwise`` adds none: it
         reruns only elementwise ops (norms, RoPE, SwiGLU's product, residual adds), which the model's count, of
         matmuls and attention, leaves out too."""
-        if not recompute_layers or granularity == "pointwise":
+        if recompute in ("none", "pointwise"):
             return self.flops_per_token
-        recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if granularity == "selective" else 0.0)
+        recomputed = sum(self.layer_flops) - (sum(self.attention_flops) if recompute == "selective" else 0.0)
         return self.flops_per_token + recomputed / 3
 
     def document_attention_flops(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -100,15 +102,14 @@ class ModelCosts:
             total = total + flops * pairs[window]
         return total
 
-    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute_layers: bool = False,
-                               granularity: str = "full") -> float:
-        """FLOPs per token (the devices', as ``hardware_flops_per_token``, with ``recompute_layers``) of ``tokens``
-        whose attention took ``attention_flops`` (``document_attention_flops``) instead of causal attention over
-        whole sequences: the linears, MLP and head cost per token what they did, and a fully recomputed layer runs
-        its attention twice."""
+    def masked_flops_per_token(self, tokens: float, attention_flops: float, recompute: str = "none") -> float:
+        """FLOPs per token (the devices', as ``hardware_flops_per_token``, with ``recompute``) of ``tokens`` whose
+        attention took ``attention_flops`` (``document_attention_flops``) instead of causal attention over whole
+        sequences: the linears, MLP and head cost per token what they did, and a fully recomputed layer runs its
+        attention twice."""
         change = attention_flops / tokens - sum(self.attention_flops)
-        attention_runs = 1 + (1 / 3 if recompute_layers and granularity == "full" else 0)
-        return self.hardware_flops_per_token(recompute_layers, granularity) + change * attention_runs
+        attention_runs = 1 + (1 / 3 if recompute == "full" else 0)
+        return self.hardware_flops_per_token(recompute) + change * attention_runs
 
 
 def attended_pairs(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -133,10 +134,9 @@ class ActivationShape:
     residual_share: float  # of the tokens of the residual stream a rank keeps (1/tp with sequence parallelism)
     linear_input_share: float  # of a column-parallel linear's input tokens it keeps (1/tp only when overlapped)
     compiled: bool  # model.compile
-    recomputed: bool  # parallelism.recompute_layer
-    # parallelism.recompute_granularity, with ``recomputed``: what else than its input a recomputed layer keeps
-    # (selective: its attention outputs; pointwise: those and its matmuls' outputs)
-    granularity: str = "full"
+    # parallelism.recompute: what else than its input a recomputed layer keeps (full: nothing; selective: its
+    # attention outputs; pointwise: those and its matmuls' outputs); none: everything
+    recompute: str = "none"
     cp: int = 1  # parallelism.context_parallel_size: the ranks a sequence is split over
 
 
@@ -184,10 +184,6 @@ class AuxiliaryLosses:
     metrics: Callable[[dict[str, torch.Tensor], Any], dict]
 
 
-def same_dtype(config: Any, dtype: torch.dtype) -> torch.dtype:
-    return dtype
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family: everything built, measured, initialised or converted differently per family."""
@@ -200,15 +196,7 @@ class ModelSpec:
     init_rule: Callable[[str, Any, float], Initializer]  # (logical name, config, init std) -> initializer
     hf_adapter: HFAdapter
     inference_cache: Callable[[], Any]  # a fresh cache for one decoder layer
-    # (config, tp, key=..., tp_key=..., sequence_length=..., sequence_key=...) -> one line per problem: the rules a
-    # config read from a file (checkpoint, config.json) must pass before a model is built from it at ``tp`` ranks.
-    config_problems: Callable[..., list[str]]
-    # Config fields a run may change when it continues from a checkpoint (context length, token ids); any other
-    # difference means other weights, and loading is refused.
-    resume_may_change: frozenset[str] = frozenset()
     auxiliary_losses: AuxiliaryLosses | None = None
-    # (config, model dtype) -> dtype of the hidden states between pipeline stages (a residual stream kept in fp32)
-    activation_dtype: Callable[[Any, torch.dtype], torch.dtype] = same_dtype
     # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for
     # a family without experts (the config rules refuse expert_parallel_size > 1 for it)
     expert_parallel: Callable[[nn.Module, Any], None] | None = None
@@ -216,11 +204,3 @@ class ModelSpec:
     # memory planner's model of the family, checked against measured peaks; it raises ConfigError for a setting it
     # does not model. None: the planner refuses the family.
     layer_activations: LayerActivations | None = None
-    # config -> the positions the model was trained for (generation refuses to go past them); None: no such limit
-    context_length: Callable[[Any], int | None] = lambda config: None
-    # config -> the weight of the z-loss on the LM head's logits in the trained objective: the objective adds it times
-    # the mean over the step's tokens of logsumexp(logits)² (``parallel/cross_entropy.py``); 0: none
-    logit_z_loss: Callable[[Any], float] = lambda config: 0.0
-    # config -> whether attention stays inside each document packed in a sample: the trainer then hands the model
-    # every micro-batch's ``document_ids`` and per-document ``position_ids`` (``data/loader.py``)
-    document_masking: Callable[[Any], bool] = lambda config: False

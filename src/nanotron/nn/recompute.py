@@ -1,6 +1,7 @@
 """Activation recomputation of a module, without changing its place in the module tree: whole (``full``), all but
 the attention kernels' outputs (``selective``), or all but the outputs of its matrix products and attention kernels
-(``pointwise``)."""
+(``pointwise``): the checkpoint policy of ``parallelism.recompute`` (``config/parallelism.py`` lists its other
+consequences)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from nanotron.config.parallelism import Recompute
+from nanotron.config.rules import literal_values
 from nanotron.nn.flash_attention import FLASH_ATTENTION_OP
 
 aten = torch.ops.aten
@@ -46,7 +49,7 @@ POINTWISE_KEPT_OPS = ATTENTION_OPS | MATMUL_OPS
 # nanotron's own Triton ops (``triton_op("nanotron::...")``): Mamba's convolution and scan. Matched by namespace, since
 # they are registered only where their kernels can run (nn/kernels.py).
 KERNEL_NAMESPACE = "nanotron"
-GRANULARITIES = ("full", "selective", "pointwise")  # parallelism.recompute_granularity's values
+RECOMPUTED = tuple(value for value in literal_values(Recompute) if value != "none")  # what a module may rebuild
 
 
 def _keep_attention_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -68,7 +71,7 @@ def keep_matmul_and_attention_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_keep_matmul_and_attention_outputs)
 
 
-def recompute_in_backward(module: nn.Module, granularity: str = "full") -> nn.Module:
+def recompute_in_backward(module: nn.Module, recompute: str = "full") -> nn.Module:
     """Make ``module`` keep only its inputs for backward (and, ``selective``, its attention kernels' outputs;
     ``pointwise``, those and its matrix products' outputs) and run its forward again there to rebuild the rest.
 
@@ -86,11 +89,11 @@ def recompute_in_backward(module: nn.Module, granularity: str = "full") -> nn.Mo
     parameter names, state dicts and checkpoints stay those of the plain model, and ``module.compile()`` still
     applies: torch.compile traces non-reentrant checkpointing, with its selective policy, and recomputes inside the
     compiled backward. With grad disabled (generation, evaluation) the original forward runs directly: nothing would
-    be saved anyway, and checkpointing would only add overhead. Calling this again replaces the granularity.
+    be saved anyway, and checkpointing would only add overhead. Calling this again replaces what is recomputed.
     """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"recompute granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
-    forward = functools.partial(_forward_recomputed_in_backward, granularity=granularity)
+    if recompute not in RECOMPUTED:
+        raise ValueError(f"recompute {recompute!r}: expected one of {', '.join(RECOMPUTED)}")
+    forward = functools.partial(_forward_recomputed_in_backward, recompute=recompute)
     module.forward = types.MethodType(forward, module)
     return module
 
@@ -109,16 +112,16 @@ def compile_layer(module: nn.Module) -> None:
     module.compile()
 
 
-def _forward_recomputed_in_backward(self: nn.Module, *args: Any, granularity: str, **kwargs: Any) -> Any:
+def _forward_recomputed_in_backward(self: nn.Module, *args: Any, recompute: str, **kwargs: Any) -> Any:
     # The class's forward, looked up at call time: a deep copy of the module rebinds this method to the copy.
     forward = type(self).forward
     if not torch.is_grad_enabled():
         return forward(self, *args, **kwargs)
     # The policy named here, not looked up in a table or passed through: torch.compile traces a context_fn only when
     # it sees the function itself (and fails on torch's own noop_context_fn, hence no context_fn for full).
-    if granularity == "selective":
+    if recompute == "selective":
         policy = {"context_fn": keep_attention_context}
-    elif granularity == "pointwise":
+    elif recompute == "pointwise":
         policy = {"context_fn": keep_matmul_and_attention_context}
     else:
         policy = {}

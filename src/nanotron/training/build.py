@@ -7,17 +7,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from nanotron.checkpoint.manager import first_problem
-from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, HFDatasetArgs
-from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
-from nanotron.data.datatrove_folder import DatatroveDataset, briefly, not_a_token_folder
-from nanotron.data.hf_dataset import HFDataset
-from nanotron.data.preprocess import METADATA_FILE_NAME
-from nanotron.data.synthetic import SyntheticDataset
+from nanotron.config import Config, ConfigError, DatasetStageArgs
+from nanotron.data.dataset import DataError, SampleSource
+from nanotron.data.sources import Ranks, SourceContext, build_source
 from nanotron.data.tokenizer import (
     TokenizerIdentity,
     describe_token,
@@ -27,7 +23,6 @@ from nanotron.data.tokenizer import (
     tokenizer_fingerprint,
 )
 from nanotron.memory import memory_summary
-from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
@@ -42,10 +37,11 @@ _DECLARED_TOKENIZER_FIX = "point dataset_folder at data tokenized with {}, or co
 
 def load_data(config: Config, pc: ParallelContext,
               features: Sequence[Feature]) -> tuple[dict[str, SampleSource], str | None]:
-    """Every data stage's sample source (its mixture and domain names as the features make them) and the tokenizer's
-    fingerprint (None without ``tokenizer.tokenizer_name_or_path``); fails before the model is allocated if a stage
-    cannot feed it."""
-    vocab = config.model.model_config.vocab_size
+    """Every data stage's sample source (``data/sources.py``; its mixture and domain names as the features make them)
+    and the tokenizer's fingerprint (None without ``tokenizer.tokenizer_name_or_path``); fails before the model is
+    allocated if a stage cannot feed it."""
+    model_config = config.model.model_config
+    vocab, tokenizer_end = model_config.vocab_size, None
     model_tokenizer = None
     if config.tokenizer.tokenizer_name_or_path:
         tokenizer = load_tokenizer(config.tokenizer.tokenizer_name_or_path, config.tokenizer.tokenizer_revision)
@@ -56,9 +52,10 @@ def load_data(config: Config, pc: ParallelContext,
                 f"({tokenizer.get_vocab_size()}, {config.tokenizer.tokenizer_name_or_path}); raise vocab_size"
             )
         _take_token_ids(config, tokenizer)
+        tokenizer_end = eos_token_id(tokenizer) if model_config.document_masking else None
     datasets: dict[str, SampleSource] = {}
     for stage in config.data_stages:
-        dataset = datasets[stage.name] = _dataset(config, pc, stage, features)
+        dataset = datasets[stage.name] = _stage_source(config, pc, stage, features, tokenizer_end)
         if dataset.vocab_size > vocab:
             raise DataError(
                 f"data stage {stage.name!r} was tokenized with a vocabulary of {dataset.vocab_size} but "
@@ -71,6 +68,30 @@ def load_data(config: Config, pc: ParallelContext,
     return datasets, None if model_tokenizer is None else model_tokenizer.fingerprint
 
 
+def _stage_source(config: Config, pc: ParallelContext, stage: DatasetStageArgs, features: Sequence[Feature],
+                  tokenizer_end: int | None) -> SampleSource:
+    """The stage's sample source, built by its kind's row of ``data/sources.py``, with the features' mixture and
+    domain names."""
+    model_config, doremi = config.model.model_config, config.doremi
+
+    def mixture(weights: list[float] | None) -> list[float] | None:
+        for feature in features:
+            weights = feature.sampling_weights(stage, weights)
+        return weights
+
+    context = SourceContext(
+        sequence_length=config.tokens.sequence_length, seed=stage.data.seed, vocab_size=model_config.vocab_size,
+        ranks=Ranks(pc.rank, pc.world_size, first_problem),
+        stage=stage.name, tokenizer=config.tokenizer.tokenizer_name_or_path,
+        document_masking=model_config.document_masking, tokenizer_eos_token_id=tokenizer_end,
+        model_eos_token_id=model_config.eos_token_id,
+        mixture=mixture, domain_names=None if doremi is None else doremi.domain_names)
+    dataset = build_source(stage.data.dataset, context)
+    for feature in features:
+        dataset.domain_names = feature.domain_names(stage, dataset.domain_names)
+    return dataset
+
+
 def tokenizer_problem(stage: DatasetStageArgs, dataset: SampleSource,
                       model_tokenizer: TokenizerIdentity | None) -> str | None:
     """Why a stage's data cannot be trained with the model's tokenizer or with the tokenizer its ``tokenizer_name``
@@ -81,11 +102,11 @@ def tokenizer_problem(stage: DatasetStageArgs, dataset: SampleSource,
     references = []
     if model_tokenizer is not None:
         references.append((model_tokenizer, "tokenizer.tokenizer_name_or_path", _MODEL_TOKENIZER_FIX))
-    source = stage.data.dataset
-    if isinstance(source, DatasetArgs) and source.tokenizer_name is not None:
-        references.append((TokenizerIdentity.find(source.tokenizer_name),
+    declared = getattr(stage.data.dataset, "tokenizer_name", None)  # datatrove folders' (upstream's Nanoset)
+    if declared is not None:
+        references.append((TokenizerIdentity.find(declared),
                            f"data_stages[{stage.name!r}].data.dataset.tokenizer_name", _DECLARED_TOKENIZER_FIX))
-    records = zip(domain_sources(stage, dataset), dataset.tokenizer_names, dataset.tokenizer_fingerprints)
+    records = zip(dataset.domain_sources, dataset.tokenizer_names, dataset.tokenizer_fingerprints)
     for domain, name, fingerprint in records:
         if name is None and fingerprint is None:
             continue  # the source records no tokenizer
@@ -119,161 +140,13 @@ def _take_token_ids(config: Config, tokenizer) -> None:
 
 
 def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str, int | None]:
-    """Per data stage, the id that ends the documents packed in its samples, which document masking cuts them at
-    (all None without it; None too for a stage whose samples carry the document ends their source recorded, the
-    ``.ds.index`` files of datatrove folders): the one its folders record (``nanotron preprocess``, Hugging Face
-    datasets), else the tokenizer's, else for synthetic tokens ``model_config.eos_token_id``. Refuses a stage without
-    one before the model is allocated."""
-    model_config = config.model.model_config
-    if not spec_for_config(model_config).document_masking(model_config):
-        return dict.fromkeys(datasets)
-    name = config.tokenizer.tokenizer_name_or_path
-    tokenizer_end = eos_token_id(load_tokenizer(name, config.tokenizer.tokenizer_revision)) if name else None
-    ends = {}
-    for stage, dataset in datasets.items():
-        end = dataset.eos_token_id if dataset.eos_token_id is not None else tokenizer_end
-        if end is None and isinstance(dataset, SyntheticDataset):
-            end = model_config.eos_token_id
-        if dataset.records_document_ends:
-            end = None
-        elif end is None:
-            raise ConfigError(_no_document_end(stage, dataset))
-        elif isinstance(dataset, DatatroveDataset):
-            logger.warning(f"data stage {stage!r}: files without a .ds.index ({briefly(dataset.files_without_index)}); "
-                           f"document masking cuts the documents at the end-of-document id {end} of {name}")
-        ends[stage] = end
-    return ends
-
-
-def _no_document_end(stage: str, dataset: SampleSource) -> str:
-    """Why document masking cannot cut a stage's samples, and what to set."""
-    masking = "model.model_config._use_doc_masking"
-    if isinstance(dataset, SyntheticDataset):
-        return (f"data stage {stage!r} trains on synthetic tokens (dataset: null), which {masking} cuts at "
-                "model.model_config.eos_token_id, but it is null; set eos_token_id, or _use_doc_masking: false")
-    return (f"data stage {stage!r}: {masking} needs the ends of the documents, but files have no .ds.index "
-            f"({briefly(dataset.files_without_index)}; datatrove writes one unless save_index=False) and no "
-            "end-of-document id is known; set tokenizer.tokenizer_name_or_path to the tokenizer that wrote them, or "
-            "tokenize them again with their index")
-
-
-def domain_sources(stage: DatasetStageArgs, dataset: SampleSource) -> list[str]:
-    """What each domain of a stage is read from, for messages: its folder, else its dataset's name."""
-    if isinstance(stage.data.dataset, DatasetArgs):
-        return [str(folder) for folder in stage.data.dataset.dataset_folder]
-    return [f"data stage {stage.name!r}: {name}" for name in dataset.domain_names]
-
-
-def _dataset(config: Config, pc: ParallelContext, stage: DatasetStageArgs,
-             features: Sequence[Feature]) -> SampleSource:
-    """The stage's sample source, its mixture (``dataset_weights`` or a ``{dataset: weight}`` mapping, as the
-    features change it; None: the token shares) and its domain names."""
-    source, sequence_length, seed = stage.data.dataset, config.tokens.sequence_length, stage.data.seed
-    vocab = config.model.model_config.vocab_size
-    if source is None:  # upstream's ``dataset: null``: throughput runs without data
-        return SyntheticDataset(vocab, sequence_length, seed)
-    if isinstance(source, HFDatasetArgs):
-        datasets = _hf_domains(config, source)
-        weights = list(datasets.values()) if isinstance(datasets, dict) else None
-    else:
-        weights = source.dataset_weights
-    for feature in features:
-        weights = feature.sampling_weights(stage, weights)
-    if isinstance(source, HFDatasetArgs):
-        dataset = _tokenized_first_on_rank_0(config, pc, source, datasets, weights, seed)
-    elif _holds_datatrove_files(source.dataset_folder):
-        masking = spec_for_config(config.model.model_config).document_masking(config.model.model_config)
-        dataset = _datatrove_read_by_all_ranks(pc, source, weights, sequence_length, seed, source.vocab_size or vocab,
-                                               document_ends=masking)
-    else:
-        dataset = PretrainDataset(source.dataset_folder, weights, sequence_length, seed)
-    for feature in features:
-        dataset.domain_names = feature.domain_names(stage, dataset.domain_names)
-    return dataset
-
-
-def _datatrove_read_by_all_ranks(pc: ParallelContext, source: DatasetArgs, weights: list[float] | None,
-                                  sequence_length: int, seed: int, vocab_size: int,
-                                  document_ends: bool = False) -> DatatroveDataset:
-    """A datatrove stage, each rank checking the ids of its share of every file (datatrove records no id range, so
-    the check reads the data: once per run, not once per rank, which from a network file system took minutes for
-    every rank of every run); what any rank found stops every rank with its message. ``document_ends``: its samples
-    carry the document ends that the folders' indexes record (document masking)."""
-    dataset, problem = None, None
-    try:
-        dataset = DatatroveDataset(source.dataset_folder, weights, sequence_length, seed, vocab_size=vocab_size,
-                                   token_size=source.token_size_in_bytes, id_share=(pc.rank, pc.world_size),
-                                   document_ends=document_ends)
-    except DataError as error:
-        problem = str(error)
-    problem = first_problem(problem, pc.world_size)
-    if problem is not None:
-        raise DataError(problem)
-    return dataset
-
-
-def _holds_datatrove_files(folders: Sequence[Path]) -> bool:
-    """Whether a stage's folders are datatrove's (``*.ds`` files) rather than ``nanotron preprocess``'s (its
-    metadata.json); one stage mixing both kinds is refused, and so is a folder of neither kind."""
-    kinds = {_folder_kind(Path(folder)) for folder in folders}
-    if {"nanotron", "datatrove"} <= kinds:
-        raise DataError("dataset_folder mixes folders of nanotron preprocess (metadata.json) and of datatrove (.ds "
-                        "files); give each kind its own data stage, or tokenize them all one way")
-    return kinds == {"datatrove"}
-
-
-def _folder_kind(folder: Path) -> str:
-    if (folder / METADATA_FILE_NAME).exists():
-        return "nanotron"
-    if any(folder.glob("*.ds")):
-        return "datatrove"
-    if not folder.is_dir():
-        raise DataError(f"dataset folder {folder} {'is a file' if folder.exists() else 'does not exist'}; check "
-                        "dataset_folder")
-    raise DataError(not_a_token_folder(folder))
-
-
-def _hf_domains(config: Config, source: HFDatasetArgs) -> str | dict[str, float]:
-    """The Hugging Face datasets of a stage: ``hf_dataset_or_datasets`` as written, except in upstream's DoReMi
-    layout (one folder and ``doremi.domain_names``), where each domain is the ``save_to_disk`` folder of its name
-    inside that folder."""
-    datasets, doremi = source.hf_dataset_or_datasets, config.doremi
-    if isinstance(datasets, str) and doremi is not None and doremi.domain_names:
-        return {str(Path(datasets) / name): 1.0 for name in doremi.domain_names}
-    return datasets
-
-
-def _tokenized_first_on_rank_0(config: Config, pc: ParallelContext, source: HFDatasetArgs,
-                               datasets: str | dict[str, float], weights: list[float] | None,
-                               seed: int) -> HFDataset:
-    """A Hugging Face dataset, tokenized by rank 0 into its cache while the other ranks wait, then opened by them
-    from the cache: one tokenization per run, not one per rank. A failure on rank 0 stops every rank with its
-    message."""
-    tokenizer = config.tokenizer.tokenizer_name_or_path
-    if not tokenizer:
-        raise ConfigError("a data stage reading hf_dataset_or_datasets needs tokenizer.tokenizer_name_or_path: the "
-                          "text is tokenized when the run starts")
-    if weights is not None:
-        names = list(datasets) if isinstance(datasets, dict) else [datasets]
-        datasets = dict(zip(names, weights, strict=True))
-
-    def open_dataset() -> HFDataset:
-        return HFDataset(datasets, tokenizer, config.tokens.sequence_length, seed,
-                         splits=source.hf_dataset_splits, text_column=source.text_column_name,
-                         config_name=source.hf_dataset_config_name,
-                         num_proc=source.dataset_processing_num_proc_per_process,
-                         overwrite_cache=source.dataset_overwrite_cache)
-
-    dataset, problem = None, None
-    if pc.rank == 0:
-        try:
-            dataset = open_dataset()
-        except DataError as error:
-            problem = str(error)
-    problem = first_problem(problem, pc.world_size)
-    if problem is not None:
-        raise DataError(problem)
-    return dataset if dataset is not None else open_dataset()
+    """Per data stage, the id that ends the documents packed in its samples, which document masking cuts them at: its
+    source's (``data/sources.py``, which refuses a stage without one). All None without document masking; None too
+    for a stage whose samples carry the document ends their source recorded (the ``.ds.index`` files of datatrove
+    folders)."""
+    masking = config.model.model_config.document_masking
+    return {stage: None if not masking or dataset.records_document_ends else dataset.eos_token_id
+            for stage, dataset in datasets.items()}
 
 
 def pipeline_schedule(config: Config, pc: ParallelContext,
@@ -286,7 +159,7 @@ def pipeline_schedule(config: Config, pc: ParallelContext,
                                                                             else 1)
     model_config = config.model.model_config
     shape = (config.tokens.micro_batch_size, sequence, model_config.hidden_size)
-    dtype = spec_for_config(model_config).activation_dtype(model_config, config.model.torch_dtype())
+    dtype = model_config.activation_dtype(config.model.torch_dtype())
     p2p = P2P(pc, shape, dtype, p.pp_timeout_s)
     return PipelineSchedule(pc, p.pp_engine, p2p, stage_forward, before_last_backward)
 

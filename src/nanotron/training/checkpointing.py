@@ -40,7 +40,6 @@ from nanotron.errors import CheckpointError
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
-from nanotron.training.build import domain_sources
 from nanotron.training.data_record import DATA_STAGES, data_stages_record, resumed_data_position
 from nanotron.training.hooks import Feature
 
@@ -145,7 +144,7 @@ class RunCheckpoints:
             return
         for stage in self.config.data_stages:
             dataset = datasets[stage.name]
-            for domain, fingerprint in zip(domain_sources(stage, dataset), dataset.tokenizer_fingerprints):
+            for domain, fingerprint in zip(dataset.domain_sources, dataset.tokenizer_fingerprints):
                 if fingerprint is not None and fingerprint != trained_with:  # None: the source records none
                     raise DataError(
                         f"{domain} was tokenized with another tokenizer than the one {checkpoint} was trained on "

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs
-from nanotron.data.dataset import BlendedDataset, SampleSource
+from nanotron.config import Config, ConfigError, DatasetStageArgs
+from nanotron.data.dataset import SampleSource
 
 DATA_STAGES = "data_stages"  # the checkpoint.json key
 
@@ -45,14 +45,11 @@ def data_stages_record(config: Config, datasets: dict[str, SampleSource]) -> dic
 def _stage_record(stage: DatasetStageArgs, dataset: SampleSource) -> dict:
     record = {"start_training_step": stage.start_training_step, "seed": stage.data.seed,
               "sequence_length": dataset.sequence_length, "weights": list(dataset.weights)}
-    if not isinstance(dataset, BlendedDataset):
-        return record | {"domains": [{"source": "synthetic tokens", "windows": None}]}
-    source = stage.data.dataset
-    names = ([str(folder) for folder in source.dataset_folder] if isinstance(source, DatasetArgs)
-             else dataset.dataset_names)
+    if dataset.num_windows is None:  # an endless stream: synthetic tokens
+        return record | {"domains": [{"source": source, "windows": None} for source in dataset.domain_sources]}
     return record | {"window_stride": dataset.window_stride,
-                     "domains": [{"source": name, "windows": windows}
-                                 for name, windows in zip(names, dataset.num_windows)]}
+                     "domains": [{"source": source, "windows": windows}
+                                 for source, windows in zip(dataset.domain_sources, dataset.num_windows)]}
 
 
 @dataclass

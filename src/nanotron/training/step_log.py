@@ -72,9 +72,9 @@ class StepLog:
 
     def __init__(self, config: Config, pc: ParallelContext, costs: ModelCosts, resume_step: int):
         self.config, self.pc, self.costs = config, pc, costs
-        self.recompute = (config.parallelism.recompute_layer, config.parallelism.recompute_granularity)
+        self.recompute = config.parallelism.recompute
         self.flops_per_token = costs.flops_per_token
-        self.hardware_flops_per_token = costs.hardware_flops_per_token(*self.recompute)
+        self.hardware_flops_per_token = costs.hardware_flops_per_token(self.recompute)
         self._attention_flops: torch.Tensor | None = None  # of the steps counted since the last logged one
         self._counted_steps = 0
         self.peak_flops = peak_flops(pc.device, config.model.torch_dtype())
@@ -96,7 +96,7 @@ class StepLog:
         tokens, attention = self.config.global_batch_tokens * self._counted_steps, self._attention_flops.item()
         self._attention_flops, self._counted_steps = None, 0
         return (self.costs.masked_flops_per_token(tokens, attention),
-                self.costs.masked_flops_per_token(tokens, attention, *self.recompute))
+                self.costs.masked_flops_per_token(tokens, attention, self.recompute))
 
     def write(self, result: StepResult, step: int, consumed_tokens: int, per_domain: bool, step_seconds: float,
               mean_step_seconds: float) -> None:

@@ -4,7 +4,7 @@
 ``hf_adapter.py`` its Hugging Face mapping; ``LLAMA`` ties them together for the registry.
 """
 
-from nanotron.config import LlamaConfig, llama_problems
+from nanotron.config import LlamaConfig
 from nanotron.models.llama.costs import llama_costs, llama_layer_activations
 from nanotron.models.llama.hf_adapter import LlamaHFAdapter
 from nanotron.models.llama.model import KVCache, LlamaForCausalLM, llama_init_rule
@@ -21,9 +21,4 @@ LLAMA = ModelSpec(
     init_rule=llama_init_rule,
     hf_adapter=LlamaHFAdapter(),
     inference_cache=KVCache,
-    config_problems=llama_problems,
-    context_length=lambda config: config.max_position_embeddings,
-    # Extending the context changes max_position_embeddings and usually the RoPE theta or scaling with it.
-    resume_may_change=frozenset({"max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id",
-                                 "eos_token_id", "pad_token_id", "initializer_range", "use_cache"}),
 )

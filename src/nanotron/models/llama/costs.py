@@ -154,15 +154,15 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
         rotary_tables = 2 * tokens * c.head_dim * d + context_parallel_bytes(c, shape)
     full = int(tokens * (norms + attention + feed_forward.kept) + rotary_tables)
     transient = int(tokens * feed_forward.gradients)
-    if not shape.recomputed:
+    if shape.recompute == "none":
         return full, transient
-    if shape.granularity == "pointwise":
+    if shape.recompute == "pointwise":
         # The outputs of q|k|v, of the attention op and the feed-forward block's products: kept without recomputation
         # too, and not rebuilt by the backward. o_proj's output and, eagerly, the block's are kept only here.
         shared = d * (q + 2 * kv) + attention_outputs + feed_forward.products
         own = d * c.hidden_size + (0 if shape.compiled else feed_forward.output_product)
         return int(tokens * (residual + shared + own)), int(full + transient - tokens * shared)
     kept = tokens * (residual + (feed_forward.recomputed_kept if shape.compiled else 0))
-    if shape.granularity == "selective":
+    if shape.recompute == "selective":
         return int(kept + tokens * attention_outputs), int(full + transient - tokens * attention_outputs)
     return int(kept), full + transient

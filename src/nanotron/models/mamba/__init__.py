@@ -4,10 +4,10 @@
 splits every mixer by channels, ``costs.py`` and ``hf_adapter.py`` as for Llama.
 """
 
-from nanotron.config import MambaConfig, mamba_problems
+from nanotron.config import MambaConfig
 from nanotron.models.mamba.costs import mamba_costs, mamba_layer_activations
 from nanotron.models.mamba.hf_adapter import MambaHFAdapter
-from nanotron.models.mamba.model import MambaCache, MambaForCausalLM, mamba_activation_dtype, mamba_init_rule
+from nanotron.models.mamba.model import MambaCache, MambaForCausalLM, mamba_init_rule
 from nanotron.models.mamba.parallelize import mamba_plan
 from nanotron.models.spec import ModelSpec
 
@@ -21,7 +21,4 @@ MAMBA = ModelSpec(
     init_rule=mamba_init_rule,
     hf_adapter=MambaHFAdapter(),
     inference_cache=MambaCache,
-    config_problems=mamba_problems,
-    resume_may_change=frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range"}),
-    activation_dtype=mamba_activation_dtype,
 )

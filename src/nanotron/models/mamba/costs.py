@@ -56,7 +56,7 @@ def mamba_layer_activations(c: MambaConfig, layer: int, shape: ActivationShape) 
     chunk_states = 4 * n * e / SCAN_CHUNK
     per_token = residual + d * h * shape.linear_input_share + 6 * d * e + 4 * e + chunk_states + d * (r + 4 * n)
     full = int(tokens * per_token + 4 * e * n)
-    if not shape.recomputed:
+    if shape.recompute == "none":
         return full, 0
-    kept = residual + (d * (5 * e + r + 2 * n) + chunk_states if shape.granularity == "pointwise" else 0)
+    kept = residual + (d * (5 * e + r + 2 * n) + chunk_states if shape.recompute == "pointwise" else 0)
     return int(tokens * kept), int(full - tokens * (kept - residual))

@@ -161,7 +161,3 @@ def mamba_init_rule(name: str, config: MambaConfig, std: float) -> Initializer:
         return normal(std / config.num_hidden_layers ** 0.5)
     return normal(std)
 
-
-def mamba_activation_dtype(c: MambaConfig, dtype: torch.dtype) -> torch.dtype:
-    """The residual stream that pipeline stages exchange: fp32 with ``residual_in_fp32``."""
-    return torch.float32 if c.residual_in_fp32 else dtype

@@ -5,8 +5,7 @@ blocks over tensor-parallel ranks and the experts over expert-parallel ones; ``c
 (Mixtral) as for Llama.
 """
 
-from nanotron.config import LlaMoEConfig, llama_problems
-from nanotron.models.llama import LLAMA
+from nanotron.config import LlaMoEConfig
 from nanotron.models.llama.model import KVCache
 from nanotron.models.moe.costs import moe_costs, moe_layer_activations
 from nanotron.models.moe.hf_adapter import MixtralHFAdapter
@@ -30,9 +29,6 @@ LLAMOE = ModelSpec(
     init_rule=moe_init_rule,
     hf_adapter=MixtralHFAdapter(),
     inference_cache=KVCache,
-    config_problems=llama_problems,
-    context_length=LLAMA.context_length,
-    resume_may_change=LLAMA.resume_may_change | {"moe_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef"},
     auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
     expert_parallel=apply_expert_parallel,
 )

@@ -9,8 +9,7 @@ keys), ``hf_adapter.py`` the Hugging Face mapping of the three architectures; ``
 registry.
 """
 
-from nanotron.config import Qwen2Config, llama_problems
-from nanotron.models.llama import LLAMA
+from nanotron.config import Qwen2Config
 from nanotron.models.llama.model import KVCache
 from nanotron.models.moe import (
     apply_expert_parallel,
@@ -38,15 +37,6 @@ QWEN2 = ModelSpec(
     init_rule=moe_init_rule,
     hf_adapter=Qwen2HFAdapter(),
     inference_cache=KVCache,
-    config_problems=llama_problems,
-    context_length=LLAMA.context_length,
-    # The z-loss and document masking shape the objective, not the weights: a run may switch them when it continues.
-    # The implementation keys choose kernels only.
-    resume_may_change=LLAMA.resume_may_change | {
-        "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask",
-        "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"},
-    logit_z_loss=lambda config: config.z_loss,
     auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
     expert_parallel=apply_expert_parallel,
-    document_masking=lambda config: config._use_doc_masking,
 )
