@@ -2,7 +2,7 @@
 
 A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class, model class, tensor-parallel plan,
 costs (parameters, FLOPs per token per part, for MFU and the pipeline split), what its layers keep for the backward
-(the memory planner), initial weights, Hugging Face adapter, inference cache, config rules and auxiliary losses. The
+(the memory planner), initial weights, Hugging Face adapter, inference cache, config rules and step terms. The
 trainer, the pipeline, generation, metrics and checkpoints only talk to a model through :class:`CausalLM` and its
 spec, so adding a family means adding its files and one registry entry.
 """
@@ -169,21 +169,6 @@ class HFAdapter(Protocol):
         """``read(name)`` returns the full logical tensor ``name`` (the real vocabulary rows only)."""
 
 
-@dataclass(frozen=True)
-class AuxiliaryLosses:
-    """Losses a family adds to the language-model objective (a router's load balancing), with their statistics.
-
-    ``collect(stage_model, sequences_per_step)`` runs after each micro-batch forward of a pipeline stage: it returns
-    the stage's auxiliary loss for that micro-batch (its share of the step value, or None) and named statistics,
-    which are summed like the loss (``parallel/statistics.py``); ``template(config)`` gives their shapes and
-    ``metrics(step_statistics, config)`` turns the step's sums into metrics.jsonl fields.
-    """
-
-    collect: Callable[[CausalLM, int], tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
-    template: Callable[[Any], dict[str, tuple[int, ...]]]
-    metrics: Callable[[dict[str, torch.Tensor], Any], dict]
-
-
 def same_dtype(config: Any, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
@@ -206,7 +191,9 @@ class ModelSpec:
     # Config fields a run may change when it continues from a checkpoint (context length, token ids); any other
     # difference means other weights, and loading is refused.
     resume_may_change: frozenset[str] = frozenset()
-    auxiliary_losses: AuxiliaryLosses | None = None
+    # the run's config -> the family's step terms (``training/objective.py``'s ``StepTerm``: a contribution to the
+    # loss, statistics and metrics), beside the language-model loss: a mixture of experts' router losses
+    step_terms: Callable[[Any], list] = lambda config: []
     # (config, model dtype) -> dtype of the hidden states between pipeline stages (a residual stream kept in fp32)
     activation_dtype: Callable[[Any, torch.dtype], torch.dtype] = same_dtype
     # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for

@@ -12,19 +12,13 @@ registry.
 from nanotron.config import Qwen2Config, llama_problems
 from nanotron.models.llama import LLAMA
 from nanotron.models.llama.model import KVCache
-from nanotron.models.moe import (
-    apply_expert_parallel,
-    moe_init_rule,
-    router_losses,
-    router_metrics,
-    router_statistics_template,
-)
+from nanotron.models.moe import apply_expert_parallel, moe_init_rule, router_terms
 from nanotron.models.moe.costs import moe_layer_activations
 from nanotron.models.qwen2.costs import qwen2_costs
 from nanotron.models.qwen2.hf_adapter import Qwen2HFAdapter
 from nanotron.models.qwen2.model import Qwen2ForCausalLM
 from nanotron.models.qwen2.parallelize import qwen2_plan
-from nanotron.models.spec import AuxiliaryLosses, ModelSpec
+from nanotron.models.spec import ModelSpec
 
 QWEN2 = ModelSpec(
     name="qwen2",
@@ -46,7 +40,7 @@ QWEN2 = ModelSpec(
         "z_loss_enabled", "z_loss_coefficient", "_use_doc_masking", "_attn_implementation", "flex_attention_mask",
         "_fused_rotary_emb", "_fused_rms_norm", "_use_qkv_packed", "ring_attn_heads_k_stride", "log_attn_probs"},
     logit_z_loss=lambda config: config.z_loss,
-    auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
+    step_terms=router_terms,
     expert_parallel=apply_expert_parallel,
     document_masking=lambda config: config._use_doc_masking,
 )
