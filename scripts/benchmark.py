@@ -182,16 +182,16 @@ def nanotron_config(args, preset: str, overrides: list[str]):
 def nanotron_run(args, preset: str, overrides: list[str]):
     """A trainer of the benchmark's config, its first two batches (reused: data loading is not what is measured), a
     step function that queues step ``i`` and then reads back the one queued before, as the training loop does, and
-    the attention FLOPs of each batch under document masking (filled by the steps)."""
+    the last step queued on each batch (filled by the steps)."""
     from nanotron.optim.lr_schedule import learning_rate_at
     from nanotron.trainer import Trainer
 
     trainer = Trainer(nanotron_config(args, preset, overrides))
     config = trainer.config
-    loader = trainer._loader(config.data_stages[0])
+    loader = trainer.loader(config.data_stages[0])
     batches = [loader.next_step() for _ in range(2)]
     schedule = config.optimizer.learning_rate_scheduler
-    attention_flops = {}
+    last_of_batch = {}
     queued = []
 
     def step(i):
@@ -199,15 +199,16 @@ def nanotron_run(args, preset: str, overrides: list[str]):
         if queued:
             trainer.finish_step(queued.pop())
         queued.append(pending)
-        if pending.attention_flops is not None:
-            attention_flops[i % 2] = pending.attention_flops  # read after the timed steps
+        last_of_batch[i % 2] = pending  # its statistics are read after the timed steps
 
-    return trainer, batches, step, attention_flops
+    return trainer, batches, step, last_of_batch
 
 
-def run_nanotron(args, preset: str, overrides: list[str]) -> tuple[dict, list[dict]]:
+def run_nanotron(args, preset: str, overrides: list[str]) -> tuple[dict, list]:
+    from nanotron.training.objective import ATTENTION_FLOPS
+
     baseline = torch.cuda.memory_allocated()
-    trainer, batches, step, attention_flops = nanotron_run(args, preset, overrides)
+    trainer, batches, step, last_of_batch = nanotron_run(args, preset, overrides)
     config = trainer.config
     torch.cuda.reset_peak_memory_stats()
     backward = BackwardStart(torch.cuda.memory_allocated)
@@ -222,9 +223,10 @@ def run_nanotron(args, preset: str, overrides: list[str]) -> tuple[dict, list[di
     memory = measured_memory(step_start, baseline, trainer.buckets.held_gradient_bytes(), backward)
     saves = time_saves(trainer) if args.save_to else None
     flops_per_token, counted = trainer.flops_per_token, {}
-    if attention_flops:  # the timed steps alternate the two batches: their mean
+    attention_flops = [pending.readings.values().get(ATTENTION_FLOPS) for pending in last_of_batch.values()]
+    if attention_flops and all(flops is not None for flops in attention_flops):  # document masking: the 2 batches' mean
         tokens = config.global_batch_tokens * len(attention_flops)
-        flops_per_token = trainer.costs.masked_flops_per_token(tokens, sum(attention_flops.values()).item())
+        flops_per_token = trainer.costs.masked_flops_per_token(tokens, sum(attention_flops).item())
         counted = {"causal_flops_per_token": trainer.flops_per_token}
     result = summary(times, config.global_batch_tokens, trainer.pc.world_size, flops_per_token,
                      trainer.step_log.peak_flops)
@@ -252,11 +254,11 @@ def examine_nanotron(args, preset: str, overrides: list[str], profile: Path | No
         write_activations(trainer, step, activations)
 
 
-def peer_batches(micro_batches: list[dict]) -> list[dict]:
-    return [{key: mb[key].cuda() for key in ("input_ids", "labels")} for mb in micro_batches]
+def peer_batches(micro_batches: list) -> list[dict]:
+    return [{"input_ids": mb.input_ids.cuda(), "labels": mb.labels.cuda()} for mb in micro_batches]
 
 
-def run_peer(args, name: str, peer: str, micro_batches: list[dict], flops_per_token: float, peak: float | None,
+def run_peer(args, name: str, peer: str, micro_batches: list, flops_per_token: float, peak: float | None,
              float8_recipe: str | None = None) -> dict:
     """A peer on one GPU on nanotron's first batch: the same tokens per step, FLOPs per token and peak FLOP/s."""
     baseline = torch.cuda.memory_allocated()
@@ -274,7 +276,7 @@ def run_peer(args, name: str, peer: str, micro_batches: list[dict], flops_per_to
     return summary(times, tokens, 1, flops_per_token, peak) | memory | {"layout": "1 GPU"}
 
 
-def profile_peer(args, name: str, peer: str, micro_batches: list[dict], float8_recipe: str | None = None) -> None:
+def profile_peer(args, name: str, peer: str, micro_batches: list, float8_recipe: str | None = None) -> None:
     """The peer's profile in ``--profile-peers``/<name>.txt, from a loop built again after every timed run."""
     loop = build_peer(peer, PRESETS[args.preset], args.sequence_length, "cuda", args.hf_experts, float8_recipe)
     try:
@@ -336,23 +338,23 @@ def live_blocks() -> dict[int, int]:
 
 @contextlib.contextmanager
 def loss_replaced(trainer, replacement):
-    """The trainer's loss (the fused head's, or the loss on the logits) replaced by ``replacement(loss)`` within the
-    block, restored after it."""
-    attribute = "head_loss" if trainer.head_loss is not None else "_loss"
-    loss = getattr(trainer, attribute)
-    setattr(trainer, attribute, replacement(loss))
+    """The step's language-model loss (its step term's ``compute``, called once the model's forward is done)
+    replaced by ``replacement(compute)`` within the block, restored after it."""
+    term = trainer.program.objective_at(1).language_model
+    term.compute = replacement(term.compute)
     try:
         yield
     finally:
-        setattr(trainer, attribute, loss)
+        del term.compute  # the class's again
 
 
 def watched_losses(trainer, backward: BackwardStart):
-    """``backward`` watches every loss the trainer computes."""
+    """``backward`` watches every language-model loss the trainer computes."""
     def watching(loss):
         def watched(*args, **kwargs):
             result = loss(*args, **kwargs)
-            backward.watch(result[0])
+            if result[0] is not None:
+                backward.watch(result[0])
             return result
         return watched
 

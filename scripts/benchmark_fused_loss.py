@@ -4,7 +4,7 @@
 
 At the Llama 1B head (hidden 2048, vocabulary 128256, bf16) and micro-batches of 4096-token sequences, each variant
 runs the head's forward and backward from the final norm's output: ``full`` is the trainer's path with
-``model.loss_chunk_tokens: 0`` (``F.linear``, then the loss of ``training/loss.py``'s ``micro_batch_loss`` on the
+``model.loss_chunk_tokens: 0`` (``F.linear``, then the loss of ``training/objective.py``'s ``micro_batch_loss`` on the
 logits, compiled or not), ``fused-N`` is ``parallel/linear_cross_entropy.py`` with chunks of N tokens. Reported per
 variant: the median time of forward + backward (ms, CUDA events), the peak memory it allocates above its inputs
 (GB), and the largest relative error of its loss and gradients against the fp32 computation. ``floor`` is the time

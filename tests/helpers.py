@@ -372,12 +372,17 @@ def _pieces(tensors: dict[str, torch.Tensor], params: dict, coords: dict, sizes:
     return out
 
 
+def first_step(trainer) -> list:
+    """The micro-batches of the trainer's first step (on this rank), as its training loop reads them."""
+    return trainer.loader(trainer.config.data_stages[0]).next_step()
+
+
 def first_step_gradients(trainer) -> tuple[torch.Tensor, dict]:
     """Loss and gradient pieces of the first step's micro-batches, without updating the weights.
 
     The gradients stay in the buckets: call ``trainer.buckets.zero()`` before training on.
     """
-    loss = trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())["lm_loss"]
+    loss = trainer.program.run(first_step(trainer), step=1)["lm_loss"]
     grads = {name: trainer.buckets.gradient(name) for name in trainer.params}
     return loss, _pieces(grads, trainer.params, trainer.pc.coordinates, trainer.pc.sizes)
 
@@ -390,9 +395,9 @@ def _run(config: dict) -> dict:
     trainer = Trainer(config_from_dict(config))
     pc, params = trainer.pc, trainer.params
     weights = _pieces(dict(params), params, pc.coordinates, pc.sizes)
-    batch = trainer._loader(trainer.config.data_stages[0]).next_step()[0]
+    batch = first_step(trainer)[0]
     with torch.no_grad():
-        logits = trainer.model(input_ids=batch["input_ids"])
+        logits = trainer.model(input_ids=batch.input_ids)
     loss, grads = first_step_gradients(trainer)
     norm_grads = {n: trainer.buckets.gradient(n).clone() for n in params if "norm" in n}
     trainer.buckets.zero()
@@ -804,7 +809,7 @@ def train_with_flops(config: dict) -> dict:
     metrics = []
     if trainer.pc.rank == 0:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.hardware_flops_per_token}
+    flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.step_log.hardware_flops_per_token}
     return {"metrics": metrics, **flops}
 
 

@@ -503,7 +503,7 @@ def test_nanotron_run_of_the_benchmark_reads_what_the_trainer_exposes(tiny_data,
     assert result["parameters"] > 0 and result["flops_per_token"] > 0 and result["layout"]["tp"] == 1
     assert result["mfu"] is None  # no peak FLOP/s is known for a CPU
     assert result["kept_for_backward_gb"] == 0.0  # read when the loss's backward started (the counters read 0)
-    assert micro_batch[0]["input_ids"].shape == (2, 32)
+    assert micro_batch[0].input_ids.shape == (2, 32)
 
 
 def test_the_activation_census_counts_what_is_allocated_between_the_step_start_and_the_loss(tiny_data, tmp_path,
@@ -511,6 +511,8 @@ def test_the_activation_census_counts_what_is_allocated_between_the_step_start_a
     """``--activations``: the allocator's blocks are read once at the step's start and once when the trainer's loss
     is called (the forward done); the new ones are what the forward keeps, grouped by size. The loss is restored."""
     import argparse
+
+    from nanotron.training.objective import LanguageModelLoss
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(benchmark.PRESETS, "tiny", {**TINY_LLAMA, "vocab_size": 384})
@@ -525,16 +527,16 @@ def test_the_activation_census_counts_what_is_allocated_between_the_step_start_a
     real_write = benchmark.write_activations
 
     def write(trainer, step, path):
-        captured["loss"] = trainer.head_loss if trainer.head_loss is not None else trainer._loss
+        captured["loss"] = trainer.program.objective_at(1).language_model.compute
         real_write(trainer, step, path)
-        captured["after"] = trainer.head_loss if trainer.head_loss is not None else trainer._loss
+        captured["after"] = trainer.program.objective_at(1).language_model.compute
 
     monkeypatch.setattr(benchmark, "write_activations", write)
     benchmark.examine_nanotron(args, "tiny", ["model.compile=false", "model.dtype=float32"], None, census)
     lines = census.read_text().splitlines()
     assert lines[0] == "kept by the forward at the loss: 0.00 GB in 3 allocations"
     assert [line.split() for line in lines[2:]] == [["0.00", "1", "1000"], ["0.00", "2", "64"]]
-    assert captured["after"] is captured["loss"]
+    assert captured["after"] == captured["loss"] and captured["after"].__func__ is LanguageModelLoss.compute
 
 
 def test_a_run_that_changes_the_model_is_a_comparison_of_its_own(tmp_path):

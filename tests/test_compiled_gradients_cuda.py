@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import MOE, relative_error, tiny_config_dict
+from helpers import MOE, first_step, relative_error, tiny_config_dict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,7 +36,7 @@ def first_step_gradients(tiny_data, folder, model_changes: dict, fp8: dict | Non
     if fp8 and model_changes:  # the experts run FP8 grouped products where the GPU has them
         from nanotron.nn.fp8 import FP8ExpertMatmul
         assert any(isinstance(getattr(m, "expert_matmul", None), FP8ExpertMatmul) for m in trainer.model.modules())
-    trainer.forward_backward(trainer._loader(trainer.config.data_stages[0]).next_step())
+    trainer.program.run(first_step(trainer), step=1)
     return {name: trainer.buckets.gradient(name).float().clone() for name in trainer.params}
 
 

@@ -10,8 +10,9 @@ import torch
 from distributed import run_distributed, run_distributed_each
 from helpers import _train, assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
 from nanotron.config import ConfigError, config_from_dict
+from nanotron.data.batch import MicroBatch
 from nanotron.nn.attention import AttentionMasks, allowed
-from nanotron.parallel.context_parallel import context_parallel_masks, split_micro_batch, token_indices
+from nanotron.parallel.context_parallel import ContextParallelBatches, token_indices
 
 # Layer 0 slides over 8 tokens (chunks are 8 tokens at cp 2 over 32), layer 1 has no RoPE and attends to everything;
 # the tiny corpus's documents (about 40 tokens) are masked from each other where a sample packs two.
@@ -53,28 +54,33 @@ def test_the_split_covers_each_sequence_once_and_balances_causal_attention():
 
 def test_the_micro_batch_is_cut_per_token_and_keeps_global_positions():
     ids = torch.arange(2 * 8).view(2, 8)
-    micro_batch = {"input_ids": ids, "labels": ids + 1, "label_mask": ids % 3 > 0, "domain_ids": torch.tensor([0, 1]),
-                   "token_count": torch.tensor(9.0)}
-    part = split_micro_batch(micro_batch, 1, 2)
+    micro_batch = MicroBatch(ids, ids + 1, ids % 3 > 0, torch.tensor([0, 1]), token_count=torch.tensor(9.0),
+                             sample_weights=torch.tensor([0.5, 0.25]), extras={"reference_losses": ids * 0.5})
+    part = ContextParallelBatches(1, 2).prepare(micro_batch)
     held = [2, 3, 4, 5]
-    assert torch.equal(part["input_ids"], ids[:, held]) and torch.equal(part["labels"], ids[:, held] + 1)
-    assert torch.equal(part["label_mask"], micro_batch["label_mask"][:, held])
-    assert part["position_ids"].tolist() == [held, held]
-    assert torch.equal(part["domain_ids"], micro_batch["domain_ids"]) and part["token_count"].item() == 9.0
+    assert torch.equal(part.input_ids, ids[:, held]) and torch.equal(part.labels, ids[:, held] + 1)
+    assert torch.equal(part.label_mask, micro_batch.label_mask[:, held])
+    assert torch.equal(part.extras["reference_losses"], ids[:, held] * 0.5)
+    assert part.position_ids.tolist() == [held, held] and part.document_ids is None
+    assert torch.equal(part.domain_ids, micro_batch.domain_ids) and part.token_count.item() == 9.0
+    assert torch.equal(part.sample_weights, micro_batch.sample_weights)
 
 
 def test_a_ranks_masks_are_its_rows_of_the_whole_sequences_masks():
     """The masks a cp rank hands the model (its queries' global indices and documents against the whole sequence's)
     are the rows of the single-rank masks, for the causal rule, a window, and documents packed in the samples."""
     documents = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
-    micro_batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "document_ids": documents}
+    zeros = torch.zeros(2, 16, dtype=torch.long)
+    micro_batch = MicroBatch(zeros, zeros, zeros == 0, torch.tensor([0, 0]), document_ids=documents)
     whole = AttentionMasks.of_sequence(16, torch.device("cpu"), documents=documents)
     for rank in range(2):
-        part = split_micro_batch(micro_batch, rank, 2)
-        masks, rows = context_parallel_masks(part, rank, 2), token_indices(rank, 2, 16)
+        transform = ContextParallelBatches(rank, 2)
+        part = transform.prepare(micro_batch)
+        (masks,) = transform.model_inputs(part).values()
+        rows = token_indices(rank, 2, 16)
         for window in (None, 3):
             assert torch.equal(masks.dense(window), whole.dense(window)[:, :, rows])
-        assert torch.equal(part["key_document_ids"], documents)
+        assert torch.equal(part.extras["key_document_ids"], documents)
 
 
 # --- config rules -----------------------------------------------------------------------------------------------------

@@ -10,15 +10,15 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from distributed import run_distributed
+from nanotron.data.batch import MicroBatch
 from nanotron.nn.attention import attend
 from nanotron.nn.recompute import keep_attention_context
 from nanotron.parallel import context_parallel
 from nanotron.parallel.context_parallel import (
-    context_parallel_masks,
+    ContextParallelBatches,
     gather_sequence_chunks,
     head_groups,
     overlapped_attention,
-    split_micro_batch,
     token_indices,
 )
 
@@ -42,8 +42,10 @@ def _rank_inputs(group: dist.ProcessGroup, q_heads: int, kv_heads: int):
     rows = token_indices(rank, size, SEQUENCE)
     q, k, v = (x.index_select(2, rows) for x in (q, k, v))
     grad = torch.randn(q.shape, generator=generator)
-    micro_batch = {"input_ids": torch.zeros(2, SEQUENCE, dtype=torch.long), "document_ids": DOCUMENTS}
-    mask = context_parallel_masks(split_micro_batch(micro_batch, rank, size), rank, size).for_window(WINDOW)
+    zeros = torch.zeros(2, SEQUENCE, dtype=torch.long)
+    transform = ContextParallelBatches(rank, size)
+    part = transform.prepare(MicroBatch(zeros, zeros, zeros == 0, torch.tensor([0, 0]), document_ids=DOCUMENTS))
+    mask = transform.model_inputs(part)["masks"].for_window(WINDOW)
     return (q, k, v), grad, mask
 
 

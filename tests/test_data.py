@@ -377,14 +377,14 @@ def test_ranks_together_train_on_the_global_batch_whatever_the_layout(blend, dp_
         micro_batches = [batch for loader in loaders for batch in loader.next_step()]
         assert len(micro_batches) == dp_size * accumulation
         expected = blend.samples(global_batch_indices(step, first_sample=5, global_batch_size=8))
-        input_ids = torch.cat([batch["input_ids"] for batch in micro_batches])
-        labels = torch.cat([batch["labels"] for batch in micro_batches])
-        assert micro_batches[0]["input_ids"].shape == (micro_batch_size, 16)
+        input_ids = torch.cat([batch.input_ids for batch in micro_batches])
+        labels = torch.cat([batch.labels for batch in micro_batches])
+        assert micro_batches[0].input_ids.shape == (micro_batch_size, 16)
         assert input_ids.dtype == labels.dtype == torch.int64
         assert torch.equal(input_ids, expected["tokens"][:, :-1])
         assert torch.equal(labels, expected["tokens"][:, 1:])
-        assert torch.equal(torch.cat([batch["domain_ids"] for batch in micro_batches]), expected["domain_ids"])
-        assert all(batch["label_mask"].dtype == torch.bool and batch["label_mask"].all() for batch in micro_batches)
+        assert torch.equal(torch.cat([batch.domain_ids for batch in micro_batches]), expected["domain_ids"])
+        assert all(batch.label_mask.dtype == torch.bool and batch.label_mask.all() for batch in micro_batches)
     assert loaders[0].step == 3
 
 
@@ -396,7 +396,8 @@ def test_loader_resumes_at_any_step_and_workers_change_nothing(blend):
     for step in (2, 3):
         for expected, plain, loaded in zip(steps[step], resumed.next_step(), with_workers.next_step()):
             for key in ("input_ids", "labels", "label_mask", "domain_ids"):
-                assert torch.equal(plain[key], expected[key]) and torch.equal(loaded[key], expected[key]), key
+                assert torch.equal(getattr(plain, key), getattr(expected, key)), key
+                assert torch.equal(getattr(loaded, key), getattr(expected, key)), key
 
 
 # Started as a fresh process: a loader with a worker, left open by an exception, prints the worker's process id.

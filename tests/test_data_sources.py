@@ -502,7 +502,7 @@ def _steps(dataset, first_sample: int, steps: int, dp_size: int = 1) -> list[tor
     loaders = [MicroBatchLoader(dataset, first_sample=first_sample, start_step=0, micro_batch_size=4 // dp_size // 2,
                                 accumulation=2, dp_rank=rank, dp_size=dp_size)
                for rank in range(dp_size)]
-    return [torch.cat([micro["input_ids"] for loader in loaders for micro in loader.next_step()])
+    return [torch.cat([micro.input_ids for loader in loaders for micro in loader.next_step()])
             for _ in range(steps)]
 
 

@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from distributed import run_distributed_each
-from helpers import _train, assert_user_error, cli, metrics, relative_error, tiny_config_dict, train, write_config
+from helpers import (
+    _train,
+    assert_user_error,
+    cli,
+    first_step,
+    metrics,
+    relative_error,
+    tiny_config_dict,
+    train,
+    write_config,
+)
 
 EOS = 9
 QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -156,7 +166,7 @@ def _config(tiny_data, run, chunk_tokens: int = 0, **model_config) -> dict:
     return config
 
 
-def _documents_alone(model, micro_batches: list[dict], ends: list[torch.Tensor],
+def _documents_alone(model, micro_batches: list, ends: list[torch.Tensor],
                      z_coefficient: float = 0.0) -> tuple[float, float, dict]:
     """CE and z-loss over the step's kept targets, each document of each sample run on its own through a copy of
     the model, divided by the count of kept targets; and the gradients of their sum. ``ends``: per micro-batch, True
@@ -168,7 +178,7 @@ def _documents_alone(model, micro_batches: list[dict], ends: list[torch.Tensor],
     count = sum(int((~micro_batch_ends).sum()) for micro_batch_ends in ends)
     ce = z = 0.0
     for mb, micro_batch_ends in zip(micro_batches, ends):
-        for ids, labels, row_ends in zip(mb["input_ids"], mb["labels"], micro_batch_ends):
+        for ids, labels, row_ends in zip(mb.input_ids, mb.labels, micro_batch_ends):
             cuts = [0] + [i + 1 for i in row_ends.nonzero().flatten().tolist()] + [len(ids)]
             for start, end in zip(cuts, cuts[1:]):
                 if start == end:
@@ -193,10 +203,10 @@ def test_the_trainer_step_is_the_documents_run_alone(tiny_data, tmp_path, chunk_
     try:
         eos = trainer.document_ends["main"]
         assert eos == trainer.datasets["main"].eos_token_id
-        micro_batches = trainer._loader(trainer.config.data_stages[0]).next_step()
-        assert sum(int((mb["input_ids"] == eos).sum()) for mb in micro_batches) >= 4  # documents to tell apart
-        statistics = trainer.forward_backward(micro_batches)
-        ce, z, grads = _documents_alone(trainer.model, micro_batches, [mb["input_ids"] == eos for mb in micro_batches],
+        micro_batches = first_step(trainer)
+        assert sum(int((mb.input_ids == eos).sum()) for mb in micro_batches) >= 4  # documents to tell apart
+        statistics = trainer.program.run(micro_batches, step=1)
+        ce, z, grads = _documents_alone(trainer.model, micro_batches, [mb.input_ids == eos for mb in micro_batches],
                                         0.05)
         assert statistics["lm_loss"].item() == pytest.approx(ce, rel=1e-5)
         assert statistics["z_loss"].item() == pytest.approx(z, rel=1e-5)
@@ -287,8 +297,8 @@ def _recorded_ends(folder, micro_batch: dict) -> torch.Tensor:
     (file,) = folder.glob("*.ds")
     tokens = torch.from_numpy(np.fromfile(file, dtype="<u2").astype(np.int64))
     index = np.fromfile(file.with_name(file.name + ".index"), dtype="<u8").astype(np.int64)
-    ends = torch.zeros_like(micro_batch["input_ids"], dtype=torch.bool)
-    for row, (ids, labels) in enumerate(zip(micro_batch["input_ids"], micro_batch["labels"])):
+    ends = torch.zeros_like(micro_batch.input_ids, dtype=torch.bool)
+    for row, (ids, labels) in enumerate(zip(micro_batch.input_ids, micro_batch.labels)):
         window = torch.cat([ids, labels[-1:]])
         (start,) = [start for start in range(0, len(tokens) - len(window) + 1, len(window))
                     if torch.equal(tokens[start:start + len(window)], window)]
@@ -318,11 +328,11 @@ def test_datatrove_folders_without_end_of_document_tokens_are_cut_at_their_index
     try:
         dataset = trainer.datasets["main"]
         assert dataset.records_document_ends and trainer.document_ends["main"] is None
-        micro_batches = trainer._loader(trainer.config.data_stages[0]).next_step()
+        micro_batches = first_step(trainer)
         ends = [_recorded_ends(folder, mb) for mb in micro_batches]
-        assert not any((mb["input_ids"] == eos).any() for mb in micro_batches)
+        assert not any((mb.input_ids == eos).any() for mb in micro_batches)
         assert sum(int(micro_batch_ends.sum()) for micro_batch_ends in ends) >= 4  # documents to tell apart
-        statistics = trainer.forward_backward(micro_batches)
+        statistics = trainer.program.run(micro_batches, step=1)
         ce, _, grads = _documents_alone(trainer.model, micro_batches, ends)
         assert statistics["lm_loss"].item() == pytest.approx(ce, rel=1e-5)
         for name, grad in grads.items():
@@ -365,9 +375,9 @@ def test_datatrove_files_without_an_index_end_documents_at_the_tokenizers_eos_id
                        for line in warned) != recorded
             assert trainer.datasets["main"].records_document_ends == recorded
             assert trainer.document_ends["main"] == (None if recorded else eos)
-            micro_batch = trainer._loader(trainer.config.data_stages[0]).next_step()[0]
-            assert (micro_batch["input_ids"] == eos).any()
-            assert torch.equal(micro_batch["label_mask"], micro_batch["input_ids"] != eos)
+            micro_batch = first_step(trainer)[0]
+            assert (micro_batch.input_ids == eos).any()
+            assert torch.equal(micro_batch.label_mask, micro_batch.input_ids != eos)
         finally:
             trainer.close()
 

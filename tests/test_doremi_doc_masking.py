@@ -36,7 +36,7 @@ def _reference_and_per_document_losses(reference: dict, proxy: dict) -> dict:
     config = config_from_dict(proxy)
     trainer = Trainer(config, features=features_for(config, doremi_proxy=True))
     (feature,) = [f for f in trainer.features if isinstance(f, DoReMiProxy)]
-    batches = trainer._loader(config.data_stages[0]).next_step()
+    batches = trainer.loader(config.data_stages[0]).next_step()
     feature.before_forward_backward(batches)
 
     def losses(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -47,14 +47,14 @@ def _reference_and_per_document_losses(reference: dict, proxy: dict) -> dict:
 
     computed, alone, across, packed = [], [], [], 0
     for mb in batches:
-        for row in range(mb["input_ids"].shape[0]):
-            documents = mb["document_ids"][row]
+        for row in range(mb.input_ids.shape[0]):
+            documents = mb.document_ids[row]
             packed += int(documents.max() > 0)
-            kept = mb["label_mask"][row]
-            computed.append(mb["reference_losses"][row][kept])
-            across.append(losses(mb["input_ids"][row], mb["labels"][row])[kept])
+            kept = mb.label_mask[row]
+            computed.append(mb.extras["reference_losses"][row][kept])
+            across.append(losses(mb.input_ids[row], mb.labels[row])[kept])
             alone.append(torch.cat([
-                losses(mb["input_ids"][row][documents == d], mb["labels"][row][documents == d])[kept[documents == d]]
+                losses(mb.input_ids[row][documents == d], mb.labels[row][documents == d])[kept[documents == d]]
                 for d in documents.unique()]))
     return {"computed": torch.cat(computed), "alone": torch.cat(alone), "across": torch.cat(across),
             "packed": packed}

@@ -212,7 +212,7 @@ def _train(config: dict, converters: tuple = ()) -> dict:
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config), converters)
-    fused_here = trainer.head_loss is not None
+    fused_here = trainer.program.objective_at(1).language_model.head is not None
     trainer.train()
     metrics = []
     if trainer.pc.rank == 0:

@@ -1,10 +1,12 @@
 """The step-hook interface (``training/hooks.py``): a feature defined here gets its calls in order at every step,
-adds its metrics to metrics.jsonl, and has its state saved in checkpoints and given back on a resume; the trainer's
-modules import no feature by name."""
+adds its metrics to metrics.jsonl, and has its state saved in checkpoints and given back on a resume; its step terms
+and batch transforms reach the step; the trainer's modules import no feature by name, and the trainer names no
+objective, batch transform, feature or family."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,8 +28,9 @@ class Recorder(Feature):
         self.steps = metadata["recorder"]["steps"]
         self.calls.append(("load_state_dict", self.steps))
 
-    def start(self, trainer):
-        self.calls.append(("start", trainer.progress.step))
+    def start(self, run):
+        assert run.folder == run.config.checkpoints.checkpoints_path and run.model is not None and run.pc is not None
+        self.calls.append(("start", run.progress.step))
 
     def before_forward_backward(self, micro_batches):
         self.calls.append(("before_forward_backward", len(micro_batches)))
@@ -88,6 +91,61 @@ def test_a_feature_gets_its_hooks_in_order_and_its_state_back_on_resume(tiny_dat
     assert json.loads((run / "3" / "checkpoint.json").read_text())["recorder"] == {"steps": 3}
 
 
+class FirstTargetLeftOut:
+    """A batch transform: every sample's first target leaves the objective (as a loss mask would)."""
+
+    def prepare(self, batch):
+        mask = batch.label_mask.clone()
+        mask[:, 0] = False
+        return dataclasses.replace(batch, label_mask=mask)
+
+    def model_inputs(self, batch):
+        return {}
+
+
+class TargetCount:
+    """A step term: no loss, a statistic (the targets the last stage trained on) and a metric."""
+
+    def template(self):
+        return {"targets": ()}
+
+    def compute(self, stage, batch):
+        return None, {"targets": batch.label_mask.sum().double()} if stage.last else {}
+
+    def metrics(self, sums):
+        return {"targets": int(sums["targets"].item())}
+
+
+class CountedTargets(Feature):
+    def step_terms(self):
+        return [TargetCount()]
+
+    def batch_transforms(self):
+        return [FirstTargetLeftOut()]
+
+
+def _train_with(config: dict, features: list) -> list[dict]:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config), features=features)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+
+
+def test_a_features_step_term_and_batch_transform_reach_the_step_and_metrics_jsonl(tiny_data, tmp_path):
+    """8 samples of 32 tokens a step, each with its first target left out by the feature's transform before the step
+    counts them: its term reports 8 x 31 targets a step in metrics.jsonl, and the loss is the mean over those."""
+    calls = [{"config": tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 2}), "features": features}
+             for name, features in (("counted", [CountedTargets()]), ("plain", []))]
+    counted, plain = (run_distributed(_train_with, 1, **call)[0] for call in calls)
+    assert [record["targets"] for record in counted] == [8 * 31, 8 * 31]
+    assert "targets" not in plain[0] and counted[0]["lm_loss"] != plain[0]["lm_loss"]
+
+
 def _imported_modules(path: Path) -> set[str]:
     """Every module a file imports, at any depth of its code (names imported from a package included)."""
     modules = set()
@@ -107,3 +165,20 @@ def test_the_trainer_imports_no_feature_by_name():
     for path in trainer_files:
         imported = _imported_modules(path)
         assert not [m for m in imported if m.startswith(specifics)], path
+
+
+def test_the_trainer_names_no_objective_batch_transform_feature_or_family():
+    """Objectives and batch transforms are handed in (``training/step.py``): adding a loss term or a transform
+    touches no line of the trainer, whose names say nothing of the z-loss, the context-parallel split, any loss,
+    feature or family; it keeps to set-up, loop, saves and closing, in at most 300 lines."""
+    path = SOURCE / "trainer.py"
+    assert len(path.read_text().splitlines()) <= 300
+    tree = ast.parse(path.read_text())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    names |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    names |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    names = {name.lower() for name in names}
+    assert names & {"cp", "z_loss", "loss_chunk_tokens"} == set()
+    fragments = ("z_loss", "contextparallel", "split", "cross_entropy", "head", "router", "moe", "attention",
+                 "doremi", "fp8", "llama", "qwen", "mamba")
+    assert not [name for name in names if any(fragment in name for fragment in fragments)]

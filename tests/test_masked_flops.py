@@ -83,12 +83,12 @@ def _config(tiny_data, run, **parallelism) -> dict:
     return config
 
 
-def _hand_attention_flops(micro_batches: list[dict], eos: int, windows: list[int | None], hidden: int) -> int:
+def _hand_attention_flops(micro_batches: list, eos: int, windows: list[int | None], hidden: int) -> int:
     """12 · hidden FLOPs per pair; each document (cut after every ``eos``) of L tokens has, per layer, Σ_p min(p+1, W)
     pairs, L(L+1)/2 without a window."""
     total = 0
     for mb in micro_batches:
-        for ids in mb["input_ids"].tolist():
+        for ids in mb.input_ids.tolist():
             cuts = [0] + [i + 1 for i, token in enumerate(ids) if token == eos] + [len(ids)]
             for length in (end - start for start, end in zip(cuts, cuts[1:]) if end > start):
                 for window in windows:
@@ -109,7 +109,7 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
         {"recompute": recompute} if recompute else {}))))
     try:
         eos = trainer.document_ends["main"]  # the preprocessed folders'
-        loader = trainer._loader(trainer.config.data_stages[0])  # the batches train() reads: its loader starts alike
+        loader = trainer.loader(trainer.config.data_stages[0])  # the batches train() reads: its loader starts alike
         steps = [loader.next_step() for _ in range(3)]
         trainer.train()
     finally:
@@ -126,7 +126,7 @@ def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tm
     for record, logged_steps in zip(records, [steps[:2], steps[2:]], strict=True):
         tokens = 2 * 2 * 64 * len(logged_steps)
         attention = sum(_hand_attention_flops(batches, eos, windows, 64) for batches in logged_steps) / tokens
-        assert any((mb["input_ids"] == eos).any() for batches in logged_steps for mb in batches)
+        assert any((mb.input_ids == eos).any() for batches in logged_steps for mb in batches)
         expected = other + attention
         per_gpu = record["tokens_per_sec_per_gpu"]
         assert record["tflops_per_gpu"] * 1e12 / per_gpu == pytest.approx(expected, rel=1e-9)

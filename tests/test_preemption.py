@@ -140,18 +140,18 @@ def test_a_loader_worker_that_dies_ends_the_run_with_one_error_line(tiny_data, t
 # ids of its rank's loader workers to the file $WORKER_PIDS.
 FAILING_STEP = """
 import multiprocessing, os, runpy, sys
-from nanotron.trainer import Trainer
+from nanotron.training.step import StepProgram
 
-forward_backward = Trainer.forward_backward
+run = StepProgram.run
 
-def failing(self, micro_batches):
-    if self.progress.step + 1 == 2 and os.environ.get("RANK", "0") == os.environ["FAILING_RANK"]:
+def failing(self, micro_batches, step):
+    if step == 2 and os.environ.get("RANK", "0") == os.environ["FAILING_RANK"]:
         pids = [str(child.pid) for child in multiprocessing.active_children()]
         open(os.environ["WORKER_PIDS"], "w").write(" ".join(pids))
         raise RuntimeError("a bug in step 2")
-    return forward_backward(self, micro_batches)
+    return run(self, micro_batches, step)
 
-Trainer.forward_backward = failing
+StepProgram.run = failing
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -19,6 +19,7 @@ from helpers import (
     away_from_initial_values,
     check_against_reference,
     cli,
+    first_step,
     metrics,
     tiny_config_dict,
     tp_config,
@@ -219,19 +220,19 @@ QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "in
               "sliding_window_size": 8, "no_rope_layer": 2, "z_loss_enabled": True, "z_loss_coefficient": 0.05}
 
 
-def _by_hand(trainer, micro_batches: list[dict], coefficient: float) -> tuple[float, float, dict]:
+def _by_hand(trainer, micro_batches: list, coefficient: float) -> tuple[float, float, dict]:
     """CE and coefficient · mean logsumexp² over the step's target tokens, and the gradients of their sum, from a
     copy of the trainer's model in plain torch."""
     from nanotron.models.qwen2.model import Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM(trainer.model.config, trainer.model.padded_vocab_size)
     model.load_state_dict(trainer.model.state_dict())
-    count = sum(int(mb["label_mask"].sum()) for mb in micro_batches)
+    count = sum(int(mb.label_mask.sum()) for mb in micro_batches)
     ce = z = 0.0
     for mb in micro_batches:
-        logits = model(input_ids=mb["input_ids"]).float()
-        mask = mb["label_mask"]
-        ce = ce + torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(),
+        logits = model(input_ids=mb.input_ids).float()
+        mask = mb.label_mask
+        ce = ce + torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(),
                                                     reduction="none")[mask.flatten()].sum() / count
         z = z + coefficient * logits.logsumexp(-1)[mask].square().sum() / count
     (ce + z).backward()
@@ -248,8 +249,8 @@ def test_trained_loss_is_cross_entropy_plus_the_z_loss(tiny_data, tmp_path, chun
                                                                      "loss_chunk_tokens": chunk_tokens})
     trainer = Trainer(config_from_dict(config))
     try:
-        micro_batches = trainer._loader(trainer.config.data_stages[0]).next_step()
-        statistics = trainer.forward_backward(micro_batches)
+        micro_batches = first_step(trainer)
+        statistics = trainer.program.run(micro_batches, step=1)
         ce, z, grads = _by_hand(trainer, micro_batches, 0.05)
         assert z > 0.05 * 10  # logsumexp of 384 logits is ~6: the z term weighs on the gradients
         assert statistics["lm_loss"].item() == pytest.approx(ce, rel=1e-5)

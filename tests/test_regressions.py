@@ -97,12 +97,13 @@ def test_vocab_parallel_cross_entropy_reads_nothing_back_to_the_host():
 
 
 def _doremi_loss_is_compiled(config: dict) -> dict:
-    """Build the proxy trainer with model.compile, recording what ``torch.compile`` is given; call its loss on a
-    micro-batch, compiled and eagerly."""
+    """Build the proxy trainer with model.compile, recording what ``torch.compile`` is given; call its language-model
+    loss on a micro-batch weighted as DoReMi weighs it, compiled and eagerly, and by hand."""
     from nanotron.config import config_from_dict
+    from nanotron.data.batch import MicroBatch
     from nanotron.features import features_for
-    from nanotron.features.doremi import weighted_micro_batch_loss
     from nanotron.trainer import Trainer
+    from nanotron.training.objective import micro_batch_loss
 
     compiled, real_compile = {}, torch.compile
 
@@ -117,25 +118,28 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
         trainer = Trainer(proxy, features=features_for(proxy, doremi_proxy=True))
     finally:
         torch.compile = real_compile
-    vocab, num_domains = trainer.model.padded_vocab_size, 3
-    micro_batch = {"labels": torch.randint(0, 384, (2, 8)), "label_mask": torch.ones(2, 8, dtype=torch.bool),
-                   "domain_ids": torch.tensor([0, 2]), "domain_token_weights": torch.tensor([0.1, 0.2, 0.3]),
-                   "reference_losses": torch.full((2, 8), 5.0), "token_count": torch.tensor(16.0)}
-    logits = torch.randn(2, 8, vocab)
-    arguments = (logits, micro_batch, trainer.pc.groups["tp"], 384, num_domains)
-    loss = trainer._loss(*arguments)[0]
-    source = compiled.get(id(trainer._loss))
-    eager = (source or trainer._loss)(*arguments)[0]
+    labels = torch.randint(0, 384, (2, 8))
+    batch = MicroBatch(labels, labels, torch.ones(2, 8, dtype=torch.bool), torch.tensor([0, 2]),
+                       token_count=torch.tensor(16.0), sample_weights=torch.tensor([0.1, 0.3]))
+    logits = torch.randn(2, 8, trainer.model.padded_vocab_size)
+    loss_function = trainer.program.objective_at(1).language_model.loss
+    arguments = (logits, batch, trainer.pc.groups["tp"], 384, 3)
+    loss = loss_function(*arguments)[0]
+    source = compiled.get(id(loss_function))
+    eager = (source or loss_function)(*arguments)[0]
+    by_hand = (torch.nn.functional.cross_entropy(logits[..., :384].transpose(1, 2), labels, reduction="none").sum(-1)
+               * batch.sample_weights).sum()
     trainer.pc.destroy()
-    return {"compiled": source is weighted_micro_batch_loss,
-            "equal": torch.allclose(loss, eager, rtol=1e-5)}
+    return {"compiled": source is micro_batch_loss, "equal": torch.allclose(loss, eager, rtol=1e-5),
+            "weighted": torch.allclose(eager, by_hand, rtol=1e-5)}
 
 
 @pytest.mark.slow
 def test_the_doremi_loss_is_compiled_when_the_model_is(tiny_data, doremi_domains, doremi_reference, tmp_path):
     config = doremi_config(tiny_data, doremi_domains, tmp_path / "proxy", reference=doremi_reference, steps=1)
     config["model"]["compile"] = True
-    assert run_distributed(_doremi_loss_is_compiled, 1, config=config) == [{"compiled": True, "equal": True}]
+    assert run_distributed(_doremi_loss_is_compiled, 1, config=config) == [
+        {"compiled": True, "equal": True, "weighted": True}]
 
 
 def _rotary_positions_per_stage(config: dict) -> int:

@@ -81,7 +81,7 @@ def _train_with_converter(config: dict, converted: bool, resume_buffer: bool = F
 
     trainer = Trainer(config_from_dict(config), converters=(swap_matmuls,) if converted else ())
     losses = []
-    loader = trainer._loader(trainer.config.data_stages[0])
+    loader = trainer.loader(trainer.config.data_stages[0])
     for step in range(1, 4):
         losses.append(trainer.finish_step(trainer.train_step(loader.next_step(), 1e-3)).loss)
         trainer.progress.step = step
@@ -138,9 +138,9 @@ def _two_layer_pipeline(pp: int) -> dict:
             hidden = micro_batch["x"] + branch
             statistics["aux_loss"] = aux
         if not pc.is_last_stage:
-            return StageOutput(hidden, statistics, aux)
+            return StageOutput(hidden, statistics, () if aux is None else (aux,))
         loss = (hidden @ w1).square().mean()
-        return StageOutput(loss, statistics | {"loss": loss}, aux)
+        return StageOutput(None, statistics | {"loss": loss}, (loss,) if aux is None else (loss, aux))
 
     schedule = PipelineSchedule(pc, "1f1b", P2P(pc, (2, 4, 8), torch.float32, 60.0), forward, lambda: None)
     statistics = sum_over_replicas(schedule.run(micro_batches, step=1), {"loss": (), "aux_loss": ()}, pc)

@@ -461,12 +461,12 @@ def _user_error_types() -> tuple[type[Exception], ...]:
     from nanotron.config import ConfigError
     from nanotron.data.dataset import DataError
     from nanotron.data.tokenizer import TokenizerError
+    from nanotron.divergence import TrainingDivergedError
     from nanotron.errors import CheckpointError
     from nanotron.parallel.context import ParallelLayoutError
     from nanotron.parallel.data_parallel import ReplicaDivergenceError
     from nanotron.parallel.pipeline_parallel import PipelineTimeoutError
     from nanotron.plot import PlotError
-    from nanotron.trainer import TrainingDivergedError
 
     return (ConfigError, DataError, TokenizerError, CheckpointError, ParallelLayoutError,
             TrainingDivergedError, PipelineTimeoutError, ReplicaDivergenceError, PlotError)

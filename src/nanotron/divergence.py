@@ -10,10 +10,17 @@ one synchronisation per step, paid only when one of the two options is set.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 
+logger = logging.getLogger("nanotron.trainer")
+
 RECENT_STEPS = 20  # good steps whose mean loss a spike is measured against
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite."""
 
 
 class BadStepGuard:
@@ -48,3 +55,15 @@ class BadStepGuard:
     def exhausted(self) -> bool:
         """More bad steps in a row than may be skipped: the run must stop."""
         return self.bad_in_a_row > self.skip_limit
+
+    def skip_or_stop(self, step: int, reason: str) -> None:
+        """After a bad step (``judge`` gave its ``reason``): raise ``TrainingDivergedError`` if the run must stop,
+        else log that the step's update is skipped."""
+        if self.exhausted:
+            skipped = self.bad_in_a_row - 1
+            raise TrainingDivergedError(
+                f"at step {step}: {reason}" + (f", after {skipped} skipped step(s)" if skipped else "") + "; training "
+                "diverged. Resume from the last checkpoint before it with a lower "
+                "optimizer.learning_rate_scheduler.learning_rate (or raise optimizer.skip_bad_steps)")
+        logger.warning(f"step {step}: {reason}; update skipped ({self.bad_in_a_row} in a row, "
+                       f"optimizer.skip_bad_steps={self.skip_limit})")

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from nanotron.data.batch import MicroBatch
 from nanotron.data.dataset import DataError, SampleSource
 from nanotron.preemption import STOP_SIGNALS
 
@@ -71,19 +72,18 @@ def packed_documents(ends: torch.Tensor) -> dict[str, torch.Tensor]:
             "label_mask": ~ends}
 
 
-def _to_micro_batch(samples: dict[str, torch.Tensor], end_of_document: int | None) -> dict[str, torch.Tensor]:
+def _to_micro_batch(samples: dict[str, torch.Tensor], end_of_document: int | None) -> MicroBatch:
     """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens; under document masking the
     documents packed in them too (``packed_documents``): where the samples carry the document ends their source
     recorded (``SampleSource.records_document_ends``), else where the ``end_of_document`` id stands."""
     tokens = samples["tokens"]
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    micro_batch = {"input_ids": input_ids, "labels": labels, "label_mask": torch.ones_like(labels, dtype=torch.bool),
-                   "domain_ids": samples["domain_ids"]}
+    fields = {"label_mask": torch.ones_like(labels, dtype=torch.bool)}
     if "document_ends" in samples:
-        micro_batch |= packed_documents(samples["document_ends"][:, :-1])
+        fields |= packed_documents(samples["document_ends"][:, :-1])
     elif end_of_document is not None:
-        micro_batch |= packed_documents(input_ids == end_of_document)
-    return micro_batch
+        fields |= packed_documents(input_ids == end_of_document)
+    return MicroBatch(input_ids, labels, domain_ids=samples["domain_ids"], **fields)
 
 
 class _RankMicroBatches(Dataset):
@@ -104,7 +104,7 @@ class _RankMicroBatches(Dataset):
         self.dp_rank = dp_rank
         self.dp_size = dp_size
 
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor] | DataError:
+    def __getitem__(self, k: int) -> MicroBatch | DataError:
         """The micro-batch, or the ``DataError`` that reading it met (a file changed since it was checked), returned
         so that a worker passes it on as it is: the DataLoader would raise it again wrapped in the worker's
         traceback, lines where the user is owed one."""
@@ -146,12 +146,11 @@ def _how_it_ended(worker: multiprocessing.Process) -> str:
 class MicroBatchLoader:
     """This data-parallel rank's micro-batches, step after step, from ``start_step`` of a data stage on.
 
-    Each micro-batch is ``{"input_ids", "labels", "label_mask", "domain_ids"}``: int64 ``[mbs, S]``, int64
-    ``[mbs, S]``, bool ``[mbs, S]`` and int64 ``[mbs]``; under document masking (``_to_micro_batch``) also
-    ``"position_ids"`` and ``"document_ids"``, int64 ``[mbs, S]``, computed here (in the workers, off the training
-    loop) and read by every pipeline stage. With ``num_workers > 0`` worker processes load ahead of the training
-    loop; the batches are identical to those of ``num_workers = 0``. ``close`` ends the workers; so does the exit of
-    the process, also where an exception left the loader referenced (by its traceback) until then.
+    Each micro-batch is a ``MicroBatch`` (``data/batch.py``) of ``micro_batch_size`` samples of ``S`` tokens; under
+    document masking (``_to_micro_batch``) with its ``position_ids`` and ``document_ids``, computed here (in the
+    workers, off the training loop) and read by every pipeline stage. With ``num_workers > 0`` worker processes load
+    ahead of the training loop; the batches are identical to those of ``num_workers = 0``. ``close`` ends the workers;
+    so does the exit of the process, also where an exception left the loader referenced (by its traceback) until then.
     """
 
     def __init__(self, dataset: SampleSource, *, first_sample: int, start_step: int, micro_batch_size: int,
@@ -168,7 +167,7 @@ class MicroBatchLoader:
         self.step = start_step  # the stage step that next_step() returns
         micro_batches = _RankMicroBatches(dataset, first_sample, start_step, micro_batch_size, accumulation,
                                           dp_rank, dp_size, end_of_document)
-        self._iterator: Iterator[dict[str, torch.Tensor]]
+        self._iterator: Iterator[MicroBatch | DataError]
         self._workers: list[multiprocessing.Process] = []
         if num_workers == 0:
             self._iterator = map(micro_batches.__getitem__, itertools.count())
@@ -187,7 +186,7 @@ class MicroBatchLoader:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGCHLD, sigchld)
 
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
+    def next_step(self) -> list[MicroBatch]:
         """The ``accumulation`` micro-batches of the next step."""
         try:
             micro_batches = [next(self._iterator) for _ in range(self.accumulation)]

@@ -11,11 +11,12 @@ Every step, on the same global batch at any layout:
    again and their weights could not recover;
 2. the reference model (any checkpoint: it is rebuilt at this run's tp/pp, without autograd) gives every token's
    loss ``ℓ_ref``;
-3. the proxy minimises ``Σ_i α_i · mean loss of domain i`` (the DRO objective; each domain's mean is over its
-   tokens in the global batch, whose counts are summed over data-parallel ranks first, so the gradients do not
-   depend on the split over ranks and micro-batches);
-4. the per-domain sums of ``max(ℓ - ℓ_ref, 0)`` and token counts travel as step statistics (summed over
-   micro-batches, stages and data-parallel ranks), and update ``α`` for the next step.
+3. the proxy minimises ``Σ_i α_i · mean loss of domain i`` (the DRO objective): the language-model loss with each
+   target token weighted by its domain's ``α_i`` over the domain's tokens in the global batch
+   (``MicroBatch.sample_weights``), whose counts are summed over data-parallel ranks first, so the gradients do not
+   depend on the split over ranks and micro-batches;
+4. the per-domain sums of ``max(ℓ - ℓ_ref, 0)`` (the step term ``ExcessLoss``) and token counts travel as step
+   statistics (summed over micro-batches, stages and data-parallel ranks), and update ``α`` for the next step.
 
 The weights are saved in every checkpoint (``domain_weights``, by domain name), so a resumed run continues the
 same trajectory, each domain with its own weight whatever the order of its folders now; the weights of every step
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import Config, ConfigError, DatasetStageArgs, DoReMiArgs, load_config
+from nanotron.data.batch import MicroBatch
 from nanotron.data.dataset import unique_domain_names
 from nanotron.errors import CheckpointError
 from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
@@ -42,8 +44,8 @@ from nanotron.models.registry import spec_named
 from nanotron.models.spec import ModelSpec
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 from nanotron.parallel.statistics import Statistics
-from nanotron.training.hooks import Feature
-from nanotron.training.loss import StepLoss, loss_and_statistics, per_domain_sums
+from nanotron.training.hooks import Feature, Run
+from nanotron.training.objective import StageOutputs, per_domain_sums
 
 
 def reference_checkpoint(config: Config) -> Path:
@@ -127,46 +129,29 @@ def saved_weights(checkpoint: Path, metadata: dict, names: list[str]) -> list[fl
     return [float(saved[name]) for name in names]
 
 
-def excess_loss_sums(losses: torch.Tensor, micro_batch: dict[str, torch.Tensor], num_domains: int) -> torch.Tensor:
+def excess_loss_sums(losses: torch.Tensor, batch: MicroBatch, num_domains: int) -> torch.Tensor:
     """Each domain's sum of the token losses' excess over the reference model's (clamped at 0, masked tokens out)."""
-    mask, domains = micro_batch["label_mask"], micro_batch["domain_ids"]
-    excess = torch.where(mask, (losses.detach() - micro_batch["reference_losses"]).clamp(min=0.0), 0.0).sum(-1)
-    return per_domain_sums(excess, domains, num_domains)
+    excess = (losses.detach() - batch.extras["reference_losses"]).clamp(min=0.0)
+    return per_domain_sums(torch.where(batch.label_mask, excess, 0.0).sum(-1), batch.domain_ids, num_domains)
 
 
-def weighted_micro_batch_loss(logits: torch.Tensor, micro_batch: dict[str, torch.Tensor],
-                              tp_group: dist.ProcessGroup, vocab_size: int,
-                              num_domains: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The proxy's loss, ``Σ_i α_i · mean loss of domain i`` (each token weighted by its domain's
-    ``domain_token_weights``), with the step statistics and each domain's excess loss over the reference; a module
-    function, so that the trainer compiles it with the model."""
-    losses = vocab_parallel_token_losses(logits, micro_batch["labels"], tp_group, vocab_size)
-    _, statistics = loss_and_statistics(losses, micro_batch, num_domains)
-    per_sample = torch.where(micro_batch["label_mask"], losses, 0.0).sum(-1)
-    loss = (per_sample * micro_batch["domain_token_weights"][micro_batch["domain_ids"]]).sum()
-    statistics["excess_loss_sum"] = excess_loss_sums(losses, micro_batch, num_domains)
-    return loss, statistics
+class ExcessLoss:
+    """The proxy's step term (``training/objective.py``): on the last stage, each domain's sum of the token losses'
+    excess over the reference's (``excess_loss_sum``), which the domain weights follow (``after_step``)."""
 
+    def __init__(self, num_domains: int):
+        self.num_domains = num_domains
 
-class WeightedDomainLoss(StepLoss):
-    """The proxy's objective, each token weighing its domain's ``domain_token_weights``; its statistics also hold each
-    domain's excess loss over the reference."""
+    def template(self) -> dict[str, tuple[int, ...]]:
+        return {"excess_loss_sum": (self.num_domains,)}
 
-    function = staticmethod(weighted_micro_batch_loss)
+    def compute(self, stage: StageOutputs, batch: MicroBatch) -> tuple[torch.Tensor | None, Statistics]:
+        if not stage.last:
+            return None, {}
+        return None, {"excess_loss_sum": excess_loss_sums(stage.token_losses, batch, self.num_domains)}
 
-    def token_weights(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The fused loss's token weights: ``weighted_micro_batch_loss``'s, each token weighing its domain's weight."""
-        domain_weights = micro_batch["domain_token_weights"][micro_batch["domain_ids"]]
-        return torch.where(micro_batch["label_mask"], domain_weights[:, None], 0.0)
-
-    def statistics(self, losses: torch.Tensor, micro_batch: dict[str, torch.Tensor], num_domains: int) -> Statistics:
-        """The plain statistics, and each domain's sum of the token losses' excess over the reference's."""
-        statistics = super().statistics(losses, micro_batch, num_domains)
-        statistics["excess_loss_sum"] = excess_loss_sums(losses, micro_batch, num_domains)
-        return statistics
-
-    def template(self, num_domains: int) -> dict[str, tuple[int, ...]]:
-        return super().template(num_domains) | {"excess_loss_sum": (num_domains,)}
+    def metrics(self, sums: Statistics) -> dict:
+        return {}
 
 
 class DomainMixture(Feature):
@@ -200,15 +185,15 @@ class DoReMiProxy(DomainMixture):
         proxy's starting loss weights, not its sampling mixture."""
         return weights or [1.0] * stage.data.num_domains
 
-    def loss(self) -> StepLoss:
-        return WeightedDomainLoss()
+    def step_terms(self) -> list[ExcessLoss]:
+        return [ExcessLoss(len(self.names))]
 
     def load_state_dict(self, checkpoint: Path, metadata: dict) -> None:
         """Checks, before the model is built, that a proxy checkpoint's weights are for this run's domains."""
         self.resumed_weights = saved_weights(checkpoint, metadata, self.names)
 
-    def start(self, trainer) -> None:
-        self.pc = trainer.pc
+    def start(self, run: Run) -> None:
+        self.pc = run.pc
         self.reference, _ = load_model(self.reference_checkpoint, self.pc)
         self.reference.requires_grad_(False)
         if self.resumed_weights is not None:
@@ -218,35 +203,33 @@ class DoReMiProxy(DomainMixture):
         else:
             self.weights = [1.0 / len(self.names)] * len(self.names)
         if self.pc.rank == 0:
-            self.history = WeightHistory(Path(trainer.config.checkpoints.checkpoints_path) / HISTORY_FILE,
-                                         trainer.progress.step)
+            self.history = WeightHistory(run.folder / HISTORY_FILE, run.progress.step)
 
     @torch.no_grad()
-    def _reference_losses(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _reference_losses(self, batch: MicroBatch) -> torch.Tensor | None:
         """The reference's token losses on the micro-batch, read as the proxy's forward reads it: under document
         masking with the same per-document positions and documents, so that the excess losses compare like with
         like."""
-        logits = forward_logits(self.reference, self.pc, micro_batch["input_ids"], micro_batch.get("position_ids"),
-                                None, None, last_only=False, gather=False,
-                                document_ids=micro_batch.get("document_ids"))
+        logits = forward_logits(self.reference, self.pc, batch.input_ids, batch.position_ids, None, None,
+                                last_only=False, gather=False, document_ids=batch.document_ids)
         if logits is None:  # not the last pipeline stage
             return None
-        return vocab_parallel_token_losses(logits, micro_batch["labels"], self.pc.groups["tp"],
+        return vocab_parallel_token_losses(logits, batch.labels, self.pc.groups["tp"],
                                            self.reference.config.vocab_size)
 
-    def before_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Each micro-batch also carries its reference losses and the loss weight of a token of each domain:
-        ``α_i`` over domain ``i``'s token count in the global batch (0 for a domain absent from it)."""
-        tokens = sum(per_domain_sums(mb["label_mask"].sum(-1).float(), mb["domain_ids"], len(self.names))
+    def before_forward_backward(self, micro_batches: list[MicroBatch]) -> None:
+        """Each micro-batch also carries its reference losses and the weight in the objective of each of its samples'
+        target tokens (``sample_weights``): ``α_i`` over domain ``i``'s token count in the global batch."""
+        tokens = sum(per_domain_sums(mb.label_mask.sum(-1).float(), mb.domain_ids, len(self.names))
                      for mb in micro_batches)
         dist.all_reduce(tokens, group=self.pc.groups["dp_ep"])
         weights = torch.tensor(self.weights, device=self.pc.device, dtype=torch.float32)
         per_token = torch.where(tokens > 0, weights / tokens.clamp(min=1.0), 0.0)
         for mb in micro_batches:
-            mb["domain_token_weights"] = per_token
+            mb.sample_weights = per_token[mb.domain_ids]
             reference = self._reference_losses(mb)
             if reference is not None:
-                mb["reference_losses"] = reference
+                mb.extras["reference_losses"] = reference
 
     def after_step(self, step: int, statistics: Statistics, skipped: bool) -> None:
         """The weights of the next step (a skipped step keeps them); the history records the ones this step used."""

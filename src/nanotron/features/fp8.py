@@ -29,7 +29,7 @@ from nanotron.nn.fp8 import (
     warn_if_emulated,
 )
 from nanotron.parallel.statistics import max_over_ranks, sum_over_all_ranks
-from nanotron.training.hooks import Feature
+from nanotron.training.hooks import Feature, Run
 
 
 class FP8(Feature):
@@ -54,8 +54,8 @@ class FP8(Feature):
                     f"fp8.amax_history_length is {self.args.amax_history_length}: resume with "
                     f"fp8.amax_history_length: {stored[-1]} (the length is fixed for a run)")
 
-    def start(self, trainer) -> None:
-        self.model, self.pc = trainer.model, trainer.pc
+    def start(self, run: Run) -> None:
+        self.model, self.pc = run.model, run.pc
         refresh_filled_histories(self.model)  # loaded amax histories scale the first step
 
     def after_optimizer_step(self, skipped: bool) -> None:

@@ -3,7 +3,7 @@
 A model family is one :class:`ModelSpec` in ``models/registry.py``: its config class and what it does in code: model
 class, tensor-parallel plan, costs (parameters, FLOPs per token per part, for MFU and the pipeline split), what its
 layers keep for the backward (the memory planner), initial weights, Hugging Face adapter, inference cache, expert
-parallelism and auxiliary losses. What follows from the config alone (context length, z-loss, document masking, the
+parallelism and step terms. What follows from the config alone (context length, z-loss, document masking, the
 dtype between stages, what a resume may change) is a property of the config (``config/family.py``). The trainer, the
 pipeline, generation, metrics and checkpoints only talk to a model through :class:`CausalLM`, its config and its spec,
 so adding a family means adding its files and one registry entry.
@@ -169,19 +169,6 @@ class HFAdapter(Protocol):
         """``read(name)`` returns the full logical tensor ``name`` (the real vocabulary rows only)."""
 
 
-@dataclass(frozen=True)
-class AuxiliaryLosses:
-    """Losses a family adds to the language-model objective (a router's load balancing), with their statistics.
-
-    ``collect(stage_model, sequences_per_step)`` runs after each micro-batch forward of a pipeline stage: it returns
-    the stage's auxiliary loss for that micro-batch (its share of the step value, or None) and named statistics,
-    which are summed like the loss (``parallel/statistics.py``); ``template(config)`` gives their shapes and
-    ``metrics(step_statistics, config)`` turns the step's sums into metrics.jsonl fields.
-    """
-
-    collect: Callable[[CausalLM, int], tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
-    template: Callable[[Any], dict[str, tuple[int, ...]]]
-    metrics: Callable[[dict[str, torch.Tensor], Any], dict]
 
 
 @dataclass(frozen=True)
@@ -196,7 +183,9 @@ class ModelSpec:
     init_rule: Callable[[str, Any, float], Initializer]  # (logical name, config, init std) -> initializer
     hf_adapter: HFAdapter
     inference_cache: Callable[[], Any]  # a fresh cache for one decoder layer
-    auxiliary_losses: AuxiliaryLosses | None = None
+    # the run's config -> the family's step terms (``training/objective.py``'s ``StepTerm``: a contribution to the
+    # loss, statistics and metrics), beside the language-model loss: a mixture of experts' router losses
+    step_terms: Callable[[Any], list] = lambda config: []
     # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for
     # a family without experts (the config rules refuse expert_parallel_size > 1 for it)
     expert_parallel: Callable[[nn.Module, Any], None] | None = None

@@ -3,16 +3,17 @@
 **The split.** With N ranks the sequence is cut into 2N equal chunks and rank r holds chunks r and 2N-1-r, in that
 order (``token_indices``): under the causal mask a query's work grows with its index, so pairing an early chunk
 with a late one gives every rank the same number of (query, key) pairs. Every per-token tensor of a micro-batch
-(inputs, labels, label mask, positions) is cut alike (``split_micro_batch``); the samples are the same on every cp
-rank, so the global batch does not change, and the loss stays the sum of the token losses over the global count of
-target tokens, each rank summing its own tokens' losses. Under document masking the micro-batch keeps the whole
-sequence's document ids beside the rank's (``key_document_ids``), which the keys' side of the mask reads.
+(inputs, labels, label mask, positions) is cut alike by the step's batch transform ``ContextParallelBatches``; the
+samples are the same on every cp rank, so the global batch does not change, and the loss stays the sum of the token
+losses over the global count of target tokens, each rank summing its own tokens' losses. Under document masking the
+micro-batch keeps the whole sequence's document ids beside the rank's (``key_document_ids``), which the keys' side of
+the mask reads.
 
 **Attention.** Everything in a decoder layer but attention works token by token, so only attention needs the
 other ranks: ``apply_context_parallel`` swaps every attention core (``nn/attention.py``) for a
 ``ContextParallelAttention``, which all-gathers the keys and values of the whole sequence over the cp group (their
 gradients are reduce-scattered back to the ranks that computed them) and puts them in global order. The local
-queries then attend to them under the layer's mask, which the trainer hands the model (``context_parallel_masks``):
+queries then attend to them under the layer's mask, which the step hands the model (``ContextParallelBatches``):
 the attention rule evaluated at the queries' global indices against every key's, so sliding windows and document
 masking need nothing more. The model is never told about the exchange: its attention block hands its queries, keys,
 values and mask to whatever core it holds.
@@ -37,10 +38,13 @@ Parameters are replicated over cp; their gradients, each rank's over its own tok
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanotron.data.batch import MicroBatch
 from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask, attend
 from nanotron.nn.sequence_sum import SequenceSum
 
@@ -59,34 +63,48 @@ def token_indices(rank: int, size: int, sequence_length: int, device: torch.devi
                       torch.arange(second, second + chunk, device=device)])
 
 
-def split_micro_batch(micro_batch: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """This cp rank's part of a micro-batch: every [batch, sequence, ...] tensor (those shaped like ``input_ids``)
-    cut to the rank's tokens, and ``position_ids`` (the tokens' positions in the whole sequence, 0, 1, ... unless the
-    micro-batch has them) cut alike; per-sample and scalar entries stay whole."""
-    batch, sequence = micro_batch["input_ids"].shape
-    if "position_ids" not in micro_batch:
-        positions = torch.arange(sequence, device=micro_batch["input_ids"].device).expand(batch, sequence)
-        micro_batch = micro_batch | {"position_ids": positions}
-    index = token_indices(rank, size, sequence, micro_batch["input_ids"].device)
-    part = {key: value.index_select(1, index) if value.dim() >= 2 and value.shape[:2] == (batch, sequence) else value
-            for key, value in micro_batch.items()}
-    if "document_ids" in micro_batch:
-        part["key_document_ids"] = micro_batch["document_ids"]
-    return part
+class ContextParallelBatches:
+    """The batch transform of context parallelism (``training/step.py``): every micro-batch cut to this cp rank's
+    tokens (``prepare``), and the attention masks of those tokens handed to the model (``model_inputs``); ``flash``:
+    the model's attention runs FlashAttention-4."""
 
+    def __init__(self, rank: int, size: int, flash: bool = False):
+        self.rank, self.size, self.flash = rank, size, flash
 
-def context_parallel_masks(micro_batch: dict[str, torch.Tensor], rank: int, size: int,
-                           flash: bool = False) -> AttentionMasks:
-    """The attention masks of cp rank ``rank``'s part of a micro-batch (``split_micro_batch``): its tokens' global
-    indices against the whole sequence's, and under document masking their documents against the whole sequence's;
-    ``flash``: for a model whose attention runs FlashAttention-4 (each of the rank's two chunks against the keys up
-    to its end)."""
-    device = micro_batch["input_ids"].device
-    sequence = micro_batch["input_ids"].shape[1] * size
-    chunk = sequence // (2 * size)
-    return AttentionMasks(token_indices(rank, size, sequence, device), torch.arange(sequence, device=device),
-                          micro_batch.get("document_ids"), micro_batch.get("key_document_ids"),
-                          query_runs=((rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)), flash=flash)
+    def prepare(self, batch: MicroBatch) -> MicroBatch:
+        """This rank's part of a micro-batch: every per-token tensor (shaped [batch, sequence, ...] like
+        ``input_ids``) cut to the rank's tokens, and ``position_ids`` (the tokens' positions in the whole sequence,
+        0, 1, ... unless the micro-batch has them) cut alike; per-sample and scalar tensors stay whole. Under document
+        masking the whole sequence's document ids stay too, as ``extras["key_document_ids"]``."""
+        rows, sequence = batch.input_ids.shape
+        device = batch.input_ids.device
+        if batch.position_ids is None:
+            positions = torch.arange(sequence, device=device).expand(rows, sequence)
+            batch = dataclasses.replace(batch, position_ids=positions)
+        index = token_indices(self.rank, self.size, sequence, device)
+
+        def part(value: torch.Tensor | None) -> torch.Tensor | None:
+            if value is not None and value.dim() >= 2 and value.shape[:2] == (rows, sequence):
+                return value.index_select(1, index)
+            return value
+
+        extras = {key: part(value) for key, value in batch.extras.items()}
+        if batch.document_ids is not None:
+            extras["key_document_ids"] = batch.document_ids
+        return dataclasses.replace(batch, **{name: part(getattr(batch, name)) for name in batch.tensor_fields()},
+                                   extras=extras)
+
+    def model_inputs(self, batch: MicroBatch) -> dict[str, AttentionMasks]:
+        """The attention masks of a prepared micro-batch: its tokens' global indices against the whole sequence's,
+        and under document masking their documents against the whole sequence's; for a model whose attention runs
+        FlashAttention-4, each of the rank's two chunks against the keys up to its end."""
+        device = batch.input_ids.device
+        sequence = batch.input_ids.shape[1] * self.size
+        chunk = sequence // (2 * self.size)
+        runs = ((self.rank * chunk, chunk), ((2 * self.size - 1 - self.rank) * chunk, chunk))
+        return {"masks": AttentionMasks(token_indices(self.rank, self.size, sequence, device),
+                                        torch.arange(sequence, device=device), batch.document_ids,
+                                        batch.extras.get("key_document_ids"), query_runs=runs, flash=self.flash)}
 
 
 def _to_global_order(gathered: torch.Tensor, size: int) -> torch.Tensor:
@@ -233,7 +251,7 @@ def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 class ContextParallelAttention(AttentionCore):
     """An attention core for queries holding this rank's tokens (``token_indices``): the keys and values of the
     whole sequence come from the cp group, group of kv heads after group of kv heads (``overlapped_attention``), and
-    the queries attend to them where the mask (``context_parallel_masks``) allows."""
+    the queries attend to them where the mask (``ContextParallelBatches.model_inputs``) allows."""
 
     def __init__(self, group: dist.ProcessGroup):
         super().__init__()
@@ -246,7 +264,7 @@ class ContextParallelAttention(AttentionCore):
                 mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
         if mask is None:
             raise ValueError("a context-parallel rank's queries are parts of the sequence: give the model the masks "
-                             "of context_parallel_masks")
+                             "of ContextParallelBatches.model_inputs")
         return self.overlapped_attention(q, k, v, mask, self.group)
 
 

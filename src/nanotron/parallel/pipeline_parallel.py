@@ -7,12 +7,13 @@ pipeline group created at start-up, and every wait has a deadline: a stage that 
 ``parallelism.pp_timeout_s`` (or whose neighbour died) fails with an error naming the stage, the step and the exchange
 instead of hanging.
 
-The loss of each micro-batch is computed on the last stage only, as ``sum of token losses / global token count``,
-so accumulating over the schedule's micro-batches gives the mean over the global batch with no further scaling.
-A stage's forward returns a :class:`StageOutput`: besides the activations (or the loss) it may carry an auxiliary
-loss that the stage adds to the objective (e.g. a router's load-balancing loss on an inner stage, backpropagated
-together with the gradient that comes back for its activations) and named statistics, which the schedule sums over
-the step's micro-batches for the trainer (``parallel/statistics.py``).
+The language-model loss of each micro-batch is computed on the last stage only, as ``sum of token losses / global
+token count``, so accumulating over the schedule's micro-batches gives the mean over the global batch with no further
+scaling. A stage's forward (the step program's, ``training/step.py``) returns a :class:`StageOutput`: the activations
+for the next stage (none on the last), the stage's contributions to the loss (the language-model loss on the last
+stage, a router's load-balancing loss on any stage, each backpropagated together with the gradient that comes back
+for the activations) and named statistics, which the schedule sums over the step's micro-batches
+(``parallel/statistics.py``).
 
 1F1B (Narayanan et al., 2021): stage ``s`` of ``P`` first runs ``min(P - s - 1, M)`` forwards (warm-up), then
 alternates one forward and one backward, then finishes the remaining backwards (cool-down). At most ``P - s``
@@ -31,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nanotron.data.batch import MicroBatch
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.statistics import Statistics, accumulate
 
@@ -100,13 +102,13 @@ class P2P:
 class StageOutput:
     """One stage's forward of one micro-batch.
 
-    The activations are freed once sent (see ``PipelineSchedule._free``), so an auxiliary loss must be computed from
-    tensors inside the stage (router logits), never from the output itself.
+    The activations are freed once sent (see ``PipelineSchedule._free``), so a loss of an inner stage must be computed
+    from tensors inside the stage (router logits), never from the output itself.
     """
 
-    output: torch.Tensor  # activations for the next stage; on the last stage the scalar loss to backpropagate
+    output: torch.Tensor | None  # activations for the next stage; None on the last stage
     statistics: Statistics = field(default_factory=dict)  # summed over micro-batches, detached
-    auxiliary_loss: torch.Tensor | None = None  # a scalar this stage adds to the objective
+    losses: tuple[torch.Tensor, ...] = ()  # scalars this stage adds to the objective, each a root of its backward
 
 
 class PipelineSchedule:
@@ -126,7 +128,7 @@ class PipelineSchedule:
         self.stages = parallel_context.size("pp")
         self.engine = engine if self.stages > 1 else "1f1b"
 
-    def run(self, micro_batches: list[dict], step: int) -> Statistics:
+    def run(self, micro_batches: list[MicroBatch], step: int) -> Statistics:
         """Forward and backward every micro-batch; returns this stage's statistics summed over the micro-batches."""
         self.p2p.step = step
         self.statistics: Statistics = {}
@@ -140,7 +142,7 @@ class PipelineSchedule:
 
     # --- one micro-batch on this stage ----------------------------------------------------------------------
 
-    def _forward(self, micro_batch: dict) -> tuple[torch.Tensor | None, StageOutput]:
+    def _forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor | None, StageOutput]:
         x = None if self.first else self._next_input()
         if x is not None:
             x.requires_grad_()
@@ -164,11 +166,8 @@ class PipelineSchedule:
         self._backwards_left -= 1
         if self._backwards_left == 0:
             self.before_last_backward()
-        outputs, grads = [y.output], [grad]
-        if y.auxiliary_loss is not None:
-            outputs.append(y.auxiliary_loss)
-            grads.append(None)
-        torch.autograd.backward(outputs, grads)
+        outputs, grads = ([], []) if y.output is None else ([y.output], [grad])
+        torch.autograd.backward(outputs + list(y.losses), grads + [None] * len(y.losses))
         return None if x is None else x.grad
 
     # --- schedules --------------------------------------------------------------------------------------------

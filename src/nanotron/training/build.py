@@ -1,12 +1,14 @@
-"""Building a run's pieces from its validated config: the data it reads, the pipeline schedule, the fused loss, and
-the summary logged before the first step. The model and optimizer are built by ``models/build.py`` and
-``optim/optimizer.py``; the trainer puts them together."""
+"""Building a run's pieces from its validated config: the data it reads, the pipeline schedule, the summary logged
+before the first step and the profiler. The model and optimizer are built by ``models/build.py`` and
+``optim/optimizer.py``, the step by ``training/step.py``; the trainer puts them together."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -25,7 +27,6 @@ from nanotron.data.tokenizer import (
 from nanotron.memory import memory_summary
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
 from nanotron.training.hooks import Feature
 
@@ -164,20 +165,6 @@ def pipeline_schedule(config: Config, pc: ParallelContext,
     return PipelineSchedule(pc, p.pp_engine, p2p, stage_forward, before_last_backward)
 
 
-def fused_head_loss(config: Config, pc: ParallelContext, model: CausalLM) -> LinearCrossEntropy | None:
-    """The LM head and the loss in one, chunk by chunk (``model.loss_chunk_tokens``), on the last stage; None: the
-    model returns the logits and the loss function takes them."""
-    chunk_tokens = config.model.loss_chunk_tokens
-    if chunk_tokens == 0 or not pc.is_last_stage:
-        return None
-    if not fusable_head(model.lm_head):
-        logger.warning("model.loss_chunk_tokens is ignored: a converter gave the LM head another matmul (or it "
-                       "has a bias), which the fused loss would bypass; the logits are computed in full")
-        return None
-    return LinearCrossEntropy(pc.groups["tp"], config.model.model_config.vocab_size, chunk_tokens,
-                              compiled=config.model.compile)
-
-
 def log_summary(config: Config, pc: ParallelContext, model: CausalLM, num_parameters: int) -> None:
     """The model, the global batch and the memory estimate, before the first step."""
     t = config.tokens
@@ -196,3 +183,20 @@ def log_summary(config: Config, pc: ParallelContext, model: CausalLM, num_parame
     )
     gpu_memory_gb = torch.cuda.get_device_properties(pc.device).total_memory / 1e9 if pc.device.type == "cuda" else None
     logger.info(memory_summary(config, pc.coord("pp"), gpu_memory_gb))
+
+
+def profiler(config: Config, pc: ParallelContext):
+    """The torch profiler of a run with ``profiler.profiler_export_path``, a context whose ``step()`` the loop calls
+    after every step (a trace per rank in that folder, of the 6th and 7th steps the run trains); else a context that
+    gives None."""
+    path = config.profiler.profiler_export_path if config.profiler else None
+    if path is None:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if pc.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(skip_first=3, wait=1, warmup=1, active=2, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(Path(path) / f"rank{pc.rank}")),
+    )

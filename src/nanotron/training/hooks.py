@@ -4,10 +4,12 @@ A feature is an object whose hooks the trainer calls at fixed points; every hook
 feature writes only the ones it needs. In the order of a run:
 
 - build: ``sampling_weights`` (the data mixture of a stage), ``converters`` (module converters run before the
-  weights exist), ``loss`` (another objective than the mean token loss);
+  weights exist), ``step_terms`` (terms of the step's objective and reports, ``training/objective.py``) and
+  ``batch_transforms`` (changes to every micro-batch before the step counts its tokens, ``data/batch.py``);
 - resume, before the model exists: ``check_checkpoint`` (any checkpoint weights are loaded from) and
   ``load_state_dict`` (the checkpoint the run continues from; the feature's own entries are in its metadata);
-- ``start``, once the trainer is built and its state loaded;
+- ``start``, once the run is built and its state loaded: the feature gets the ``Run`` (model, process grid, config,
+  progress, run folder);
 - every step: ``before_forward_backward`` (the step's micro-batches, on the device), then
   ``after_optimizer_step`` (the update applied, or skipped as a bad step), then ``after_step`` (the step judged;
   its statistics), then ``metrics`` (extra fields of the step's metrics.jsonl record, a collective where the feature
@@ -20,17 +22,32 @@ The features of a run are ``features_for(config)`` (``features/__init__.py``); t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from nanotron.config import DatasetStageArgs
+    from nanotron.checkpoint.manager import TrainingProgress
+    from nanotron.config import Config, DatasetStageArgs
+    from nanotron.data.batch import BatchTransform, MicroBatch
     from nanotron.models.build import ModuleConverter
+    from nanotron.models.spec import CausalLM
+    from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.statistics import Statistics
-    from nanotron.trainer import Trainer
-    from nanotron.training.loss import StepLoss
+    from nanotron.training.objective import StepTerm
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a feature reaches of the run it is part of (``Feature.start``)."""
+
+    model: CausalLM  # this rank's pipeline stage
+    pc: ParallelContext
+    config: Config
+    progress: TrainingProgress  # the step the run stands at, updated as it trains
+    folder: Path  # the run folder (``checkpoints.checkpoints_path``)
 
 
 class Feature:
@@ -48,9 +65,14 @@ class Feature:
         """Module converters for the model (``build_model(converters=...)``) on ``device``."""
         return ()
 
-    def loss(self) -> StepLoss | None:
-        """Another objective than the mean token loss (``training/loss.py``); at most one feature of a run has one."""
-        return None
+    def step_terms(self) -> list[StepTerm]:
+        """Terms this feature adds to the step (``training/objective.py``): a contribution to the loss, statistics
+        (``after_step`` reads their step sums), metrics.jsonl fields."""
+        return []
+
+    def batch_transforms(self) -> list[BatchTransform]:
+        """Transforms of every micro-batch of the step (``data/batch.py``), after those of the parallel layout."""
+        return []
 
     def check_checkpoint(self, checkpoint: Path, metadata: dict) -> None:
         """Refuse, before the model exists, a checkpoint whose weights this feature could not load."""
@@ -58,11 +80,12 @@ class Feature:
     def load_state_dict(self, checkpoint: Path, metadata: dict) -> None:
         """Take this feature's state from the checkpoint the run resumes from (``metadata``: its checkpoint.json)."""
 
-    def start(self, trainer: Trainer) -> None:
-        """The trainer is built and its initial state loaded; the first step comes next."""
+    def start(self, run: Run) -> None:
+        """The run is built and its initial state loaded; the first step comes next."""
 
-    def before_forward_backward(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
-        """Add to the step's micro-batches (on the device) what this feature's loss reads."""
+    def before_forward_backward(self, micro_batches: list[MicroBatch]) -> None:
+        """Add to the step's micro-batches (on the device, transformed) what this feature's terms read: the objective's
+        ``sample_weights``, tensors of its own in ``extras``."""
 
     def after_optimizer_step(self, skipped: bool) -> None:
         """The update was applied, or (``skipped``) a bad step's gradients were dropped."""

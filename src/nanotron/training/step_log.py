@@ -12,6 +12,7 @@ from nanotron.metrics import MetricsWriter, format_duration, peak_flops, peak_me
 from nanotron.models.spec import ModelCosts
 from nanotron.parallel.context import ParallelContext
 from nanotron.trackers import Trackers
+from nanotron.training.objective import ATTENTION_FLOPS
 
 logger = logging.getLogger("nanotron.trainer")
 
@@ -42,9 +43,7 @@ class PendingStep:
     step: int
     lr: float
     readings: HostCopy  # the step statistics and ``grad_norm``
-    domain_names: list[str]
     model_metrics: dict  # the features', taken when the step was queued
-    attention_flops: torch.Tensor | None
     skipped: bool = False
     judged: bool = False  # judged before its update (``divergence.py``): not judged again
 
@@ -54,12 +53,12 @@ class StepResult:
     loss: float
     grad_norm: float
     lr: float
-    domain_losses: dict[str, float]  # mean token loss of each domain present in the step's batch
+    # mean token loss of each domain present in the step's batch (none for a skipped step); None: the data stage has
+    # one domain, and no per-domain losses are logged
+    domain_losses: dict[str, float] | None
     skipped: bool = False  # a bad step whose update was skipped (``divergence.py``)
-    model_metrics: dict = field(default_factory=dict)  # the features' (FP8's ranges), the family's (expert load)
-    # under document masking, the FLOPs of the step's attention (summed over replicas, on the device); None: causal
-    # attention over whole sequences, which ``ModelCosts.flops_per_token`` counts
-    attention_flops: torch.Tensor | None = None
+    model_metrics: dict = field(default_factory=dict)  # the features' (FP8's ranges), the step terms' (expert load)
+    statistics: dict[str, torch.Tensor] = field(default_factory=dict)  # the step's, read on the host
 
 
 class StepLog:
@@ -67,7 +66,7 @@ class StepLog:
 
     TFLOP/s and MFU count the model's FLOPs per token (``costs``), with the layers recomputed for the hardware's;
     under document masking, attention's FLOPs are those of the pairs the steps since the last logged one computed
-    (``count``), added up on the device and read once per logged step.
+    (``count``: the step statistic ``ATTENTION_FLOPS``), added up and read once per logged step.
     """
 
     def __init__(self, config: Config, pc: ParallelContext, costs: ModelCosts, resume_step: int):
@@ -83,9 +82,10 @@ class StepLog:
 
     def count(self, result: StepResult) -> None:
         """Adds up the attention FLOPs of a step under document masking until the next logged step."""
-        if result.attention_flops is not None:
+        attention = result.statistics.get(ATTENTION_FLOPS)
+        if attention is not None:
             previous = self._attention_flops
-            self._attention_flops = result.attention_flops if previous is None else previous + result.attention_flops
+            self._attention_flops = attention if previous is None else previous + attention
             self._counted_steps += 1
 
     def _flops_per_token(self) -> tuple[float, float]:
@@ -98,11 +98,12 @@ class StepLog:
         return (self.costs.masked_flops_per_token(tokens, attention),
                 self.costs.masked_flops_per_token(tokens, attention, self.recompute))
 
-    def write(self, result: StepResult, step: int, consumed_tokens: int, per_domain: bool, step_seconds: float,
+    def write(self, result: StepResult, step: int, consumed_tokens: int, step_seconds: float,
               mean_step_seconds: float) -> None:
-        """Step ``step``, which took ``step_seconds`` (``mean_step_seconds`` on average since the run started);
-        ``per_domain``: the data has several domains, whose losses are logged."""
+        """Step ``step``, which took ``step_seconds`` (``mean_step_seconds`` on average since the run started); the
+        domains' losses where the data has several."""
         flops_per_token, hardware_flops_per_token = self._flops_per_token()
+        per_domain = result.domain_losses is not None
         if self.pc.rank != 0:  # rank 0 logs at logging.log_level
             return
         config = self.config
@@ -132,7 +133,7 @@ class StepLog:
         record |= result.model_metrics
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
-        hardware = f" (hw {hardware_tflops:.2f})" if self.recompute[0] else ""
+        hardware = f" (hw {hardware_tflops:.2f})" if self.recompute != "none" else ""
         logger.info(
             f"step {step}/{config.tokens.train_steps} | loss {result.loss:.4f} | lr {result.lr:.3e} | "
             f"grad_norm {result.grad_norm:.3f} | {tokens_per_sec:,.0f} tok/s ({per_gpu:,.0f}/gpu) | "

@@ -9,15 +9,9 @@ from nanotron.config import LlaMoEConfig
 from nanotron.models.llama.model import KVCache
 from nanotron.models.moe.costs import moe_costs, moe_layer_activations
 from nanotron.models.moe.hf_adapter import MixtralHFAdapter
-from nanotron.models.moe.model import (
-    LlaMoEForCausalLM,
-    moe_init_rule,
-    router_losses,
-    router_metrics,
-    router_statistics_template,
-)
+from nanotron.models.moe.model import LlaMoEForCausalLM, moe_init_rule, router_terms
 from nanotron.models.moe.parallelize import apply_expert_parallel, moe_plan
-from nanotron.models.spec import AuxiliaryLosses, ModelSpec
+from nanotron.models.spec import ModelSpec
 
 LLAMOE = ModelSpec(
     name="llamoe",
@@ -29,6 +23,6 @@ LLAMOE = ModelSpec(
     init_rule=moe_init_rule,
     hf_adapter=MixtralHFAdapter(),
     inference_cache=KVCache,
-    auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
+    step_terms=router_terms,
     expert_parallel=apply_expert_parallel,
 )

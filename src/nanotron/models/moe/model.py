@@ -17,8 +17,8 @@ A block's forward:
 
 The block reads its sizes from the config's ``moe`` (``MoESettings``), so any family's config can carry experts.
 
-The auxiliary losses are sums over sequences, so that dividing by the step's number of sequences (the trainer
-knows it) gives the same value and gradients for any split of the global batch over ranks and micro-batches:
+The auxiliary losses are sums over sequences, so that dividing by the step's number of sequences (the step
+term is given it) gives the same value and gradients for any split of the global batch over ranks and micro-batches:
 
 - load balancing (Switch Transformer, per sequence as in DeepSeek-V3): ``E * sum_e f_e * P_e`` with ``f_e`` the
   share of the sequence's assignments that chose expert ``e`` and ``P_e`` its mean router probability; 1 when
@@ -30,7 +30,7 @@ and the sequence's length), both are sums of per-token terms: a rank that holds 
 parallelism) records its own tokens' part, and the parts add up over those ranks. The counts are completed by the
 block's ``sequence_sum`` (``nn/sequence_sum.py``: nothing to do on one rank, a sum over the ranks under context
 parallelism). Every forward leaves its ``RouterRecord`` on the block; ``router_losses`` collects them after each
-micro-batch of a pipeline stage.
+micro-batch of a pipeline stage, for the family's step term ``RouterLosses`` (``router_terms``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron.config import LlamaConfig, LlaMoEConfig
+from nanotron.config import Config, LlamaConfig, LlaMoEConfig
 from nanotron.config.llama import HiddenAct
 from nanotron.models.init import normal
 from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
@@ -301,7 +301,7 @@ def moe_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
     return llama_init_rule(name, config, std)
 
 
-# --- auxiliary losses and statistics, read by the trainer through ``ModelSpec.auxiliary_losses`` ---------------
+# --- the router's step term (``ModelSpec.step_terms``): auxiliary losses and statistics -----------------------------
 
 def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[torch.Tensor | None, Statistics]:
     """The weighted auxiliary losses of the MoE blocks this stage holds, for its last forward (each the micro-batch's
@@ -356,3 +356,28 @@ def router_metrics(statistics: Statistics, c: LlamaConfig) -> dict:
     if c.moe.capacity_factor is not None:
         metrics["moe_dropped_fraction"] = statistics["moe_dropped"].sum().item() / max(tokens.sum().item(), 1.0)
     return metrics
+
+
+class RouterLosses:
+    """A step term (``training/objective.py``) of a mixture of experts, on every pipeline stage: the weighted auxiliary
+    losses of the MoE blocks the stage holds (``router_losses``), each micro-batch's share of the step's mean over
+    its ``sequences_per_step`` sequences; their statistics, and the step's metrics (``router_metrics``)."""
+
+    def __init__(self, config: LlamaConfig, sequences_per_step: int):
+        self.config, self.sequences_per_step = config, sequences_per_step
+
+    def template(self) -> dict[str, tuple[int, ...]]:
+        return router_statistics_template(self.config)
+
+    def compute(self, stage, batch) -> tuple[torch.Tensor | None, Statistics]:
+        """``stage``: the stage's ``StageOutputs`` (its module's blocks hold their last forward's records)."""
+        return router_losses(stage.module, self.sequences_per_step)
+
+    def metrics(self, sums: Statistics) -> dict:
+        return router_metrics(sums, self.config)
+
+
+def router_terms(config: Config) -> list[RouterLosses]:
+    """The step terms of a run of a family whose layers may be mixtures of experts: the router's where there are."""
+    model_config = config.model.model_config
+    return [RouterLosses(model_config, config.global_batch_size)] if model_config.moe is not None else []

@@ -11,19 +11,13 @@ registry.
 
 from nanotron.config import Qwen2Config
 from nanotron.models.llama.model import KVCache
-from nanotron.models.moe import (
-    apply_expert_parallel,
-    moe_init_rule,
-    router_losses,
-    router_metrics,
-    router_statistics_template,
-)
+from nanotron.models.moe import apply_expert_parallel, moe_init_rule, router_terms
 from nanotron.models.moe.costs import moe_layer_activations
 from nanotron.models.qwen2.costs import qwen2_costs
 from nanotron.models.qwen2.hf_adapter import Qwen2HFAdapter
 from nanotron.models.qwen2.model import Qwen2ForCausalLM
 from nanotron.models.qwen2.parallelize import qwen2_plan
-from nanotron.models.spec import AuxiliaryLosses, ModelSpec
+from nanotron.models.spec import ModelSpec
 
 QWEN2 = ModelSpec(
     name="qwen2",
@@ -37,6 +31,6 @@ QWEN2 = ModelSpec(
     init_rule=moe_init_rule,
     hf_adapter=Qwen2HFAdapter(),
     inference_cache=KVCache,
-    auxiliary_losses=AuxiliaryLosses(router_losses, router_statistics_template, router_metrics),
+    step_terms=router_terms,
     expert_parallel=apply_expert_parallel,
 )
