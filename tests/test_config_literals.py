@@ -32,7 +32,7 @@ EXPECTED_LITERALS = {
     "model.model_config.ssm_cfg.dt_init", "optimizer.learning_rate_scheduler.lr_warmup_style",
     "optimizer.learning_rate_scheduler.lr_decay_style", "logging.log_level", "logging.log_level_replica",
     "logging.wandb.mode", "fp8.recipe", "fp8.gradient_format", "parallelism.recompute",
-    "optimizer.adam_moments_dtype",
+    "optimizer.adam_moments_dtype", "model.attention_backend",
 }
 
 

@@ -104,7 +104,8 @@ def _substituted(name: str, tiny_data, data: dict[str, Path], run: Path) -> dict
         elif dataset is not None:
             folders = dataset["dataset_folder"]
             weights = list(folders.values()) if isinstance(folders, dict) else None
-            dataset.update(dataset_folder=[str(data["datatrove"])] * len(weights or folders),
+            count = len(weights or ([folders] if isinstance(folders, str) else folders))
+            dataset.update(dataset_folder=_domains_of(data["datatrove"], run, count),
                            dataset_weights=weights or dataset.get("dataset_weights"),
                            tokenizer_name=str(tiny_data["tokenizer"]), vocab_size=384, token_size_in_bytes=2)
         stage["data"]["num_loading_workers"] = 0
@@ -120,6 +121,19 @@ def _substituted(name: str, tiny_data, data: dict[str, Path], run: Path) -> dict
     if "moe_num_experts" in model:
         model.update(moe_num_experts=2, num_experts_per_tok=1)
     return raw
+
+
+def _domains_of(folder: Path, run: Path, count: int) -> list[str]:
+    """``count`` folders of ``folder``'s files under names of their own (one folder listed twice is refused)."""
+    if count == 1:
+        return [str(folder)]
+    domains = []
+    for index in range(count):
+        domain = run.parent / f"{folder.name}-{index}"
+        if not domain.exists():
+            domain.symlink_to(folder.resolve(), target_is_directory=True)
+        domains.append(str(domain))
+    return domains
 
 
 @pytest.fixture(scope="module")

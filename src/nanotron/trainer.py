@@ -34,6 +34,7 @@ from nanotron.features import Feature, features_for
 from nanotron.logging import setup_logging
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
+from nanotron.nn.flash_attention import device_problems
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
@@ -75,7 +76,7 @@ class Trainer:
 
     def _set_up(self, converters: tuple[ModuleConverter, ...], features: Sequence[Feature] | None) -> None:
         config = self.config
-        validate_config(config, world_size=self.pc.world_size, device=self.pc.device)
+        validate_config(config, self.pc.world_size, device_problems(config.model, self.pc.device))
         setup_logging(self.pc, config.logging.log_level, config.logging.log_level_replica)
         seed_everything(config.general.seed + self.pc.rank)
         self.features = list(features_for(config) if features is None else features)

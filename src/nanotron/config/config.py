@@ -1,9 +1,8 @@
 """The whole training config (``Config``) and ``validate_config``, which gathers every section's rules."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.cross_section import cross_section_problems
@@ -57,9 +56,10 @@ class Config:
         return max(started, key=lambda stage: stage.start_training_step)
 
 
-def validate_config(cfg: Config, world_size: int | None = None, device: torch.device | None = None) -> None:
-    """Raise ConfigError listing every problem in `cfg`; with `world_size`, also check it matches the launch, and with
-    `device` that what the config asks of it is there (FlashAttention-4).
+def validate_config(cfg: Config, world_size: int | None = None, machine_problems: Sequence[str] = ()) -> None:
+    """Raise ConfigError listing every problem in `cfg`; with `world_size`, also check it matches the launch;
+    `machine_problems` are those found by what knows the machine (``nn/flash_attention.py``'s ``device_problems``),
+    reported with the rest.
 
     Runs before anything is allocated. Each section's rules sit beside its fields; the Literal values were checked
     by the loader already and are checked again here only for configs built in code. Whether the trainer
@@ -81,7 +81,6 @@ def validate_config(cfg: Config, world_size: int | None = None, device: torch.de
     ]
     if world_size is not None:
         problems += cfg.parallelism.world_size_problems(world_size)
-    if device is not None:
-        problems += cfg.model.device_problems(device)
+    problems += machine_problems
     if problems:
         raise ConfigError(*problems)

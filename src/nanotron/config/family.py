@@ -19,12 +19,17 @@ if TYPE_CHECKING:
 
 
 class FamilyFacts:
-    """The defaults: no context limit, no logit z-loss, no document masking, hidden states in the model's dtype,
-    nothing a resume may change, no experts, and every parallelism supported."""
+    """The defaults: attention layers, no context limit, no logit z-loss, no document masking, hidden states in the
+    model's dtype, nothing a resume may change, no experts, and every parallelism supported."""
 
     # Fields a run may change when it continues from a checkpoint; any other difference means other weights, and
     # loading them is refused (``checkpoint/manager.py``).
     resume_may_change: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def attention(self) -> bool:
+        """Whether the model has attention layers (their kernel is ``model.attention_backend``'s choice)."""
+        return True
 
     @property
     def context_length(self) -> int | None:

@@ -76,6 +76,10 @@ class MambaConfig(FamilyFacts):
         """The residual stream, which stages exchange: fp32 with ``residual_in_fp32``."""
         return torch.float32 if self.residual_in_fp32 else dtype
 
+    @property
+    def attention(self) -> bool:
+        return False
+
     def context_parallel_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
         return f"a Mamba model ({key} with is_mamba_config: true) scans the sequence in order"
 

@@ -65,15 +65,5 @@ class ModelArgs:
         if isinstance(self.init_method, RandomInit):
             yield from positive("model.init_method.std", self.init_method.std)
         yield from self.model_config.problems(MODEL_CONFIG_KEY)
-        if self.attention_backend == "fa4" and isinstance(self.model_config, MambaConfig):
+        if self.attention_backend == "fa4" and not self.model_config.attention:
             yield "model.attention_backend: fa4 needs a family with attention, Mamba has none; remove the key"
-
-    def device_problems(self, device: torch.device) -> Iterator[str]:
-        """The rules that read the device the run trains on: FlashAttention-4 asked for must run there."""
-        if self.attention_backend == "fa4" and not isinstance(self.model_config, MambaConfig):
-            from nanotron.nn.flash_attention import INSTALL, unavailable
-
-            why_not = unavailable(device, self.torch_dtype(), self.model_config.head_dim)
-            if why_not is not None:
-                yield (f"model.attention_backend: fa4 cannot run here: {why_not}; {INSTALL} on a CUDA machine of "
-                       "compute capability 9.0 or later with model.dtype bfloat16, or set attention_backend: auto")

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanotron.config import ModelArgs
+
 logger = logging.getLogger(__name__)
 
 INSTALL = "pip install 'nanotron[fa4]'"
@@ -98,6 +100,17 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
         return f"FA4 runs on CUDA devices, this is {device.type}"
     loaded, why_not = kernels()
     return why_not if loaded is None else loaded.unsupported(device, dtype, head_dim)
+
+
+def device_problems(model: ModelArgs, device: torch.device) -> list[str]:
+    """The config's demands on the device it trains on: ``model.attention_backend: fa4`` must run there."""
+    if model.attention_backend != "fa4" or not model.model_config.attention:
+        return []
+    why_not = unavailable(device, model.torch_dtype(), model.model_config.head_dim)
+    if why_not is None:
+        return []
+    return [f"model.attention_backend: fa4 cannot run here: {why_not}; {INSTALL} on a CUDA machine of compute "
+            "capability 9.0 or later with model.dtype bfloat16, or set attention_backend: auto"]
 
 
 def use_flash_attention(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
