@@ -20,10 +20,11 @@ def _open_on_every_rank(folder: Path) -> tuple[list[tuple[int, int]], str | None
     from nanotron.config import DatasetArgs
     from nanotron.data import datatrove_folder
     from nanotron.data.dataset import DataError
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.training.build import _datatrove_read_by_all_ranks
 
-    pc = ParallelContext(dp=2)
+    pc = ParallelContext(Layout(dp=2))
     checked, check = [], datatrove_folder.check_token_ids
 
     def recording(path, tokens, *args, first=0, **kwargs):

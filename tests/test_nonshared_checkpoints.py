@@ -167,22 +167,19 @@ def _placements():
 def test_each_folder_gets_every_box_its_ranks_hold_once(layout):
     """Whatever nodes split the grid, each folder receives exactly the boxes its ranks hold, each once; a folder
     that every rank sees receives exactly the boxes of a shared save (each box's unique copy)."""
-    import torch
-
     from nanotron.checkpoint.node_folders import FolderRanks
-    from nanotron.parallel.context import AXES
+    from nanotron.layout import Axis, Layout
 
     pp, dp, ep, tp = layout
-    sizes = dict(zip(AXES, (pp, dp, ep, 1, tp)))
-    world = torch.arange(pp * dp * ep * tp)
-    grid = world.reshape(*sizes.values())
-    coordinates = {rank: dict(zip(AXES, (grid == rank).nonzero()[0].tolist())) for rank in world.tolist()}
-    stage = {0: 0, 1: sizes["pp"] - 1}
+    grid = Layout(pp=pp, dp=dp, ep=ep, tp=tp)
+    sizes, world = grid.sizes, range(grid.world_size)
+    coordinates = {rank: grid.coordinates(rank) for rank in world}
+    stage = {0: 0, 1: pp - 1}
     for per_node, placement in itertools.product([n for n in (1, 2, 4) if len(world) % n == 0], _placements()):
         holders = [r for r, c in coordinates.items()
-                   if c["pp"] in ([stage[s] for s in placement.pipeline_copies] or [0])]
-        if placement.pipeline_copies and sizes["pp"] > 1:
-            placement.pipeline_copies = (0, sizes["pp"] - 1)
+                   if c[Axis.PP] in ([stage[s] for s in placement.pipeline_copies] or [0])]
+        if placement.pipeline_copies and pp > 1:
+            placement.pipeline_copies = (0, pp - 1)
         for first in range(0, len(world), per_node):
             ranks = tuple(range(first, first + per_node))
             written, held = [], set()
@@ -219,9 +216,10 @@ def _find_folders(runs: list[list[str]]) -> list[dict]:
     from nanotron.checkpoint.node_folders import FolderRanks
     from nanotron.checkpoint.run_folder import describe_existing_run
     from nanotron.errors import CheckpointError
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(dp=2)
+    pc = ParallelContext(Layout(dp=2))
     os.environ["GROUP_RANK"] = str(pc.rank)
     results = []
     for roots in runs:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from nanotron.parallel.layout import GRID_AXES, Axis, Group, Layout
+from nanotron.layout import GRID_AXES, Axis, Group, Layout
 
 LAYOUTS = [Layout(pp=2, dp=2, ep=1, cp=2, tp=2), Layout(pp=1, dp=3, ep=2, cp=1, tp=2), Layout(pp=3, dp=1, ep=2, cp=2)]
 

@@ -102,6 +102,7 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
     from nanotron.config import config_from_dict
     from nanotron.features import features_for
     from nanotron.features.doremi import weighted_micro_batch_loss
+    from nanotron.layout import Group
     from nanotron.trainer import Trainer
 
     compiled, real_compile = {}, torch.compile
@@ -122,7 +123,7 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
                    "domain_ids": torch.tensor([0, 2]), "domain_token_weights": torch.tensor([0.1, 0.2, 0.3]),
                    "reference_losses": torch.full((2, 8), 5.0), "token_count": torch.tensor(16.0)}
     logits = torch.randn(2, 8, vocab)
-    arguments = (logits, micro_batch, trainer.pc.groups["tp"], 384, num_domains)
+    arguments = (logits, micro_batch, trainer.pc.group(Group.TP), 384, num_domains)
     loss = trainer._loss(*arguments)[0]
     source = compiled.get(id(trainer._loss))
     eager = (source or trainer._loss)(*arguments)[0]

@@ -84,6 +84,7 @@ import torch
 from torch import nn
 
 from nanotron.config import Config, ConfigError
+from nanotron.layout import Axis, Layout
 from nanotron.models.build import BuildOptions, build_stage, padded_vocab_size
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import ActivationShape, ModelSpec
@@ -286,9 +287,9 @@ class _HeldGradients:
 def _stage_state(config: Config, stage: int) -> _StageState:
     """Build pipeline stage ``stage``'s model as training does, on the meta device (no memory), for the rank at
     coordinate 0 of the other axes, and count its parameters from their local shapes, dtypes and placements."""
-    p, optimizer = config.parallelism, config.optimizer
-    sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "cp": p.context_parallel_size, "tp": p.tp}
-    grid = GridPosition(sizes, {axis: stage if axis == "pp" else 0 for axis in sizes})
+    optimizer = config.optimizer
+    layout = Layout.from_config(config)
+    grid = GridPosition(layout, layout.coordinates(layout.rank_of({Axis.PP: stage})))
     converters = (fp8_converter(config.fp8),) if config.fp8 is not None and config.fp8.enabled else ()
     model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
     weight_bytes = gradient_bytes = 0
@@ -299,7 +300,7 @@ def _stage_state(config: Config, stage: int) -> _StageState:
         elements, element_bytes = param.numel(), param.element_size()
         weight_bytes += elements * element_bytes
         placement = get_placement(param)
-        replicas = math.prod(sizes[axis] for axis in placement.gradient_axes)
+        replicas = math.prod(layout.size(axis) for axis in placement.gradient_axes)
         if holds_autograd_gradient(elements, single_micro_batch, replicas, bool(placement.pipeline_copies),
                                    optimizer.persistent_gradient_buffers):
             held[id(param)] = elements * element_bytes

@@ -37,6 +37,7 @@ from nanotron.config import Config, expand_run_name, validate_config
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.divergence import BadStepGuard
 from nanotron.features import Feature, features_for
+from nanotron.layout import Axis, Group, Layout
 from nanotron.logging import setup_logging
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
@@ -71,9 +72,8 @@ class Trainer:
     def __init__(self, config: Config, converters: tuple[ModuleConverter, ...] = (),
                  features: Sequence[Feature] | None = None):
         self.config = expand_run_name(config)
-        p = config.parallelism
         take_the_ranks_of_node_folders(config.checkpoints)  # node-local checkpoints: whatever order the nodes join in
-        self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
+        self.pc = ParallelContext(Layout.from_config(config))
         self.checkpoints: RunCheckpoints | None = None  # the run folder's lock, taken first by ``_set_up``
         self.loader: MicroBatchLoader | None = None  # the current data stage's, while training
         try:
@@ -137,8 +137,8 @@ class Trainer:
         # stage takes the tokens' positions and document ids, which micro-batches hold under document masking, and
         # under context parallelism the masks of the rank's part of the sequence.
         inputs = {key: micro_batch[key] for key in ("position_ids", "document_ids") if key in micro_batch}
-        if self.pc.size("cp") > 1:
-            inputs["masks"] = context_parallel_masks(micro_batch, self.pc.coord("cp"), self.pc.size("cp"))
+        if self.pc.size(Axis.CP) > 1:
+            inputs["masks"] = context_parallel_masks(micro_batch, self.pc.coord(Axis.CP), self.pc.size(Axis.CP))
         output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits, **inputs)
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:
@@ -147,10 +147,10 @@ class Trainer:
             return StageOutput(output, statistics, auxiliary_loss)
         vocab_size = self.config.model.model_config.vocab_size
         if logits:
-            loss, loss_statistics = self._loss(output, micro_batch, self.pc.groups["tp"], vocab_size,
+            loss, loss_statistics = self._loss(output, micro_batch, self.pc.group(Group.TP), vocab_size,
                                                self._num_domains)
             if self.z_loss:
-                z_loss = self._z_loss(output, micro_batch, self.pc.groups["tp"], vocab_size, self.z_loss)
+                z_loss = self._z_loss(output, micro_batch, self.pc.group(Group.TP), vocab_size, self.z_loss)
                 loss, loss_statistics = loss + z_loss, loss_statistics | {"z_loss": z_loss.detach()}
         else:
             z_weights = self.z_loss * mean_weights(micro_batch) if self.z_loss else None
@@ -179,7 +179,7 @@ class Trainer:
         """Under document masking, the attention FLOPs of this replica's micro-batches (whole sequences), a statistic
         that one rank of each replica holds (the last stage's first context-parallel rank) so that summed over the
         replicas it is the step's; a reduction on the device, which the step log reads when it logs."""
-        if not self._document_masking or not self.pc.is_last_stage or self.pc.coord("cp") != 0:
+        if not self._document_masking or not self.pc.is_last_stage or self.pc.coord(Axis.CP) != 0:
             return {}
         return {"attention_flops": sum(self.costs.document_attention_flops(mb["position_ids"]) for mb in batches)}
 
@@ -188,19 +188,19 @@ class Trainer:
         in the buckets, summed over replicas and tied copies."""
         batches = [{k: self._to_device(v) for k, v in mb.items()} for mb in micro_batches]
         attention_flops = self._attention_flops(batches)
-        if self.pc.size("cp") > 1:
-            batches = [split_micro_batch(mb, self.pc.coord("cp"), self.pc.size("cp")) for mb in batches]
+        if self.pc.size(Axis.CP) > 1:
+            batches = [split_micro_batch(mb, self.pc.coord(Axis.CP), self.pc.size(Axis.CP)) for mb in batches]
         for feature in self.features:
             feature.before_forward_backward(batches)
         token_count = torch.stack([mb["label_mask"].sum() for mb in batches]).sum().float()
-        dist.all_reduce(token_count, group=self.pc.groups["dp_cp_ep"])
+        dist.all_reduce(token_count, group=self.pc.group(Group.DENSE_REPLICAS))
         token_count = token_count.clamp(min=1.0)
         batches = [mb | {"token_count": token_count} for mb in batches]
 
         statistics = self.schedule.run(batches, self.progress.step + 1) | attention_flops
         self.buckets.finish_reduction()
-        if "pipeline_ends" in self.pc.groups:
-            sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
+        if self.pc.pipeline_ends is not None:
+            sync_tied_copies(self.buckets, self.pc.pipeline_ends)
         return sum_over_replicas(statistics, self._statistics_template(), self.pc)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -382,8 +382,8 @@ class Trainer:
             start_step=0,
             micro_batch_size=t.micro_batch_size,
             accumulation=t.batch_accumulation_per_replica,
-            dp_rank=self.pc.coord("dp") * self.pc.size("ep") + self.pc.coord("ep"),
-            dp_size=self.pc.size("dp_ep"),
+            dp_rank=self.pc.layout.sample_shard(self.pc.coordinates),
+            dp_size=self.pc.size(Group.SAMPLE_SHARDS),
             num_workers=stage.data.num_loading_workers,
             end_of_document=self.document_ends[stage.name],
         )
