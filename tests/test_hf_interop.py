@@ -81,6 +81,16 @@ def test_round_trip_is_bit_identical(converted, tmp_path):
     transformers.LlamaForCausalLM.from_pretrained(exported)  # loads without missing or unexpected keys
 
 
+def test_a_converted_checkpoint_records_the_layout_of_one_process(converted):
+    """Its record names every axis, as a training checkpoint's does, so that it compares like one."""
+    import json
+
+    from nanotron.layout import Layout
+
+    _, ckpt = converted
+    assert json.loads((ckpt / "checkpoint.json").read_text())["layout"] == Layout().to_dict()
+
+
 MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank today"
 
 

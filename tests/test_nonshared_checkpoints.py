@@ -257,10 +257,14 @@ def test_nodes_find_which_folders_they_share_and_resume_from_a_checkpoint_they_a
 
 
 def test_a_node_folder_refuses_ranks_it_holds_no_files_for():
+    """A record written before the ep and cp axes existed reads as ep = cp = 1 (``Layout.recorded``)."""
     from nanotron.checkpoint.node_folders import node_checkpoint_problem
+    from nanotron.layout import Layout
 
-    metadata = {"node_ranks": [2, 3], "layout": {"pp": 1, "dp": 2, "ep": 1, "tp": 2, "zero_stage": 0}}
-    sizes = {"pp": 1, "dp": 2, "ep": 1, "tp": 2}
-    assert node_checkpoint_problem(Path("run/3"), metadata, 2, sizes) is None
-    problem = node_checkpoint_problem(Path("run/3"), metadata, 0, sizes)
+    metadata = {"node_ranks": [2, 3], "layout": {"pp": 1, "dp": 2, "tp": 2, "zero_stage": 0}}
+    layout = Layout(dp=2, tp=2)
+    assert node_checkpoint_problem(Path("run/3"), metadata, 2, layout) is None
+    problem = node_checkpoint_problem(Path("run/3"), metadata, 0, layout)
     assert "holds only the files of ranks 2-3" in problem and "rank 0 now runs here" in problem
+    problem = node_checkpoint_problem(Path("run/3"), metadata, 2, Layout(dp=2, cp=2))
+    assert "of a run at pp=1, dp=2, ep=1, cp=1, tp=2" in problem and "layout is pp=1, dp=2, ep=1, cp=2, tp=1" in problem

@@ -233,6 +233,10 @@ class Layout:
         return (f"dp {self.dp} x ep {self.ep} x cp {self.cp} x tp {self.tp} x pp {self.pp} ({schedule}), micro-batch "
                 f"{self.micro_batch_size} x {self.sequence_length} tokens, {self.accumulation} per step")
 
+    def describe_grid(self) -> str:
+        """The grid's sizes, for messages: ``pp=2, dp=1, ep=1, cp=1, tp=2``."""
+        return ", ".join(f"{axis}={size}" for axis, size in self.sizes.items())
+
     def describe(self, coordinates: dict[Axis, int]) -> str:
         """A rank's place, for log lines: dp, pp and tp always, ep and cp where they split the run."""
         shown = (Axis.DP, Axis.PP, Axis.TP) + tuple(axis for axis in (Axis.EP, Axis.CP) if self.size(axis) > 1)

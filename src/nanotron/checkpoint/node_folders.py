@@ -36,7 +36,7 @@ from nanotron.checkpoint.run_folder import METADATA, complete_checkpoints, resol
 from nanotron.checkpoint.run_lock import not_writable
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.errors import CheckpointError
-from nanotron.layout import Axis
+from nanotron.layout import Axis, Layout
 from nanotron.parallel.context import ParallelContext, default_device, init_distributed, rejoin_as
 from nanotron.parallel.placement import Placement
 
@@ -232,21 +232,21 @@ def describe_ranks(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if consecutive else ", ".join(map(str, ranks))
 
 
-def node_checkpoint_problem(checkpoint: Path, metadata: dict, rank: int, sizes: dict[str, int]) -> str | None:
+def node_checkpoint_problem(checkpoint: Path, metadata: dict, rank: int, layout: Layout) -> str | None:
     """Why this rank cannot load ``checkpoint`` if it holds only the files of some ranks (``node_ranks``): it was
-    saved for other ranks or at another layout, whose files are on other nodes' folders. None when it can."""
+    saved for other ranks or at another grid than ``layout``'s, whose files are on other nodes' folders. None when
+    it can."""
     node_ranks = metadata.get(NODE_RANKS)
     if node_ranks is None:
         return None
-    saved = {axis: metadata["layout"].get(axis) for axis in sizes}
-    if saved == sizes and rank in node_ranks:
+    saved = Layout(**Layout.recorded(metadata["layout"]))
+    same_grid = saved.grid_shape == layout.grid_shape
+    if same_grid and rank in node_ranks:
         return None
-    layout = ", ".join(f"{axis}={size}" for axis, size in saved.items())
-    now = ", ".join(f"{axis}={size}" for axis, size in sizes.items())
-    differs = (f"this run's layout is {now}" if saved != sizes
+    differs = (f"this run's layout is {layout.describe_grid()}" if not same_grid
                else f"rank {rank} now runs here, and the nodes' folders do not hold every rank's files once (restore "
                     "the folder each node saved)")
-    return (f"{checkpoint} holds only the files of ranks {describe_ranks(node_ranks)} of a run at {layout} (saved "
-            f"with {SHARED_KEY}: false, each node keeping its own ranks' files), but {differs}; resume at the layout "
-            f"and on the nodes that saved it (a run that changes its layout needs {SHARED_KEY}: true and one folder "
-            "that every node sees)")
+    return (f"{checkpoint} holds only the files of ranks {describe_ranks(node_ranks)} of a run at "
+            f"{saved.describe_grid()} (saved with {SHARED_KEY}: false, each node keeping its own ranks' files), but "
+            f"{differs}; resume at the layout and on the nodes that saved it (a run that changes its layout needs "
+            f"{SHARED_KEY}: true and one folder that every node sees)")

@@ -147,7 +147,7 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
         step=progress.step, optimizer_step=optimizer.step_count, lr_schedule_start_step=progress.lr_schedule_start,
         consumed_samples=dict(progress.consumed_samples),
         consumed_tokens=progress.consumed_tokens,
-        layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
+        layout=parallel_context.layout.to_dict(),
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},
         **(extra_entries or {}),
