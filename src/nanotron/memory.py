@@ -410,7 +410,8 @@ def fused_loss_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
 
 def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageState,
                   micro_batch_size: int) -> StageMemory:
-    in_flight = Layout.from_config(config).in_flight(stage)
+    layout = _layout(config, micro_batch_size)
+    in_flight = layout.in_flight(stage)
     recomputed = config.parallelism.recompute_layer
     shape = _activation_shape(config, micro_batch_size)
     per_layer = [spec.layer_activations(config.model.model_config, index, shape) for index in state.layers]
@@ -421,7 +422,7 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     logits = 0
     held = state.held
     held_at_start = held.final_norm + (held.layers[-1] if held.layers else 0)
-    if stage == config.parallelism.pp - 1:
+    if stage == layout.pp - 1:
         kept += final_norm_bytes(config, micro_batch_size)
         logits_kept, logits_transient = logits_bytes(config, micro_batch_size)
         # The loss's backward runs before any layer's, when every layer still holds its activations.
