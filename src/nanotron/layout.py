@@ -11,7 +11,7 @@ Axes (``Axis``), outermost first: pipeline stages, data-parallel replicas, exper
 ranks, tensor-parallel ranks (consecutive world ranks: the fastest links). Named groups of axes (``Group``) are the
 collectives' scopes: the ranks that read different samples (dp × ep), the replicas of a dense weight (dp × cp × ep)
 or of an expert weight (dp × cp), the ranks whose step statistics add up (pp × dp × cp × ep). Code outside this
-module and ``parallel/`` names an axis or a group by these enums, never by a string.
+module names an axis or a group by these enums, never by its string (``tests/test_layout.py`` checks it).
 
 Rules:
 - the world size is the product of the five sizes;
