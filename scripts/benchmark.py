@@ -232,6 +232,8 @@ def run_nanotron(args, preset: str, overrides: list[str]) -> tuple[dict, list[di
     return result | memory | counted | {"preset": preset, "overrides": overrides, "precision": precision(config),
                                         "fp8_recipe": fp8, "adam_moments": adam_moments(config),
                                         "masters": masters(config),
+                                        "attention": "fa4" if getattr(trainer.model, "flash_attention", False)
+                                        else "torch",
                                         "parameters": trainer.num_parameters,
                                         "flops_per_token": flops_per_token, "layout": trainer.pc.sizes,
                                         "saves": saves}, batches[0]

@@ -42,7 +42,7 @@ REQUIREMENTS = {
     "torchao": (("transformers", "torchao.float8"), "torchao (pip install torchao)"),
 }
 # The libraries whose versions a record keeps.
-LIBRARIES = ("transformers", "liger-kernel", "torchtitan", "torchao", "mamba-ssm", "triton")
+LIBRARIES = ("transformers", "liger-kernel", "torchtitan", "torchao", "mamba-ssm", "triton", "flash-attn-4")
 # nanotron config keys -> transformers config keys where they differ; the markers have no counterpart.
 HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None}
 

@@ -68,8 +68,9 @@ def nanotron_names(first: dict, second: dict | None) -> tuple[str, str | None]:
     alone; by precision when two runs compare precisions (``nanotron-fp8`` / ``nanotron-bf16``); by the Adam
     moments' dtype when they compare those (``nanotron-bf16-moments`` / ``nanotron-fp32-moments``; runs recorded
     without ``adam_moments`` had fp32 moments); by how they hold the masters (``nanotron-remainders-masters`` /
-    ``nanotron-fp32-masters``); else the second run is named for its preset (``--versus``), or ``nanotron-versus``
-    when only other overrides differ."""
+    ``nanotron-fp32-masters``); by their attention kernels (``nanotron-fa4-attention`` /
+    ``nanotron-torch-attention``; runs recorded without ``attention`` ran torch's); else the second run is named for
+    its preset (``--versus``), or ``nanotron-versus`` when only other overrides differ."""
     if second is None:
         return "nanotron", None
     if first["precision"] != second["precision"]:
@@ -80,6 +81,9 @@ def nanotron_names(first: dict, second: dict | None) -> tuple[str, str | None]:
     masters = [run.get("masters", "fp32") for run in (first, second)]
     if masters[0] != masters[1]:
         return f"nanotron-{masters[0]}-masters", f"nanotron-{masters[1]}-masters"
+    attention = [run.get("attention", "torch") for run in (first, second)]
+    if attention[0] != attention[1]:
+        return f"nanotron-{attention[0]}-attention", f"nanotron-{attention[1]}-attention"
     if first["preset"] != second["preset"]:
         return "nanotron", f"nanotron-{second['preset']}"
     return "nanotron", "nanotron-versus"

@@ -175,6 +175,8 @@ def test_system_names_of_nanotron_runs():
                                            {"preset": "llama130m", "precision": "bf16"}) == ("nanotron",
                                                                                               "nanotron-llama130m")
     assert benchmark_record.nanotron_names(bf16, dict(bf16)) == ("nanotron", "nanotron-versus")
+    assert benchmark_record.nanotron_names(bf16 | {"attention": "fa4"}, bf16) == ("nanotron-fa4-attention",
+                                                                                   "nanotron-torch-attention")
 
 
 def test_recorded_command_names_the_launcher_and_the_settings_that_matter():

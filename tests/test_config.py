@@ -100,6 +100,7 @@ FULL: dict[str, Any] = {
         "ddp_bucket_cap_mb": 50,
         "compile": True,
         "loss_chunk_tokens": 2048,
+        "attention_backend": "torch",
     },
     "tokenizer": {"tokenizer_name_or_path": "gpt2", "tokenizer_revision": "main", "tokenizer_max_length": 1024},
     "optimizer": {

@@ -84,7 +84,7 @@ class Trainer:
 
     def _set_up(self, converters: tuple[ModuleConverter, ...], features: Sequence[Feature] | None) -> None:
         config, p = self.config, self.config.parallelism
-        validate_config(config, world_size=self.pc.world_size)
+        validate_config(config, world_size=self.pc.world_size, device=self.pc.device)
         setup_logging(self.pc, config.logging.log_level, config.logging.log_level_replica)
         seed_everything(config.general.seed + self.pc.rank)
         self.features = list(features_for(config) if features is None else features)
@@ -138,7 +138,8 @@ class Trainer:
         # under context parallelism the masks of the rank's part of the sequence.
         inputs = {key: micro_batch[key] for key in ("position_ids", "document_ids") if key in micro_batch}
         if self.pc.size(Axis.CP) > 1:
-            inputs["masks"] = context_parallel_masks(micro_batch, self.pc.coord(Axis.CP), self.pc.size(Axis.CP))
+            inputs["masks"] = context_parallel_masks(micro_batch, self.pc.coord(Axis.CP), self.pc.size(Axis.CP),
+                                                     getattr(self.model, "flash_attention", False))
         output = self.model(input_ids=micro_batch["input_ids"], hidden_states=hidden_states, head=logits, **inputs)
         auxiliary_loss, statistics = None, {}
         if self.auxiliary_losses is not None:

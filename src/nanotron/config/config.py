@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.cross_section import cross_section_problems
 from nanotron.config.data import DatasetStageArgs, TokenizerArgs, TokensArgs, data_stages_problems
@@ -55,8 +57,9 @@ class Config:
         return max(started, key=lambda stage: stage.start_training_step)
 
 
-def validate_config(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ConfigError listing every problem in `cfg`; with `world_size`, also check it matches the launch.
+def validate_config(cfg: Config, world_size: int | None = None, device: torch.device | None = None) -> None:
+    """Raise ConfigError listing every problem in `cfg`; with `world_size`, also check it matches the launch, and with
+    `device` that what the config asks of it is there (FlashAttention-4).
 
     Runs before anything is allocated. Each section's rules sit beside its fields; the Literal values were checked
     by the loader already and are checked again here only for configs built in code. Whether the trainer
@@ -79,5 +82,7 @@ def validate_config(cfg: Config, world_size: int | None = None) -> None:
     ]
     if world_size is not None:
         problems += cfg.parallelism.world_size_problems(world_size)
+    if device is not None:
+        problems += cfg.model.device_problems(device)
     if problems:
         raise ConfigError(*problems)

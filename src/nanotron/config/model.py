@@ -19,6 +19,8 @@ MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_lla
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DType = Annotated[Literal["float32", "bfloat16", "float16"], Spellings(fold=str.lower, aliases=DTYPE_ALIASES)]
+# auto: FlashAttention-4 where it is installed and runs the case, else torch's kernels (SDPA, flex attention)
+AttentionBackend = Annotated[Literal["auto", "torch", "fa4"], Spellings(fold=str.lower)]
 
 
 @dataclass
@@ -41,6 +43,7 @@ class ModelArgs:
     compile: bool = False  # torch.compile every decoder layer and the final norm (fuses norms, rotary, SwiGLU)
     # Tokens per chunk of the fused LM head + cross-entropy (parallel/linear_cross_entropy.py); 0: logits in full
     loss_chunk_tokens: int = 8192
+    attention_backend: AttentionBackend = "auto"  # nn/flash_attention.py
 
     def __post_init__(self) -> None:
         canonical_spellings(self)
@@ -57,3 +60,15 @@ class ModelArgs:
         if isinstance(self.init_method, RandomInit):
             yield from positive("model.init_method.std", self.init_method.std)
         yield from self.model_config.problems(MODEL_CONFIG_KEY)
+        if self.attention_backend == "fa4" and isinstance(self.model_config, MambaConfig):
+            yield "model.attention_backend: fa4 needs a family with attention, Mamba has none; remove the key"
+
+    def device_problems(self, device: torch.device) -> Iterator[str]:
+        """The rules that read the device the run trains on: FlashAttention-4 asked for must run there."""
+        if self.attention_backend == "fa4" and not isinstance(self.model_config, MambaConfig):
+            from nanotron.nn.flash_attention import INSTALL, unavailable
+
+            why_not = unavailable(device, self.torch_dtype(), self.model_config.head_dim)
+            if why_not is not None:
+                yield (f"model.attention_backend: fa4 cannot run here: {why_not}; {INSTALL} on a CUDA machine of "
+                       "compute capability 9.0 or later with model.dtype bfloat16, or set attention_backend: auto")

@@ -13,6 +13,7 @@ from nanotron.layout import Axis, Group
 from nanotron.models.init import init_parameters
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
+from nanotron.nn.flash_attention import use_flash_attention
 from nanotron.nn.recompute import compile_layer, recompute_in_backward
 from nanotron.parallel.context import GridPosition, ParallelContext
 from nanotron.parallel.context_parallel import apply_context_parallel
@@ -40,6 +41,7 @@ class BuildOptions:
     recompute_layers: bool = False
     recompute_granularity: str = "full"  # parallelism.recompute_granularity: full | selective | pointwise
     compile: bool = False
+    attention_backend: str = "auto"  # model.attention_backend: auto | torch | fa4
 
     @classmethod
     def from_config(cls, config: Config) -> BuildOptions:
@@ -51,6 +53,7 @@ class BuildOptions:
             tp_overlap=p.tp_linear_async_communication, pp_stage_layers=p.pp_stage_layers,
             sequence_length=config.tokens.sequence_length, recompute_layers=p.recompute_layer,
             recompute_granularity=p.recompute_granularity, compile=model.compile,
+            attention_backend=model.attention_backend,
         )
 
 
@@ -134,6 +137,9 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
     """
     spec, pc = spec_for_config(model_config), parallel_context
     model = build_stage(model_config, pc, options, converters, pc.device)
+    if hasattr(model, "flash_attention"):  # a family with attention
+        model.flash_attention = use_flash_attention(options.attention_backend, pc.device, options.dtype,
+                                                    model_config.head_dim)
     if pc.size(Axis.PP) > 1:
         log_stages(model, pc.coord(Axis.PP))
     init_parameters(model, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),

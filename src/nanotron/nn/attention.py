@@ -19,7 +19,9 @@ Two kernels apply it. SDPA with the boolean mask built from the rule, dense (que
 reference and the path on CPU. On CUDA, flex attention takes a ``BlockMask`` built from the same rule: fully masked
 blocks are skipped and no dense mask exists at any length. A rule that is plain causal attention over a whole sequence
 runs SDPA's own causal kernel (``is_causal``), the fastest on every device. Generation's padded prompts (a boolean
-``padding`` mask) use the dense mask.
+``padding`` mask) use the dense mask. A model whose attention runs FlashAttention-4 (``model.attention_backend``,
+``nn/flash_attention.py``) gets the rule in FA4's terms (a ``FlashMask``) wherever FA4 expresses it, and torch's
+kernels elsewhere, each such case named once in the log.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanotron.nn.flash_attention import FlashMask, document_boundaries, flash_attend, report_fallback
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -62,40 +66,67 @@ class AttentionMasks:
     queries] and ``key_document`` [batch, keys] are given together or not at all; ``padding`` [batch, 1, queries,
     keys] hides keys (generation's left padding). ``whole_sequence`` says that the queries and the keys are the same
     positions 0, 1, ...: without a window, documents or padding the rule is then SDPA's own causal mask.
+
+    ``flash``: the model's attention runs FlashAttention-4 where FA4 expresses the rule, which needs the queries as
+    ``query_runs``, the (first position, length) of each contiguous run of ``query_index`` in order, the keys being
+    positions 0, 1, ... (whole sequences, a context-parallel rank's chunks; unknown: None).
     """
 
     def __init__(self, query_index: torch.Tensor, key_index: torch.Tensor,
                  query_document: torch.Tensor | None = None, key_document: torch.Tensor | None = None,
-                 padding: torch.Tensor | None = None, whole_sequence: bool = False):
+                 padding: torch.Tensor | None = None, whole_sequence: bool = False,
+                 query_runs: tuple[tuple[int, int], ...] | None = None, flash: bool = False):
         if (query_document is None) != (key_document is None):
             raise ValueError("give the documents of both the queries and the keys, or of neither")
         self.query_index, self.key_index = query_index, key_index
         self.query_document, self.key_document = query_document, key_document
         self.padding = padding
         self.whole_sequence = whole_sequence
-        self._masks: dict[int | None, torch.Tensor | BlockMask | None] = {}
+        self.query_runs, self.flash = query_runs, flash
+        self._masks: dict[int | None, torch.Tensor | BlockMask | FlashMask | None] = {}
 
     @classmethod
     def of_sequence(cls, length: int, device: torch.device, past: int = 0, documents: torch.Tensor | None = None,
-                    padding: torch.Tensor | None = None) -> AttentionMasks:
+                    padding: torch.Tensor | None = None, flash: bool = False) -> AttentionMasks:
         """``length`` queries that follow ``past`` earlier positions (a KV cache) and attend to all of them;
         ``documents`` [batch, past + length] are the tokens' document ids (document masking)."""
         keys = torch.arange(past + length, device=device)
         return cls(keys[past:], keys, None if documents is None else documents[:, past:], documents, padding,
-                   whole_sequence=past == 0)
+                   whole_sequence=past == 0, query_runs=((0, length),) if past == 0 else None, flash=flash)
 
-    def for_window(self, window: int | None) -> torch.Tensor | BlockMask | None:
-        """The mask of the layers with ``window`` (None: full attention), in the form the device runs fastest: None
-        for plain causal attention, a flex BlockMask on CUDA, else the dense boolean mask."""
+    def for_window(self, window: int | None) -> torch.Tensor | BlockMask | FlashMask | None:
+        """The mask of the layers with ``window`` (None: full attention), in the form the device runs fastest: a
+        ``FlashMask`` where the model runs FA4 and FA4 expresses the rule, None for plain causal attention, a flex
+        BlockMask on CUDA, else the dense boolean mask."""
         if window not in self._masks:
-            plain = window is None and self.query_document is None and self.padding is None
-            if plain and self.whole_sequence:
-                self._masks[window] = None
-            elif self.query_index.is_cuda and self.padding is None and _flex_runs():
-                self._masks[window] = self.block_mask(window)
-            else:
-                self._masks[window] = self.dense(window)
+            flash = self.flash_mask(window) if self.flash else None
+            self._masks[window] = flash if flash is not None else self.torch_mask(window)
         return self._masks[window]
+
+    def torch_mask(self, window: int | None) -> torch.Tensor | BlockMask | None:
+        """The mask for torch's kernels: None for plain causal attention (SDPA's causal kernel), a flex BlockMask
+        on CUDA, else the dense boolean mask."""
+        plain = window is None and self.query_document is None and self.padding is None
+        if plain and self.whole_sequence:
+            return None
+        if self.query_index.is_cuda and self.padding is None and _flex_runs():
+            return self.block_mask(window)
+        return self.dense(window)
+
+    def flash_mask(self, window: int | None) -> FlashMask | None:
+        """The rule in FA4's terms, or None where FA4 does not express it (named once in the log)."""
+        if self.padding is not None:
+            report_fallback("padded prompts", "FA4 takes no padding mask")
+        elif self.query_runs is None:
+            report_fallback("queries after a KV cache (generation)", "FA4 runs training's whole sequences")
+        elif self.query_document is None:
+            return FlashMask(window, query_runs=self.query_runs)
+        elif self.whole_sequence:
+            return FlashMask(window, cu_seqlens=document_boundaries(self.query_document))
+        else:
+            report_fallback("documents under context parallelism", "a rank's chunks of documents are not "
+                            "expressed as FA4 varlen sequences")
+        return None
 
     def dense(self, window: int | None) -> torch.Tensor:
         """The rule as a boolean mask [batch | 1, 1, queries, keys], for SDPA."""
@@ -126,7 +157,7 @@ class AttentionCore(nn.Module):
     swaps to change where the keys and values come from."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | FlashMask | None) -> torch.Tensor:
         return attend(q, k, v, mask)
 
 
@@ -161,9 +192,12 @@ def _flex_runs() -> bool:
     return FLEX_AVAILABLE
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | BlockMask | FlashMask | None) -> torch.Tensor:
     """Attention of ``q`` [batch, heads, queries, head_dim] over ``k``, ``v`` [batch, kv_heads, keys, head_dim]
     (grouped-query: heads a multiple of kv_heads) where ``mask`` allows (``AttentionMasks.for_window``)."""
+    if isinstance(mask, FlashMask):
+        return flash_attend(q, k, v, mask)
     q_per_kv = q.shape[1] // k.shape[1]
     if FLEX_AVAILABLE and isinstance(mask, BlockMask):
         flex = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU: the tests' comparison

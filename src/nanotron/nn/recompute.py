@@ -16,17 +16,20 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from nanotron.nn.flash_attention import FLASH_ATTENTION_OP
+
 aten = torch.ops.aten
 # The ops whose outputs (the attention output and its log-sum-exp, which their backward reads) selective recomputation
-# keeps: every fused SDPA kernel, and flex attention's higher-order op (its backward runs on CUDA only). SDPA's math
-# path is not one op: it decomposes into matmuls and a softmax whose backward needs the quadratic probabilities, so
-# it is recomputed like the rest of the layer.
+# keeps: every fused SDPA kernel, FlashAttention-4's op, and flex attention's higher-order op (its backward runs on
+# CUDA only). SDPA's math path is not one op: it decomposes into matmuls and a softmax whose backward needs the
+# quadratic probabilities, so it is recomputed like the rest of the layer.
 ATTENTION_OPS = frozenset(
     op for op in (
         aten._scaled_dot_product_flash_attention.default,
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
         aten._scaled_dot_product_flash_attention_for_cpu.default,
+        FLASH_ATTENTION_OP,
         getattr(torch.ops.higher_order, "flex_attention", None),
     ) if op is not None
 )

@@ -75,13 +75,18 @@ def split_micro_batch(micro_batch: dict[str, torch.Tensor], rank: int, size: int
     return part
 
 
-def context_parallel_masks(micro_batch: dict[str, torch.Tensor], rank: int, size: int) -> AttentionMasks:
+def context_parallel_masks(micro_batch: dict[str, torch.Tensor], rank: int, size: int,
+                           flash: bool = False) -> AttentionMasks:
     """The attention masks of cp rank ``rank``'s part of a micro-batch (``split_micro_batch``): its tokens' global
-    indices against the whole sequence's, and under document masking their documents against the whole sequence's."""
+    indices against the whole sequence's, and under document masking their documents against the whole sequence's;
+    ``flash``: for a model whose attention runs FlashAttention-4 (each of the rank's two chunks against the keys up
+    to its end)."""
     device = micro_batch["input_ids"].device
     sequence = micro_batch["input_ids"].shape[1] * size
+    chunk = sequence // (2 * size)
     return AttentionMasks(token_indices(rank, size, sequence, device), torch.arange(sequence, device=device),
-                          micro_batch.get("document_ids"), micro_batch.get("key_document_ids"))
+                          micro_batch.get("document_ids"), micro_batch.get("key_document_ids"),
+                          query_runs=((rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)), flash=flash)
 
 
 def _to_global_order(gathered: torch.Tensor, size: int) -> torch.Tensor:

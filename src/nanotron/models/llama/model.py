@@ -124,7 +124,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token embedding, decoder layers, final norm and LM head; returns logits over the padded vocabulary."""
+    """Token embedding, decoder layers, final norm and LM head; returns logits over the padded vocabulary.
+    ``flash_attention``: attention runs FlashAttention-4 where it expresses the mask (``model.attention_backend``,
+    set when the model is built)."""
+
+    flash_attention = False
 
     def __init__(self, config: LlamaConfig, padded_vocab_size: int):
         super().__init__()
@@ -188,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
         if masks is None:
             tokens = input_ids if input_ids is not None else hidden_states
             past = next(iter(caches.values())).length if caches else 0
-            masks = AttentionMasks.of_sequence(tokens.shape[1], tokens.device, past, document_ids, attention_mask)
+            masks = AttentionMasks.of_sequence(tokens.shape[1], tokens.device, past, document_ids, attention_mask,
+                                               self.flash_attention)
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(input_ids)
         for index, layer in self.layers.items():
