@@ -459,9 +459,10 @@ PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 def _nanotron(ckpt: str, tp: int, pp: int) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=tp, pp=pp)
+    pc = ParallelContext(Layout(tp=tp, pp=pp))
     model, _ = load_model(Path(ckpt), pc)
     ids = torch.tensor([PROMPTS[0]])
     logits = forward_logits(model, pc, ids, None, None, None, last_only=False)

@@ -11,6 +11,7 @@ from distributed import run_distributed, run_distributed_each
 from helpers import _train, assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
 from nanotron.config import ConfigError, config_from_dict
 from nanotron.data.batch import MicroBatch
+from nanotron.layout import Axis, Group
 from nanotron.nn.attention import AttentionMasks, allowed
 from nanotron.parallel.context_parallel import ContextParallelBatches, token_indices
 
@@ -153,10 +154,11 @@ def test_cp2_trains_as_one_rank_with_a_window_and_documents(one_rank, tiny_data,
 
 
 def _grid(tp: int, cp: int, dp: int) -> tuple[int, dict, dict]:
+    from nanotron.layout import Group, Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=tp, cp=cp, dp=dp)
-    return pc.rank, pc.coordinates, dict(pc.group_ranks)
+    pc = ParallelContext(Layout(tp=tp, cp=cp, dp=dp))
+    return pc.rank, pc.coordinates, {group: pc.members(group) for group in Group}
 
 
 LAYOUTS = {"cp2_tp2": {"cp": 2, "tp": 2}, "cp2_dp2_zero1": {"cp": 2, "dp": 2, "zero": 1}, "cp2_pp2": {"cp": 2, "pp": 2}}
@@ -172,9 +174,9 @@ def test_cp2_composes_with_tp_dp_zero1_and_pp(one_rank, tiny_data, tmp_path):
 
 def test_cp_sits_between_tp_and_dp_in_the_grid():
     by_rank = {rank: (coords, groups) for rank, coords, groups in run_distributed(_grid, 4, tp=1, cp=2, dp=2)}
-    assert by_rank[1][0] == {"pp": 0, "dp": 0, "ep": 0, "cp": 1, "tp": 0}
-    assert by_rank[0][1]["cp"] == [0, 1] and by_rank[0][1]["dp"] == [0, 2]
-    assert by_rank[0][1]["dp_cp_ep"] == [0, 1, 2, 3] and by_rank[0][1]["dp_ep"] == [0, 2]
+    assert by_rank[1][0] == {Axis.PP: 0, Axis.DP: 0, Axis.EP: 0, Axis.CP: 1, Axis.TP: 0}
+    assert by_rank[0][1][Group.CP] == [0, 1] and by_rank[0][1][Group.DP] == [0, 2]
+    assert by_rank[0][1][Group.DENSE_REPLICAS] == [0, 1, 2, 3] and by_rank[0][1][Group.SAMPLE_SHARDS] == [0, 2]
 
 
 # --- resuming across cp sizes -----------------------------------------------------------------------------------------

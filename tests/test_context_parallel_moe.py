@@ -56,14 +56,15 @@ def _sequence_sum_gradient() -> tuple[list[float], list[float]]:
     ``(whole sum)²``: the ranks' objectives add up to it, so each part's gradient must be 2 x the whole sum."""
     import torch.distributed as dist
 
+    from nanotron.layout import Axis, Group, Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.context_parallel import ContextParallelSequenceSum
 
-    pc = ParallelContext(cp=2)
-    x = torch.tensor([1.0, 2.0]) * (pc.coord("cp") + 1)
+    pc = ParallelContext(Layout(cp=2))
+    x = torch.tensor([1.0, 2.0]) * (pc.coord(Axis.CP) + 1)
     x.requires_grad_(True)
-    whole = ContextParallelSequenceSum(pc.groups["cp"])(x)
-    (whole.square().sum() / dist.get_world_size(pc.groups["cp"])).backward()
+    whole = ContextParallelSequenceSum(pc.group(Group.CP))(x)
+    (whole.square().sum() / dist.get_world_size(pc.group(Group.CP))).backward()
     return whole.tolist(), x.grad.tolist()
 
 

@@ -57,9 +57,10 @@ def _output_and_gradients(attention, inputs, grad) -> list[torch.Tensor]:
 
 
 def _every_form() -> dict[str, list[torch.Tensor]]:
+    from nanotron.layout import Group, Layout
     from nanotron.parallel.context import ParallelContext
 
-    group = ParallelContext(cp=2).groups["cp"]
+    group = ParallelContext(Layout(cp=2)).group(Group.CP)
     inputs, grad, mask = _rank_inputs(group, q_heads=4, kv_heads=2)
 
     def one_collective(q, k, v):
@@ -95,9 +96,10 @@ def test_overlapped_attention_equals_the_one_collective_exchange(every_form, for
 def _recorded_order() -> tuple[list[str], list[str]]:
     """The collectives, waits, attentions and attention gradients of one forward and one backward, in the order a
     rank issues them (6 kv heads: four groups)."""
+    from nanotron.layout import Group, Layout
     from nanotron.parallel.context import ParallelContext
 
-    group = ParallelContext(cp=2).groups["cp"]
+    group = ParallelContext(Layout(cp=2)).group(Group.CP)
     inputs, grad, mask = _rank_inputs(group, q_heads=12, kv_heads=6)
     events: list[str] = []
 

@@ -31,6 +31,7 @@ def _run(config: dict) -> dict:
     """Gradients of the first step (no update), then STEPS training steps. The gradients are returned at ZeRO-0
     only: ZeRO-1 reduces each bucket onto one shard, so no rank holds a whole gradient."""
     from nanotron.config import config_from_dict
+    from nanotron.layout import Axis
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
@@ -41,7 +42,7 @@ def _run(config: dict) -> dict:
     metrics = []
     if pc.rank == 0:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    weights = _pieces(dict(trainer.params), trainer.params, pc.coordinates, pc.sizes) if pc.coord("dp") == 0 else {}
+    weights = _pieces(dict(trainer.params), trainer.params, pc.coordinates, pc.sizes) if pc.coord(Axis.DP) == 0 else {}
     return {"metrics": metrics, "weights": weights, "state_numel": trainer.optimizer.local_state_numel(),
             "grads": grads if config["optimizer"]["zero_stage"] == 0 else {}}
 
@@ -110,11 +111,12 @@ def _diverged_replica() -> str:
     import torch.distributed as dist
     from torch import nn
 
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.data_parallel import GradientBuckets, ReplicaDivergenceError, check_replicas_agree
     from nanotron.parallel.placement import annotate_placements
 
-    pc = ParallelContext(dp=2)
+    pc = ParallelContext(Layout(dp=2))
     holder = nn.Linear(4, 4, bias=False)
     annotate_placements(holder)
     buckets = GradientBuckets({"weight": holder.weight}, set(), True, 1 << 20, pc.reduction_groups, shard=False)
@@ -137,22 +139,23 @@ def _expert_parallel_norm_and_replica_check() -> dict:
     import torch.distributed as dist
     from torch import nn
 
+    from nanotron.layout import Axis, Layout
     from nanotron.optim.clip import GlobalGradNorm
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.data_parallel import GradientBuckets, ReplicaDivergenceError, check_replicas_agree
     from nanotron.parallel.placement import Shard, annotate_placements, logical_parameters
 
-    pc = ParallelContext(dp=2, ep=2)
+    pc = ParallelContext(Layout(dp=2, ep=2))
     holder = nn.Module()
     holder.dense, holder.expert = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
-    holder.expert.parameter_shards = {"weight": ((8, 4), (Shard("ep", 0),))}  # experts 0-3 on ep 0, 4-7 on ep 1
+    holder.expert.parameter_shards = {"weight": ((8, 4), (Shard(Axis.EP, 0),))}  # experts 0-3 on ep 0, 4-7 on ep 1
     annotate_placements(holder)
     params = logical_parameters(holder)
     buckets = GradientBuckets(params, set(), True, 1 << 20, pc.reduction_groups, shard=True)
     rank = dist.get_rank()
     with torch.no_grad():
         holder.dense.weight.fill_(1.0)
-        holder.expert.weight.fill_(float(pc.coord("ep")))  # different experts hold different weights
+        holder.expert.weight.fill_(float(pc.coord(Axis.EP)))  # different experts hold different weights
     buckets.final_micro_batch = True
     ((rank + 1) * holder.dense.weight.sum() + 2 * (rank + 1) * holder.expert.weight.sum()).backward()
     buckets.finish_reduction()

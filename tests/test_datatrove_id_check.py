@@ -22,9 +22,10 @@ def _open_on_every_rank(folder: Path) -> tuple[list[tuple[int, int]], str | None
     from nanotron.data import datatrove_folder
     from nanotron.data.dataset import DataError
     from nanotron.data.sources import Ranks, SourceContext, build_source
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(dp=2)
+    pc = ParallelContext(Layout(dp=2))
     checked, check = [], datatrove_folder.check_token_ids
 
     def recording(path, tokens, *args, first=0, **kwargs):

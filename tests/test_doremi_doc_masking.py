@@ -29,6 +29,7 @@ def _reference_and_per_document_losses(reference: dict, proxy: dict) -> dict:
     from nanotron.features import features_for
     from nanotron.features.doremi import DoReMiProxy
     from nanotron.generation.generate import forward_logits
+    from nanotron.layout import Group
     from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
     from nanotron.trainer import Trainer
 
@@ -42,7 +43,7 @@ def _reference_and_per_document_losses(reference: dict, proxy: dict) -> dict:
     def losses(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = forward_logits(feature.reference, trainer.pc, ids[None], None, None, None, last_only=False,
                                 gather=False)
-        return vocab_parallel_token_losses(logits, labels[None], trainer.pc.groups["tp"],
+        return vocab_parallel_token_losses(logits, labels[None], trainer.pc.group(Group.TP),
                                            feature.reference.config.vocab_size)[0]
 
     computed, alone, across, packed = [], [], [], 0

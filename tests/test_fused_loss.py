@@ -117,12 +117,13 @@ def test_bf16_is_within_bf16_rounding_of_the_fp32_reference(group):
 def _sharded(chunk: int) -> list[dict]:
     """Every (mode, vocabulary size) through a column-parallel head at tp=2; with a vocabulary of 18 the second
     rank holds only padding columns."""
+    from nanotron.layout import Axis, Group, Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy
     from nanotron.parallel.tensor_parallel import ColumnParallelLinear
 
-    pc = ParallelContext(tp=2)
-    rank, group = pc.coord("tp"), pc.groups["tp"]
+    pc = ParallelContext(Layout(tp=2))
+    rank, group = pc.coord(Axis.TP), pc.group(Group.TP)
     results = []
     for mode in ("ALL_REDUCE", "REDUCE_SCATTER"):
         for vocab_size in (VOCAB, 18):

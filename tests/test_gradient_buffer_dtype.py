@@ -115,12 +115,13 @@ def test_a_bucket_without_a_buffer_holds_the_backward_gradient_until_the_step_en
 def _dense_and_expert_buckets() -> dict:
     """Two ranks as two expert-parallel ranks: the dense weight is reduced over both (fp32 buffer), each rank's
     expert is its own (no buffer). Returns the dtypes, the reduced gradients and the global grad norm."""
+    from nanotron.layout import Axis, Layout
     from nanotron.optim.clip import GlobalGradNorm
     from nanotron.parallel.context import ParallelContext
 
     data_parallel.HELD_GRADIENT_MIN_ELEMENTS = 1  # a spawned process: the fixture did not run here
-    pc = ParallelContext(ep=2)
-    rank = pc.coord("ep")
+    pc = ParallelContext(Layout(ep=2))
+    rank = pc.coord(Axis.EP)
     dense = nn.Parameter(torch.full((4,), 1.0 + rank, dtype=torch.bfloat16))
     expert = nn.Parameter(torch.full((4,), 3.0 + rank, dtype=torch.bfloat16))
     set_placement(dense, Placement("dense", (4,)))

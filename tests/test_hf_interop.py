@@ -81,6 +81,16 @@ def test_round_trip_is_bit_identical(converted, tmp_path):
     transformers.LlamaForCausalLM.from_pretrained(exported)  # loads without missing or unexpected keys
 
 
+def test_a_converted_checkpoint_records_the_layout_of_one_process(converted):
+    """Its record names every axis, as a training checkpoint's does, so that it compares like one."""
+    import json
+
+    from nanotron.layout import Layout
+
+    _, ckpt = converted
+    assert json.loads((ckpt / "checkpoint.json").read_text())["layout"] == Layout().to_dict()
+
+
 MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank today"
 
 
@@ -131,9 +141,10 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
     from nanotron.data.dataset import TokenShards
     from nanotron.generation.evaluate import evaluate
     from nanotron.generation.generate import load_model
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=tp)
+    pc = ParallelContext(Layout(tp=tp))
     result = evaluate(Path(ckpt), [Path(data)], pc, sequence_length=16, max_windows=10, batch_size=4)
     if tp > 1:
         return result
@@ -166,9 +177,10 @@ def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
 def _converted_logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     """The logits of a nanotron checkpoint over ``ids``, in this process at tp=1."""
     from nanotron.generation.generate import forward_logits, load_model
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=1)
+    pc = ParallelContext(Layout(tp=1))
     try:
         model, _ = load_model(ckpt, pc)
         return forward_logits(model, pc, ids, None, None, None, last_only=False)[0, :, :model.config.vocab_size]

@@ -17,7 +17,7 @@ LAYERS = [
     {"optim", "logging"},
     {"parallel"},
     {"nn", "data"},
-    {"config", "errors", "files", "random", "preemption", "metrics", "trackers", "divergence"},
+    {"config", "layout", "errors", "files", "random", "preemption", "metrics", "trackers", "divergence"},
 ]
 
 
@@ -94,3 +94,28 @@ def test_no_test_file_imports_another():
                 continue
             imported += [(path.name, name) for name in names if name.startswith("test_")]
     assert not imported, imported
+
+
+def test_axes_and_groups_are_named_by_their_enums_outside_the_layout():
+    """The grid's axes and groups are looked up as ``Axis``/``Group`` members (``pc.size(Axis.CP)``,
+    ``pc.group(Group.TP)``), never by their names as strings (``pc.size("cp")``, ``coords["pp"]``): only
+    ``layout.py`` spells them, so that every use of an axis can be found from its enum."""
+    from nanotron.layout import Axis, Group
+
+    names = {member.value for member in (*Axis, *Group)} | {"pipeline_ends"}
+    lookups = {"size", "coord", "group", "members"}
+
+    def spelled(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value in names
+
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "layout.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            by_call = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                       and node.func.attr in lookups and any(map(spelled, node.args)))
+            by_key = isinstance(node, ast.Subscript) and spelled(node.slice)
+            if by_call or by_key:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, offenders

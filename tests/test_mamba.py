@@ -187,9 +187,10 @@ def converted(tmp_path_factory):
 
 def _nanotron(ckpt: str, tp: int = 1, pp: int = 1) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=tp, pp=pp)
+    pc = ParallelContext(Layout(tp=tp, pp=pp))
     model, _ = load_model(Path(ckpt), pc)
     logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)
     greedy = SamplingArgs("greedy")

@@ -282,12 +282,13 @@ def test_the_built_final_norm_keeps_for_its_backward_what_the_planner_counts(com
     copy of an fp32 input is the input). Each token's reciprocal root is too small to count."""
     import torch
 
+    from nanotron.layout import Layout
     from nanotron.memory import final_norm_bytes
     from nanotron.models.build import BuildOptions, build_model
     from nanotron.parallel.context import ParallelContext
 
     config = tiny(f"model.compile={str(compiled).lower()}", "tokens.micro_batch_size=2")
-    model = build_model(config.model.model_config, ParallelContext(), BuildOptions.from_config(config))
+    model = build_model(config.model.model_config, ParallelContext(Layout()), BuildOptions.from_config(config))
     hidden = torch.randn(2, SEQ, H, requires_grad=True) * 1.0  # not a leaf, as the residual stream is not
     saved = {}
 

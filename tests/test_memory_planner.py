@@ -10,6 +10,7 @@ import yaml
 from distributed import run_distributed_each
 from helpers import ROOT
 from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
+from nanotron.layout import Layout
 from nanotron.memory import estimate_memory
 from nanotron.models.build import BuildOptions, build_stage
 from nanotron.models.registry import MODEL_SPECS
@@ -47,8 +48,7 @@ def _built_by_training(family: str, overrides: list[str]) -> tuple[dict, dict[st
     from nanotron.parallel.context import ParallelContext
 
     config = tiny_config(family, overrides)
-    p = config.parallelism
-    pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
+    pc = ParallelContext(Layout.from_config(config))
     model = build_model(config.model.model_config, pc, BuildOptions.from_config(config))
     return pc.coordinates, layout(model)
 
@@ -71,10 +71,8 @@ def test_build_stage_on_the_meta_device_gives_every_rank_the_parameters_training
     for name, per_rank in zip(LAYOUTS, run_distributed_each(_built_by_training, 2, calls)):
         family, overrides = LAYOUTS[name]
         config = tiny_config(family, overrides)
-        p = config.parallelism
-        sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "cp": p.context_parallel_size, "tp": p.tp}
         for coordinates, trained in per_rank:
-            planned = build_stage(config.model.model_config, GridPosition(sizes, coordinates),
+            planned = build_stage(config.model.model_config, GridPosition(Layout.from_config(config), coordinates),
                                   BuildOptions.from_config(config))
             assert all(param.is_meta for param in planned.parameters()), name
             assert layout(planned) == trained, (name, coordinates)

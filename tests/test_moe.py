@@ -55,11 +55,12 @@ def _exchange_round_trip(seed: int) -> dict:
     assignment must come back once, from the right expert, and so must its gradient."""
     import torch.distributed as dist
 
+    from nanotron.layout import Axis, Group, Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.expert_parallel import ExpertExchange
 
-    pc = ParallelContext(ep=2)
-    rank, experts = pc.coord("ep"), 6
+    pc = ParallelContext(Layout(ep=2))
+    rank, experts = pc.coord(Axis.EP), 6
     generator = torch.Generator().manual_seed(seed + rank)
     failures = []
     for trial in range(20):
@@ -75,7 +76,7 @@ def _exchange_round_trip(seed: int) -> dict:
             ids = torch.arange(first, first + experts // 2).repeat_interleave(per_expert)
             return rows * (ids + 1).unsqueeze(-1).to(rows.dtype)
 
-        out = ExpertExchange(pc.groups["ep"], experts)(probe, x, counts)
+        out = ExpertExchange(pc.group(Group.EP), experts)(probe, x, counts)
         expected = x * (expert_index + 1).unsqueeze(-1)
         out.sum().backward()
         if out.shape != x.shape or not torch.allclose(out, expected) or not torch.allclose(

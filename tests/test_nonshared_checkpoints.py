@@ -167,22 +167,19 @@ def _placements():
 def test_each_folder_gets_every_box_its_ranks_hold_once(layout):
     """Whatever nodes split the grid, each folder receives exactly the boxes its ranks hold, each once; a folder
     that every rank sees receives exactly the boxes of a shared save (each box's unique copy)."""
-    import torch
-
     from nanotron.checkpoint.node_folders import FolderRanks
-    from nanotron.parallel.context import AXES
+    from nanotron.layout import Axis, Layout
 
     pp, dp, ep, tp = layout
-    sizes = dict(zip(AXES, (pp, dp, ep, 1, tp)))
-    world = torch.arange(pp * dp * ep * tp)
-    grid = world.reshape(*sizes.values())
-    coordinates = {rank: dict(zip(AXES, (grid == rank).nonzero()[0].tolist())) for rank in world.tolist()}
-    stage = {0: 0, 1: sizes["pp"] - 1}
+    grid = Layout(pp=pp, dp=dp, ep=ep, tp=tp)
+    sizes, world = grid.sizes, range(grid.world_size)
+    coordinates = {rank: grid.coordinates(rank) for rank in world}
+    stage = {0: 0, 1: pp - 1}
     for per_node, placement in itertools.product([n for n in (1, 2, 4) if len(world) % n == 0], _placements()):
         holders = [r for r, c in coordinates.items()
-                   if c["pp"] in ([stage[s] for s in placement.pipeline_copies] or [0])]
-        if placement.pipeline_copies and sizes["pp"] > 1:
-            placement.pipeline_copies = (0, sizes["pp"] - 1)
+                   if c[Axis.PP] in ([stage[s] for s in placement.pipeline_copies] or [0])]
+        if placement.pipeline_copies and pp > 1:
+            placement.pipeline_copies = (0, pp - 1)
         for first in range(0, len(world), per_node):
             ranks = tuple(range(first, first + per_node))
             written, held = [], set()
@@ -219,9 +216,10 @@ def _find_folders(runs: list[list[str]]) -> list[dict]:
     from nanotron.checkpoint.node_folders import FolderRanks
     from nanotron.checkpoint.run_folder import describe_existing_run
     from nanotron.errors import CheckpointError
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(dp=2)
+    pc = ParallelContext(Layout(dp=2))
     os.environ["GROUP_RANK"] = str(pc.rank)
     results = []
     for roots in runs:
@@ -259,10 +257,14 @@ def test_nodes_find_which_folders_they_share_and_resume_from_a_checkpoint_they_a
 
 
 def test_a_node_folder_refuses_ranks_it_holds_no_files_for():
+    """A record written before the ep and cp axes existed reads as ep = cp = 1 (``Layout.recorded``)."""
     from nanotron.checkpoint.node_folders import node_checkpoint_problem
+    from nanotron.layout import Layout
 
-    metadata = {"node_ranks": [2, 3], "layout": {"pp": 1, "dp": 2, "ep": 1, "tp": 2, "zero_stage": 0}}
-    sizes = {"pp": 1, "dp": 2, "ep": 1, "tp": 2}
-    assert node_checkpoint_problem(Path("run/3"), metadata, 2, sizes) is None
-    problem = node_checkpoint_problem(Path("run/3"), metadata, 0, sizes)
+    metadata = {"node_ranks": [2, 3], "layout": {"pp": 1, "dp": 2, "tp": 2, "zero_stage": 0}}
+    layout = Layout(dp=2, tp=2)
+    assert node_checkpoint_problem(Path("run/3"), metadata, 2, layout) is None
+    problem = node_checkpoint_problem(Path("run/3"), metadata, 0, layout)
     assert "holds only the files of ranks 2-3" in problem and "rank 0 now runs here" in problem
+    problem = node_checkpoint_problem(Path("run/3"), metadata, 2, Layout(dp=2, cp=2))
+    assert "of a run at pp=1, dp=2, ep=1, cp=1, tp=2" in problem and "layout is pp=1, dp=2, ep=1, cp=2, tp=1" in problem

@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from nanotron.parallel.layout import GRID_AXES, Axis, Group, Layout
+from helpers import ROOT
+from nanotron.config import load_config
+from nanotron.layout import GRID_AXES, Axis, Group, Layout
 
 LAYOUTS = [Layout(pp=2, dp=2, ep=1, cp=2, tp=2), Layout(pp=1, dp=3, ep=2, cp=1, tp=2), Layout(pp=3, dp=1, ep=2, cp=2)]
 
@@ -26,6 +28,18 @@ def test_coordinates_and_group_ranks_follow_the_grid_the_process_groups_are_cut_
                 assert layout.group_rank(group, coordinates) == index, (group, rank)
 
 
+def test_the_config_sets_every_size_and_token_setting():
+    config = load_config(ROOT / "examples" / "config_tiny_llama.yaml", [
+        "parallelism.pp=2", "parallelism.dp=3", "parallelism.tp=2", "parallelism.context_parallel_size=2",
+        "parallelism.tp_mode=REDUCE_SCATTER", "parallelism.tp_linear_async_communication=true",
+        "parallelism.pp_engine=afab", "optimizer.zero_stage=1", "tokens.sequence_length=64",
+        "tokens.micro_batch_size=3", "tokens.batch_accumulation_per_replica=5"])
+    assert Layout.from_config(config) == Layout(
+        pp=2, dp=3, cp=2, tp=2, sequence_parallel=True, overlapped_linears=True, pp_engine="afab", zero_stage=1,
+        sequence_length=64, micro_batch_size=3, accumulation=5)
+    assert config.global_batch_size == Layout.from_config(config).global_batch_size == 3 * 5 * 3
+
+
 def test_token_shares_and_the_activations_between_stages():
     layout = Layout(tp=4, cp=2, sequence_parallel=True, overlapped_linears=True, sequence_length=64,
                     micro_batch_size=3)
@@ -41,6 +55,29 @@ def test_micro_batches_in_flight_per_schedule():
     assert [Layout(pp=4, accumulation=2).in_flight(stage) for stage in range(4)] == [2, 2, 2, 1]
     assert [Layout(pp=2, accumulation=8, pp_engine="afab").in_flight(stage) for stage in range(2)] == [8, 8]
     assert Layout(pp=1, accumulation=8, pp_engine="afab").in_flight(0) == 1  # one stage: plain accumulation
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=4, accumulation=8), Layout(pp=4, accumulation=2),
+                                    Layout(pp=3, accumulation=5, pp_engine="afab"), Layout(accumulation=3)])
+def test_the_warm_up_the_schedule_runs_holds_the_micro_batches_the_planner_counts(layout):
+    """The schedule runs ``warmup`` forwards, then one forward before each backward: the most it holds at once is
+    ``in_flight``, for any number of micro-batches; under AFAB every forward comes first."""
+    for micro_batches in range(1, 10):
+        for stage in range(layout.pp):
+            warmup = layout.warmup(stage, micro_batches)
+            held = warmup + (1 if micro_batches > warmup else 0)
+            assert held == layout.in_flight(stage, micro_batches), (stage, micro_batches)
+            assert warmup == (micro_batches if layout.schedule == "afab" else
+                              min(layout.pp - stage - 1, micro_batches))
+        assert layout.in_flight(0) == layout.in_flight(0, layout.accumulation)
+
+
+def test_the_layout_in_one_line_and_its_grid_in_messages():
+    layout = Layout(pp=2, dp=3, tp=2, pp_engine="afab", micro_batch_size=4, sequence_length=256, accumulation=8)
+    assert layout.summary() == "dp 3 x ep 1 x cp 1 x tp 2 x pp 2 (AFAB), micro-batch 4 x 256 tokens, 8 per step"
+    assert "(gradient accumulation)" in Layout(pp_engine="afab").summary()
+    assert layout.describe_grid() == "pp=2, dp=3, ep=1, cp=1, tp=2"
+    assert Layout(cp=2, sequence_length=64, micro_batch_size=3).rank_tokens == 3 * 32
 
 
 def test_global_batch_and_sample_shards():

@@ -136,12 +136,13 @@ def test_accumulation_split_gives_the_same_gradients(tiny_data, tmp_path):
 def _stuck_neighbour(timeout_s: float) -> str:
     import time
 
+    from nanotron.layout import Axis, Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.pipeline_parallel import P2P, PipelineTimeoutError
 
-    pc = ParallelContext(pp=2)
+    pc = ParallelContext(Layout(pp=2))
     p2p = P2P(pc, (2, 3), torch.float32, timeout_s, step=7)
-    if pc.coord("pp") == 0:
+    if pc.coord(Axis.PP) == 0:
         time.sleep(3 * timeout_s)  # never sends
         return ""
     with pytest.raises(PipelineTimeoutError) as error:

@@ -66,9 +66,10 @@ def converted(request, tmp_path_factory):
 
 def _nanotron_outputs(ckpt: Path) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=1)
+    pc = ParallelContext(Layout(tp=1))
     try:
         model, _ = load_model(ckpt, pc)
         vocab = model.config.vocab_size

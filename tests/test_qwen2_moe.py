@@ -67,10 +67,11 @@ def converted(request, tmp_path_factory):
 
 def _nanotron_outputs(ckpt: Path) -> dict:
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
+    from nanotron.layout import Layout
     from nanotron.models.moe.model import MoEFeedForward
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=1)
+    pc = ParallelContext(Layout(tp=1))
     try:
         model, _ = load_model(ckpt, pc)
         vocab, greedy = model.config.vocab_size, SamplingArgs("greedy")

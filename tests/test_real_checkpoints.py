@@ -85,9 +85,10 @@ def _nanotron(ckpt: str, tp: int) -> dict:
     """Logits of the first prompt and greedy continuations of the batch; later calls in the same processes reuse
     the process group (re-creating it on the same port races with the old one's teardown)."""
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(tp=tp)
+    pc = ParallelContext(Layout(tp=tp))
     model, _ = load_model(Path(ckpt), pc)
     vocab = model.config.vocab_size
     logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)

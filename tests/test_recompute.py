@@ -17,11 +17,12 @@ from helpers import RECOMPUTE_STEPS, recompute_config, tiny_config_dict, train_w
 def _saved_for_backward(config: dict) -> dict:
     """What one forward of the built model saves for backward, its parameter names and the gradients it gives."""
     from nanotron.config import config_from_dict
+    from nanotron.layout import Layout
     from nanotron.models.build import BuildOptions, build_model
     from nanotron.parallel.context import ParallelContext
 
     cfg = config_from_dict(config)
-    model = build_model(cfg.model.model_config, ParallelContext(), BuildOptions.from_config(cfg))
+    model = build_model(cfg.model.model_config, ParallelContext(Layout()), BuildOptions.from_config(cfg))
     ids = torch.randint(0, cfg.model.model_config.vocab_size, (2, cfg.tokens.sequence_length),
                         generator=torch.Generator().manual_seed(0))
     saved = []

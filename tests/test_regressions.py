@@ -102,6 +102,7 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
     from nanotron.config import config_from_dict
     from nanotron.data.batch import MicroBatch
     from nanotron.features import features_for
+    from nanotron.layout import Group
     from nanotron.trainer import Trainer
     from nanotron.training.objective import micro_batch_loss
 
@@ -123,7 +124,7 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
                        token_count=torch.tensor(16.0), sample_weights=torch.tensor([0.1, 0.3]))
     logits = torch.randn(2, 8, trainer.model.padded_vocab_size)
     loss_function = trainer.program.objective_at(1).language_model.loss
-    arguments = (logits, batch, trainer.pc.groups["tp"], 384, 3)
+    arguments = (logits, batch, trainer.pc.group(Group.TP), 384, 3)
     loss = loss_function(*arguments)[0]
     source = compiled.get(id(loss_function))
     eager = (source or loss_function)(*arguments)[0]

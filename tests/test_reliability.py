@@ -148,7 +148,8 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
     write_rng_state(saved["run"] / "rng.safetensors", *rng_state(torch.device("cpu"), coords))
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     assert not load_rng_state(saved["run"] / "rng.safetensors", torch.device("cpu"), coords | {"tp": 1})
-    assert load_rng_state(saved["run"] / "rng.safetensors", torch.device("cpu"), coords)
+    assert not load_rng_state(saved["run"] / "rng.safetensors", torch.device("cpu"), coords | {"cp": 1})
+    assert load_rng_state(saved["run"] / "rng.safetensors", torch.device("cpu"), coords | {"cp": 0})  # saved before cp
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 

@@ -121,11 +121,12 @@ def test_converted_linears_train_like_the_plain_model_and_buffers_are_checkpoint
 def _two_layer_pipeline(pp: int) -> dict:
     """x + x W0 (a residual block, as stage outputs are) -> W1 -> mean square, with an auxiliary loss on x W0 (as a
     router's), over 4 micro-batches."""
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
     from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
     from nanotron.parallel.statistics import sum_over_replicas
 
-    pc = ParallelContext(pp=pp)
+    pc = ParallelContext(Layout(pp=pp))
     generator = torch.Generator().manual_seed(0)
     w0, w1 = (torch.randn(8, 8, generator=generator).requires_grad_() for _ in range(2))
     micro_batches = [{"x": torch.randn(2, 4, 8, generator=generator)} for _ in range(4)]
@@ -142,7 +143,7 @@ def _two_layer_pipeline(pp: int) -> dict:
         loss = (hidden @ w1).square().mean()
         return StageOutput(None, statistics | {"loss": loss}, (loss,) if aux is None else (loss, aux))
 
-    schedule = PipelineSchedule(pc, "1f1b", P2P(pc, (2, 4, 8), torch.float32, 60.0), forward, lambda: None)
+    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), forward, lambda: None)
     statistics = sum_over_replicas(schedule.run(micro_batches, step=1), {"loss": (), "aux_loss": ()}, pc)
     return {"w0": w0.grad if pc.is_first_stage else None, "w1": w1.grad if pc.is_last_stage else None,
             "statistics": {name: value.item() for name, value in statistics.items()}}

@@ -29,6 +29,7 @@ from helpers import (
     train_with_flops,
 )
 from nanotron.config import ConfigError, LlamaConfig, apply_overrides, config_from_dict, load_config
+from nanotron.layout import Layout
 from nanotron.memory import estimate_memory
 from nanotron.models.build import BuildOptions, build_model, padded_vocab_size
 from nanotron.models.llama.costs import llama_costs, llama_layer_activations
@@ -101,7 +102,7 @@ def test_compiled_selective_recompute_matches_and_keeps_only_input_and_attention
 
 def _build_and_run(config: dict) -> dict:
     cfg = config_from_dict(config)
-    model = build_model(cfg.model.model_config, ParallelContext(), BuildOptions.from_config(cfg))
+    model = build_model(cfg.model.model_config, ParallelContext(Layout()), BuildOptions.from_config(cfg))
     ids = torch.randint(0, cfg.model.model_config.vocab_size, (2, cfg.tokens.sequence_length),
                         generator=torch.Generator().manual_seed(0))
     with AttentionCalls() as calls:

@@ -70,6 +70,7 @@ def _generate(args: argparse.Namespace) -> None:
         load_checkpoint_tokenizer,
         load_model,
     )
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
     sampling = _sampling(args)
@@ -81,7 +82,7 @@ def _generate(args: argparse.Namespace) -> None:
     if not prompts:
         raise ConfigError("no prompt: give at least one non-blank --prompt or a --prompts-file with one per line")
     check_checkpoint_layout(args.ckpt_path, args.tp)
-    pc = ParallelContext(tp=args.tp, pp=args.pp)
+    pc = ParallelContext(Layout(tp=args.tp, pp=args.pp))
     try:
         model, checkpoint = load_model(args.ckpt_path, pc)
         tokenizer = load_checkpoint_tokenizer(checkpoint)
@@ -122,11 +123,12 @@ def _evaluate(args: argparse.Namespace) -> None:
     from nanotron.files import atomic_write_text
     from nanotron.generation.evaluate import HFDatasetOptions, evaluate
     from nanotron.generation.generate import check_checkpoint_layout
+    from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
     check_checkpoint_layout(args.ckpt_path, args.tp, sequence_length=args.sequence_length,
                             sequence_key="--sequence-length")
-    pc = ParallelContext(tp=args.tp, pp=args.pp)
+    pc = ParallelContext(Layout(tp=args.tp, pp=args.pp))
     try:
         results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size,
                            HFDatasetOptions(tuple(args.hf_dataset_splits), args.text_column_name))

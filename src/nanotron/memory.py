@@ -30,8 +30,8 @@ How each part is computed, and why:
   gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert), else everything.
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
-  gathered keys and values and its mask. In flight on stage ``s`` of ``pp``:
-  ``min(pp - s, batch_accumulation_per_replica)`` under 1F1B (a single stage keeps one), all of them under AFAB.
+  gathered keys and values and its mask. The rank's tokens and the micro-batches in flight on each stage are the
+  layout's (``Layout.rank_tokens``, ``Layout.in_flight``: the schedule runs by the same numbers).
   What a decoder layer saves cannot be read from its parameters: each family models it
   (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
   layer on an H200; with ``parallelism.recompute: full`` each layer keeps only its input (with ``selective``, also
@@ -78,12 +78,13 @@ GB), of the 8B's (112.60 GB in bf16 and FP8, now at the backward's end) and of c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from nanotron.config import Config, ConfigError
+from nanotron.layout import Axis, Layout
 from nanotron.models.build import BuildOptions, build_stage, padded_vocab_size
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import ActivationShape, ModelSpec
@@ -93,7 +94,6 @@ from nanotron.parallel.context import GridPosition
 from nanotron.parallel.data_parallel import gradient_dtype, holds_autograd_gradient
 from nanotron.parallel.pipeline_partition import held_layers
 from nanotron.parallel.placement import get_placement
-from nanotron.parallel.tensor_parallel import REDUCE_SCATTER
 
 GB = 1e9
 DEFAULT_GPU_MEMORY_GB = 150.1  # an H200 (its total_memory, 150,109,880,320 bytes), when no CUDA device is visible
@@ -195,28 +195,27 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
     does not)."""
     if gpu_memory_gb is None:
         gpu_memory_gb = device_memory_gb()
-    p, t = config.parallelism, config.tokens
+    p, layout = config.parallelism, Layout.from_config(config)
     spec = spec_for_config(config.model.model_config)
     if spec.layer_activations is None:
         raise ConfigError(f"the memory planner has no model of what the {spec.name} family's layers keep for the "
                           "backward (its ModelSpec.layer_activations)")
-    states = [_stage_state(config, stage) for stage in range(p.pp)]
+    states = [_stage_state(config, stage) for stage in range(layout.pp)]
 
     def stages_at(micro_batch_size: int) -> tuple[StageMemory, ...]:
         return tuple(_stage_memory(config, spec, stage, state, micro_batch_size) for stage, state in enumerate(states))
 
     budget = gpu_memory_gb * GB
-    largest = tuple(_largest_fitting(lambda mb, s=stage: stages_at(mb)[s].total <= budget) for stage in range(p.pp))
-    parameters = spec.costs(config.model.model_config, states[0].padded_vocab_size, t.sequence_length).parameters
+    largest = tuple(_largest_fitting(lambda mb, s=stage: stages_at(mb)[s].total <= budget)
+                    for stage in range(layout.pp))
+    parameters = spec.costs(config.model.model_config, states[0].padded_vocab_size, layout.sequence_length).parameters
     size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
-    description = (f"{spec.name}, {size} parameters, dp {p.dp} x ep {p.expert_parallel_size} x cp "
-                   f"{p.context_parallel_size} x tp "
-                   f"{p.tp} x pp {p.pp} ({_schedule_name(config)}), micro-batch {t.micro_batch_size} x "
-                   f"{t.sequence_length} tokens, {t.batch_accumulation_per_replica} per step, {config.model.dtype}"
+    description = (f"{spec.name}, {size} parameters, {layout.summary()}, {config.model.dtype}"
                    + (", compiled" if config.model.compile else ", eager")
                    + (", recomputed layers" if p.recompute != "none" else "")
                    + (f" ({p.recompute})" if p.recompute not in ("none", "full") else ""))
-    return MemoryEstimate(description, stages_at(t.micro_batch_size), gpu_memory_gb, t.micro_batch_size, largest)
+    return MemoryEstimate(description, stages_at(layout.micro_batch_size), gpu_memory_gb, layout.micro_batch_size,
+                          largest)
 
 
 def memory_summary(config: Config, stage: int, gpu_memory_gb: float | None) -> str:
@@ -285,9 +284,9 @@ class _HeldGradients:
 def _stage_state(config: Config, stage: int) -> _StageState:
     """Build pipeline stage ``stage``'s model as training does, on the meta device (no memory), for the rank at
     coordinate 0 of the other axes, and count its parameters from their local shapes, dtypes and placements."""
-    p, optimizer = config.parallelism, config.optimizer
-    sizes = {"pp": p.pp, "dp": p.dp, "ep": p.expert_parallel_size, "cp": p.context_parallel_size, "tp": p.tp}
-    grid = GridPosition(sizes, {axis: stage if axis == "pp" else 0 for axis in sizes})
+    optimizer = config.optimizer
+    layout = Layout.from_config(config)
+    grid = GridPosition(layout, layout.coordinates(layout.rank_of({Axis.PP: stage})))
     converters = (fp8_converter(config.fp8),) if config.fp8 is not None and config.fp8.enabled else ()
     model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
     weight_bytes = gradient_bytes = 0
@@ -298,7 +297,7 @@ def _stage_state(config: Config, stage: int) -> _StageState:
         elements, element_bytes = param.numel(), param.element_size()
         weight_bytes += elements * element_bytes
         placement = get_placement(param)
-        replicas = math.prod(sizes[axis] for axis in placement.gradient_axes)
+        replicas = math.prod(layout.size(axis) for axis in placement.gradient_axes)
         if holds_autograd_gradient(elements, single_micro_batch, replicas, bool(placement.pipeline_copies),
                                    optimizer.persistent_gradient_buffers):
             held[id(param)] = elements * element_bytes
@@ -332,28 +331,18 @@ def _fp8_weight_elements(module: nn.Module) -> int:
 # --- activations and logits --------------------------------------------------------------------------------------
 
 
-def _token_shares(config: Config) -> tuple[float, float]:
-    """(residual, linear input): the share of a micro-batch's tokens a rank keeps of the residual stream (1/tp with
-    sequence parallelism) and of a column-parallel linear's input (1/tp only when the backward is overlapped: it
-    keeps the input shard and gathers it again; the plain one keeps the gathered input)."""
-    p = config.parallelism
-    sequence_parallel = p.tp > 1 and p.tp_mode == REDUCE_SCATTER
-    return (1 / p.tp if sequence_parallel else 1.0,
-            1 / p.tp if sequence_parallel and p.tp_linear_async_communication else 1.0)
-
-
-def _rank_tokens(config: Config, micro_batch_size: int) -> int:
-    """The tokens of a micro-batch that one rank holds: its part of each sequence under context parallelism."""
-    return micro_batch_size * config.tokens.sequence_length // config.parallelism.context_parallel_size
+def _layout(config: Config, micro_batch_size: int) -> Layout:
+    """The run's layout at ``micro_batch_size`` (the planner tries several): the token shares come from it."""
+    return replace(Layout.from_config(config), micro_batch_size=micro_batch_size)
 
 
 def _activation_shape(config: Config, micro_batch_size: int) -> ActivationShape:
-    residual_share, linear_input_share = _token_shares(config)
+    layout = _layout(config, micro_batch_size)
     return ActivationShape(
-        tokens=_rank_tokens(config, micro_batch_size), sequence_length=config.tokens.sequence_length,
-        tp=config.parallelism.tp, value_bytes=config.model.torch_dtype().itemsize, residual_share=residual_share,
-        linear_input_share=linear_input_share, compiled=config.model.compile,
-        recompute=config.parallelism.recompute, cp=config.parallelism.context_parallel_size,
+        tokens=layout.rank_tokens, sequence_length=layout.sequence_length, tp=layout.tp,
+        value_bytes=config.model.torch_dtype().itemsize, residual_share=layout.residual_share,
+        linear_input_share=layout.linear_input_share, compiled=config.model.compile,
+        recompute=config.parallelism.recompute, cp=layout.cp,
     )
 
 
@@ -361,10 +350,10 @@ def final_norm_bytes(config: Config, micro_batch_size: int) -> int:
     """The final norm keeps its input (compiled with ``model.compile``; eager, the normalised values and an fp32
     copy of its input) and its output, the LM head's input."""
     d, hidden = config.model.torch_dtype().itemsize, config.model.model_config.hidden_size
-    residual_share, linear_input_share = _token_shares(config)
-    tokens = _rank_tokens(config, micro_batch_size)
+    layout = _layout(config, micro_batch_size)
     kept_of_input = d if config.model.compile else 4 + d
-    return int(tokens * (kept_of_input * hidden * residual_share + d * hidden * linear_input_share))
+    return int(layout.rank_tokens * (kept_of_input * hidden * layout.residual_share
+                                     + d * hidden * layout.linear_input_share))
 
 
 def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
@@ -382,7 +371,7 @@ def logits_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
         return fused_loss_bytes(config, micro_batch_size)
     tp, d = config.parallelism.tp, config.model.torch_dtype().itemsize
     vocab = padded_vocab_size(config.model.model_config.vocab_size, config.model.make_vocab_size_divisible_by, tp)
-    elements = _rank_tokens(config, micro_batch_size) * vocab // tp
+    elements = _layout(config, micro_batch_size).rank_tokens * vocab // tp
     logits, fp32 = elements * d, elements * 4
     compiled = config.model.compile
     if tp == 1:
@@ -407,7 +396,7 @@ def fused_loss_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
     """
     c, tp, d = config.model.model_config, config.parallelism.tp, config.model.torch_dtype().itemsize
     vocab = padded_vocab_size(c.vocab_size, config.model.make_vocab_size_divisible_by, tp) // tp
-    tokens = _rank_tokens(config, micro_batch_size)
+    tokens = _layout(config, micro_batch_size).rank_tokens
     weight = vocab * c.hidden_size
     chunk = min(config.model.loss_chunk_tokens, tokens) * vocab
     passes = chunk * (2 * d if config.model.compile else d + FUSED_EAGER_PASS_BYTES)
@@ -417,20 +406,10 @@ def fused_loss_bytes(config: Config, micro_batch_size: int) -> tuple[int, int]:
     return kept, max(passes + 4 * weight, chunk * d + weight * (4 + 2 * d))
 
 
-def _in_flight(config: Config, stage: int) -> int:
-    p, accumulation = config.parallelism, config.tokens.batch_accumulation_per_replica
-    if p.pp > 1 and p.pp_engine == "afab":
-        return accumulation
-    return min(p.pp - stage, accumulation)
-
-
-def _schedule_name(config: Config) -> str:
-    return config.parallelism.pp_engine.upper() if config.parallelism.pp > 1 else "gradient accumulation"
-
-
 def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageState,
                   micro_batch_size: int) -> StageMemory:
-    in_flight = _in_flight(config, stage)
+    layout = _layout(config, micro_batch_size)
+    in_flight = layout.in_flight(stage)
     shape = _activation_shape(config, micro_batch_size)
     per_layer = [spec.layer_activations(config.model.model_config, index, shape) for index in state.layers]
     if shape.recompute != "none":  # one byte each: the FP8 weights a recomputed forward keeps
@@ -440,7 +419,7 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     logits = 0
     held = state.held
     held_at_start = held.final_norm + (held.layers[-1] if held.layers else 0)
-    if stage == config.parallelism.pp - 1:
+    if stage == layout.pp - 1:
         kept += final_norm_bytes(config, micro_batch_size)
         logits_kept, logits_transient = logits_bytes(config, micro_batch_size)
         # The loss's backward runs before any layer's, when every layer still holds its activations.
@@ -477,7 +456,7 @@ def _embedding_backward_bytes(config: Config, micro_batch_size: int, stage: int)
     if stage != 0:
         return 0
     d, hidden = config.model.torch_dtype().itemsize, config.model.model_config.hidden_size
-    return _rank_tokens(config, micro_batch_size) * hidden * (2 * d + 4)
+    return _layout(config, micro_batch_size).rank_tokens * hidden * (2 * d + 4)
 
 
 def _largest_fitting(fits) -> int:

@@ -31,6 +31,7 @@ from nanotron.data.batch import MicroBatch
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.divergence import BadStepGuard
 from nanotron.features import Feature, features_for
+from nanotron.layout import Group, Layout
 from nanotron.logging import setup_logging
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model
 from nanotron.models.registry import spec_for_config
@@ -40,7 +41,6 @@ from nanotron.optim.lr_schedule import learning_rate_at
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.data_parallel import check_replicas_agree
-from nanotron.parallel.layout import Axis, Group
 from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.parallel.statistics import Statistics
 from nanotron.preemption import StopRequests
@@ -63,9 +63,8 @@ class Trainer:
     def __init__(self, config: Config, converters: tuple[ModuleConverter, ...] = (),
                  features: Sequence[Feature] | None = None):
         self.config = expand_run_name(config)
-        p = config.parallelism
         take_the_ranks_of_node_folders(config.checkpoints)  # node-local checkpoints: whatever order the nodes join in
-        self.pc = ParallelContext(tp=p.tp, pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size)
+        self.pc = ParallelContext(Layout.from_config(config))
         self.checkpoints: RunCheckpoints | None = None  # the run folder's lock, taken first by ``_set_up``
         self._stage_loader: MicroBatchLoader | None = None  # the current data stage's, while training
         try:
@@ -261,7 +260,7 @@ class Trainer:
             start_step=0,
             micro_batch_size=t.micro_batch_size,
             accumulation=t.batch_accumulation_per_replica,
-            dp_rank=self.pc.coord(Axis.DP) * self.pc.size(Axis.EP) + self.pc.coord(Axis.EP),
+            dp_rank=self.pc.layout.sample_shard(self.pc.coordinates),
             dp_size=self.pc.size(Group.SAMPLE_SHARDS),
             num_workers=stage.data.num_loading_workers,
             end_of_document=self.document_ends[stage.name],

@@ -28,6 +28,7 @@ from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.data.tokenizer import TOKENIZER_FILE_NAME, describe_token, load_tokenizer, model_token_ids
 from nanotron.errors import CheckpointError
 from nanotron.files import fsync_path
+from nanotron.layout import Layout
 from nanotron.models.registry import check_model_config
 
 logger = logging.getLogger("nanotron.convert")
@@ -65,7 +66,7 @@ def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
         files += [f"tokenizer/{p.name}" for p in sorted((tmp / "tokenizer").iterdir())]
     write_metadata(tmp, checkpoint_metadata(
         step=0, optimizer_step=0, lr_schedule_start_step=0, consumed_samples={}, consumed_tokens=0,
-        layout={"dp": 1, "pp": 1, "tp": 1, "ep": 1, "zero_stage": 0},
+        layout=Layout().to_dict(),
         model=model_metadata(config, config.vocab_size, dtype), tokenizer_fingerprint=None,
         files={f: file_entry(tmp / f) for f in files}, converted_from=str(hf_path),
     ))

@@ -110,7 +110,7 @@ def verify_on_all_ranks(checkpoint: Path, metadata: dict, parallel_context: Para
     file is corrupt."""
     pc = parallel_context
     ranks = metadata.get(NODE_RANKS, range(pc.world_size))
-    problem = node_checkpoint_problem(checkpoint, metadata, pc.rank, pc.sizes)
+    problem = node_checkpoint_problem(checkpoint, metadata, pc.rank, pc.layout)
     if problem is None:
         problem = verify_checksums(checkpoint, metadata, ranks.index(pc.rank), len(ranks))
     problem = first_problem(problem, parallel_context.world_size)

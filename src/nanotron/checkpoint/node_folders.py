@@ -36,7 +36,8 @@ from nanotron.checkpoint.run_folder import METADATA, complete_checkpoints, resol
 from nanotron.checkpoint.run_lock import not_writable
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.errors import CheckpointError
-from nanotron.parallel.context import AXES, ParallelContext, default_device, init_distributed, rejoin_as
+from nanotron.layout import Axis, Layout
+from nanotron.parallel.context import ParallelContext, default_device, init_distributed, rejoin_as
 from nanotron.parallel.placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class FolderRanks:
     rank: int
     world_size: int
     ranks: tuple[int, ...]
-    coordinates: dict[int, dict[str, int]] = field(default_factory=dict)  # of ``ranks``, when not shared
+    coordinates: dict[int, dict[Axis, int]] = field(default_factory=dict)  # of ``ranks``, when not shared
 
     @classmethod
     def everyone(cls, parallel_context: ParallelContext) -> FolderRanks:
@@ -97,8 +98,7 @@ class FolderRanks:
                 logger.warning(f"{SHARED_KEY} is false but every node sees {root}: checkpoints are saved once, as on "
                                "a shared file system")
             return cls.everyone(pc)
-        coordinates = {r: dict(zip(AXES, (pc.grid == r).nonzero()[0].tolist())) for r in ranks}
-        return cls(pc.rank, pc.world_size, ranks, coordinates)
+        return cls(pc.rank, pc.world_size, ranks, {r: pc.layout.coordinates(r) for r in ranks})
 
     @property
     def shared(self) -> bool:
@@ -146,12 +146,12 @@ class FolderRanks:
                            f"interrupted): resuming from {common[-1]}, the newest they all hold")
         return mine.parent / common[-1]
 
-    def boxes_to_write(self, placement: Placement, coords: dict[str, int],
-                       sizes: dict[str, int]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    def boxes_to_write(self, placement: Placement, coords: dict[Axis, int],
+                       sizes: dict[Axis, int]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
         """This rank's boxes of ``placement`` that no lower rank of its folder holds: together, each box held in the
         folder, once (not shared: the shared rule is ``Placement.is_unique_copy``)."""
-        stages = placement.pipeline_copies or (coords["pp"],)
-        lower = [self.coordinates[r] for r in self.ranks if r < self.rank and self.coordinates[r]["pp"] in stages]
+        stages = placement.pipeline_copies or (coords[Axis.PP],)
+        lower = [self.coordinates[r] for r in self.ranks if r < self.rank and self.coordinates[r][Axis.PP] in stages]
         taken = {_key(logical) for other in lower for _, logical in placement.boxes(other, sizes)}
         return [(local, logical) for local, logical in placement.boxes(coords, sizes) if _key(logical) not in taken]
 
@@ -232,21 +232,21 @@ def describe_ranks(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if consecutive else ", ".join(map(str, ranks))
 
 
-def node_checkpoint_problem(checkpoint: Path, metadata: dict, rank: int, sizes: dict[str, int]) -> str | None:
+def node_checkpoint_problem(checkpoint: Path, metadata: dict, rank: int, layout: Layout) -> str | None:
     """Why this rank cannot load ``checkpoint`` if it holds only the files of some ranks (``node_ranks``): it was
-    saved for other ranks or at another layout, whose files are on other nodes' folders. None when it can."""
+    saved for other ranks or at another grid than ``layout``'s, whose files are on other nodes' folders. None when
+    it can."""
     node_ranks = metadata.get(NODE_RANKS)
     if node_ranks is None:
         return None
-    saved = {axis: metadata["layout"].get(axis) for axis in sizes}
-    if saved == sizes and rank in node_ranks:
+    saved = Layout(**Layout.recorded(metadata["layout"]))
+    same_grid = saved.grid_shape == layout.grid_shape
+    if same_grid and rank in node_ranks:
         return None
-    layout = ", ".join(f"{axis}={size}" for axis, size in saved.items())
-    now = ", ".join(f"{axis}={size}" for axis, size in sizes.items())
-    differs = (f"this run's layout is {now}" if saved != sizes
+    differs = (f"this run's layout is {layout.describe_grid()}" if not same_grid
                else f"rank {rank} now runs here, and the nodes' folders do not hold every rank's files once (restore "
                     "the folder each node saved)")
-    return (f"{checkpoint} holds only the files of ranks {describe_ranks(node_ranks)} of a run at {layout} (saved "
-            f"with {SHARED_KEY}: false, each node keeping its own ranks' files), but {differs}; resume at the layout "
-            f"and on the nodes that saved it (a run that changes its layout needs {SHARED_KEY}: true and one folder "
-            "that every node sees)")
+    return (f"{checkpoint} holds only the files of ranks {describe_ranks(node_ranks)} of a run at "
+            f"{saved.describe_grid()} (saved with {SHARED_KEY}: false, each node keeping its own ranks' files), but "
+            f"{differs}; resume at the layout and on the nodes that saved it (a run that changes its layout needs "
+            f"{SHARED_KEY}: true and one folder that every node sees)")

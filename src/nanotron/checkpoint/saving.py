@@ -39,6 +39,7 @@ from nanotron.checkpoint.run_folder import PARTIAL_PREFIX, complete_checkpoints,
 from nanotron.config import Config, save_config
 from nanotron.errors import CheckpointError
 from nanotron.files import fsync_path
+from nanotron.layout import Axis
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
@@ -51,8 +52,8 @@ Box = tuple[str, tuple[int, ...], tuple[slice, ...], torch.Tensor]
 
 
 def _shard_name(parallel_context: ParallelContext) -> str:
-    c = parallel_context.coords
-    return f"pp{c.pp:03d}-tp{c.tp:03d}-ep{c.ep:03d}"
+    pp, tp, ep = (parallel_context.coord(axis) for axis in (Axis.PP, Axis.TP, Axis.EP))
+    return f"pp{pp:03d}-tp{tp:03d}-ep{ep:03d}"
 
 
 def _unique_boxes(owners: dict[str, torch.Tensor], parallel_context: ParallelContext, tensors: dict[str, torch.Tensor],
@@ -146,7 +147,7 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
         step=progress.step, optimizer_step=optimizer.step_count, lr_schedule_start_step=progress.lr_schedule_start,
         consumed_samples=dict(progress.consumed_samples),
         consumed_tokens=progress.consumed_tokens,
-        layout={**parallel_context.sizes, "zero_stage": config.optimizer.zero_stage},
+        layout=parallel_context.layout.to_dict(),
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
         tokenizer_fingerprint=tokenizer_fingerprint, files={},
         **(extra_entries or {}),

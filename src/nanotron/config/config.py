@@ -13,6 +13,7 @@ from nanotron.config.model import ModelArgs
 from nanotron.config.optimizer import OptimizerArgs
 from nanotron.config.parallelism import ParallelismArgs
 from nanotron.config.rules import ConfigError, literal_problems
+from nanotron.layout import Layout
 
 
 @dataclass(kw_only=True)
@@ -37,9 +38,8 @@ class Config:
 
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step: data is sharded over dp and expert-parallel ranks alike."""
-        p = self.parallelism
-        return self.tokens.micro_batch_size * self.tokens.batch_accumulation_per_replica * p.dp * p.expert_parallel_size
+        """Sequences per optimizer step (``Layout.global_batch_size``)."""
+        return Layout.from_config(self).global_batch_size
 
     @property
     def global_batch_tokens(self) -> int:

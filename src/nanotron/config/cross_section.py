@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.rules import MODEL_CONFIG_KEY
+from nanotron.layout import Layout
 
 if TYPE_CHECKING:
     from nanotron.config.config import Config
@@ -74,11 +75,7 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
         yield (f"{key}.{moe.num_experts_key} ({moe.num_experts}) must be divisible by "
                f"parallelism.expert_parallel_size ({ep}): every expert-parallel rank holds the same number of whole "
                "experts")
-    if p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and tokens.sequence_length % p.tp and p.context_parallel_size == 1:
-        yield (
-            f"tokens.sequence_length ({tokens.sequence_length}) must be divisible by parallelism.tp ({p.tp}) "
-            "with parallelism.tp_mode: REDUCE_SCATTER, which splits activations along the sequence"
-        )
+    yield from Layout.from_config(cfg).problems()  # the sequence against the cp and tp splits
     if c.num_hidden_layers < p.pp:
         yield (
             f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
@@ -98,19 +95,12 @@ def _documents_vs_data_stages(cfg: Config) -> Iterator[str]:
 
 
 def _context_parallelism(cfg: Config) -> Iterator[str]:
-    """The sequence must cut into 2 chunks per context-parallel rank (and each rank's part over TP in
-    REDUCE_SCATTER mode); what does not compose with context parallelism yet is refused by name."""
-    c, p, length, key = cfg.model.model_config, cfg.parallelism, cfg.tokens.sequence_length, MODEL_CONFIG_KEY
+    """What does not compose with context parallelism yet is refused by name (how the sequence splits over cp is the
+    layout's rule, ``Layout.problems``)."""
+    c, p, key = cfg.model.model_config, cfg.parallelism, MODEL_CONFIG_KEY
     cp = p.context_parallel_size
     if cp <= 1:
         return
-    if length % (2 * cp):
-        yield (f"tokens.sequence_length ({length}) must be divisible by 2 x parallelism.context_parallel_size "
-               f"= {2 * cp}: each sequence is cut into two chunks per context-parallel rank")
-    elif p.tp >= 1 and p.tp_mode == "REDUCE_SCATTER" and (length // cp) % p.tp:
-        yield (f"tokens.sequence_length / parallelism.context_parallel_size ({length // cp}) must be divisible by "
-               f"parallelism.tp ({p.tp}) with parallelism.tp_mode: REDUCE_SCATTER, which splits each rank's part of "
-               "the sequence over TP; change tokens.sequence_length or tp_mode")
     refusal = c.context_parallel_refusal(key)
     if refusal is not None:
         yield f"parallelism.context_parallel_size ({cp}) needs an attention model: {refusal}; set it to 1"

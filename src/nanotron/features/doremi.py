@@ -40,6 +40,7 @@ from nanotron.data.dataset import unique_domain_names
 from nanotron.errors import CheckpointError
 from nanotron.features.doremi_weights import HISTORY_FILE, WeightHistory, updated_weights
 from nanotron.generation.generate import forward_logits, load_model
+from nanotron.layout import Group
 from nanotron.models.registry import spec_named
 from nanotron.models.spec import ModelSpec
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
@@ -214,7 +215,7 @@ class DoReMiProxy(DomainMixture):
                                 last_only=False, gather=False, document_ids=batch.document_ids)
         if logits is None:  # not the last pipeline stage
             return None
-        return vocab_parallel_token_losses(logits, batch.labels, self.pc.groups["tp"],
+        return vocab_parallel_token_losses(logits, batch.labels, self.pc.group(Group.TP),
                                            self.reference.config.vocab_size)
 
     def before_forward_backward(self, micro_batches: list[MicroBatch]) -> None:
@@ -222,7 +223,7 @@ class DoReMiProxy(DomainMixture):
         target tokens (``sample_weights``): ``α_i`` over domain ``i``'s token count in the global batch."""
         tokens = sum(per_domain_sums(mb.label_mask.sum(-1).float(), mb.domain_ids, len(self.names))
                      for mb in micro_batches)
-        dist.all_reduce(tokens, group=self.pc.groups["dp_ep"])
+        dist.all_reduce(tokens, group=self.pc.group(Group.SAMPLE_SHARDS))
         weights = torch.tensor(self.weights, device=self.pc.device, dtype=torch.float32)
         per_token = torch.where(tokens > 0, weights / tokens.clamp(min=1.0), 0.0)
         for mb in micro_batches:

@@ -35,6 +35,7 @@ from nanotron.data.datatrove_folder import DatatroveTokens
 from nanotron.data.hf_dataset import tokenize_hf_dataset
 from nanotron.data.sources import DATATROVE, PREPROCESSED, Ranks, folder_kind, opened_together
 from nanotron.generation.generate import checkpoint_tokenizer, forward_logits, load_model
+from nanotron.layout import Axis, Group
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 
@@ -134,11 +135,11 @@ def evaluate(ckpt_path: Path, data: Sequence[Path], parallel_context: ParallelCo
             tokens = torch.as_tensor(np.stack(rows), device=pc.device)
             logits = forward_logits(model, pc, tokens[:, :-1], None, None, None, last_only=False, gather=False)
             if pc.is_last_stage:
-                total += vocab_parallel_token_losses(logits, tokens[:, 1:], pc.groups["tp"],
+                total += vocab_parallel_token_losses(logits, tokens[:, 1:], pc.group(Group.TP),
                                                      model.config.vocab_size).double().sum()
             count += tokens[:, 1:].numel()
-        if pc.size("pp") > 1:
-            dist.broadcast(total, src=pc.group_ranks["pp"][-1], group=pc.groups["pp"])
+        if pc.size(Axis.PP) > 1:
+            dist.broadcast(total, src=pc.members(Group.PP)[-1], group=pc.group(Group.PP))
         loss = total.item() / count
         results[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
     return results

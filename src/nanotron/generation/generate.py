@@ -21,6 +21,7 @@ from nanotron.checkpoint.manager import checkpoint_model, load_weights, verify_o
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import ConfigError
 from nanotron.errors import CheckpointError
+from nanotron.layout import Axis, Group
 from nanotron.models.build import BuildOptions, build_model
 from nanotron.models.registry import check_model_config, spec_for_config
 from nanotron.models.spec import CausalLM
@@ -62,7 +63,7 @@ def load_model(ckpt_path: Path, parallel_context: ParallelContext) -> tuple[Caus
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     metadata = read_metadata(checkpoint)
     verify_on_all_ranks(checkpoint, metadata, parallel_context)
-    model_config = checked_model_config(checkpoint, metadata, parallel_context.size("tp"))
+    model_config = checked_model_config(checkpoint, metadata, parallel_context.size(Axis.TP))
     # The sequence length only weighs attention in the pipeline split; a family without a context limit keeps the
     # default.
     options = BuildOptions(dtype=getattr(torch, metadata["model"]["dtype"]),
@@ -143,8 +144,8 @@ def generate(model: CausalLM, parallel_context: ParallelContext, prompts: list[l
             next_token = sample(logits[:, :vocab_size].float(), sampling, generator)
         else:
             next_token = torch.empty(len(prompts), dtype=torch.long, device=device)
-        if pc.size("pp") > 1:
-            dist.broadcast(next_token, src=pc.group_ranks["pp"][-1], group=pc.groups["pp"])
+        if pc.size(Axis.PP) > 1:
+            dist.broadcast(next_token, src=pc.members(Group.PP)[-1], group=pc.group(Group.PP))
         next_token = torch.where(done, pad_token_id, next_token)
         new_tokens.append(next_token)
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
@@ -182,9 +183,9 @@ def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, posi
         p2p.send_forward(out)
         return None
     logits = out[:, -1].contiguous() if last_only else out.contiguous()
-    if gather and pc.size("tp") > 1:
-        shards = [torch.empty_like(logits) for _ in range(pc.size("tp"))]
-        dist.all_gather(shards, logits, group=pc.groups["tp"])
+    if gather and pc.size(Axis.TP) > 1:
+        shards = [torch.empty_like(logits) for _ in range(pc.size(Axis.TP))]
+        dist.all_gather(shards, logits, group=pc.group(Group.TP))
         logits = torch.cat(shards, dim=-1)
     return logits
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nanotron.config import Config
+from nanotron.layout import Axis, Group
 from nanotron.models.init import init_parameters
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM
@@ -101,20 +102,20 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
     this returns, so that it reads the same shapes, placements and dtypes as training.
     """
     spec = spec_for_config(model_config)
-    tp, stages = grid.size("tp"), grid.size("pp")
+    tp, stages = grid.size(Axis.TP), grid.size(Axis.PP)
     vocab = padded_vocab_size(model_config.vocab_size, options.vocab_multiple, tp)
     with torch.device(META):
         model = spec.model_class(model_config, vocab)
         if tp > 1:
-            apply_tensor_parallel(model, spec.tensor_parallel_plan(model_config), grid.groups["tp"], options.tp_mode,
+            apply_tensor_parallel(model, spec.tensor_parallel_plan(model_config), grid.group(Group.TP), options.tp_mode,
                                   options.tp_overlap)
             model.tie_weights()
-        if grid.size("ep") > 1:
-            spec.expert_parallel(model, grid.groups["ep"])
-        if grid.size("cp") > 1:
-            apply_context_parallel(model, grid.groups["cp"])
+        if grid.size(Axis.EP) > 1:
+            spec.expert_parallel(model, grid.group(Group.EP))
+        if grid.size(Axis.CP) > 1:
+            apply_context_parallel(model, grid.group(Group.CP))
         if stages > 1:
-            stage = grid.coord("pp")
+            stage = grid.coord(Axis.PP)
             keep_stage(model, pipeline_stage_layers(model_config, options, stages, tp)[stage], stage == 0,
                        stage == stages - 1)
         for convert in converters:
@@ -137,8 +138,8 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
     if hasattr(model, "flash_attention"):  # a family with attention
         model.flash_attention = use_flash_attention(options.attention_backend, pc.device, options.dtype,
                                                     model_config.head_dim)
-    if pc.size("pp") > 1:
-        log_stages(model, pc.coord("pp"))
+    if pc.size(Axis.PP) > 1:
+        log_stages(model, pc.coord(Axis.PP))
     init_parameters(model, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
                     pc.coordinates, pc.sizes)
     if options.recompute != "none":  # before compiling, so that the compiled forward recomputes too

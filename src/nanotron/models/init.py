@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nanotron.layout import Axis
 from nanotron.models.spec import Initializer
 from nanotron.parallel.placement import get_placement, logical_parameters
 
@@ -33,8 +34,8 @@ def constant(value: float) -> Initializer:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, rule: Callable[[str], Initializer], coords: dict[str, int],
-                    sizes: dict[str, int]) -> None:
+def init_parameters(model: nn.Module, seed: int, rule: Callable[[str], Initializer], coords: dict[Axis, int],
+                    sizes: dict[Axis, int]) -> None:
     """Fill every local parameter with its slice of the logical initial tensor; ``rule(name)`` draws it."""
     for name, param in logical_parameters(model).items():
         placement = get_placement(param)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.config import OptimizerArgs
+from nanotron.layout import Axis
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function
 from nanotron.optim.param_remainders import joined, split_, stores_remainders
 from nanotron.parallel.data_parallel import GradientBuckets
@@ -155,7 +156,7 @@ class MixedPrecisionAdamW:
 
 
 def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, bucket_mb: float,
-                    groups: dict[tuple[str, ...], dist.ProcessGroup], declared_no_decay: set[str] = frozenset(),
+                    groups: dict[tuple[Axis, ...], dist.ProcessGroup], declared_no_decay: set[str] = frozenset(),
                     single_micro_batch: bool = False) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
     """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
     ``groups`` (gradient axes -> process group, ``ParallelContext.reduction_groups``) and the optimizer over their

@@ -1,21 +1,20 @@
-"""The process grid: which rank holds which slice of the model and of the data.
+"""The process grid: the process groups of a ``Layout`` (``nanotron/layout.py``), and one rank's place in it.
 
-World ranks are laid out as a 5-D grid ``arange(world).reshape(pp, dp, ep, cp, tp)``. Tensor parallelism is the
-innermost axis, so a TP group is made of consecutive ranks (the fastest links on a node); context parallelism comes
-next (every attention layer exchanges keys and values over it, so it stays inside a node too), then expert
-parallelism (its all-to-alls stay inside a node for small degrees), then data parallelism, and pipeline stages are
-the outermost axis (their point-to-point traffic is the lightest).
+World ranks are laid out as the 5-D grid of the layout (``arange(world).reshape(pp, dp, ep, cp, tp)``): tensor
+parallelism innermost, so that a TP group is made of consecutive ranks (the fastest links on a node); context
+parallelism next (every attention layer exchanges keys and values over it, so it stays inside a node too), then
+expert parallelism (its all-to-alls stay inside a node for small degrees), then data parallelism, and pipeline
+stages outermost (their point-to-point traffic is the lightest). Which ranks form a group, and what each group is
+for, is the layout's (``Group``); this module creates them.
 
-Samples are sharded over the ``dp`` and ``ep`` axes alike (the ``dp_ep`` group: every (dp, ep) pair of coordinates
-sees different samples); the ``cp`` ranks of one (dp, ep) pair read the same samples and each keeps its part of
-every sequence. Expert weights are sharded over ``ep``; every other weight is replicated over it and over ``cp``, so
-dense gradients are reduced over the ``dp_cp_ep`` group and expert gradients over ``dp_cp`` (``reduction_groups``).
-Step statistics (loss sums, token counts) are summed over ``pp_dp_cp_ep``: every stage, data shard and sequence part
-contributes, TP ranks hold identical copies. With pipeline parallelism, ``pipeline_ends`` pairs the first and last
-stage of each position, which both hold a copy of tied input/output embeddings.
+Code asks a rank's place and groups by ``Axis`` and ``Group``, never by a string: ``pc.size(Axis.CP)``,
+``pc.coord(Axis.PP)``, ``pc.group(Group.TP)``, ``pc.members(Group.PP)`` (the world ranks of this rank's group, in
+group order), ``pc.layout`` for every derived fact. A ``GridPosition`` answers the same questions without process
+groups, for a rank this process is not (the memory planner builds every stage's model on the meta device).
 
 All groups are created eagerly, in the same order on every rank, so that no collective ever creates a communicator
-lazily (a classic source of pipeline deadlocks).
+lazily (a classic source of pipeline deadlocks). With pipeline parallelism, ``pipeline_ends`` pairs the first and
+last stage of each position, which both hold a copy of tied input/output embeddings.
 """
 
 from __future__ import annotations
@@ -28,20 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "ep", "cp", "tp")
+from nanotron.layout import GRID_AXES, Axis, Group, Layout
 
 
 class ParallelLayoutError(ValueError):
     """The launcher's world size does not match the configured parallel degrees."""
-
-
-@dataclass(frozen=True)
-class Coordinates:
-    pp: int
-    dp: int
-    ep: int
-    cp: int
-    tp: int
 
 
 @dataclass(frozen=True)
@@ -60,24 +50,39 @@ class GroupShape:
         return self.group_size
 
 
-@dataclass(frozen=True)
 class GridPosition:
-    """One rank's coordinates in a process grid of ``sizes``, without process groups: what ``build_stage`` needs
-    (``size``, ``coord``, ``groups``, as a :class:`ParallelContext` offers them) to build that rank's part of the
-    model on the meta device from any process."""
+    """One rank's place in the grid of ``layout``, without process groups: what ``build_stage`` reads (as a
+    :class:`ParallelContext` offers it) to build that rank's part of the model on the meta device from any
+    process."""
 
-    sizes: dict[str, int]
-    coordinates: dict[str, int]
+    def __init__(self, layout: Layout, coordinates: dict[Axis, int]):
+        self.layout = layout
+        self.coordinates = {axis: coordinates[axis] for axis in GRID_AXES}
 
-    def size(self, axis: str) -> int:
-        return self.sizes[axis]
+    def size(self, axes: Axis | Group) -> int:
+        """The ranks along an axis, or in a group."""
+        return self.layout.size(axes)
 
-    def coord(self, axis: str) -> int:
+    def coord(self, axis: Axis) -> int:
         return self.coordinates[axis]
 
+    def group(self, group: Group) -> GroupShape:
+        return GroupShape(self.layout.group_rank(group, self.coordinates), self.layout.size(group))
+
     @property
-    def groups(self) -> dict[str, GroupShape]:
-        return {axis: GroupShape(self.coordinates[axis], self.sizes[axis]) for axis in AXES}
+    def sizes(self) -> dict[Axis, int]:
+        return self.layout.sizes
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coordinates[Axis.PP] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coordinates[Axis.PP] == self.layout.pp - 1
+
+    def describe(self) -> str:
+        return self.layout.describe(self.coordinates)
 
 
 def _free_port() -> int:
@@ -126,11 +131,10 @@ def default_device() -> torch.device:
     return torch.device(name)
 
 
-class ParallelContext:
-    """Owns the process groups of every parallel axis and this rank's coordinates on them."""
+class ParallelContext(GridPosition):
+    """This process's place in the grid of ``layout`` and the process groups it belongs to."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1,
-                 device: torch.device | None = None):
+    def __init__(self, layout: Layout, device: torch.device | None = None):
         self.device = device if device is not None else default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -138,82 +142,53 @@ class ParallelContext:
 
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.sizes = {"pp": pp, "dp": dp, "ep": ep, "cp": cp, "tp": tp}
-        expected = pp * dp * ep * cp * tp
-        if self.world_size != expected:
+        if self.world_size != layout.world_size:
             raise ParallelLayoutError(
                 f"the launcher started {self.world_size} processes but parallelism.dp*pp*tp*expert_parallel_size*"
-                f"context_parallel_size = {dp}*{pp}*{tp}*{ep}*{cp} = {expected}; change those keys or launch with "
-                f"`torchrun --nproc_per_node={expected}`"
+                f"context_parallel_size = {layout.dp}*{layout.pp}*{layout.tp}*{layout.ep}*{layout.cp} = "
+                f"{layout.world_size}; change those keys or launch with `torchrun --nproc_per_node={layout.world_size}`"
             )
+        super().__init__(layout, layout.coordinates(self.rank))
 
-        self.grid = torch.arange(self.world_size).reshape(pp, dp, ep, cp, tp)
-        where = (self.grid == self.rank).nonzero()[0].tolist()
-        self.coords = Coordinates(*where)
-
-        self.groups: dict[str, dist.ProcessGroup] = {}
-        self.group_ranks: dict[str, list[int]] = {}
-        for name, axes in (
-            ("tp", ("tp",)),
-            ("cp", ("cp",)),
-            ("ep", ("ep",)),
-            ("dp", ("dp",)),
-            ("pp", ("pp",)),
-            ("dp_ep", ("dp", "ep")),  # ranks reading different samples
-            ("dp_cp", ("dp", "cp")),  # data-parallel replicas of expert weights
-            ("dp_cp_ep", ("dp", "cp", "ep")),  # data-parallel replicas of dense weights
-            ("pp_dp_cp_ep", ("pp", "dp", "cp", "ep")),  # one rank per TP group: step statistics are summed over it
-        ):
-            self._create_groups(name, axes)
-        # First and last pipeline stage of each (dp, ep, tp) position: they hold the two copies of tied embeddings.
-        if pp > 1:
-            for ranks in self.grid[[0, -1]].permute(1, 2, 3, 4, 0).reshape(-1, 2).tolist():
+        self._grid = torch.arange(self.world_size).reshape(layout.grid_shape)
+        self._groups: dict[Group, dist.ProcessGroup] = {}
+        self._members: dict[Group, list[int]] = {}
+        for group in Group:
+            self._create_groups(group)
+        # First and last pipeline stage of each (dp, ep, cp, tp) position: they hold the two copies of tied embeddings.
+        self.pipeline_ends: dist.ProcessGroup | None = None
+        if layout.pp > 1:
+            for ranks in self._grid[[0, -1]].permute(1, 2, 3, 4, 0).reshape(-1, 2).tolist():
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
-                    self.groups["pipeline_ends"], self.group_ranks["pipeline_ends"] = group, ranks
+                    self.pipeline_ends = group
         # Every rank over gloo, for what the hosts agree on between steps (a stop request): over NCCL, reading the
         # result would wait for the GPU to finish the step queued before it.
         self.host_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
 
-    def _create_groups(self, name: str, axes: tuple[str, ...]) -> None:
-        """Create one group per slice of the grid spanning ``axes``; keep the one that holds this rank."""
-        keep = [AXES.index(a) for a in axes]
-        other = [i for i in range(len(AXES)) if i not in keep]
-        slices = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.grid.shape[i] for i in keep))
+    def _create_groups(self, group: Group) -> None:
+        """Create one process group per slice of the grid spanning ``group``'s axes (in the order its name lists
+        them, the last fastest); keep the one that holds this rank."""
+        keep = [GRID_AXES.index(axis) for axis in group.axes]
+        other = [i for i in range(len(GRID_AXES)) if i not in keep]
+        slices = self._grid.permute(*other, *keep).reshape(-1, math.prod(self._grid.shape[i] for i in keep))
         for ranks in slices.tolist():
-            group = dist.new_group(ranks)
+            process_group = dist.new_group(ranks)
             if self.rank in ranks:
-                self.groups[name] = group
-                self.group_ranks[name] = ranks
+                self._groups[group], self._members[group] = process_group, ranks
 
-    def size(self, axis: str) -> int:
-        return self.sizes[axis] if axis in self.sizes else len(self.group_ranks[axis])
+    def group(self, group: Group) -> dist.ProcessGroup:
+        return self._groups[group]
 
-    def coord(self, axis: str) -> int:
-        return getattr(self.coords, axis)
+    def members(self, group: Group) -> list[int]:
+        """The world ranks of this rank's ``group``, in the group's order."""
+        return self._members[group]
 
     @property
-    def reduction_groups(self) -> dict[tuple[str, ...], dist.ProcessGroup]:
+    def reduction_groups(self) -> dict[tuple[Axis, ...], dist.ProcessGroup]:
         """The group of every combination of gradient axes (``Placement.gradient_axes``): the data-parallel
         replicas of a dense weight span dp × cp × ep, those of an expert weight (sharded over ep) dp × cp."""
-        return {("dp", "cp", "ep"): self.groups["dp_cp_ep"], ("dp", "cp"): self.groups["dp_cp"]}
-
-    @property
-    def coordinates(self) -> dict[str, int]:
-        return {axis: getattr(self.coords, axis) for axis in AXES}
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coords.pp == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coords.pp == self.sizes["pp"] - 1
-
-    def describe(self) -> str:
-        c = self.coords
-        return (f"DP={c.dp}|PP={c.pp}|TP={c.tp}" + (f"|EP={c.ep}" if self.sizes["ep"] > 1 else "")
-                + (f"|CP={c.cp}" if self.sizes["cp"] > 1 else ""))
+        return {group.axes: self._groups[group] for group in (Group.DENSE_REPLICAS, Group.EXPERT_REPLICAS)}
 
     def destroy(self) -> None:
         if dist.is_initialized():

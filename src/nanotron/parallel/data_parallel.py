@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from nanotron.layout import Axis
 from nanotron.parallel.placement import get_placement
 
 
@@ -75,7 +76,7 @@ class Bucket:
     params: torch.Tensor
     group: dist.ProcessGroup  # the data-parallel replicas of these parameters (their gradient axes)
     group_size: int
-    axes: tuple[str, ...]  # the gradient axes of every parameter in the bucket
+    axes: tuple[Axis, ...]  # the gradient axes of every parameter in the bucket
     sharded: bool  # ZeRO-1 over a group of more than one rank: each rank reduces and optimizes its own shard
     shard: slice  # the part this rank reduces and optimizes (all of it without ZeRO)
     pending: int = 0
@@ -85,7 +86,7 @@ class Bucket:
     held: dict[str, torch.Tensor] = field(default_factory=dict)  # without a buffer: this step's gradients by name
 
     @property
-    def split_axes(self) -> tuple[str, ...]:
+    def split_axes(self) -> tuple[Axis, ...]:
         """Axes over which the ranks hold different shards of this bucket's gradient and optimizer state."""
         return self.axes if self.sharded else ()
 
@@ -125,7 +126,7 @@ class GradientBuckets:
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], accumulate_in_fp32: bool,
-                 bucket_bytes: int, groups: dict[tuple[str, ...], dist.ProcessGroup], shard: bool,
+                 bucket_bytes: int, groups: dict[tuple[Axis, ...], dist.ProcessGroup], shard: bool,
                  single_micro_batch: bool = False, persistent_buffers: bool = False):
         self.params = params
         self.shard_over_replicas = shard
@@ -135,7 +136,7 @@ class GradientBuckets:
         self.bucket_of: dict[str, Bucket] = {}
 
         for decay in (True, False):
-            by_kind: dict[tuple[tuple[str, ...], torch.dtype], list[str]] = {}
+            by_kind: dict[tuple[tuple[Axis, ...], torch.dtype], list[str]] = {}
             for name in reversed(params):
                 if (name not in no_decay) == decay:
                     kind = (get_placement(params[name]).gradient_axes, params[name].dtype)
@@ -166,7 +167,7 @@ class GradientBuckets:
         for name, param in params.items():
             param.register_post_accumulate_grad_hook(self._hook(name))
 
-    def _add_bucket(self, names: list[str], decay: bool, grad_dtype: torch.dtype, axes: tuple[str, ...],
+    def _add_bucket(self, names: list[str], decay: bool, grad_dtype: torch.dtype, axes: tuple[Axis, ...],
                     group: dist.ProcessGroup, buffered: bool) -> None:
         first = self.params[names[0]]
         ranges, offset = {}, 0
@@ -272,7 +273,7 @@ class GradientBuckets:
         return sum(self.params[name].numel() * self.params[name].element_size()
                    for bucket in self.buckets if bucket.grads is None for name in bucket.names)
 
-    def grad_pieces(self) -> list[tuple[str, torch.Tensor | None, tuple[str, ...], slice]]:
+    def grad_pieces(self) -> list[tuple[str, torch.Tensor | None, tuple[Axis, ...], slice]]:
         """(name, gradient values, split axes, range in the parameter's flattened data) of every parameter piece in
         this rank's shards, for norms and clipping; the split axes are those over which other ranks hold other
         pieces of the same gradient. The values are views of a buffer, or None where a bucket holds autograd's

@@ -13,7 +13,7 @@ also sorted by destination rank. One block's exchange (``ExpertExchange``):
    all-to-all; the block then weights and adds them to their tokens as without parallelism.
 
 The all-to-alls are autograd functions whose backward is the opposite exchange, so gradients of the expert inputs
-flow back to the ranks whose tokens they were. Expert weights carry a ``Shard("ep", 0)`` placement: their gradients
+flow back to the ranks whose tokens they were. Expert weights carry a ``Shard(Axis.EP, 0)`` placement: their gradients
 are summed over the data-parallel ranks that hold the same experts (``dp``), the router and every dense weight over
 ``dp`` × ``ep`` (``Placement.gradient_axes``). Tensor parallelism composes: each expert's feed-forward width is
 split over ``tp`` as in a dense MLP, and ranks exchange tokens with the ranks of the same tensor-parallel coordinate.

@@ -15,11 +15,12 @@ stage, a router's load-balancing loss on any stage, each backpropagated together
 for the activations) and named statistics, which the schedule sums over the step's micro-batches
 (``parallel/statistics.py``).
 
-1F1B (Narayanan et al., 2021): stage ``s`` of ``P`` first runs ``min(P - s - 1, M)`` forwards (warm-up), then
-alternates one forward and one backward, then finishes the remaining backwards (cool-down). At most ``P - s``
-micro-batches are in flight, against ``M`` for AFAB. With one stage both schedules reduce to plain gradient
-accumulation, and 1F1B is used since it holds one micro-batch at a time. A stage frees each activation it has
-sent; the autograd graph behind it stays until its backward.
+Both schedules are one loop: a warm-up of forwards, then one forward and one backward in turn, then the remaining
+backwards (cool-down). The layout (``Layout.warmup``) says how many forwards the warm-up runs on stage ``s`` of
+``P``: ``min(P - s - 1, M)`` under 1F1B (Narayanan et al., 2021), so that at most ``P - s`` micro-batches are in
+flight, and all ``M`` under AFAB (all forwards, then all backwards). With one stage both reduce to plain gradient
+accumulation, one micro-batch at a time. A stage frees each activation it has sent; the autograd graph behind it
+stays until its backward.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.data.batch import MicroBatch
+from nanotron.layout import Axis, Group
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.statistics import Statistics, accumulate
 
@@ -53,9 +55,9 @@ class P2P:
 
     def __post_init__(self):
         pc = self.parallel_context
-        ranks, stage = pc.group_ranks["pp"], pc.coord("pp")
+        ranks, stage = pc.members(Group.PP), pc.coord(Axis.PP)
         self.stage = stage
-        self.group = pc.groups["pp"]
+        self.group = pc.group(Group.PP)
         self.prev = ranks[stage - 1] if stage > 0 else None
         self.next = ranks[stage + 1] if stage < len(ranks) - 1 else None
 
@@ -118,15 +120,13 @@ class PipelineSchedule:
     before the step's last backward on this stage, when data-parallel gradient reduction may start.
     """
 
-    def __init__(self, parallel_context: ParallelContext, engine: str, p2p: P2P,
+    def __init__(self, parallel_context: ParallelContext, p2p: P2P,
                  forward: Callable[[dict, torch.Tensor | None], StageOutput], before_last_backward: Callable[[], None]):
-        self.pc = parallel_context
+        self.layout, self.stage = parallel_context.layout, parallel_context.coord(Axis.PP)
         self.p2p = p2p
         self.forward_fn = forward
         self.before_last_backward = before_last_backward
         self.first, self.last = parallel_context.is_first_stage, parallel_context.is_last_stage
-        self.stages = parallel_context.size("pp")
-        self.engine = engine if self.stages > 1 else "1f1b"
 
     def run(self, micro_batches: list[MicroBatch], step: int) -> Statistics:
         """Forward and backward every micro-batch; returns this stage's statistics summed over the micro-batches."""
@@ -134,10 +134,7 @@ class PipelineSchedule:
         self.statistics: Statistics = {}
         self._pending_input: list[torch.Tensor] = []
         self._backwards_left = len(micro_batches)
-        if self.engine == "afab":
-            self._afab(micro_batches)
-        else:
-            self._one_forward_one_backward(micro_batches)
+        self._run(micro_batches, self.layout.warmup(self.stage, len(micro_batches)))
         return self.statistics
 
     # --- one micro-batch on this stage ----------------------------------------------------------------------
@@ -170,25 +167,10 @@ class PipelineSchedule:
         torch.autograd.backward(outputs + list(y.losses), grads + [None] * len(y.losses))
         return None if x is None else x.grad
 
-    # --- schedules --------------------------------------------------------------------------------------------
+    # --- the schedule -------------------------------------------------------------------------------------------
 
-    def _afab(self, micro_batches: list[dict]) -> None:
-        in_flight = []
-        for micro_batch in micro_batches:
-            x, y = self._forward(micro_batch)
-            if not self.last:
-                self.p2p.send_forward(y.output)
-                self._free(y)
-            in_flight.append((x, y))
-        for x, y in in_flight:
-            grad = None if self.last else self.p2p.recv_backward()
-            dx = self._backward(x, y, grad)
-            if not self.first:
-                self.p2p.send_backward(dx)
-
-    def _one_forward_one_backward(self, micro_batches: list[dict]) -> None:
-        count = len(micro_batches)
-        warmup = min(self.stages - self.pc.coord("pp") - 1, count)
+    def _run(self, micro_batches: list[dict], warmup: int) -> None:
+        """``warmup`` forwards, then one forward and one backward in turn, then the backwards left."""
         in_flight = []
         for micro_batch in micro_batches[:warmup]:
             x, y = self._forward(micro_batch)

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-REPLICA_AXES = ("dp", "cp", "ep", "tp")  # axes a parameter is either sharded or replicated over
-DATA_AXES = ("dp", "cp", "ep")  # axes whose ranks train on different tokens
+from nanotron.layout import Axis
+
+REPLICA_AXES = (Axis.DP, Axis.CP, Axis.EP, Axis.TP)  # axes a parameter is either sharded or replicated over
+DATA_AXES = (Axis.DP, Axis.CP, Axis.EP)  # axes whose ranks train on different tokens
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Shard:
     replicates kv heads), so its gradient must be summed over each group (``shared_pieces``).
     """
 
-    axis: str
+    axis: Axis
     dim: int
     chunks: tuple[int, ...] | None = None
     units: tuple[int, ...] | None = None
@@ -91,22 +93,22 @@ class Placement:
     shards: tuple[Shard, ...] = ()
     pipeline_copies: tuple[int, ...] = ()  # stages holding a tied copy (embeddings tied across stages)
 
-    def shard_on(self, axis: str) -> Shard | None:
+    def shard_on(self, axis: Axis) -> Shard | None:
         return next((s for s in self.shards if s.axis == axis), None)
 
-    def local_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+    def local_shape(self, sizes: dict[Axis, int]) -> tuple[int, ...]:
         shape = list(self.logical_shape)
         for shard in self.shards:
             shape[shard.dim] = shard.local_size(shape[shard.dim], sizes[shard.axis])
         return tuple(shape)
 
-    def _pieces(self, coords: dict[str, int], sizes: dict[str, int]) -> list[list[Piece]]:
+    def _pieces(self, coords: dict[Axis, int], sizes: dict[Axis, int]) -> list[list[Piece]]:
         per_dim = [[Piece(0, 0, n)] for n in self.logical_shape]
         for shard in self.shards:
             per_dim[shard.dim] = shard.intervals(self.logical_shape[shard.dim], coords[shard.axis], sizes[shard.axis])
         return per_dim
 
-    def boxes(self, coords: dict[str, int], sizes: dict[str, int],
+    def boxes(self, coords: dict[Axis, int], sizes: dict[Axis, int],
               unique: bool = False) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
         """Pairs (local slices, logical slices) that together cover this rank's part of the tensor; with ``unique``,
         only the boxes no other rank of the sharded axes counts (no replicated piece of a group other than its
@@ -120,14 +122,14 @@ class Placement:
             pairs.append((local, logical))
         return pairs
 
-    def duplicate_rows(self, coords: dict[str, int], sizes: dict[str, int]) -> list[tuple[int, int]]:
+    def duplicate_rows(self, coords: dict[Axis, int], sizes: dict[Axis, int]) -> list[tuple[int, int]]:
         """Local row ranges (dim 0) that are replicas counted on another rank; replication is only along dim 0."""
         per_dim = self._pieces(coords, sizes)
         if any(piece.replica for pieces in per_dim[1:] for piece in pieces):
             raise ValueError(f"{self.name}: replicated pieces are supported along dim 0 only")
         return [(p.local_start, p.local_start + p.length) for p in per_dim[0] if p.replica]
 
-    def shared_pieces(self, axis: str, coords: dict[str, int], sizes: dict[str, int]) -> list[Piece]:
+    def shared_pieces(self, axis: Axis, coords: dict[Axis, int], sizes: dict[Axis, int]) -> list[Piece]:
         """Pieces along the ``axis`` shard's dim that a group of ranks of ``axis`` holds alike: each of those ranks
         computes a part of their gradient, which must be summed over the group."""
         shard = self.shard_on(axis)
@@ -137,22 +139,22 @@ class Placement:
         return [piece for piece in pieces if piece.replicas > 1]
 
     @property
-    def replicated_axes(self) -> tuple[str, ...]:
+    def replicated_axes(self) -> tuple[Axis, ...]:
         return tuple(axis for axis in REPLICA_AXES if self.shard_on(axis) is None)
 
     @property
-    def gradient_axes(self) -> tuple[str, ...]:
+    def gradient_axes(self) -> tuple[Axis, ...]:
         """Data axes over which this parameter's gradient is summed (and ZeRO-1 splits its optimizer state)."""
         return tuple(axis for axis in DATA_AXES if self.shard_on(axis) is None)
 
-    def is_unique_copy(self, coords: dict[str, int], split_axes: tuple[str, ...] = ()) -> bool:
+    def is_unique_copy(self, coords: dict[Axis, int], split_axes: tuple[Axis, ...] = ()) -> bool:
         """True on exactly one rank among those holding identical values of this parameter's local part.
 
         ``split_axes`` are replicated axes over which the values in question are split anyway (ZeRO-1 shards of the
         gradient), so every rank there counts. Grad-norm counts a replicated parameter once, and a checkpoint writes
         it once: both ask this question. A copy tied across pipeline stages counts on the first stage holding it.
         """
-        if self.pipeline_copies and coords["pp"] != self.pipeline_copies[0]:
+        if self.pipeline_copies and coords[Axis.PP] != self.pipeline_copies[0]:
             return False
         return all(coords[axis] == 0 for axis in self.replicated_axes if axis not in split_axes)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nanotron.layout import Group
 from nanotron.parallel.context import ParallelContext
 
 Statistics = dict[str, torch.Tensor]
@@ -36,8 +37,8 @@ def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]],
                                                                           device=device)).reshape(-1)
         for name in names
     ])
-    if parallel_context.size("pp_dp_cp_ep") > 1:
-        dist.all_reduce(flat, group=parallel_context.groups["pp_dp_cp_ep"])
+    if parallel_context.size(Group.STATISTICS) > 1:
+        dist.all_reduce(flat, group=parallel_context.group(Group.STATISTICS))
     sizes = [torch.Size(template[name]).numel() for name in names]
     return {name: piece.view(template[name]) for name, piece in zip(names, flat.split(sizes))}
 
@@ -53,7 +54,7 @@ def sum_over_all_ranks(values: torch.Tensor, parallel_context: ParallelContext) 
 def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
     """``values`` maximised over the tensor- and data-parallel ranks of this pipeline stage (which hold the same
     modules), in place: a statistic every such rank must agree on, like FP8's step amaxes."""
-    for group in ("tp", "dp_cp_ep"):
+    for group in (Group.TP, Group.DENSE_REPLICAS):
         if parallel_context.size(group) > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.groups[group])
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.group(group))
     return values

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanotron.layout import Axis
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
 from nanotron.parallel.placement import Shard
@@ -145,7 +146,7 @@ class ColumnParallelLinear(_SplitLinear):
         tp = group.size()
         self.group, self.mode = group, mode
         self.overlap = overlap and mode == REDUCE_SCATTER
-        shard = Shard("tp", 0, chunks, units)
+        shard = Shard(Axis.TP, 0, chunks, units)
         pieces = shard.intervals(out_features, group.rank(), tp)
         self.output_chunks = tuple(piece.length for piece in pieces)
         self.shared_rows, self.shared_buffer_rows = _shared_rows(shard, out_features, group)
@@ -188,7 +189,7 @@ class RowParallelLinear(_SplitLinear):
         tp = group.size()
         self.group, self.mode = group, mode
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
-        self.parameter_shards = {"weight": ((out_features, in_features), (Shard("tp", 1),))}
+        self.parameter_shards = {"weight": ((out_features, in_features), (Shard(Axis.TP, 1),))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.weight)
@@ -205,7 +206,7 @@ class VocabParallelEmbedding(nn.Module):
         self.local_vocab = num_embeddings // tp
         self.start = group.rank() * self.local_vocab
         self.weight = nn.Parameter(torch.empty(self.local_vocab, embedding_dim))
-        self.parameter_shards = {"weight": ((num_embeddings, embedding_dim), (Shard("tp", 0),))}
+        self.parameter_shards = {"weight": ((num_embeddings, embedding_dim), (Shard(Axis.TP, 0),))}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.start + self.local_vocab)

@@ -24,6 +24,7 @@ from nanotron.data.tokenizer import (
     model_token_ids,
     tokenizer_fingerprint,
 )
+from nanotron.layout import Axis
 from nanotron.memory import memory_summary
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
@@ -153,16 +154,12 @@ def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str
 def pipeline_schedule(config: Config, pc: ParallelContext,
                       stage_forward: Callable[[dict[str, torch.Tensor], torch.Tensor | None], StageOutput],
                       before_last_backward: Callable[[], None]) -> PipelineSchedule:
-    """The micro-batch schedule; with pp=1 it is plain gradient accumulation."""
-    p = config.parallelism
-    # Each context-parallel rank holds 1/cp of the sequence; sequence parallelism splits that over TP.
-    sequence = config.tokens.sequence_length // p.context_parallel_size // (p.tp if p.tp_mode == "REDUCE_SCATTER"
-                                                                            else 1)
+    """The micro-batch schedule of ``pc``'s layout; with pp=1 it is plain gradient accumulation."""
     model_config = config.model.model_config
-    shape = (config.tokens.micro_batch_size, sequence, model_config.hidden_size)
+    shape = pc.layout.stage_activation_shape(model_config.hidden_size)
     dtype = model_config.activation_dtype(config.model.torch_dtype())
-    p2p = P2P(pc, shape, dtype, p.pp_timeout_s)
-    return PipelineSchedule(pc, p.pp_engine, p2p, stage_forward, before_last_backward)
+    p2p = P2P(pc, shape, dtype, config.parallelism.pp_timeout_s)
+    return PipelineSchedule(pc, p2p, stage_forward, before_last_backward)
 
 
 def log_summary(config: Config, pc: ParallelContext, model: CausalLM, num_parameters: int) -> None:
@@ -182,7 +179,7 @@ def log_summary(config: Config, pc: ParallelContext, model: CausalLM, num_parame
         f"expert_parallel_size {config.parallelism.expert_parallel_size})"
     )
     gpu_memory_gb = torch.cuda.get_device_properties(pc.device).total_memory / 1e9 if pc.device.type == "cuda" else None
-    logger.info(memory_summary(config, pc.coord("pp"), gpu_memory_gb))
+    logger.info(memory_summary(config, pc.coord(Axis.PP), gpu_memory_gb))
 
 
 def profiler(config: Config, pc: ParallelContext):

@@ -37,6 +37,7 @@ from nanotron.checkpoint.saving import take_snapshot, write_snapshot
 from nanotron.config import Config, ConfigError, ExistingCheckpointInit
 from nanotron.data.dataset import DataError, SampleSource
 from nanotron.errors import CheckpointError
+from nanotron.layout import Layout
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW
 from nanotron.parallel.context import ParallelContext
@@ -189,10 +190,9 @@ class RunCheckpoints:
                                     metadata["consumed_tokens"])
         if not load_rng(checkpoint, self.pc):
             logger.warning("random states re-derived from the seed: the checkpoint has no rank at this position")
-        saved_layout = {k: v for k, v in metadata["layout"].items() if k != "zero_stage"}
-        if saved_layout != self.pc.sizes or metadata["layout"]["zero_stage"] != self.config.optimizer.zero_stage:
-            logger.info(f"checkpoint layout {metadata['layout']} resharded to {self.pc.sizes}, "
-                        f"zero_stage {self.config.optimizer.zero_stage}")
+        saved, now = Layout.recorded(metadata["layout"]), self.pc.layout.to_dict()
+        if saved != now:
+            logger.info(f"checkpoint layout {saved} resharded to {now}")
         fresh = [what for what, kept in (("optimizer state", checkpoints.load_optimizer),
                                          ("LR schedule", checkpoints.load_lr_scheduler)) if not kept]
         logger.info(f"resumed from {checkpoint} at step {progress.step}"

@@ -33,10 +33,10 @@ from torch import nn
 
 from nanotron.config import Config
 from nanotron.data.batch import MicroBatch
+from nanotron.layout import Group
 from nanotron.models.spec import CausalLM, ModelCosts
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.cross_entropy import vocab_parallel_log_sum_exp, vocab_parallel_token_losses
-from nanotron.parallel.layout import Group
 from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy, fusable_head
 from nanotron.parallel.statistics import Statistics
 
@@ -180,7 +180,7 @@ def fused_head_loss(config: Config, pc: ParallelContext, model: CausalLM) -> Lin
         logger.warning("model.loss_chunk_tokens is ignored: a converter gave the LM head another matmul (or it "
                        "has a bias), which the fused loss would bypass; the logits are computed in full")
         return None
-    return LinearCrossEntropy(pc.groups[Group.TP], config.model.model_config.vocab_size, chunk_tokens,
+    return LinearCrossEntropy(pc.group(Group.TP), config.model.model_config.vocab_size, chunk_tokens,
                               compiled=config.model.compile)
 
 

@@ -37,12 +37,12 @@ from torch import nn
 from nanotron.config import Config
 from nanotron.data.batch import BatchTransform, MicroBatch
 from nanotron.data.dataset import SampleSource
+from nanotron.layout import Axis, Group
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM, ModelCosts
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.context_parallel import ContextParallelBatches
 from nanotron.parallel.data_parallel import GradientBuckets, sync_tied_copies
-from nanotron.parallel.layout import Axis, Group
 from nanotron.parallel.pipeline_parallel import StageOutput
 from nanotron.parallel.statistics import Statistics, sum_over_replicas
 from nanotron.training.build import pipeline_schedule
@@ -80,7 +80,7 @@ class StepProgram:
         head = fused_head_loss(config, pc, model)
 
         def language_model(dataset: SampleSource) -> LanguageModelLoss:
-            return LanguageModelLoss(dataset.domain_names, pc.groups[Group.TP], model_config.vocab_size,
+            return LanguageModelLoss(dataset.domain_names, pc.group(Group.TP), model_config.vocab_size,
                                      model_config.logit_z_loss, head, config.model.compile)
 
         objectives = {stage: Objective(language_model(dataset), terms) for stage, dataset in datasets.items()}
@@ -105,15 +105,15 @@ class StepProgram:
         for feature in self.features:
             feature.before_forward_backward(batches)
         token_count = torch.stack([batch.label_mask.sum() for batch in batches]).sum().float()
-        dist.all_reduce(token_count, group=self.pc.groups[Group.DENSE_REPLICAS])
+        dist.all_reduce(token_count, group=self.pc.group(Group.DENSE_REPLICAS))
         token_count = token_count.clamp(min=1.0)
         for batch in batches:
             batch.token_count = token_count
 
         statistics = self.schedule.run(batches, step)
         self.buckets.finish_reduction()
-        if "pipeline_ends" in self.pc.groups:
-            sync_tied_copies(self.buckets, self.pc.groups["pipeline_ends"])
+        if self.pc.pipeline_ends is not None:
+            sync_tied_copies(self.buckets, self.pc.pipeline_ends)
         return sum_over_replicas(statistics, self.objective.template(), self.pc)
 
     def stage_forward(self, module: nn.Module, batch: MicroBatch, hidden_states: torch.Tensor | None) -> StageOutput:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from nanotron.config import LlamaConfig
+from nanotron.layout import Axis
 from nanotron.models.spec import ActivationShape, ModelCosts
 from nanotron.parallel.placement import Shard
 
@@ -67,7 +68,7 @@ def context_parallel_bytes(c: LlamaConfig, shape: ActivationShape) -> int:
     """What a context-parallel attention core (``parallel/context_parallel.py``) keeps for the backward beyond a
     single rank's attention: the gathered keys and values of the whole sequences (2·kv·d per token of the micro-batch)
     and the boolean mask of the rank's queries over every key (derived from the code, not measured)."""
-    kv = Shard("tp", 0, (c.num_key_value_heads * c.head_dim,), (c.head_dim,)).local_size(
+    kv = Shard(Axis.TP, 0, (c.num_key_value_heads * c.head_dim,), (c.head_dim,)).local_size(
         c.num_key_value_heads * c.head_dim, shape.tp)
     queries = shape.sequence_length // shape.cp
     return int(shape.tokens * shape.cp * 2 * kv * shape.value_bytes + queries * shape.sequence_length)
@@ -140,7 +141,7 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     tp, d, tokens = shape.tp, shape.value_bytes, shape.tokens
     kv_width = c.num_key_value_heads * c.head_dim
     q = c.num_attention_heads * c.head_dim // tp
-    kv = Shard("tp", 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp)
+    kv = Shard(Axis.TP, 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp)
     heads = c.num_attention_heads // tp
     residual, linear_input = d * c.hidden_size * shape.residual_share, d * c.hidden_size * shape.linear_input_share
     if shape.compiled:

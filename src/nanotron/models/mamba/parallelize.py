@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.config import MambaConfig
+from nanotron.layout import Axis
 from nanotron.models.mamba.model import MambaMixer
 from nanotron.nn.causal_conv1d import CausalConv1d
 from nanotron.parallel.placement import Shard
@@ -28,9 +29,9 @@ class _ChannelShardedConv1d(CausalConv1d):
 
     def __init__(self, channels: int, kernel_size: int, bias: bool, tp: int):
         super().__init__(channels // tp, kernel_size, bias)
-        self.parameter_shards = {"weight": ((channels, 1, kernel_size), (Shard("tp", 0),))}
+        self.parameter_shards = {"weight": ((channels, 1, kernel_size), (Shard(Axis.TP, 0),))}
         if bias:
-            self.parameter_shards["bias"] = ((channels,), (Shard("tp", 0),))
+            self.parameter_shards["bias"] = ((channels,), (Shard(Axis.TP, 0),))
 
 
 class TensorParallelMambaMixer(MambaMixer):
@@ -55,8 +56,8 @@ class TensorParallelMambaMixer(MambaMixer):
         self.dt_proj = ColumnParallelLinear(self.dt_rank, d_inner, group, ALL_REDUCE, bias=True)
         self.A_log = nn.Parameter(torch.empty(d_inner // tp, self.d_state))
         self.D = nn.Parameter(torch.empty(d_inner // tp))
-        self.parameter_shards = {"A_log": ((d_inner, self.d_state), (Shard("tp", 0),)),
-                                 "D": ((d_inner,), (Shard("tp", 0),))}
+        self.parameter_shards = {"A_log": ((d_inner, self.d_state), (Shard(Axis.TP, 0),)),
+                                 "D": ((d_inner,), (Shard(Axis.TP, 0),))}
         self.out_proj = RowParallelLinear(d_inner, d_model, group, mode)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from nanotron.config import LlamaConfig
 from nanotron.config.llama import HiddenAct
+from nanotron.layout import Axis
 from nanotron.models.llama.parallelize import llama_plan
 from nanotron.models.moe.model import GroupedExperts, MoEFeedForward
 from nanotron.parallel.expert_parallel import ExpertExchange
@@ -27,11 +28,11 @@ class ShardedExperts(GroupedExperts):
     def __init__(self, num_experts: int, hidden_size: int, ffn: int, ep: int, tp: int, activation: HiddenAct):
         super().__init__(num_experts // ep, hidden_size, ffn // tp, activation)
         self.logical_experts, self.logical_ffn, self.ep, self.tp = num_experts, ffn, ep, tp
-        by_expert = (Shard("ep", 0),) if ep > 1 else ()
+        by_expert = (Shard(Axis.EP, 0),) if ep > 1 else ()
         self.parameter_shards = {
             "gate_up_proj": ((num_experts, 2 * ffn, hidden_size),
-                             by_expert + ((Shard("tp", 1, chunks=(ffn, ffn)),) if tp > 1 else ())),
-            "down_proj": ((num_experts, hidden_size, ffn), by_expert + ((Shard("tp", 2),) if tp > 1 else ())),
+                             by_expert + ((Shard(Axis.TP, 1, chunks=(ffn, ffn)),) if tp > 1 else ())),
+            "down_proj": ((num_experts, hidden_size, ffn), by_expert + ((Shard(Axis.TP, 2),) if tp > 1 else ())),
         }
 
     @classmethod

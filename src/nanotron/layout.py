@@ -1,26 +1,32 @@
 """The run's parallel layout: the sizes of the process grid, and every fact derived from them and the token settings.
 
 A ``Layout`` is built once from the config (``Layout.from_config``) and read by everything that needs to know how
-the run is split: the process groups (``parallel/context.py``), the pipeline schedule's message shapes and
-micro-batches in flight, the memory planner, the data loader's sample shards and checkpoints, which store its
-``to_dict()`` form and compare layouts through it. Nothing else derives these facts.
+the run is split: the process groups (``parallel/context.py``: ``ParallelContext(layout)``), the pipeline schedule's
+message shapes and warm-up, the memory planner, the data loader's sample shards, the config's rules between the
+sequence and the split, and checkpoints, which store its ``to_dict()`` form and compare layouts through
+``Layout.recorded``. Nothing else derives these facts. It reads only the config, so that the config's own rules can
+ask it (it sits below every package but the config's layer).
 
 Axes (``Axis``), outermost first: pipeline stages, data-parallel replicas, expert-parallel ranks, context-parallel
 ranks, tensor-parallel ranks (consecutive world ranks: the fastest links). Named groups of axes (``Group``) are the
 collectives' scopes: the ranks that read different samples (dp × ep), the replicas of a dense weight (dp × cp × ep)
-or of an expert weight (dp × cp), the ranks whose step statistics add up (pp × dp × cp × ep).
+or of an expert weight (dp × cp), the ranks whose step statistics add up (pp × dp × cp × ep). Code outside this
+module names an axis or a group by these enums, never by its string (``tests/test_layout.py`` checks it).
 
 Rules:
 - the world size is the product of the five sizes;
 - samples are sharded over dp × ep; the cp ranks of one (dp, ep) pair read the same samples and each keeps
   ``sequence_length / cp`` tokens of every sequence (two chunks, for an even share of causal attention), which
   sequence parallelism splits again over tp between layers;
-- a stage holds ``in_flight(stage)`` micro-batches' activations at once: all of the step's under AFAB, at most
-  ``pp - stage`` under 1F1B (plain gradient accumulation, one at a time, with one stage).
+- a stage runs ``warmup(stage, n)`` forwards before its first backward and so holds ``in_flight(stage)``
+  micro-batches' activations at once: all of the step's under AFAB, at most ``pp - stage`` under 1F1B (plain
+  gradient accumulation, one at a time, with one stage).
 
 A new mechanism declares itself here: its degree (a field, with its rule in ``problems``), the axis or group it
-adds, and what it changes in the derived facts (a sharded data-parallel degree divides the weights' state; virtual
-pipeline stages change ``in_flight``).
+adds, and what it changes in the derived facts. The next two have their places: a sharded data-parallel degree
+(ZeRO-3/FSDP; HSDP as replicate × shard) splits the dp axis into two, adds the shard group to ``Group`` and divides
+the weights' state the planner counts; virtual pipeline stages (interleaved 1F1B) add a count of model chunks per
+rank that changes ``warmup`` and ``in_flight``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class Axis(str, Enum):
     CP = "cp"
     TP = "tp"
 
+    def __str__(self) -> str:
+        return self.value
+
 
 GRID_AXES = (Axis.PP, Axis.DP, Axis.EP, Axis.CP, Axis.TP)  # outermost first: world rank = grid index
 
@@ -60,6 +69,9 @@ class Group(str, Enum):
     EXPERT_REPLICAS = "dp_cp"  # data-parallel replicas of an expert weight (sharded over ep)
     DENSE_REPLICAS = "dp_cp_ep"  # data-parallel replicas of every other weight
     STATISTICS = "pp_dp_cp_ep"  # one rank per TP group: step statistics are summed over it
+
+    def __str__(self) -> str:
+        return self.value
 
     @property
     def axes(self) -> tuple[Axis, ...]:
@@ -143,6 +155,11 @@ class Layout:
         return self.sequence_length // self.cp
 
     @property
+    def rank_tokens(self) -> int:
+        """The tokens of a micro-batch one rank holds: its context-parallel share of every sequence."""
+        return self.micro_batch_size * self.rank_sequence_length
+
+    @property
     def stage_sequence_length(self) -> int:
         """The tokens of each sequence in the activations between layers and pipeline stages (sequence parallelism
         splits the rank's share over tp)."""
@@ -170,11 +187,19 @@ class Layout:
         """The schedule that runs: the configured engine with several stages, else plain gradient accumulation."""
         return self.pp_engine if self.pp > 1 else "1f1b"
 
-    def in_flight(self, stage: int) -> int:
-        """The micro-batches whose activations stage ``stage`` holds at once."""
+    def warmup(self, stage: int, micro_batches: int) -> int:
+        """The forwards stage ``stage`` runs before its first backward, of a step of ``micro_batches``: all of them
+        under AFAB; under 1F1B one fewer than the stages from it to the last (the later stages' forwards must run
+        before its first gradient comes back), then one forward and one backward in turn."""
         if self.schedule == "afab":
-            return self.accumulation
-        return min(self.pp - stage, self.accumulation)
+            return micro_batches
+        return min(self.pp - stage - 1, micro_batches)
+
+    def in_flight(self, stage: int, micro_batches: int | None = None) -> int:
+        """The micro-batches whose activations stage ``stage`` holds at once (of ``micro_batches``, by default the
+        step's ``accumulation``): its warm-up, and the forward of the first backward's turn."""
+        count = self.accumulation if micro_batches is None else micro_batches
+        return min(self.warmup(stage, count) + 1, count)
 
     # --- rules and records -----------------------------------------------------------------------------------------
 
@@ -201,6 +226,16 @@ class Layout:
         """A checkpoint's layout record in today's form (axes added since default to 1)."""
         return {axis.value: int(layout.get(axis.value, 1)) for axis in GRID_AXES} | {
             "zero_stage": int(layout.get("zero_stage", 0))}
+
+    def summary(self) -> str:
+        """The layout in one line: the sizes, the schedule and the micro-batches of a step."""
+        schedule = self.schedule.upper() if self.pp > 1 else "gradient accumulation"
+        return (f"dp {self.dp} x ep {self.ep} x cp {self.cp} x tp {self.tp} x pp {self.pp} ({schedule}), micro-batch "
+                f"{self.micro_batch_size} x {self.sequence_length} tokens, {self.accumulation} per step")
+
+    def describe_grid(self) -> str:
+        """The grid's sizes, for messages: ``pp=2, dp=1, ep=1, cp=1, tp=2``."""
+        return ", ".join(f"{axis}={size}" for axis, size in self.sizes.items())
 
     def describe(self, coordinates: dict[Axis, int]) -> str:
         """A rank's place, for log lines: dp, pp and tp always, ep and cp where they split the run."""
