@@ -1,5 +1,5 @@
 """The fixtures shared by the test files (a tiny learnable corpus with its tokenizer and tokenized shards, DoReMi's
-domains and reference run) and the hooks that pick the test tier; the plain helpers are in ``helpers.py``.
+domains and reference run) and the hooks that pick the test tier; the plain functions are in the ``support`` package.
 
 Tiers (``NANOTRON_TEST_TIER``): the default run trains every layout-parity comparison for a few steps
 (``parity_steps()``) on top of the exact first-step gradient checks; ``full`` trains them for the full 20 steps and
@@ -19,18 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed
-from helpers import (
-    DOMAINS,
-    FULL_TIER_REASON,
-    TIER_VARIABLE,
-    _train,
-    doremi_config,
-    full_tier,
-    quick_tier,
-    tier_name,
-    write_corpus,
-)
+from support.configs import DOMAINS, doremi_config
+from support.corpus import write_corpus
+from support.runs import train_on_ranks
+from support.tiers import FULL_TIER_REASON, TIER_VARIABLE, full_tier, quick_tier, tier_name
 
 
 def pytest_configure(config) -> None:
@@ -121,5 +113,5 @@ def doremi_domains(tiny_data, tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def doremi_reference(tiny_data, doremi_domains, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
-    run_distributed(_train, 1, config=doremi_config(tiny_data, doremi_domains, run, steps=12))
+    train_on_ranks(doremi_config(tiny_data, doremi_domains, run, steps=12), 1)
     return run

@@ -12,11 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed_each
-from helpers import ROOT, benchmark_on_cpu, tiny_config_dict
 from nanotron.config import ConfigError, load_config
 from nanotron.memory import estimate_memory
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed_each
+from support.stand_ins import benchmark_on_cpu
 
 EXAMPLE = ROOT / "examples" / "config_tiny_llama.yaml"
 CPU = torch.device("cpu")

@@ -17,29 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed
-from helpers import (
-    ROOT,
-    Outcome,
-    _config,
-    assert_user_error,
-    checkpoint_json,
-    cli,
-    metrics,
-    train,
-    write_config,
-    write_corpus,
-)
 from nanotron.checkpoint.logical_tensors import FORMAT_VERSION
 from nanotron.cli import main
+from support import ROOT
+from support.configs import short_config, write_config
+from support.corpus import write_corpus
+from support.distributed import run_distributed
+from support.runs import Outcome, assert_user_error, checkpoint_json, cli, metrics, train_through_cli
 
 
 @pytest.fixture(scope="module")
 def base(tiny_data, tmp_path_factory) -> dict:
     """A run folder trained 2 steps with the tiny config (hidden 64, 2 layers, 4/2 heads, vocab 384, tied)."""
     root = tmp_path_factory.mktemp("base")
-    config = _config(tiny_data, root / "run", train_steps=2)
-    train(config, root / "config.yaml")
+    config = short_config(tiny_data, root / "run", train_steps=2)
+    train_through_cli(config, root / "config.yaml")
     assert (root / "run" / "latest.txt").read_text().strip() == "2"
     return {"run": root / "run", "config": config}
 
@@ -80,7 +72,7 @@ def test_resume_with_another_model_shape_is_one_clear_error(base, tmp_path, mode
 def test_resume_with_the_same_model_shape_still_works(base, tmp_path):
     """The control for the cases above: the same resume with the checkpoint's own config trains on."""
     config = _resume_config(base, tmp_path / "run")
-    outcome = train(config, tmp_path / "config.yaml")
+    outcome = train_through_cli(config, tmp_path / "config.yaml")
     assert "resumed from" in outcome.stderr
     assert [record["step"] for record in metrics(tmp_path / "run")] == [3]
 
@@ -175,7 +167,7 @@ GLOBAL_BATCH = 8  # micro_batch_size 4 x batch_accumulation_per_replica 2
 
 
 def _two_stage_config(tiny_data, run: Path, train_steps: int, **checkpoints) -> dict:
-    config = _config(tiny_data, run, train_steps, checkpoints={"checkpoint_interval": 1000, **checkpoints})
+    config = short_config(tiny_data, run, train_steps, checkpoints={"checkpoint_interval": 1000, **checkpoints})
     # An explicit decay length: the LR of every step is the same whatever train_steps is.
     config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 2, "lr_decay_steps": STEPS - 2}
     first = config["data_stages"][0]
@@ -188,8 +180,8 @@ def _two_stage_config(tiny_data, run: Path, train_steps: int, **checkpoints) -> 
 def two_stage_runs(tiny_data, tmp_path_factory) -> dict:
     """Two 10-step runs of the same two-stage config: one straight, one saving a checkpoint after every step."""
     root = tmp_path_factory.mktemp("stages")
-    train(_two_stage_config(tiny_data, root / "straight", STEPS), root / "straight.yaml")
-    train(_two_stage_config(tiny_data, root / "saving", STEPS, checkpoint_interval=1), root / "saving.yaml")
+    train_through_cli(_two_stage_config(tiny_data, root / "straight", STEPS), root / "straight.yaml")
+    train_through_cli(_two_stage_config(tiny_data, root / "saving", STEPS, checkpoint_interval=1), root / "saving.yaml")
     return {"root": root, "straight": root / "straight", "saving": root / "saving"}
 
 
@@ -217,7 +209,7 @@ def test_resume_across_a_data_stage_boundary_continues_exactly(tiny_data, two_st
     resumed = tmp_path / "resumed"
     config = _two_stage_config(tiny_data, resumed, STEPS,
                                resume_checkpoint_path=str(two_stage_runs["saving"] / str(stop)))
-    outcome = train(config, tmp_path / "resume.yaml")
+    outcome = train_through_cli(config, tmp_path / "resume.yaml")
     assert f"resumed from {two_stage_runs['saving'] / str(stop)} at step {stop}" in outcome.stderr
     _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(resumed), range(stop + 1, STEPS + 1))
     assert checkpoint_json(resumed)["step"] == STEPS
@@ -227,8 +219,9 @@ def test_resume_across_a_data_stage_boundary_continues_exactly(tiny_data, two_st
 
 def test_first_part_of_a_two_stage_run_then_resume_matches_straight(tiny_data, two_stage_runs, tmp_path):
     run, stop = tmp_path / "run", SECOND_STAGE_START - 2
-    train(_two_stage_config(tiny_data, run, stop), tmp_path / "first.yaml")
-    train(_two_stage_config(tiny_data, run, STEPS, resume_checkpoint_path=str(run)), tmp_path / "second.yaml")
+    train_through_cli(_two_stage_config(tiny_data, run, stop), tmp_path / "first.yaml")
+    train_through_cli(_two_stage_config(tiny_data, run, STEPS, resume_checkpoint_path=str(run)),
+                      tmp_path / "second.yaml")
     _assert_same_steps(metrics(two_stage_runs["straight"]), metrics(run), range(1, STEPS + 1))
     assert checkpoint_json(run)["consumed_samples"] == checkpoint_json(two_stage_runs["straight"])["consumed_samples"]
 
@@ -246,7 +239,7 @@ def test_renamed_stages_continue_their_data_by_position(tiny_data, two_stage_run
     config = _renamed(_two_stage_config(tiny_data, resumed, STEPS,
                                         resume_checkpoint_path=str(two_stage_runs["saving"] / str(stop))),
                       "warmup", "stable")
-    log = train(config, tmp_path / "resume.yaml").stderr
+    log = train_through_cli(config, tmp_path / "resume.yaml").stderr
     for old, new, samples in (("main", "warmup", (SECOND_STAGE_START - 1) * GLOBAL_BATCH),
                               ("second", "stable", GLOBAL_BATCH)):
         warning = f"data stage '{old}' of {two_stage_runs['saving'] / str(stop)} is '{new}' in data_stages"
@@ -261,7 +254,7 @@ def test_a_renamed_stage_that_cannot_be_matched_is_refused_naming_both_stages(ti
     """One stage from step 1 where the checkpoint had two: which one 'stable' continues is not for the trainer to
     guess, and starting it over at sample 0 would train on its data again."""
     checkpoint = two_stage_runs["saving"] / str(SECOND_STAGE_START - 2)
-    config = _config(tiny_data, tmp_path / "run", STEPS, checkpoints={"resume_checkpoint_path": str(checkpoint)})
+    config = short_config(tiny_data, tmp_path / "run", STEPS, checkpoints={"resume_checkpoint_path": str(checkpoint)})
     config["data_stages"][0]["name"] = "stable"
     outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
     consumed = (SECOND_STAGE_START - 2) * GLOBAL_BATCH
@@ -274,16 +267,16 @@ def test_a_renamed_stage_that_cannot_be_matched_is_refused_naming_both_stages(ti
 def test_a_run_of_a_v04_data_section_resumes_with_a_modern_stage_of_another_name(tiny_data, tmp_path):
     """v0.4's data section is the stage 'main'; a modern file names its one stage otherwise."""
     def config(run: Path, steps: int, **checkpoints) -> dict:
-        config = _config(tiny_data, run, steps, checkpoints={"checkpoint_interval": 1000, **checkpoints})
+        config = short_config(tiny_data, run, steps, checkpoints={"checkpoint_interval": 1000, **checkpoints})
         config["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = 3  # the same LR whatever train_steps is
         return _renamed(config, "stable")
 
-    train(config(tmp_path / "straight", 4), tmp_path / "straight.yaml")
+    train_through_cli(config(tmp_path / "straight", 4), tmp_path / "straight.yaml")
     v04 = config(tmp_path / "run", 2)
     v04["data"] = v04.pop("data_stages")[0]["data"]
-    train(v04, tmp_path / "v04.yaml")
+    train_through_cli(v04, tmp_path / "v04.yaml")
     assert checkpoint_json(tmp_path / "run")["consumed_samples"] == {"main": 2 * GLOBAL_BATCH}
-    log = train(config(tmp_path / "run", 4, resume_checkpoint_path="auto"), tmp_path / "modern.yaml").stderr
+    log = train_through_cli(config(tmp_path / "run", 4, resume_checkpoint_path="auto"), tmp_path / "modern.yaml").stderr
     assert "data stage 'main' of" in log and "is 'stable' in data_stages" in log, log
     _assert_same_steps(metrics(tmp_path / "straight"), metrics(tmp_path / "run"), range(1, 5))
 
@@ -299,10 +292,10 @@ def blended(tiny_data, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("blended")
     other = root / "other"
     preprocess([write_corpus(root / "raw", documents=150, seed=5)], tiny_data["tokenizer"], other, num_workers=1)
-    config = _config(tiny_data, root / "run", train_steps=2)
+    config = short_config(tiny_data, root / "run", train_steps=2)
     config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(tiny_data["tokenized"]), str(other)],
                                                    "dataset_weights": [0.5, 0.5]}
-    train(config, root / "config.yaml")
+    train_through_cli(config, root / "config.yaml")
     return {"run": root / "run", "config": config, "folders": [str(tiny_data["tokenized"]), str(other)]}
 
 
@@ -326,7 +319,7 @@ def _changed(config: dict, change: str, folders: list[str]) -> str:
 def test_a_resume_on_data_in_another_order_warns_what_changed_before_the_first_step(blended, tmp_path, change):
     config = _resume_config(blended, tmp_path / "run")
     expected = _changed(config, change, blended["folders"])
-    log = train(config, tmp_path / "config.yaml").stderr
+    log = train_through_cli(config, tmp_path / "config.yaml").stderr
     line = next((line for line in log.splitlines() if "continues at sample" in line), "")
     assert f"data stage 'main': {expected}; it continues at sample 16 of the new order, so samples already trained " \
            "on may come again and others be skipped" in line, log
@@ -336,7 +329,7 @@ def test_a_resume_on_data_in_another_order_warns_what_changed_before_the_first_s
 def test_a_resume_on_the_same_data_and_from_a_checkpoint_without_a_record_warns_nothing_else(blended, tmp_path):
     from nanotron.checkpoint.manager import write_metadata
 
-    log = train(_resume_config(blended, tmp_path / "same"), tmp_path / "same.yaml").stderr
+    log = train_through_cli(_resume_config(blended, tmp_path / "same"), tmp_path / "same.yaml").stderr
     assert "resumed from" in log and "continues at sample" not in log and "records no sample order" not in log
     older = tmp_path / "older"
     shutil.copytree(blended["run"], older)
@@ -344,7 +337,7 @@ def test_a_resume_on_the_same_data_and_from_a_checkpoint_without_a_record_warns_
     write_metadata(older / "2", {key: value for key, value in metadata.items() if key != "data_stages"})
     config = _resume_config({"run": older, "config": blended["config"]}, tmp_path / "run")
     config["data_stages"][0]["data"]["seed"] = 5
-    log = train(config, tmp_path / "config.yaml").stderr
+    log = train_through_cli(config, tmp_path / "config.yaml").stderr
     assert "records no sample order of its data stages (saved by an earlier version)" in log
     assert "continues at sample" not in log
 
@@ -353,7 +346,7 @@ def test_consumed_tokens_add_up_across_a_change_of_sequence_length(base, tmp_pat
     """2 steps of 8 sequences of 32 tokens, then 2 of 8 of 64: 512 + 1024 tokens, not 32 samples x 64."""
     config = _resume_config(base, tmp_path / "run", train_steps=4)
     config["tokens"]["sequence_length"] = 64
-    train(config, tmp_path / "config.yaml")
+    train_through_cli(config, tmp_path / "config.yaml")
     assert [(r["step"], r["consumed_tokens"]) for r in metrics(tmp_path / "run")] == [(3, 1024), (4, 1536)]
     saved = checkpoint_json(tmp_path / "run")
     assert (saved["consumed_samples"], saved["consumed_tokens"]) == ({"main": 32}, 1536)

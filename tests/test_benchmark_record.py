@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, benchmark_on_cpu, tiny_config_dict
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.stand_ins import benchmark_on_cpu
 
 SCRIPTS = ROOT / "scripts"
 if str(SCRIPTS) not in sys.path:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Outcome, _config, assert_user_error, checkpoint_json, cli, train, write_config
 from nanotron.checkpoint.integrity import file_entry
 from nanotron.checkpoint.manager import write_metadata
+from support.configs import short_config, write_config
+from support.runs import Outcome, assert_user_error, checkpoint_json, cli, train_through_cli
 
 MODEL_FILE = "model/pp000-tp000-ep000.safetensors"  # the first file a save writes, through safetensors (~400 kB)
 FREE_BYTES = 128 * 1024  # room left on a full disk: less than that file, more than a step's other writes
@@ -34,7 +35,7 @@ FREE_BYTES = 128 * 1024  # room left on a full disk: less than that file, more t
 def trained(tiny_data, tmp_path_factory) -> Path:
     """A run folder trained 2 steps (checkpoint 2); tests work on copies of it."""
     root = tmp_path_factory.mktemp("trained")
-    train(_config(tiny_data, root / "run", 2), root / "config.yaml")
+    train_through_cli(short_config(tiny_data, root / "run", 2), root / "config.yaml")
     return root / "run"
 
 
@@ -54,8 +55,8 @@ def _eval(run: Path, tiny_data) -> Outcome:
 
 
 def _resume(run: Path, tiny_data, tmp_path: Path) -> Outcome:
-    config = _config(tiny_data, tmp_path / "resumed", 3,
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(run)})
+    config = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(run)})
     return cli("train", "--config-file", write_config(tmp_path / "resume.yaml", config))
 
 
@@ -251,7 +252,7 @@ def test_a_file_list_naming_a_device_or_a_pipe_is_refused_instead_of_hanging(run
 @pytest.mark.slow
 def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_run_resumes(run, tiny_data, tmp_path,
                                                                                          full):
-    config = _config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"})
+    config = short_config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"})
     outcome = full(run, ["train", "--config-file", write_config(tmp_path / "config.yaml", config)])
     assert_user_error(outcome, f"while saving checkpoint 3 (writing {run / '.tmp-3' / MODEL_FILE})",
                       "(the size of the previous checkpoint)", "are free",
@@ -259,15 +260,15 @@ def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_ru
     assert sorted(p.name for p in run.iterdir()) == ["2", "latest.txt", "metrics.jsonl"]  # no partial save
     assert not [p for p in run.rglob(".*")]  # nor any temporary file
     assert (run / "latest.txt").read_text().strip() == "2" and cli("checkpoint", "verify", run).code == 0
-    assert "resumed from" in train(config, tmp_path / "again.yaml").stderr
+    assert "resumed from" in train_through_cli(config, tmp_path / "again.yaml").stderr
     assert checkpoint_json(run)["step"] == 3
 
 
 # --- pruning old checkpoints ---------------------------------------------------------------------------------------
 
 def test_an_old_checkpoint_that_cannot_be_deleted_is_kept_with_a_warning_at_every_save(run, tiny_data, tmp_path):
-    config = _config(tiny_data, run, 4, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
-                                                     "resume_checkpoint_path": "auto"})
+    config = short_config(tiny_data, run, 4, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
+                                                          "resume_checkpoint_path": "auto"})
     outcome = _with_a_read_only_folder(run / "2", ["train", "--config-file", write_config(tmp_path / "c.yaml", config)])
     assert outcome.code == 0, outcome.stderr[-3000:]
     assert outcome.stderr.count(f"could not delete the old checkpoint {run / '2'}") == 2  # after saving 3, and 4

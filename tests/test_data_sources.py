@@ -17,22 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (
-    Outcome,
-    assert_user_error,
-    cli,
-    corpus_documents,
-    datatrove_folder,
-    tiny_config_dict,
-    write_config,
-    write_corpus,
-)
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
 from nanotron.data.datatrove_folder import DatatroveDataset, DatatroveTokens
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.preprocess import preprocess
 from nanotron.data.synthetic import SyntheticDataset
 from nanotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
+from support.configs import tiny_config_dict, write_config
+from support.corpus import corpus_documents, datatrove_folder, write_corpus
+from support.runs import Outcome, assert_user_error, cli
 
 SEQUENCE_LENGTH = 16
 SEED = 3

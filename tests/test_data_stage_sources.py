@@ -6,7 +6,9 @@ import shutil
 
 import pytest
 
-from helpers import assert_user_error, cli, corpus_documents, metrics, tiny_config_dict, train, write_config
+from support.configs import tiny_config_dict, write_config
+from support.corpus import corpus_documents
+from support.runs import assert_user_error, cli, metrics, train_through_cli
 
 
 @pytest.fixture
@@ -26,7 +28,7 @@ def test_a_hugging_face_dataset_per_domain_trains_with_its_domains(tiny_data, do
         "domain_names": "Wikipedia (en), Github", "domain_weights": [0.75, 0.25]})
     config["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(domains_on_disk),
                                                    "hf_dataset_splits": "train", "text_column_name": "text"}
-    train(config, tmp_path / "config.yaml")
+    train_through_cli(config, tmp_path / "config.yaml")
     records = metrics(run)
     assert [record["step"] for record in records] == [1, 2]
     assert set(records[0]["domain_losses"]) == {"Wikipedia (en)", "Github"}, records[0]
@@ -37,7 +39,7 @@ def test_a_null_dataset_trains_on_synthetic_tokens(tiny_data, tmp_path):
     run = tmp_path / "run"
     config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
     config["data_stages"][0]["data"]["dataset"] = None
-    train(config, tmp_path / "config.yaml")
+    train_through_cli(config, tmp_path / "config.yaml")
     assert [record["step"] for record in metrics(run)] == [1, 2]
 
 
@@ -64,7 +66,7 @@ def test_folders_of_one_name_are_apart_in_the_metrics_and_on_the_step_line(tiny_
     run = tmp_path / "run"
     config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
     config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder) for folder in folders]}
-    outcome = train(config, tmp_path / "config.yaml")
+    outcome = train_through_cli(config, tmp_path / "config.yaml")
     assert all(set(record["domain_losses"]) == {"a/web", "b/web"} for record in metrics(run)), metrics(run)
     step_lines = [line for line in outcome.stderr.splitlines() if "| a/web " in line and "| b/web " in line]
     assert len(step_lines) == 2, outcome.stderr[-3000:]

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed, run_distributed_each
-from helpers import DOMAINS, DOREMI_STEPS, assert_user_error, cli, doremi_config, write_config, write_corpus
+from support.configs import DOMAINS, DOREMI_STEPS, doremi_config, write_config
+from support.corpus import write_corpus
+from support.distributed import run_distributed, run_distributed_each
+from support.runs import assert_user_error, cli
 
 STEPS = DOREMI_STEPS
 

@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import run_with_triton_interpreter, strict_scaled_mm, tiny_config_dict, train_fp8_model
 from nanotron.features.fp8 import report_range_counts
 from nanotron.nn.fp8 import (
     E4M3,
@@ -25,6 +23,11 @@ from nanotron.nn.fp8 import (
     discard_step_amaxes,
     quantize,
 )
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.kernels import run_with_triton_interpreter
+from support.runs import train_fp8_model
+from support.stand_ins import strict_scaled_mm
 
 
 @pytest.mark.parametrize("dtype, relative", [(E4M3, 2 ** -4), (E5M2, 2 ** -3)])
@@ -159,7 +162,7 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
 
 def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():
     """The FP8 gradient cast's Triton kernel, run by Triton's interpreter on the CPU."""
-    run_with_triton_interpreter("from helpers import check_cast_both_layouts; check_cast_both_layouts()")
+    run_with_triton_interpreter("from support.kernels import check_cast_both_layouts; check_cast_both_layouts()")
 
 
 def test_delayed_scaling_scales_from_the_history_and_records_each_step():
@@ -341,7 +344,7 @@ def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny
 def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
     """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
     follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""
-    from helpers import moe_config
+    from support.configs import moe_config
 
     def config(name, fp8=True, ep=1):
         return moe_config(tiny_data, tmp_path / name, ep=ep) | {"fp8": {"enabled": fp8, "log_out_of_range": fp8}}

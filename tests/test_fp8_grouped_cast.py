@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import require_gpu, run_with_triton_interpreter
+from support.kernels import run_with_triton_interpreter
+from support.tiers import require_gpu
 
 COUNTS = [5, 19, 0, 24, 40]  # one expert without tokens (16 zero rows once aligned), none a multiple of 16
 E4M3_MAX = 448.0

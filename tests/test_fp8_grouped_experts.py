@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import moe_config, require_gpu, train_fp8_model
 from nanotron.models.moe.model import GroupedExperts, _grouped_layout
 from nanotron.nn import fp8
 from nanotron.nn.fp8 import E4M3, FP8ExpertMatmul, quantize, quantize_per_group
+from support.configs import moe_config
+from support.distributed import run_distributed
+from support.runs import train_fp8_model
+from support.tiers import require_gpu
 
 COUNTS = [5, 19, 0, 24]  # one expert without tokens, none a multiple of 16
 

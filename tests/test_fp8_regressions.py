@@ -9,19 +9,12 @@ import logging
 import pytest
 import torch
 
-from distributed import run_distributed_each
-from helpers import (
-    _config,
-    assert_user_error,
-    cli,
-    parity_steps,
-    strict_scaled_mm,
-    tiny_config_dict,
-    train,
-    train_fp8_model,
-    write_config,
-)
 from nanotron.nn.fp8 import E4M3, FP8Matmul, FP8Recipe
+from support.configs import short_config, tiny_config_dict, write_config
+from support.distributed import run_distributed_each
+from support.runs import assert_user_error, cli, train_fp8_model, train_through_cli
+from support.stand_ins import strict_scaled_mm
+from support.tiers import parity_steps
 
 
 def _fp8_tp_linears(recipe: str) -> dict[str, float]:
@@ -174,8 +167,8 @@ def test_rowwise_fp8_with_an_fp32_model_runs_on_gpus_that_refuse_an_fp32_output(
 
 def test_resuming_with_another_amax_history_length_names_the_key_both_values_and_the_fix(tiny_data, tmp_path):
     delayed = {"enabled": True, "recipe": "delayed", "amax_history_length": 4}
-    config = _config(tiny_data, tmp_path / "run", train_steps=2, fp8=delayed)
-    train(config, tmp_path / "config.yaml")
+    config = short_config(tiny_data, tmp_path / "run", train_steps=2, fp8=delayed)
+    train_through_cli(config, tmp_path / "config.yaml")
     config["fp8"]["amax_history_length"] = 8
     config["checkpoints"] |= {"checkpoints_path": str(tmp_path / "resumed"),
                               "resume_checkpoint_path": str(tmp_path / "run")}

@@ -12,8 +12,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_distributed, run_distributed_each
-from helpers import relative_error, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.kernels import relative_error
 
 HIDDEN, VOCAB, PADDED, BATCH, SEQUENCE = 8, 37, 40, 3, 16  # 48 tokens, 3 padding columns
 TOKENS = BATCH * SEQUENCE
@@ -75,8 +76,8 @@ def test_equals_logits_then_cross_entropy_in_fp32(group, chunk):
 def test_the_compiled_passes_give_the_plain_ones_values():
     """Compiled on the CPU (as on CUDA by test_cuda_kernels.py): the chunk passes within rounding, and the sum of the
     chunks' head gradients and the backward's scaling bit for bit, the scaling in place."""
-    from helpers import check_compiled_passes
     from nanotron.parallel.linear_cross_entropy import ChunkPasses
+    from support.kernels import check_compiled_passes
 
     check_compiled_passes("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -97,9 +98,9 @@ def test_the_compiled_passes_give_the_plain_ones_values():
 
 
 def test_the_statistics_kernel_equals_the_reference_under_triton_s_interpreter():
-    from helpers import run_with_triton_interpreter
+    from support.kernels import run_with_triton_interpreter
 
-    run_with_triton_interpreter("from helpers import check_softmax_statistics_kernel as check; check()")
+    run_with_triton_interpreter("from support.kernels import check_softmax_statistics_kernel as check; check()")
 
 
 def test_bf16_is_within_bf16_rounding_of_the_fp32_reference(group):
@@ -236,7 +237,7 @@ def assert_same_steps(fused_ranks: list[dict], unfused_ranks: list[dict], what: 
 def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
     """The tied Llama, a mixture of experts (auxiliary losses) and Mamba, fused and not; and a head given
     another matmul, which keeps the unfused loss."""
-    from helpers import MAMBA, MOE
+    from support.configs import MAMBA, MOE
 
     llama = tiny_config_dict(tiny_data, tmp_path)["model"]["model_config"]
     families = {"llama": None, "llamoe": {k: v for k, v in llama.items() if k != "is_llama_config"} | MOE,

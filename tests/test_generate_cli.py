@@ -3,7 +3,8 @@ range in one line, before loading any model; each sampler runs with its options 
 
 import pytest
 
-from helpers import _config, assert_user_error, cli, train
+from support.configs import short_config
+from support.runs import assert_user_error, cli, train_through_cli
 
 
 def test_missing_or_blank_prompts_are_one_error_line(tmp_path):
@@ -39,7 +40,7 @@ def test_a_sampling_option_out_of_range_is_one_error_line(tmp_path, sampling):
 
 def test_each_sampler_runs_with_its_options_or_their_defaults(tiny_data, tmp_path):
     run = tmp_path / "run"
-    train(_config(tiny_data, run, train_steps=1), tmp_path / "config.yaml")
+    train_through_cli(short_config(tiny_data, run, train_steps=1), tmp_path / "config.yaml")
 
     def completion(*sampling: str) -> str:
         outcome = cli("generate", "--ckpt-path", run, "--prompt", "the cat", "--max-new-tokens", 6, "--seed", 3,

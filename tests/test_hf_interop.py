@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed
-from helpers import PROMPTS, ROOT, _nanotron
+from support import ROOT
+from support.distributed import run_distributed
+from support.hf import PROMPTS, nanotron_outputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,12 +58,12 @@ def hf_logits_and_greedy(hf_path: Path) -> tuple[torch.Tensor, list[list[int]]]:
 def test_logits_and_generation_match_transformers_at_every_layout(converted):
     hf_path, ckpt = converted
     reference_logits, reference_greedy = hf_logits_and_greedy(hf_path)
-    (single,) = run_distributed(_nanotron, 1, ckpt=str(ckpt), tp=1, pp=1)
+    (single,) = run_distributed(nanotron_outputs, 1, ckpt=str(ckpt), tp=1, pp=1)
     assert (single["logits"] - reference_logits).abs().max() < 1e-4
     assert single["cached"] == single["uncached"]  # the KV cache changes nothing (64 tokens, batched prompts)
     assert single["cached"][0][:24] == reference_greedy
 
-    sharded = run_distributed(_nanotron, 4, ckpt=str(ckpt), tp=2, pp=2)
+    sharded = run_distributed(nanotron_outputs, 4, ckpt=str(ckpt), tp=2, pp=2)
     last_stage = [r for r in sharded if r["logits"] is not None]
     assert len(last_stage) == 2
     assert (last_stage[0]["logits"] - reference_logits).abs().max() < 1e-4
@@ -98,15 +99,15 @@ MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank toda
 def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     import json
 
-    from helpers import write_config
     from nanotron.data.preprocess import preprocess
     from nanotron.data.tokenizer import train_tokenizer
+    from support.configs import write_config
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": MEMORIZE}) + "\n" for _ in range(300)))
     tokenizer = train_tokenizer([corpus], 300, tmp_path / "tokenizer.json")
     preprocess([corpus], tokenizer, tmp_path / "data", num_workers=1)
-    from helpers import tiny_config_dict
+    from support.configs import tiny_config_dict
 
     config = tiny_config_dict({"tokenizer": tokenizer, "tokenized": tmp_path / "data"}, tmp_path / "ckpt",
                               tokens={"train_steps": 80})
@@ -159,7 +160,7 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
 
 @pytest.mark.slow
 def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
-    from helpers import tiny_config_dict, write_config
+    from support.configs import tiny_config_dict, write_config
 
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 6})
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
@@ -205,7 +206,8 @@ DEFAULT_TIER_ACTIVATIONS = {"Llama": "gelu", "Qwen2": "gelu_pytorch_tanh", "Qwen
                  else pytest.mark.full_tier)
     for family in GATED_FAMILIES for activation in ("gelu", "gelu_pytorch_tanh", "relu")])
 def test_hidden_act_converts_with_the_logits_of_transformers_and_back(family, activation, tmp_path):
-    from helpers import away_from_initial_values, cli
+    from support.hf import away_from_initial_values
+    from support.runs import cli
 
     torch.manual_seed(0)
     config = getattr(transformers, f"{family}Config")(
@@ -304,7 +306,7 @@ def test_conversion_refuses_a_field_it_does_not_build_in_one_line_writing_nothin
                                                                                    tmp_path):
     import json
 
-    from helpers import assert_user_error, cli
+    from support.runs import assert_user_error, cli
 
     hf = tmp_path / "hf"
     torch.manual_seed(0)
@@ -373,7 +375,7 @@ def test_the_docs_list_every_field_as_the_tables_treat_it():
 def test_conversion_refuses_non_finite_or_integer_weights_by_name_writing_nothing(value, fragment, tmp_path):
     from safetensors.torch import save_file
 
-    from helpers import assert_user_error, cli
+    from support.runs import assert_user_error, cli
 
     hf = random_hf_llama(tmp_path / "hf", tied=True)
     weights = load_file(hf / "model.safetensors")
@@ -406,10 +408,11 @@ class _Scripted(transformers.LogitsProcessor):
 def run_with_default_token_ids(tiny_data, tmp_path_factory) -> Path:
     """A quickstart-like run whose config leaves bos and eos at the schema's defaults (1 and 2: ``!`` and ``"`` of
     the tiny byte-level BPE)."""
-    from helpers import tiny_config_dict, train
+    from support.configs import tiny_config_dict
+    from support.runs import train_through_cli
 
     root = tmp_path_factory.mktemp("default_token_ids")
-    train(tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 2}), root / "config.yaml")
+    train_through_cli(tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 2}), root / "config.yaml")
     return root / "run"
 
 
@@ -417,7 +420,7 @@ def _export(run: Path, target: Path) -> dict:
     """config.json of ``run`` exported by the CLI into ``target``."""
     import json
 
-    from helpers import cli
+    from support.runs import cli
 
     outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", run, "--save-path", target)
     assert outcome.code == 0, outcome.stderr[-3000:]
@@ -428,8 +431,8 @@ def test_an_exported_run_stops_generating_at_its_tokenizers_end_of_text_only(run
                                                                              tmp_path):
     """Training takes the tokenizer's ids in place of the defaults, and the export writes them: transformers'
     generate goes on past ``"`` and stops at ``<|endoftext|>``."""
-    from helpers import checkpoint_json
     from nanotron.data.tokenizer import EOS_TOKEN, load_tokenizer
+    from support.runs import checkpoint_json
 
     tokenizer = load_tokenizer(tiny_data["tokenizer"])
     end, quote = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id('"')

@@ -19,18 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import (
-    DOMAINS,
-    ROOT,
-    Outcome,
-    _config,
-    assert_user_error,
-    cli,
-    doremi_config,
-    without_id_ranges,
-    write_config,
-    write_corpus,
-)
+from support import ROOT
+from support.configs import DOMAINS, doremi_config, short_config, write_config
+from support.corpus import without_id_ranges, write_corpus
+from support.runs import Outcome, assert_user_error, cli
 
 
 def run_process(*args) -> Outcome:
@@ -85,13 +77,14 @@ def test_initial_weights_trained_with_another_tokenizer_of_the_same_size_are_ref
     from nanotron.data.tokenizer import load_tokenizer, train_tokenizer
 
     trained = tmp_path / "trained"
-    assert cli("train", "--config-file", write_config(tmp_path / "a.yaml", _config(tiny_data, trained, 1))).code == 0
+    first = short_config(tiny_data, trained, 1)
+    assert cli("train", "--config-file", write_config(tmp_path / "a.yaml", first)).code == 0
     corpus = write_corpus(tmp_path / "raw", documents=200, seed=5)
     other = train_tokenizer([corpus], 384, tmp_path / "other.json")
     assert load_tokenizer(other).get_vocab_size() == load_tokenizer(tiny_data["tokenizer"]).get_vocab_size()
     preprocess([corpus], other, tmp_path / "other_data", num_workers=1)
-    config = _config(tiny_data, tmp_path / "run", 2, tokenizer={"tokenizer_name_or_path": str(other)},
-                     data_stages=[_stage(tmp_path / "other_data")])
+    config = short_config(tiny_data, tmp_path / "run", 2, tokenizer={"tokenizer_name_or_path": str(other)},
+                          data_stages=[_stage(tmp_path / "other_data")])
     config["model"]["init_method"] = {"path": str(trained)}
     outcome = run_process("run_train.py", "--config-file", write_config(tmp_path / "init.yaml", config))
     assert_user_error(outcome, str(tmp_path / "other_data"), "another tokenizer", "checkpoints.allow_tokenizer_change")
@@ -119,7 +112,7 @@ def _damaged_copy(tiny_data, folder: Path, bad_id: str) -> tuple[Path, int, int]
 @pytest.mark.parametrize("bad_id", ["past", pytest.param("negative", marks=pytest.mark.slow)])
 def test_a_shard_with_ids_outside_the_vocabulary_is_one_error_naming_it(tiny_data, tmp_path, bad_id):
     shard, value, position = _damaged_copy(tiny_data, tmp_path / "data", bad_id)
-    config = _config(tiny_data, tmp_path / "run", 2, data_stages=[_stage(tmp_path / "data", workers=1)])
+    config = short_config(tiny_data, tmp_path / "run", 2, data_stages=[_stage(tmp_path / "data", workers=1)])
     outcome = run_process("run_train.py", "--config-file", write_config(tmp_path / "config.yaml", config))
     assert_user_error(outcome, f"shard {shard} holds token id {value} at token {position}", "outside the vocabulary")
 

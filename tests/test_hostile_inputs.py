@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Outcome, assert_user_error, cli
+from support.runs import Outcome, assert_user_error, cli
 
 transformers = pytest.importorskip("transformers")
 

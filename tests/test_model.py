@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import run_with_triton_interpreter
 from nanotron.config import LlamaConfig
 from nanotron.models.build import materialize, padded_vocab_size
 from nanotron.models.init import init_parameters
@@ -12,6 +11,7 @@ from nanotron.models.llama.costs import llama_costs
 from nanotron.models.llama.model import LlamaForCausalLM, llama_init_rule
 from nanotron.nn.loss import masked_sum, token_losses
 from nanotron.parallel.placement import annotate_placements, logical_parameters
+from support.kernels import run_with_triton_interpreter
 
 COORDS = {"pp": 0, "dp": 0, "ep": 0, "tp": 0}
 SIZES = {"pp": 1, "dp": 1, "ep": 1, "tp": 1}
@@ -130,4 +130,4 @@ def test_swiglu_backward_reference_matches_autograd():
 
 
 def test_the_swiglu_kernel_equals_the_reference_under_triton_s_interpreter():
-    run_with_triton_interpreter("from helpers import check_swiglu_kernel; check_swiglu_kernel()")
+    run_with_triton_interpreter("from support.kernels import check_swiglu_kernel; check_swiglu_kernel()")

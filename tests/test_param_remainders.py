@@ -10,12 +10,14 @@ import sys
 import pytest
 import torch
 
-from distributed import run_distributed_each
-from helpers import ROOT, run_with_triton_interpreter, tiny_config_dict
 from nanotron.config import load_config
 from nanotron.memory import estimate_memory
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function, adamw_update_remainders_fused
 from nanotron.optim.param_remainders import joined, split_
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed_each
+from support.kernels import run_with_triton_interpreter
 
 CPU = torch.device("cpu")
 

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
 from nanotron.parallel.pipeline_partition import PartitionError, balanced_partition, stage_layers
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_gradients
+from support.tiers import parity_steps
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both
 

@@ -16,20 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    checkpoint_json,
+from support.configs import tiny_config_dict, write_config
+from support.processes import (
     children,
     descendants,
     finished,
     killed_on_failure,
-    metrics,
     running,
     signal_all,
     start_training,
-    tiny_config_dict,
     training_outcome,
-    write_config,
 )
+from support.runs import checkpoint_json, metrics
 
 TIMEOUT_S = 120
 

@@ -15,18 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed, run_distributed_each
-from helpers import (
-    PROMPTS,
-    ROOT,
-    _run,
-    assemble,
-    away_from_initial_values,
-    check_against_reference,
-    tiny_config_dict,
-    tp_config,
-    write_config,
-)
+from support import ROOT
+from support.configs import tiny_config_dict, tp_config, write_config
+from support.distributed import run_distributed, run_distributed_each
+from support.hf import PROMPTS, away_from_initial_values
+from support.parity import assemble, check_against_reference, parity_run
 
 NEW_TOKENS = 24
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -190,12 +183,12 @@ def test_training_with_qkv_biases_matches_at_tp_2(tiny_data, tmp_path):
         cfg["model"]["model_config"]["attention_bias"] = True
         return cfg
 
-    (reference,) = run_distributed(_run, 1, config=config("ref", 1, "ALL_REDUCE"))
+    (reference,) = run_distributed(parity_run, 1, config=config("ref", 1, "ALL_REDUCE"))
     variants = [("ALL_REDUCE", False), ("REDUCE_SCATTER", True)]
     calls = [{"config": config(f"{mode}-{overlap}", 2, mode, overlap)} for mode, overlap in variants]
     bias = "layers.0.attn.qkv_proj.bias"
     assert assemble([reference], "grads")[bias].abs().max() > 0  # compared below with every other gradient
-    for variant, results in zip(variants, run_distributed_each(_run, 2, calls)):
+    for variant, results in zip(variants, run_distributed_each(parity_run, 2, calls)):
         assert results[0]["local_shapes"][bias] == (64,)  # half of each of q, k and v
         check_against_reference(reference, results, 2, variant)
         for expected, got in zip(reference["metrics"], results[0]["metrics"], strict=True):

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import assert_user_error, cli, doremi_config, tiny_config_dict, train
+from support.configs import doremi_config, tiny_config_dict
+from support.distributed import run_distributed
+from support.runs import assert_user_error, cli, train_through_cli
 
 
 @pytest.mark.parametrize("missing", ["triton", "torch older than 2.6"])
@@ -176,7 +177,7 @@ def trained(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
     config = tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 1})
     config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
-    train(config, root / "config.yaml")
+    train_through_cli(config, root / "config.yaml")
     return root / "run"
 
 

@@ -17,20 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    ROOT,
-    _config,
-    assert_user_error,
-    checkpoint_json,
-    children,
-    cli,
-    metrics,
-    start_training,
-    train,
-    without_id_ranges,
-    write_config,
-    write_corpus,
-)
+from support import ROOT
+from support.configs import short_config, write_config
+from support.corpus import without_id_ranges, write_corpus
+from support.processes import children, start_training
+from support.runs import assert_user_error, checkpoint_json, cli, metrics, train_through_cli
 
 
 def _steps(run: Path) -> list[str]:
@@ -39,40 +30,43 @@ def _steps(run: Path) -> list[str]:
 
 def test_keep_last_n_keeps_the_newest_checkpoints_after_a_rollback(tiny_data, tmp_path):
     run = tmp_path / "run"
-    train(_config(tiny_data, run, 10, checkpoints={"checkpoint_interval": 2, "keep_last_n": 2}), tmp_path / "a.yaml")
+    train_through_cli(short_config(tiny_data, run, 10, checkpoints={"checkpoint_interval": 2, "keep_last_n": 2}),
+                      tmp_path / "a.yaml")
     assert _steps(run) == ["8", "10"]
     # Roll back to step 8 and save at step 9 with keep_last_n 1: step 9 is the newest, though 10 is higher.
-    rollback = _config(tiny_data, run, 9, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
-                                                       "resume_checkpoint_path": str(run / "8")})
-    train(rollback, tmp_path / "b.yaml")
+    rollback = short_config(tiny_data, run, 9, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
+                                                            "resume_checkpoint_path": str(run / "8")})
+    train_through_cli(rollback, tmp_path / "b.yaml")
     assert _steps(run) == ["9"] and (run / "latest.txt").read_text().strip() == "9"
-    train(_config(tiny_data, run, 10, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"}),
-          tmp_path / "c.yaml")
+    train_through_cli(short_config(tiny_data, run, 10, checkpoints={"checkpoint_interval": 1,
+                                                                    "resume_checkpoint_path": "auto"}),
+                      tmp_path / "c.yaml")
     assert checkpoint_json(run)["step"] == 10
 
 
 def test_running_again_over_a_run_is_refused_and_auto_resumes(tiny_data, tmp_path):
     run = tmp_path / "run"
-    config = _config(tiny_data, run, 3)
-    train(config, tmp_path / "config.yaml")
+    config = short_config(tiny_data, run, 3)
+    train_through_cli(config, tmp_path / "config.yaml")
     before = (run / "metrics.jsonl").read_text()
     outcome = cli("train", "--config-file", write_config(tmp_path / "again.yaml", config))
     assert_user_error(outcome, f"checkpoints.checkpoints_path {run} already holds a run",
                       "latest.txt names checkpoint '3'", "resume_checkpoint_path: auto")
     assert (run / "metrics.jsonl").read_text() == before and _steps(run) == ["3"]
-    auto = _config(tiny_data, run, 5, checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
-    assert "resumed from" in train(auto, tmp_path / "auto.yaml").stderr
+    auto = short_config(tiny_data, run, 5, checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
+    assert "resumed from" in train_through_cli(auto, tmp_path / "auto.yaml").stderr
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
-    fresh = _config(tiny_data, tmp_path / "fresh", 2, checkpoints={"checkpoint_interval": 1000,
-                                                                   "resume_checkpoint_path": "auto"})
-    assert "resumed from" not in train(fresh, tmp_path / "fresh.yaml").stderr  # nothing there yet: from scratch
+    fresh = short_config(tiny_data, tmp_path / "fresh", 2, checkpoints={"checkpoint_interval": 1000,
+                                                                        "resume_checkpoint_path": "auto"})
+    # nothing there yet: from scratch
+    assert "resumed from" not in train_through_cli(fresh, tmp_path / "fresh.yaml").stderr
 
 
 @pytest.fixture
 def saved(tiny_data, tmp_path) -> dict:
     run = tmp_path / "run"
-    config = _config(tiny_data, run, 2)
-    train(config, tmp_path / "config.yaml")
+    config = short_config(tiny_data, run, 2)
+    train_through_cli(config, tmp_path / "config.yaml")
     return {"run": run, "checkpoint": run / "2", "config": config}
 
 
@@ -88,8 +82,8 @@ def test_same_size_corruption_is_named_by_every_loader(saved, tiny_data, tmp_pat
     _flip_a_byte(weights)
     expected = (str(weights), "does not match its checksum")
     assert_user_error(cli("checkpoint", "verify", saved["run"]), *expected)
-    resume = _config(tiny_data, tmp_path / "resumed", 3,
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)), *expected)
     assert_user_error(cli("eval", "--ckpt-path", saved["run"], "--data", tiny_data["tokenized"],
                           "--sequence-length", "16"), *expected)
@@ -101,8 +95,8 @@ def test_same_size_corruption_is_named_by_every_loader(saved, tiny_data, tmp_pat
 def test_corrupt_optimizer_state_is_named_not_reported_as_divergence(saved, tiny_data, tmp_path):
     state = next((saved["checkpoint"] / "optimizer").glob("*.safetensors"))
     _flip_a_byte(state)
-    resume = _config(tiny_data, tmp_path / "resumed", 3,
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
     line = assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)),
                              str(state), "checksum")
     assert "learning_rate" not in line
@@ -129,9 +123,9 @@ def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
     metadata = json.loads((saved["checkpoint"] / "checkpoint.json").read_text())
     metadata["files"] = {name: entry for name, entry in metadata["files"].items() if not name.startswith("rng/")}
     write_metadata(saved["checkpoint"], metadata)
-    resume = _config(tiny_data, tmp_path / "resumed", 3,
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
-    outcome = train(resume, tmp_path / "resume.yaml")
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    outcome = train_through_cli(resume, tmp_path / "resume.yaml")
     assert not marker.exists()
     assert "random states re-derived from the seed" in outcome.stderr
 
@@ -158,7 +152,7 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
 def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
     run, log = tmp_path / "run", tmp_path / "train.log"
     parallelism = {"dp": 2} if launch == "torchrun" else {}
-    config = _config(tiny_data, run, 100_000, parallelism=parallelism)
+    config = short_config(tiny_data, run, 100_000, parallelism=parallelism)
     config["tokens"]["micro_batch_size"] = 2 if launch == "torchrun" else 4
     config["checkpoints"]["checkpoint_interval"] = 100_000
     launcher = [sys.executable] if launch == "python" else [
@@ -223,12 +217,12 @@ def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, 
              "data": {"seed": 3, "num_loading_workers": 0,
                       "dataset": {"dataset_folder": [str(tmp_path / "other_data")]}}}
     checkpoints = {"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])}
-    resume = _config(tiny_data, tmp_path / "resumed", 3, data_stages=[stage], checkpoints=checkpoints,
-                     tokenizer={"tokenizer_name_or_path": None})
+    resume = short_config(tiny_data, tmp_path / "resumed", 3, data_stages=[stage], checkpoints=checkpoints,
+                          tokenizer={"tokenizer_name_or_path": None})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)),
                       str(tmp_path / "other_data"), "another tokenizer", "checkpoints.allow_tokenizer_change")
     resume["checkpoints"]["allow_tokenizer_change"] = True
-    assert "resumed from" in train(resume, tmp_path / "allowed.yaml").stderr
+    assert "resumed from" in train_through_cli(resume, tmp_path / "allowed.yaml").stderr
 
 
 @pytest.mark.parametrize("damage, fragment", [
@@ -239,8 +233,8 @@ def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, 
 def test_a_corrupt_checkpoint_json_is_one_error(saved, tiny_data, tmp_path, damage, fragment):
     file = saved["checkpoint"] / "checkpoint.json"
     file.write_text(damage(json.loads(file.read_text())))
-    resume = _config(tiny_data, tmp_path / "resumed", 3,
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)), fragment)
     assert_user_error(cli("eval", "--ckpt-path", saved["run"], "--data", tiny_data["tokenized"]), fragment)
 
@@ -259,7 +253,7 @@ def test_out_of_vocabulary_ids_in_a_shard_are_one_error(tiny_data, tmp_path):
     (data / "metadata.json").write_text(json.dumps(without_id_ranges(metadata)))  # edited: the shard is read
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(data)]}}}
-    config = _config(tiny_data, tmp_path / "run", 4, data_stages=[stage])
+    config = short_config(tiny_data, tmp_path / "run", 4, data_stages=[stage])
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
                       str(data), f"token id {vocab} at token", f"outside the vocabulary of its tokenizer ({vocab} ids)")
 
@@ -267,9 +261,9 @@ def test_out_of_vocabulary_ids_in_a_shard_are_one_error(tiny_data, tmp_path):
 def test_a_torn_metrics_line_is_dropped_on_resume(saved, tiny_data, tmp_path):
     with open(saved["run"] / "metrics.jsonl", "a") as file:
         file.write('{"step": 3, "lm_lo')
-    resume = _config(tiny_data, saved["run"], 3, checkpoints={"checkpoint_interval": 1000,
-                                                              "resume_checkpoint_path": "auto"})
-    outcome = train(resume, tmp_path / "resume.yaml")
+    resume = short_config(tiny_data, saved["run"], 3, checkpoints={"checkpoint_interval": 1000,
+                                                                   "resume_checkpoint_path": "auto"})
+    outcome = train_through_cli(resume, tmp_path / "resume.yaml")
     assert "dropped 1 line(s) that are not step records" in outcome.stderr
     assert [r["step"] for r in metrics(saved["run"])] == [1, 2, 3]
 
@@ -300,10 +294,10 @@ def _save_into_a_full_disk(config: dict) -> dict:
 @pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["foreground", "background"])
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(tiny_data, tmp_path, async_save):
-    from distributed import run_distributed
+    from support.distributed import run_distributed
 
     run = tmp_path / "run"
-    config = _config(tiny_data, run, 2, parallelism={"dp": 2})
+    config = short_config(tiny_data, run, 2, parallelism={"dp": 2})
     config["checkpoints"]["async_save"] = async_save
     config["tokens"]["micro_batch_size"] = 2
     results = run_distributed(_save_into_a_full_disk, 2, config=config)
@@ -315,7 +309,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(t
 
 def test_an_unwritable_checkpoint_folder_is_refused_before_training(tiny_data, tmp_path):
     (tmp_path / "file").write_text("")
-    config = _config(tiny_data, tmp_path / "file" / "run", 2)
+    config = short_config(tiny_data, tmp_path / "file" / "run", 2)
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
                       "checkpoints.checkpoints_path", "is not writable")
 
@@ -324,8 +318,9 @@ def test_partial_saves_are_removed_and_a_missing_latest_falls_back(saved, tiny_d
     run = saved["run"]
     (run / ".tmp-7" / "model").mkdir(parents=True)
     (run / "latest.txt").unlink()
-    resume = _config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
-    outcome = train(resume, tmp_path / "resume.yaml")
+    resume = short_config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1000,
+                                                          "resume_checkpoint_path": "auto"})
+    outcome = train_through_cli(resume, tmp_path / "resume.yaml")
     assert "latest.txt is missing: resuming from" in outcome.stderr and "resumed from" in outcome.stderr
     assert not (run / ".tmp-7").exists() and checkpoint_json(run)["step"] == 3
 
@@ -363,8 +358,8 @@ def test_a_loss_spike_is_skipped_then_stops_and_the_checkpoint_before_it_survive
                "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(folder)]}}}
               for name, start, folder in (("main", 1, tiny_data["tokenized"]), ("noise", 31, tmp_path / "noise"))]
     run = tmp_path / "run"
-    config = _config(tiny_data, run, 40, data_stages=stages,
-                     checkpoints={"checkpoint_interval": 2, "keep_last_n": 1})
+    config = short_config(tiny_data, run, 40, data_stages=stages,
+                          checkpoints={"checkpoint_interval": 2, "keep_last_n": 1})
     config["optimizer"] |= {"skip_bad_steps": 2, "loss_spike_factor": 1.3}
     outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
     line = assert_user_error(outcome, "at step 33", "loss_spike_factor=1.3", "after 2 skipped step(s)")
@@ -384,10 +379,10 @@ def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tin
     steps = 24
 
     def config(run: Path) -> dict:
-        return _config(tiny_data, run, steps, checkpoints={"checkpoint_interval": 1, "keep_last_n": 2,
-                                                            "resume_checkpoint_path": "auto"})
+        return short_config(tiny_data, run, steps, checkpoints={"checkpoint_interval": 1, "keep_last_n": 2,
+                                                                 "resume_checkpoint_path": "auto"})
 
-    train(config(tmp_path / "straight"), tmp_path / "straight.yaml")
+    train_through_cli(config(tmp_path / "straight"), tmp_path / "straight.yaml")
     run, rng, kills = tmp_path / "killed", random.Random(0), 0
     path = write_config(tmp_path / "killed.yaml", config(run))
     for target in sorted(rng.sample(range(2, steps - 2), 3)):
@@ -400,7 +395,7 @@ def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tin
         process.kill()
         process.wait()
         kills += process.returncode == -signal.SIGKILL
-    train(config(run), tmp_path / "final.yaml")
+    train_through_cli(config(run), tmp_path / "final.yaml")
     assert kills == 3
     straight = {r["step"]: r["lm_loss"] for r in metrics(tmp_path / "straight")}
     assert {r["step"]: r["lm_loss"] for r in metrics(run)} == straight
@@ -410,8 +405,9 @@ def test_background_saves_write_the_same_checkpoints_as_foreground_ones(tiny_dat
     runs = {}
     for async_save in (False, True):
         run = tmp_path / f"async-{async_save}"
-        train(_config(tiny_data, run, 6, checkpoints={"checkpoint_interval": 2, "async_save": async_save}),
-              tmp_path / f"{async_save}.yaml")
+        train_through_cli(short_config(tiny_data, run, 6, checkpoints={"checkpoint_interval": 2,
+                                                                       "async_save": async_save}),
+                          tmp_path / f"{async_save}.yaml")
         runs[async_save] = run
     assert _steps(runs[True]) == ["2", "4", "6"] and cli("checkpoint", "verify", runs[True]).code == 0
     for step in ("2", "4", "6"):

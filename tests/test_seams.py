@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import _train, tiny_config_dict, write_corpus
+from support.configs import tiny_config_dict
+from support.corpus import write_corpus
+from support.distributed import run_distributed, run_distributed_each
+from support.runs import train_on_ranks
 
 # --- registry -------------------------------------------------------------------------------------------------------
 
@@ -181,8 +183,8 @@ def test_multi_folder_runs_log_the_loss_of_every_domain_at_any_layout(tiny_data,
     single = tiny_config_dict(tiny_data, tmp_path / "single", data_stages=[stage], tokens={"train_steps": 4})
     split = tiny_config_dict(tiny_data, tmp_path / "split", data_stages=[stage], parallelism={"dp": 2, "pp": 2},
                              tokens={"train_steps": 4, "micro_batch_size": 2})
-    (reference,) = run_distributed(_train, 1, config=single)
-    layout = run_distributed(_train, 4, config=split)[0]
+    reference = train_on_ranks(single, 1)
+    layout = train_on_ranks(split, 4)
     for record in reference:
         losses = record["domain_losses"]
         assert set(losses) == {"tokenized", "other"}

@@ -16,9 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import _config, assert_user_error, cli, training_outcome, without_id_ranges, write_config
 from nanotron.data.dataset import DataError, TokenShards
 from nanotron.data.preprocess import preprocess
+from support.configs import short_config, write_config
+from support.corpus import without_id_ranges
+from support.processes import training_outcome
+from support.runs import assert_user_error, cli
 
 _TOKENS_PER_SHARD = 4096
 
@@ -130,7 +133,7 @@ def test_a_recorded_range_outside_the_vocabulary_is_refused_naming_the_shard(tin
     shard, vocab = metadata["shards"][1], metadata["tokenizer"]["vocab_size"]
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(folder)]}}}
-    config = _config(tiny_data, tmp_path / "run", 2, data_stages=[stage])
+    config = short_config(tiny_data, tmp_path / "run", 2, data_stages=[stage])
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
                       f"shard {folder / shard['tokens']} holds token ids {shard['min_token_id']} to "
                       f"{shard['max_token_id']} as recorded in metadata.json",
@@ -165,7 +168,7 @@ def test_a_shard_disagreeing_with_its_recorded_range_ends_a_run_with_loader_work
     folder, metadata = _edited_copy(sharded, tmp_path / "data", _negative_ids)
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 1, "dataset": {"dataset_folder": [str(folder)]}}}
-    config = write_config(tmp_path / "config.yaml", _config(tiny_data, tmp_path / "run", 4, data_stages=[stage]))
+    config = write_config(tmp_path / "config.yaml", short_config(tiny_data, tmp_path / "run", 4, data_stages=[stage]))
     line = assert_user_error(training_outcome(config, [sys.executable], tmp_path / "train.log", timeout_s=120),
                              "holds token id -3 at token", "that metadata.json records for it: the folder is corrupt")
     ranges = {str(folder / shard["tokens"]): (shard["min_token_id"], shard["max_token_id"])

@@ -117,7 +117,8 @@ def test_the_bos_id_is_the_token_the_tokenizer_puts_before_every_text():
 
 
 def test_training_refuses_an_eos_id_that_names_an_ordinary_token_in_one_line(tiny_data, tmp_path):
-    from helpers import assert_user_error, cli, tiny_config_dict, write_config
+    from support.configs import tiny_config_dict, write_config
+    from support.runs import assert_user_error, cli
 
     config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 1})
     config["model"]["model_config"]["eos_token_id"] = 5
