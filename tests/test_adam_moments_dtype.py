@@ -5,7 +5,6 @@ recorded by the benchmark."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -184,9 +183,6 @@ def test_a_checkpoint_resumes_with_the_other_moments_dtype(runs, saved, loaded):
 def test_the_benchmark_records_the_moments_dtype_and_names_runs_by_it(tiny_data, tmp_path, monkeypatch):
     import argparse
 
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
     import benchmark
     import benchmark_record
 

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from support import ROOT
 from support.configs import tiny_config_dict
 from support.distributed import run_distributed_each
 from support.runs import train_in_process
@@ -167,10 +166,9 @@ def test_the_benchmark_record_counts_the_pairs_of_its_two_batches(tiny_data, tmp
     and the causal count, which the peers (attending across documents) compute, is kept beside them."""
     import argparse
 
-    from nanotron.trainer import Trainer
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import benchmark
+
+    from nanotron.trainer import Trainer
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(benchmark.PRESETS, "tiny-qwen2", QWEN2_TINY | {"is_llama_config": False})

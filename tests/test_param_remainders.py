@@ -5,7 +5,6 @@ are their nearest bf16; the planner counts 2 bytes instead of 4."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -217,9 +216,6 @@ def test_a_checkpoint_resumes_its_masters_exactly_with_the_other_setting(zero1_r
 
 
 def test_the_benchmark_names_two_runs_by_how_they_hold_the_masters():
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
     import benchmark_record
 
     run = {"preset": "mixtral", "precision": "bf16", "adam_moments": "fp32"}
