@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 
-from support.configs import DOMAINS, doremi_config
+from support.configs import DOMAINS, doremi_config, short_config
 from support.corpus import write_corpus
-from support.runs import train_on_ranks
+from support.hf import save_tiny_hf_model
+from support.runs import train_on_ranks, train_through_cli
 from support.tiers import FULL_TIER_REASON, TIER_VARIABLE, full_tier, quick_tier, tier_name
 
 
@@ -86,6 +88,38 @@ def tiny_data(tmp_path_factory) -> dict[str, Path]:
     tokenizer = train_tokenizer([corpus], 384, root / "tokenizer.json")
     preprocess([corpus], tokenizer, root / "tokenized", num_workers=1)
     return {"root": root, "corpus": corpus, "tokenizer": tokenizer, "tokenized": root / "tokenized"}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_data, tmp_path_factory) -> dict:
+    """A run folder trained 2 steps with the tiny config (hidden 64, 2 layers, 4/2 heads, vocab 384, tied) and its
+    config, read by the tests that resume, evaluate or convert it (never changed)."""
+    root = tmp_path_factory.mktemp("base")
+    config = short_config(tiny_data, root / "run", train_steps=2)
+    train_through_cli(config, root / "config.yaml")
+    assert (root / "run" / "latest.txt").read_text().strip() == "2"
+    return {"run": root / "run", "config": config}
+
+
+@pytest.fixture
+def saved(tiny_data, tmp_path) -> dict:
+    """A run folder trained 2 steps, its checkpoint and config, for a test that damages them."""
+    run = tmp_path / "run"
+    config = short_config(tiny_data, run, 2)
+    train_through_cli(config, tmp_path / "config.yaml")
+    return {"run": run, "checkpoint": run / "2", "config": config}
+
+
+@pytest.fixture(scope="module")
+def converted_llama(tiny_data, tmp_path_factory) -> Path:
+    """A tiny Llama saved by ``transformers`` (128 positions) converted to nanotron with the tiny corpus's
+    tokenizer."""
+    from nanotron.checkpoint.hf import hf_to_nanotron
+
+    root = tmp_path_factory.mktemp("converted")
+    save_tiny_hf_model("llama", root / "hf")
+    shutil.copy(tiny_data["tokenizer"], root / "hf" / "tokenizer.json")
+    return hf_to_nanotron(root / "hf", root / "ckpt")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The fused LM head + cross-entropy (``parallel/linear_cross_entropy.py``): against logits then ``F.cross_entropy``
 at several chunk sizes, over vocabulary shards at tp=2 in both modes, in training against the unfused loss at
-several layouts, and the bound on what it allocates."""
+several layouts, and the bound on what it allocates; the unfused vocabulary-parallel cross-entropy reads nothing back
+to the host."""
 
 from __future__ import annotations
 
@@ -308,3 +309,33 @@ def test_the_memory_planner_counts_the_kept_gradients_and_one_chunk():
         return estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak / 1e9
 
     assert peak(4096) < peak(0) - 4  # the 4.2 GB of bf16 logits of 4 x 4096 tokens, and more
+
+
+def _host_syncs_of_vocab_parallel_cross_entropy() -> int:
+    """Forward and backward of the cross-entropy over a vocabulary of 10 padded to 12 (rank 1 holds the padding),
+    counting the reads of tensor values to the host (``bool`` and ``item``) that it makes."""
+    import torch.distributed as dist
+
+    from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())
+    logits = torch.randn(2, 5, 6, requires_grad=True)
+    labels = torch.randint(0, 10, (2, 5))
+    reads = []
+    to_bool, item = torch.Tensor.__bool__, torch.Tensor.item
+    torch.Tensor.__bool__ = lambda self: reads.append("bool") or to_bool(self)
+    torch.Tensor.item = lambda self: reads.append("item") or item(self)
+    try:
+        losses = vocab_parallel_token_losses(logits, labels, dist.group.WORLD, vocab_size=10)
+        losses.sum().backward()
+    finally:
+        torch.Tensor.__bool__, torch.Tensor.item = to_bool, item
+    assert torch.isfinite(losses).all() and torch.isfinite(logits.grad).all()
+    return len(reads)
+
+
+def test_vocab_parallel_cross_entropy_reads_nothing_back_to_the_host():
+    """Which columns are padding is known from the ranks' vocabulary slices: testing the mask's values made every
+    rank wait for the GPU at every micro-batch."""
+    assert run_distributed(_host_syncs_of_vocab_parallel_cross_entropy, 2) == [0, 0]

@@ -1,10 +1,13 @@
 """Hugging Face interop and generation: conversion both ways, logits parity at any layout, greedy decoding; every
 activation of the gated MLPs, every config.json field classified, weights that cannot convert refused, and the
-tokenizer's bos and eos ids in exports."""
+tokenizer's bos and eos ids in exports; an export never leaves a half-written folder."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from support import ROOT
+from support.configs import tiny_config_dict
 from support.distributed import run_distributed
 from support.hf import PROMPTS, nanotron_outputs
+from support.runs import assert_user_error, cli, train_through_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -335,7 +340,6 @@ def test_keys_that_no_transformers_field_names_are_ignored_with_one_warning(tmp_
     assert "ignored the keys fused_add_norm, n_layer" in record.getMessage()
 
 
-
 def _fields_table() -> str:
     """docs/checkpoint-format.md's table of config.json fields, rendered from the families' ``hf_fields``: one row
     per field and treatment, with the model types that treat it so."""
@@ -401,7 +405,6 @@ class _Scripted(transformers.LogitsProcessor):
         forced = torch.full_like(scores, float("-inf"))
         forced[:, self.script[step]] = 0.0
         return forced
-
 
 
 @pytest.fixture(scope="module")
@@ -475,3 +478,57 @@ def test_export_takes_the_tokenizers_ids_where_the_checkpoint_has_ordinary_token
     assert (written["bos_token_id"], written["eos_token_id"]) == (None, 0)
     assert [record.getMessage() for record in caplog.records] == ([] if warned is None else
                                                                   [f"the checkpoint's {warned}"])
+
+
+# --- exports that never leave a half-written folder -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """A run folder trained one step with the tiny config."""
+
+    root = tmp_path_factory.mktemp("trained")
+    config = tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 1})
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    train_through_cli(config, root / "config.yaml")
+    return root / "run"
+
+
+def test_a_failed_export_to_hugging_face_leaves_the_earlier_export_whole(trained, tmp_path, monkeypatch):
+    """The tokenizer copy fails half-way (a file-size limit reached: EFBIG) while an earlier export is in the
+    target: the earlier export keeps every byte, and nothing half-written is left beside it. The next export
+    replaces it."""
+    from nanotron.checkpoint.hf import nanotron_to_hf
+
+    target = nanotron_to_hf(trained, tmp_path / "hf")
+    earlier = {path.name: path.read_bytes() for path in target.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(earlier)
+    config = json.loads(earlier["config.json"])
+    config["note"] = "the earlier export"
+    (target / "config.json").write_text(json.dumps(config))
+    earlier["config.json"] = (target / "config.json").read_bytes()
+
+    def copy_until_full(source, destination):
+        data = Path(source).read_bytes()
+        Path(destination).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.EFBIG, "File too large", str(destination))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "copy", copy_until_full)
+        with pytest.raises(OSError, match="File too large"):
+            nanotron_to_hf(trained, target)
+    assert {path.name: path.read_bytes() for path in target.iterdir()} == earlier
+    assert [path.name for path in tmp_path.iterdir()] == ["hf"]
+
+    nanotron_to_hf(trained, target)
+    assert "note" not in json.loads((target / "config.json").read_text())
+    assert (target / "tokenizer.json").read_bytes() == (trained / "1" / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_an_export_refuses_a_folder_holding_other_files(trained, tmp_path):
+    """The export replaces its target folder whole: a folder with anything else in it is refused, untouched."""
+    target = tmp_path / "models"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", trained, "--save-path", target)
+    assert_user_error(outcome, str(target), "notes.txt", "choose a new or empty folder")
+    assert [path.name for path in target.iterdir()] == ["notes.txt"]

@@ -1,5 +1,6 @@
 """One run at a time per run folder (``checkpoint/run_lock.py``), and metrics files written by one run only: real
-training processes started side by side, killed with SIGKILL and stopped with SIGTERM, alone and under torchrun."""
+training processes started side by side, killed with SIGKILL and stopped with SIGTERM, alone and under torchrun.
+Training again over a finished run is refused; with ``resume_checkpoint_path: auto`` it continues."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from support import ROOT
 from support.configs import short_config, write_config
 from support.processes import children, start_training
-from support.runs import assert_user_error, checkpoint_json, cli, train_through_cli
+from support.runs import assert_user_error, checkpoint_json, checkpoint_steps, cli, metrics, train_through_cli
 
 LAUNCHERS = {
     "python": [sys.executable],
@@ -170,3 +171,21 @@ def test_a_metrics_file_of_another_run_is_refused_and_continued_only_by_resuming
                           checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
     assert "resumed from" in train_through_cli(resume, tmp_path / "resume.yaml").stderr
     assert [json.loads(line)["step"] for line in shared.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_running_again_over_a_run_is_refused_and_auto_resumes(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    config = short_config(tiny_data, run, 3)
+    train_through_cli(config, tmp_path / "config.yaml")
+    before = (run / "metrics.jsonl").read_text()
+    outcome = cli("train", "--config-file", write_config(tmp_path / "again.yaml", config))
+    assert_user_error(outcome, f"checkpoints.checkpoints_path {run} already holds a run",
+                      "latest.txt names checkpoint '3'", "resume_checkpoint_path: auto")
+    assert (run / "metrics.jsonl").read_text() == before and checkpoint_steps(run) == ["3"]
+    auto = short_config(tiny_data, run, 5, checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
+    assert "resumed from" in train_through_cli(auto, tmp_path / "auto.yaml").stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
+    fresh = short_config(tiny_data, tmp_path / "fresh", 2, checkpoints={"checkpoint_interval": 1000,
+                                                                        "resume_checkpoint_path": "auto"})
+    # nothing there yet: from scratch
+    assert "resumed from" not in train_through_cli(fresh, tmp_path / "fresh.yaml").stderr

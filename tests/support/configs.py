@@ -3,6 +3,7 @@ test starts from, and the variants of tensor parallelism, the model families, Do
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import yaml
@@ -55,6 +56,22 @@ def short_config(tiny_data, run: Path, train_steps: int, **overrides) -> dict:
     config = tiny_config_dict(tiny_data, run, tokens={"train_steps": train_steps}, **overrides)
     config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
     return config
+
+
+def resume_config(base: dict, run: Path, train_steps: int = 3, model_config: dict | None = None) -> dict:
+    """``base``'s config (a trained run and its config: ``{"run", "config"}``) resuming from its run into ``run`` for
+    ``train_steps`` steps in all, with ``model_config`` changed."""
+    config = copy.deepcopy(base["config"])
+    config["model"]["model_config"] |= model_config or {}
+    config["checkpoints"] |= {"checkpoints_path": str(run), "resume_checkpoint_path": str(base["run"])}
+    config["tokens"]["train_steps"] = train_steps
+    return config
+
+
+def folder_stage(folder: Path, workers: int = 0) -> dict:
+    """A data stage from step 1 reading the preprocessed ``folder`` with ``workers`` loading workers."""
+    return {"name": "main", "start_training_step": 1,
+            "data": {"seed": 3, "num_loading_workers": workers, "dataset": {"dataset_folder": [str(folder)]}}}
 
 
 def tp_config(tiny_data, tmp_path, name: str, tp: int, mode: str, overlap: bool = False) -> dict:

@@ -1,5 +1,6 @@
-"""Hugging Face interop: the prompts, nanotron's and transformers' logits and greedy continuations of them, and
-models with norms and biases away from their initial values."""
+"""Hugging Face interop: tiny models of each family saved by ``transformers``, the prompts, nanotron's and
+transformers' logits and greedy continuations of them, and models with norms and biases away from their initial
+values."""
 
 from __future__ import annotations
 
@@ -7,6 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
+
+LLAMA_SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+FAMILIES = {  # transformers class prefix and config arguments
+    "llama": ("Llama", LLAMA_SHAPE),
+    "qwen2": ("Qwen2", LLAMA_SHAPE | {"tie_word_embeddings": True}),
+    "mixtral": ("Mixtral", LLAMA_SHAPE | {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mamba": ("Mamba", dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, state_size=8)),
+}
+
+
+def save_tiny_hf_model(family: str, folder: Path) -> Path:
+    """A tiny model of a family of ``FAMILIES`` saved to ``folder`` by ``transformers``, norms away from 1."""
+    transformers = pytest.importorskip("transformers")
+    prefix, arguments = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(**arguments))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 

@@ -114,12 +114,29 @@ def trainer_metrics(trainer) -> list[dict]:
     return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
 
 
+def python_process(*args) -> Outcome:
+    """``python ARGS`` in a fresh process from the repository root, on the CPU."""
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "NANOTRON_DEVICE": "cpu"})
+    return Outcome(result.returncode, result.stdout, result.stderr)
+
+
+def nanotron_process(*args) -> Outcome:
+    """``python -m nanotron ARGS`` in a fresh process, on the CPU: the command as a user runs it."""
+    return python_process("-m", "nanotron", *args)
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def checkpoint_json(run: Path) -> dict:
     return json.loads((run / (run / "latest.txt").read_text().strip() / "checkpoint.json").read_text())
+
+
+def checkpoint_steps(run: Path) -> list[str]:
+    """The steps of the checkpoints in a run folder, oldest first."""
+    return sorted((p.name for p in run.iterdir() if p.name.isdigit()), key=int)
 
 
 def train_with_flops(config: dict) -> dict:
