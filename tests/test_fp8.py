@@ -98,7 +98,7 @@ def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, row
     """An MoE expert's token count is rarely a multiple of 16, which ``torch._scaled_mm`` requires of every
     dimension. A stand-in for it that checks its documented demands (``strict_scaled_mm``) and multiplies as the
     emulation does: the padded products equal the emulation's."""
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import linear as fp8_linear
 
     calls = []
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, row
     results = []
     for fast in (False, True):
         if fast:
-            monkeypatch.setattr(fp8, "_has_fp8_matmuls", lambda device: True)
+            monkeypatch.setattr(fp8_linear, "_has_fp8_matmuls", lambda device: True)
             monkeypatch.setattr(torch, "_scaled_mm", strict_scaled_mm(calls), raising=False)
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = FP8Matmul(FP8Recipe(E5M2, rowwise))(xi, wi)
@@ -121,36 +121,36 @@ def test_products_off_a_multiple_of_16_are_padded_for_scaled_mm(monkeypatch, row
 def test_fp8_on_a_gpu_without_fp8_matmuls_warns_that_it_is_emulated(monkeypatch):
     """Below compute capability 8.9 the products run the fp32 emulation: said once at start-up, naming the GPU; a
     GPU with FP8 matmuls and the CPU (emulated by design) say nothing."""
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import linear as fp8_linear
 
     records: list[logging.LogRecord] = []
     collect = logging.Handler(logging.WARNING)
     collect.emit = records.append  # on the module's own logger: independent of propagation and other handlers
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(fp8.logger, "disabled", False)  # a library's logging set-up may have disabled it
-    fp8.logger.addHandler(collect)
-    level = fp8.logger.level
-    fp8.logger.setLevel(logging.WARNING)  # whatever level an earlier test left on the "nanotron" logger
+    monkeypatch.setattr(fp8_linear.logger, "disabled", False)  # a library's logging set-up may have disabled it
+    fp8_linear.logger.addHandler(collect)
+    level = fp8_linear.logger.level
+    fp8_linear.logger.setLevel(logging.WARNING)  # whatever level an earlier test left on the "nanotron" logger
     try:
         for capability, warned in (((8, 0), True), ((9, 0), False)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
             records.clear()
-            fp8.warn_if_emulated(torch.device("cuda"))
-            fp8.warn_if_emulated(torch.device("cpu"))
+            fp8_linear.warn_if_emulated(torch.device("cuda"))
+            fp8_linear.warn_if_emulated(torch.device("cpu"))
             messages = [record.getMessage() for record in records]
             assert len(messages) == warned, messages
             if warned:
                 assert "A100" in messages[0] and "8.0" in messages[0] and "emulated" in messages[0]
                 assert "fp8.enabled: false" in messages[0]
     finally:
-        fp8.logger.removeHandler(collect)
-        fp8.logger.setLevel(level)
+        fp8_linear.logger.removeHandler(collect)
+        fp8_linear.logger.setLevel(level)
 
 
 def test_rowwise_fp8_with_an_fp32_model_runs_on_gpus_that_refuse_an_fp32_output(monkeypatch):
     """Ada and sm_100+ GPUs take only a bf16 output from ``torch._scaled_mm`` with per-row scales: an fp32 model's
     rowwise products are made in bf16 and upcast, as the emulation does, instead of failing in the first forward."""
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import linear as fp8_linear
 
     torch.manual_seed(0)
     x, w, g = torch.randn(32, 48), torch.randn(64, 48) * 0.1, torch.randn(32, 64)
@@ -158,7 +158,7 @@ def test_rowwise_fp8_with_an_fp32_model_runs_on_gpus_that_refuse_an_fp32_output(
     for on_gpu in (False, True):
         with monkeypatch.context() as patched:
             if on_gpu:
-                patched.setattr(fp8, "_has_fp8_matmuls", lambda device: True)
+                patched.setattr(fp8_linear, "_has_fp8_matmuls", lambda device: True)
                 patched.setattr(torch, "_scaled_mm", strict_scaled_mm(calls), raising=False)
             xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
             y = FP8Matmul(FP8Recipe(E4M3, rowwise=True))(xi, wi)
@@ -180,7 +180,7 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
     from torch._dynamo.utils import counters
 
     from nanotron.models.moe.model import GroupedExperts
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import linear as fp8_linear
 
     def aligned_scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
         torch._check(all(d % 16 == 0 for d in (*a.shape, *b.shape)))
@@ -201,7 +201,7 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
         counts = torch.tensor(counts)
         x = torch.randn(int(counts.sum()), 32)
         with monkeypatch.context() as patched:
-            patched.setattr(fp8, "_has_fp8_matmuls", lambda device: True)
+            patched.setattr(fp8_linear, "_has_fp8_matmuls", lambda device: True)
             patched.setattr(torch, "_scaled_mm", aligned_scaled_mm, raising=False)
             fast_x = x.clone().requires_grad_()
             fast = compiled(fast_x, counts)

@@ -53,7 +53,10 @@ def test_importing_the_trainer_without_a_gpu_loads_no_compiler():
 
 
 def test_every_triton_kernel_module_loads_through_the_one_loader():
-    from nanotron.nn import causal_conv1d, fp8, kernels, selective_scan, swiglu
+    from nanotron.nn import causal_conv1d, kernels, selective_scan, swiglu
+    from nanotron.nn.fp8 import cast_kernels, casts, grouped
 
-    for module in (fp8, swiglu, causal_conv1d, selective_scan):
+    for module in (swiglu, causal_conv1d, selective_scan):
         assert module.available is kernels.available and module.triton is kernels.triton
+    assert cast_kernels.triton is kernels.triton  # FP8's kernels, and the casts that call them
+    assert casts.available is grouped.available is kernels.available

@@ -50,8 +50,8 @@ def written_kernel_arguments() -> dict[str, list[str]]:
     from triton.backends.compiler import GPUTarget
 
     from nanotron.nn import causal_conv1d as conv
-    from nanotron.nn import fp8
     from nanotron.nn import selective_scan as scan
+    from nanotron.nn.fp8 import cast_kernels
     from nanotron.parallel import linear_cross_entropy as loss
 
     class Hopper:
@@ -72,10 +72,11 @@ def written_kernel_arguments() -> dict[str, list[str]]:
                "conv forward": (conv._conv_forward_kernel, conv_sizes),
                "conv pre-activation gradient": (conv._preactivation_gradient_kernel, conv_sizes),
                "conv input gradient": (conv._input_gradient_kernel, conv_sizes),
-               "fp8 cast": (fp8._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
-                                                            "RECORD_AMAX": True, "BLOCK_R": 32, "BLOCK_C": 128}),
-               "fp8 grouped amax": (fp8._grouped_amax_kernel, grouped_sizes),
-               "fp8 grouped cast": (fp8._grouped_cast_kernel, grouped_sizes),
+               "fp8 cast": (cast_kernels._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
+                                                                     "RECORD_AMAX": True, "BLOCK_R": 32,
+                                                                     "BLOCK_C": 128}),
+               "fp8 grouped amax": (cast_kernels._grouped_amax_kernel, grouped_sizes),
+               "fp8 grouped cast": (cast_kernels._grouped_cast_kernel, grouped_sizes),
                "loss statistics": (loss._softmax_statistics_kernel, {"tokens": 8, "row_length": 64,
                                                                      "valid_columns": 60, "BLOCK": 32,
                                                                      "labels_ptr": torch.zeros(4).long()})}

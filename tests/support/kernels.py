@@ -54,7 +54,8 @@ def check_cast_both_layouts(device: str = "cpu") -> None:
     values beyond the format's range (saturated). Off CUDA the inputs are grid points of the format times a power of
     two, so that no rounding happens: the interpreter rounds some values at the top of a binade down a whole binade
     (31.49 to 16 in e5m2), so rounding is left to the CUDA run, where the values are random."""
-    from nanotron.nn.fp8 import CAST_BLOCK_C, CAST_BLOCK_R, E4M3, E5M2, cast_both_layouts
+    from nanotron.nn.fp8 import E4M3, E5M2
+    from nanotron.nn.fp8.cast_kernels import CAST_BLOCK_C, CAST_BLOCK_R, cast_both_layouts
 
     generator = torch.Generator().manual_seed(0)
     rows, columns = CAST_BLOCK_R + 7, CAST_BLOCK_C + 9
