@@ -1,5 +1,6 @@
-"""The fixtures shared by the test files (a tiny learnable corpus with its tokenizer and tokenized shards, DoReMi's
-domains and reference run) and the hooks that pick the test tier; the plain functions are in the ``support`` package.
+"""The fixtures shared by the test files (a tiny learnable corpus with its tokenizer and tokenized shards, a run
+trained on it to read or to damage, a converted Hugging Face Llama, DoReMi's domains and reference run) and the
+hooks that pick the test tier; the plain functions are in the ``support`` package.
 
 Tiers (``NANOTRON_TEST_TIER``): the default run trains every layout-parity comparison for a few steps
 (``parity_steps()``) on top of the exact first-step gradient checks; ``full`` trains them for the full 20 steps and

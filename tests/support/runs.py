@@ -1,7 +1,7 @@
 """Training runs, one ``train_*`` per way of running: ``nanotron train`` in this process
 (``train_through_cli``), the Trainer in this process (``train_in_process``, also the function each rank runs),
 the Trainer on N gloo ranks (``train_on_ranks``) and ``run_train.py`` in a fresh process
-(``train_in_subprocess``); the CLI's outcome and the files a run writes."""
+(``train_in_subprocess``); the CLI's outcome, in this process or a fresh one, and the files a run writes."""
 
 from __future__ import annotations
 
