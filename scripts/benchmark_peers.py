@@ -90,6 +90,7 @@ class TrainingLoop:
     clip: Callable[[list[torch.nn.Parameter]], Any] = field(
         default=lambda parameters: torch.nn.utils.clip_grad_norm_(parameters, 1.0))
     restore: Callable[[], None] = field(default=lambda: None)
+    model: torch.nn.Module | None = None  # whose parameters ``scripts/benchmark_curve.py`` sets
 
     def step_function(self, micro_batches: list[dict], freed: dict, backward: BackwardStart) -> Callable[[int], None]:
         """One training step per call; the first records in ``freed["gradient_bytes"]`` the gradients' bytes, which
@@ -166,7 +167,7 @@ def build_hf(preset: dict, sequence_length: int, device: str, compiled: bool, hf
     parameters = list(model.parameters())
     return TrainingLoop(parameters, fused_adamw(parameters, device),
                         lambda micro_batch: loss_of(model(input_ids=micro_batch["input_ids"]).logits,
-                                                    micro_batch["labels"]))
+                                                    micro_batch["labels"]), model=model)
 
 
 def build_liger(preset: dict, sequence_length: int, device: str, hf_experts: str = "grouped_mm") -> TrainingLoop:
@@ -190,7 +191,7 @@ def build_liger(preset: dict, sequence_length: int, device: str, hf_experts: str
     return TrainingLoop(parameters, fused_adamw(parameters, device),
                         lambda micro_batch: model(input_ids=micro_batch["input_ids"],
                                                   shift_labels=micro_batch["labels"]).loss,
-                        restore=restore)
+                        restore=restore, model=model)
 
 
 def torchtitan_feed_forward(dim: int, intermediate_size: int) -> dict:
@@ -222,13 +223,15 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_, maybe_enable_amp
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     job = torchtitan_job(sequence_length, compiled)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     args = TransformerModelArgs(
         dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
         n_kv_heads=preset["num_key_value_heads"], vocab_size=preset["vocab_size"],
-        rope_theta=preset.get("rope_theta", 10000.0),
+        rope_theta=preset.get("rope_theta", 10000.0), norm_eps=preset.get("rms_norm_eps", 1e-6),
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),  # its default stretches RoPE as Llama 3.1: off
         **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"]))
     args.update_from_config(job)
     with torch.device("meta"):
@@ -250,7 +253,7 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
 
     parameters = list(model.parameters())
     return TrainingLoop(parameters, build_optimizers([model], job.optimizer, dims), loss_of,
-                        clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True))
+                        clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True), model=model)
 
 
 def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:
@@ -270,4 +273,4 @@ def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), micro_batch["labels"].flatten())
 
     parameters = list(model.parameters())
-    return TrainingLoop(parameters, fused_adamw(parameters, device), loss_of)
+    return TrainingLoop(parameters, fused_adamw(parameters, device), loss_of, model=model)
