@@ -7,9 +7,10 @@ steps on fresh batches, exports its initial weights through its Hugging Face ada
 (``transformers`` directly, torchtitan through its own Hugging Face adapter), and trains each peer on the same
 batches with the same AdamW settings (betas, epsilon, clipping at the config's ``clip_grad``, nanotron's learning
 rate at every step, no weight decay in any system), recording every step's loss and gradient norm. The peers keep
-their own precision: ``hf`` trains bf16 weights with bf16 optimizer state, torchtitan fp32 weights under bf16
-autocast, nanotron bf16 weights with fp32 masters. The record (``benchmarks/results/curves/``) holds the curves and,
-per peer, the largest and the mean loss difference from nanotron's curve over the steps after the first tenth.
+their own precision: ``hf`` trains bf16 weights with bf16 optimizer state, ``hf-amp`` and torchtitan fp32 weights
+under bf16 autocast, nanotron bf16 weights with fp32 masters. The record (``benchmarks/results/curves/``) holds the
+curves and, per peer, the largest and the mean loss difference from nanotron's curve over the steps after the first
+tenth.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from benchmark_peers import LIBRARIES, PEERS, build_peer, peer_problem
 from benchmark_record import RESULTS, command_line, git_commit, installed_versions, write_record
 
 ROOT = Path(__file__).resolve().parents[1]
-CURVE_PEERS = ("hf", "hf-eager", "liger", "torchtitan")
+CURVE_PEERS = ("hf", "hf-eager", "hf-amp", "liger", "torchtitan")
 # The model-config fields a peer is built from (``benchmark_peers``), read from the config nanotron trains.
 PEER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "vocab_size", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
