@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "nanotron"
 # Each line may import only from the lines below it (and from itself); docs/design.md draws the same order.
 LAYERS = [
     {"cli", "__main__"},
-    {"trainer", "plot"},
+    {"trainer", "plot", "planning"},
     {"features"},
     {"training"},
     {"generation", "memory"},
