@@ -117,6 +117,7 @@ def _layouts(tiny_data, tmp_path) -> dict[str, dict]:
         "dp2-zero1": with_("dp2-zero1", {"dp": 2}, {"zero_stage": 1, "accumulate_grad_in_fp32": True}),
         "cp2": with_("cp2", {"context_parallel_size": 2}),
         "ep2": moe_config(tiny_data, tmp_path / "ep2", ep=2),
+        "moe-tp2": moe_config(tiny_data, tmp_path / "moe-tp2", tp=2),
     }
     for config in layouts.values():
         config["tokens"]["train_steps"] = 1
@@ -126,7 +127,8 @@ def _layouts(tiny_data, tmp_path) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_modeled_collectives_equal_those_a_gloo_step_issues(tiny_data, tmp_path):
-    """tp2 (both modes, and the overlapped backward), pp2, dp2 with ZeRO 0 and 1, cp2 and ep2: per kind and scope,
+    """tp2 (both modes, and the overlapped backward), pp2, dp2 with ZeRO 0 and 1, cp2, ep2 and a mixture of experts
+    at tp2: per kind and scope,
     the calls and bytes one training step issues on each of two gloo ranks are the model's."""
     layouts = _layouts(tiny_data, tmp_path)
     results = run_distributed_each(_count_step_collectives, 2, [{"config": c} for c in layouts.values()])

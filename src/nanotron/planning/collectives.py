@@ -54,8 +54,6 @@ from torch import nn
 from nanotron.config import Config
 from nanotron.layout import Axis, Group, Layout
 from nanotron.models.build import BuildOptions, build_stage, pipeline_stage_layers
-from nanotron.models.moe.model import MoEFeedForward
-from nanotron.models.moe.parallelize import TensorParallelMoE
 from nanotron.nn.attention import AttentionCore
 from nanotron.optim.optimizer import no_weight_decay
 from nanotron.parallel.context import GridPosition
@@ -208,7 +206,7 @@ def _built_structure(model_config, options: BuildOptions, exclude, tp: int, ep: 
             not no_weight_decay(name, param, exclude, no_decay)))
     modules: dict[str, list[nn.Module]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, _COMMUNICATING):
+        if _communicates(module):
             modules.setdefault(_part(name), []).append(module)
     kv_heads = {int(index): _kv_heads(layer, model_config, tp) for index, layer in model.layers.items()}
     return _Structure(
@@ -221,8 +219,22 @@ def _built_structure(model_config, options: BuildOptions, exclude, tp: int, ep: 
     )
 
 
-_COMMUNICATING = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceParallelRMSNorm,
-                  GradientSummedLinear, MoEFeedForward)  # a mixture of experts: TP's and EP's
+_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceParallelRMSNorm,
+           GradientSummedLinear)
+
+
+def _communicates(module: nn.Module) -> bool:
+    """Whether a call of ``module`` issues collectives of its own: tensor-parallel layers, blocks split over TP as a
+    whole and blocks whose experts other ranks hold."""
+    return (isinstance(module, _LAYERS) or _split_as_a_whole(module)
+            or isinstance(getattr(module, "exchange", None), ExpertExchange))
+
+
+def _split_as_a_whole(module: nn.Module) -> bool:
+    """A block a family's plan splits over TP as a whole (a mixture of experts, ``TensorParallelMoE``): it holds a
+    TP group and mode and, like a column-parallel linear at its entry and a row-parallel one at its exit, gathers
+    (or all-reduces the gradient of) its hidden-size input and reduces its hidden-size output."""
+    return (not isinstance(module, _LAYERS) and hasattr(module, "group") and getattr(module, "mode", None) is not None)
 
 
 def _part(name: str) -> str:
@@ -274,7 +286,7 @@ def _module_collectives(module: nn.Module, config: Config, layout: Layout, overl
     linear computing ``F.linear`` runs the overlapped backward, ``tp_linear_async_communication``)."""
     tokens, value = layout.rank_tokens, config.model.torch_dtype().itemsize
     tp = Group.TP.value
-    if isinstance(module, MoEFeedForward) and isinstance(module.exchange, ExpertExchange):
+    if isinstance(getattr(module, "exchange", None), ExpertExchange):
         yield from _expert_exchange(config, layout)
     if isinstance(module, (SequenceParallelRMSNorm, GradientSummedLinear)):
         if layout.tp > 1 and (layout.sequence_parallel or not isinstance(module, SequenceParallelRMSNorm)):
@@ -282,19 +294,21 @@ def _module_collectives(module: nn.Module, config: Config, layout: Layout, overl
             yield Collective(ALL_REDUCE, tp, weight.numel() * weight.element_size(), 1, "backward",
                              f"{type(module).__name__} weight gradient")
         return
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TensorParallelMoE)):
+    whole = _split_as_a_whole(module)
+    if not (whole or isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))):
         return  # a mixture of experts on one TP rank
     sequence_parallel = layout.sequence_parallel and module.mode == REDUCE_SCATTER
-    if isinstance(module, (ColumnParallelLinear, TensorParallelMoE)):
-        width = module.weight.shape[1] if isinstance(module, ColumnParallelLinear) else module.config.hidden_size
+    hidden = config.model.model_config.hidden_size
+    if whole or isinstance(module, ColumnParallelLinear):
+        width = hidden if whole else module.weight.shape[1]
         overlapped = overlapped and isinstance(module, ColumnParallelLinear) and module.matmul is F.linear
         yield from _gathered_input(tokens * width * value, sequence_parallel, overlapped, type(module).__name__)
     if isinstance(module, ColumnParallelLinear) and module.shared_rows:
         rows = module.shared_buffer_rows * module.weight.shape[1] + (module.shared_buffer_rows if module.bias else 0)
         yield Collective(ALL_REDUCE, tp, rows * module.weight.element_size(), 1, "backward", "shared kv-head rows")
-    if isinstance(module, (RowParallelLinear, VocabParallelEmbedding, TensorParallelMoE)):
-        width = (module.weight.shape[0] if isinstance(module, RowParallelLinear) else
-                 module.weight.shape[1] if isinstance(module, VocabParallelEmbedding) else module.config.hidden_size)
+    if whole or isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
+        width = (hidden if whole else module.weight.shape[0] if isinstance(module, RowParallelLinear) else
+                 module.weight.shape[1])
         yield from _reduced_output(tokens * width * value, sequence_parallel, type(module).__name__)
 
 
