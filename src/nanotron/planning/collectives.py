@@ -121,7 +121,7 @@ def step_collectives(config: Config, stage: int = 0, layout: Layout | None = Non
     micro_batches = layout.accumulation
     collectives = [replace(c, count=c.count * micro_batches) for c in per_micro_batch]
     collectives += _pipeline_messages(config, layout, first, last)
-    collectives += _gradient_collectives(config, layout, structure, layers, first, last)
+    collectives += _gradient_collectives(config, layout, stage)
     collectives += _step_scalars(layout)
     return [c for c in collectives if c.count and group_size(layout, c.group) > 1]
 
@@ -139,7 +139,9 @@ def merged(collectives: list[Collective]) -> dict[tuple[str, str], tuple[int, in
 
 
 @dataclass(frozen=True)
-class _Parameter:
+class Parameter:
+    """One parameter as a rank holds it: its logical name, local elements, dtype, gradient axes and decay."""
+
     name: str
     elements: int
     dtype: torch.dtype
@@ -154,8 +156,8 @@ class _Structure:
 
     layer_modules: dict[int, tuple[nn.Module, ...]]
     edge_modules: dict[str, tuple[nn.Module, ...]]  # "embedding", "head" (the final norm and the LM head)
-    layer_parameters: dict[int, tuple[_Parameter, ...]]
-    edge_parameters: dict[str, tuple[_Parameter, ...]]
+    layer_parameters: dict[int, tuple[Parameter, ...]]
+    edge_parameters: dict[str, tuple[Parameter, ...]]
     kv_heads: dict[int, int]  # per attention layer: the kv heads a rank holds
     hidden_size: int
 
@@ -197,11 +199,11 @@ def _built_structure(model_config, options: BuildOptions, exclude, tp: int, ep: 
     layout = Layout(tp=tp, ep=ep, sequence_parallel=tp > 1)
     model = build_stage(model_config, GridPosition(layout, layout.coordinates(0)), options)
     no_decay = declared_names(model, "no_weight_decay_parameters")
-    parameters: dict[str, list[_Parameter]] = {}
+    parameters: dict[str, list[Parameter]] = {}
     for name, param in {get_placement(p).name: p for p in model.parameters()}.items():
         part = _part(name)
         placement = get_placement(param)
-        parameters.setdefault(part, []).append(_Parameter(
+        parameters.setdefault(part, []).append(Parameter(
             name, param.numel(), param.dtype, placement.gradient_axes,
             not no_weight_decay(name, param, exclude, no_decay)))
     modules: dict[str, list[nn.Module]] = {}
@@ -388,16 +390,25 @@ def _pipeline_messages(config: Config, layout: Layout, first: bool, last: bool) 
     return sends
 
 
-def _gradient_collectives(config: Config, layout: Layout, structure: _Structure, layers: range, first: bool,
-                          last: bool) -> list[Collective]:
+def stage_parameters(config: Config, layout: Layout, stage: int) -> list[Parameter]:
+    """The parameters a rank of pipeline stage ``stage`` holds (its part of each), in the order of their names: a
+    weight tied across stages is held by the first and the last."""
+    structure = _structure(config, layout)
+    layers = structure.stage_layers(config, layout)[stage]
+    first, last = stage == 0, stage == layout.pp - 1
     params = [p for i in layers for p in structure.layer_parameters[i]]
-    tied = config.model.model_config.tie_word_embeddings and layout.pp > 1
     for part, held in (("embedding", first), ("head", last)):
         if held:
             params += structure.edge_parameters[part]
+    tied = config.model.model_config.tie_word_embeddings and layout.pp > 1
     if tied and last and not first:  # the last stage's copy of the tied embedding
-        params += [p for p in structure.edge_parameters["embedding"]]
-    params.sort(key=lambda p: p.name)
+        params += structure.edge_parameters["embedding"]
+    return sorted(params, key=lambda p: p.name)
+
+
+def _gradient_collectives(config: Config, layout: Layout, stage: int) -> list[Collective]:
+    params = stage_parameters(config, layout, stage)
+    tied = config.model.model_config.tie_word_embeddings and layout.pp > 1
     collectives = []
     for bucket in _buckets(params, config, layout, tied):
         group = Group.EXPERT_REPLICAS if bucket.axes == Group.EXPERT_REPLICAS.axes else Group.DENSE_REPLICAS
@@ -420,7 +431,7 @@ def _gradient_collectives(config: Config, layout: Layout, structure: _Structure,
     return collectives
 
 
-def _gathered_weights(params: list[_Parameter], layout: Layout) -> list[Collective]:
+def _gathered_weights(params: list[Parameter], layout: Layout) -> list[Collective]:
     """ZeRO-3: every weight gathered before its forward and before its backward, per micro-batch."""
     by_group: dict[Group, int] = {}
     for p in params:
@@ -439,7 +450,7 @@ class _Bucket:
     tied: bool
 
 
-def _buckets(params: list[_Parameter], config: Config, layout: Layout, tied: bool) -> list[_Bucket]:
+def _buckets(params: list[Parameter], config: Config, layout: Layout, tied: bool) -> list[_Bucket]:
     """The gradient buckets of ``GradientBuckets`` (``parallel/data_parallel.py``): parameters in reverse order of
     their names, by weight decay, gradient axes and dtype, cut once a bucket reaches ``model.ddp_bucket_cap_mb``; a
     weight tied across stages in a bucket of its own."""
@@ -448,7 +459,7 @@ def _buckets(params: list[_Parameter], config: Config, layout: Layout, tied: boo
     in_fp32 = config.optimizer.accumulate_grad_in_fp32
     buckets: list[_Bucket] = []
     for decay in (True, False):
-        kinds: dict[tuple[tuple[Axis, ...], torch.dtype], list[_Parameter]] = {}
+        kinds: dict[tuple[tuple[Axis, ...], torch.dtype], list[Parameter]] = {}
         for p in reversed(params):
             if p.decay == decay:
                 kinds.setdefault((p.gradient_axes, p.dtype), []).append(p)

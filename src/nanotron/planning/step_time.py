@@ -1,0 +1,139 @@
+"""A training step's time on a cluster: compute, exposed communication, the pipeline's bubble and the update.
+
+Rules (docs/planning.md says why):
+
+- **compute**: a micro-batch's hardware FLOPs on a rank (the family's costs with recomputation's extra forward, the
+  rank's tokens, 1/tp of the matmuls) at the effective TFLOP/s measured for the family and shape nearest to the
+  rank's (``efficiency.py``). The slowest pipeline stage sets the pace.
+- **update**: the optimizer's pass over its shard, memory-bound: ``update_bytes`` per element at 85% of the HBM
+  bandwidth.
+- **communication** (``collectives.py``, timed by ``cluster.py``): tensor- and expert-parallel collectives and the
+  pipeline's messages are exposed; context parallelism's exchange overlaps its attention, all but its first head
+  group's share and whatever exceeds the attention's compute; the gradient reduction overlaps the last
+  micro-batch's backward (two thirds of its compute) but for its last bucket; ZeRO's gather of updated shards, the
+  tied copies' sum and the step's scalars are exposed.
+- **bubble**: the schedule's idle share (``schedules.py``) of the pipelined micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanotron.config import Config
+from nanotron.layout import Group, Layout
+from nanotron.models.build import BuildOptions, padded_vocab_size, pipeline_stage_layers
+from nanotron.models.registry import spec_for_config
+from nanotron.optim.param_remainders import master_element_bytes
+from nanotron.parallel.data_parallel import gradient_dtype
+from nanotron.planning.cluster import TB, Cluster
+from nanotron.planning.collectives import stage_parameters, step_collectives
+from nanotron.planning.efficiency import Entry, effective_tflops
+from nanotron.planning.schedules import bubble
+
+HBM_EFFICIENCY = 0.85  # of the data sheet's bandwidth, reached by the update's multi-tensor kernels
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One layout's predicted step on a cluster, in seconds."""
+
+    layout: Layout
+    compute: float  # the pacing stage's micro-batches and the update
+    communication: float  # exposed
+    bubble: float
+    tokens: int  # per step, all ranks
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.communication + self.bubble
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens / self.step / self.layout.world_size
+
+
+def predict(config: Config, layout: Layout, cluster: Cluster, table: list[Entry] | None = None) -> StepTime:
+    """The step time of ``config`` split as ``layout`` on ``cluster``: the slowest stage's micro-batches, the
+    schedule's bubble, then the stage that finishes last after its last backward (``table``: the efficiency
+    entries to choose from, by default ``efficiency.json``'s)."""
+    stages = pipeline_stage_layers(config.model.model_config, BuildOptions.from_config(config), layout.pp, layout.tp)
+    micro_batches = layout.accumulation
+    compute, communication = max((_micro_batch(config, layout, cluster, stage, layers, table)
+                                  for stage, layers in enumerate(stages)), key=sum)
+    pace = compute + communication
+    update, after = max(((update_seconds(config, layout, cluster, stage),
+                          _after_backward(config, layout, cluster, stage, compute)) for stage in range(layout.pp)),
+                        key=sum)
+    idle = pace * micro_batches * bubble(layout.schedule, layout.pp, micro_batches)
+    return StepTime(layout, compute * micro_batches + update, communication * micro_batches + after, idle,
+                    layout.global_batch_size * layout.sequence_length)
+
+
+def hardware_flops(config: Config, layout: Layout, layers: range, head: bool) -> tuple[float, float]:
+    """(all, attention) hardware FLOPs of one micro-batch on a rank holding ``layers`` (and the LM head): the
+    family's training FLOPs per token with recomputation's extra forward, times the rank's tokens, over tp."""
+    model_config = config.model.model_config
+    vocab = padded_vocab_size(model_config.vocab_size, config.model.make_vocab_size_divisible_by, layout.tp)
+    costs = spec_for_config(model_config).costs(model_config, vocab, layout.sequence_length)
+    recompute = config.parallelism.recompute
+    attention = costs.attention_flops or (0.0,) * len(costs.layer_flops)
+    per_token = attention_per_token = 0.0
+    for index in layers:
+        layer, kernels = costs.layer_flops[index], attention[index]
+        extra = layer / 3 if recompute == "full" else (layer - kernels) / 3 if recompute == "selective" else 0.0
+        per_token += layer + extra
+        attention_per_token += kernels * (4 / 3 if recompute == "full" else 1.0)
+    per_token += costs.head_flops if head else 0.0
+    scale = layout.rank_tokens / layout.tp
+    return per_token * scale, attention_per_token * scale
+
+
+def _micro_batch(config: Config, layout: Layout, cluster: Cluster, stage: int, layers: range,
+                 table: list[Entry] | None) -> tuple[float, float]:
+    """(compute, exposed communication) of one micro-batch on a rank of ``stage``."""
+    flops, attention = hardware_flops(config, layout, layers, head=stage == layout.pp - 1)
+    speed = effective_tflops(config, layout, cluster.gpu, table) * TB
+    collectives = [c for c in step_collectives(config, stage, layout) if c.phase in ("forward", "backward")]
+    context = [c for c in collectives if c.group == Group.CP.value]
+    exchange = sum(cluster.seconds(c, layout) for c in context) / layout.accumulation
+    first_group = exchange / (sum(c.count for c in context) / layout.accumulation) if context else 0.0
+    exposed = sum(cluster.seconds(c, layout) for c in collectives if c not in context) / layout.accumulation
+    return flops / speed, exposed + max(first_group, exchange - attention / speed)
+
+
+def _after_backward(config: Config, layout: Layout, cluster: Cluster, stage: int,
+                    compute: float) -> float:
+    """The exposed communication after a stage's last backward: the gradient reduction beyond that backward (two
+    thirds of ``compute``; its last bucket always), the update's gathers and the step's scalars."""
+    collectives = step_collectives(config, stage, layout)
+    reduction = [cluster.seconds(c, layout) for c in collectives if c.phase == "gradients"]
+    after = sum(cluster.seconds(c, layout) for c in collectives if c.phase in ("update", "step"))
+    if reduction:
+        after += reduction[-1] + max(0.0, sum(reduction[:-1]) - 2 / 3 * compute)
+    return after
+
+
+def update_bytes(config: Config, layout: Layout) -> float:
+    """HBM bytes the update moves per element of the optimizer's shard: the gradient read twice (the norm, the
+    update); the weight and its remainder bits read and written, or the fp32 master read and written and the weight
+    written; the two moments read and written."""
+    o = config.optimizer
+    dtype = config.model.torch_dtype()
+    replicas = layout.size(Group.DENSE_REPLICAS)
+    gradient = gradient_dtype(dtype, o.accumulate_grad_in_fp32, layout.accumulation == 1, replicas, False).itemsize
+    master = master_element_bytes(dtype, o.store_param_remainders)
+    weights = 2 * (dtype.itemsize + master) if master < 4 else 2 * master + dtype.itemsize
+    return 2 * gradient + weights + 4 * getattr(torch, o.adam_moments_dtype).itemsize
+
+
+def update_seconds(config: Config, layout: Layout, cluster: Cluster, stage: int) -> float:
+    """The optimizer's pass over a rank's shard of ``stage``'s parameters (1/n of each under ZeRO, n
+    its replicas)."""
+    elements = 0.0
+    for p in stage_parameters(config, layout, stage):
+        replicas = math.prod(layout.size(axis) for axis in p.gradient_axes)
+        elements += p.elements / (replicas if layout.zero_stage else 1)
+    return elements * update_bytes(config, layout) / (cluster.gpu.memory_tb_s * TB * HBM_EFFICIENCY)
