@@ -1,5 +1,5 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``generate``, ``eval``, ``convert``,
-``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``.
+``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``, ``estimate``.
 
 Every subcommand checks its options while they are parsed (numeric ranges, output paths), before any work, and turns
 a bad command line and the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -195,6 +196,38 @@ def _estimate_memory(args: argparse.Namespace) -> None:
     print(estimate_memory(load_config(args.config_file, args.override), args.gpu_memory_gb).table())
 
 
+def _estimate(args: argparse.Namespace) -> None:
+    from nanotron.config import ConfigError, load_config
+    from nanotron.planning.cluster import CLUSTERS
+    from nanotron.planning.search import candidate, parse_layout, ranked, table
+    from nanotron.planning.step_time import predict
+
+    config = load_config(args.config_file, args.override)
+    links = {key: value for key, value in (("gpus_per_node", args.gpus_per_node), ("intra_gb_s", args.nvlink_gb_s),
+                                           ("inter_gb_s", args.ib_gb_s)) if value is not None}
+    cluster = replace(CLUSTERS[args.cluster], **links)
+    global_batch = args.global_batch_size or config.global_batch_size
+    shape = (f"{config.model.model_config.__class__.__name__.removesuffix('Config')}, {global_batch} sequences x "
+             f"{config.tokens.sequence_length} tokens per step, on {cluster.gpu.name} nodes of {cluster.gpus_per_node}")
+    if args.layout is not None:
+        layout = parse_layout(args.layout, config, global_batch)
+        if args.gpus is not None and args.gpus != layout.world_size:
+            raise ConfigError(f"--layout {args.layout} uses {layout.world_size} GPUs, not --gpus {args.gpus}; "
+                              "give one or make them agree")
+        found = candidate(config, predict(config, layout, cluster), cluster.gpu.memory_gb)
+        verdict = "fits" if found.memory_gb <= cluster.gpu.memory_gb else "does NOT fit"
+        print(table([found], f"{shape}: {verdict} in {cluster.gpu.memory_gb:.1f} GB"))
+        return
+    if args.gpus is None:
+        raise ConfigError("give --gpus N (rank the layouts of N GPUs) or --layout dp=...,tp=... (predict one)")
+    found = ranked(config, args.gpus, cluster, args.top, global_batch)
+    if not found:
+        raise ConfigError(f"no layout of {args.gpus} GPUs fits {global_batch} sequences per step in "
+                          f"{cluster.gpu.memory_gb:.1f} GB per GPU; try more GPUs, recomputation "
+                          "(parallelism.recompute) or another --global-batch-size")
+    print(table(found, f"{shape}: the {len(found)} fastest layouts of {args.gpus} GPUs that fit"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -314,6 +347,25 @@ def _add_run_commands(commands) -> None:
     memory.add_argument("--gpu-memory-gb", type=positive, default=None,
                         help="memory of one GPU (default: this machine's GPU, else an H200's 150.1)")
     memory.set_defaults(run=_estimate_memory)
+
+    estimate = commands.add_parser("estimate", help="predict the step time of layouts on a cluster and rank those "
+                                                    "that fit (docs/planning.md)")
+    estimate.add_argument("--config-file", type=Path, required=True)
+    estimate.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                          help="change config values, e.g. tokens.sequence_length=8192")
+    estimate.add_argument("--gpus", type=at_least(1), default=None, help="rank the layouts of this many GPUs")
+    estimate.add_argument("--layout", default=None, metavar="dp=N,tp=N,...",
+                          help="predict one layout (keys dp, tp, pp, cp, ep, zero, schedule, mbs; others 1)")
+    estimate.add_argument("--cluster", choices=["h100", "h200"], default="h100", help="the node preset")
+    estimate.add_argument("--gpus-per-node", type=at_least(1), default=None, help="default 8")
+    estimate.add_argument("--nvlink-gb-s", type=positive, default=None,
+                          help="bus bandwidth of a collective inside a node (default 360)")
+    estimate.add_argument("--ib-gb-s", type=positive, default=None,
+                          help="bandwidth per GPU of a collective across nodes (default 45)")
+    estimate.add_argument("--global-batch-size", type=at_least(1), default=None,
+                          help="sequences per step (default: the config's)")
+    estimate.add_argument("--top", type=at_least(1), default=10, help="layouts shown")
+    estimate.set_defaults(run=_estimate)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -162,16 +162,21 @@ class _Structure:
     hidden_size: int
 
     def stage_layers(self, config: Config, layout: Layout) -> list[range]:
-        options = BuildOptions.from_config(_with_grid(config, layout))
+        options = BuildOptions.from_config(with_layout(config, layout))
         return pipeline_stage_layers(config.model.model_config, options, layout.pp, layout.tp)
 
 
-def _with_grid(config: Config, layout: Layout) -> Config:
-    """``config`` with ``layout``'s grid and token split (the keys the build and the memory planner read)."""
-    p = replace(config.parallelism, dp=layout.dp, tp=layout.tp, pp=layout.pp, expert_parallel_size=layout.ep,
-                context_parallel_size=layout.cp,
+def with_layout(config: Config, layout: Layout) -> Config:
+    """``config`` split as ``layout``: its grid, token split and ZeRO stage (1 for the stages beyond, which training
+    does not run yet), its pipeline engine where training runs it; an explicit pipeline split kept only for its own
+    number of stages."""
+    p = config.parallelism
+    engine = layout.pp_engine if layout.pp_engine in ("afab", "1f1b") else p.pp_engine
+    p = replace(p, dp=layout.dp, tp=layout.tp, pp=layout.pp, expert_parallel_size=layout.ep,
+                context_parallel_size=layout.cp, pp_engine=engine,
                 tp_mode="REDUCE_SCATTER" if layout.sequence_parallel else "ALL_REDUCE",
-                tp_linear_async_communication=layout.overlapped_linears)
+                tp_linear_async_communication=layout.overlapped_linears,
+                pp_stage_layers=p.pp_stage_layers if layout.pp == p.pp else None)
     t = replace(config.tokens, micro_batch_size=layout.micro_batch_size,
                 batch_accumulation_per_replica=layout.accumulation)
     optimizer = replace(config.optimizer, zero_stage=min(layout.zero_stage, 1))

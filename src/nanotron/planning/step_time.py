@@ -29,7 +29,7 @@ from nanotron.models.registry import spec_for_config
 from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.data_parallel import gradient_dtype
 from nanotron.planning.cluster import TB, Cluster
-from nanotron.planning.collectives import stage_parameters, step_collectives
+from nanotron.planning.collectives import stage_parameters, step_collectives, with_layout
 from nanotron.planning.efficiency import Entry, effective_tflops
 from nanotron.planning.schedules import bubble
 
@@ -59,7 +59,8 @@ def predict(config: Config, layout: Layout, cluster: Cluster, table: list[Entry]
     """The step time of ``config`` split as ``layout`` on ``cluster``: the slowest stage's micro-batches, the
     schedule's bubble, then the stage that finishes last after its last backward (``table``: the efficiency
     entries to choose from, by default ``efficiency.json``'s)."""
-    stages = pipeline_stage_layers(config.model.model_config, BuildOptions.from_config(config), layout.pp, layout.tp)
+    options = BuildOptions.from_config(with_layout(config, layout))
+    stages = pipeline_stage_layers(config.model.model_config, options, layout.pp, layout.tp)
     micro_batches = layout.accumulation
     compute, communication = max((_micro_batch(config, layout, cluster, stage, layers, table)
                                   for stage, layers in enumerate(stages)), key=sum)
