@@ -26,6 +26,7 @@ from nanotron.nn.fp8 import (
 )
 from support.configs import short_config, tiny_config_dict, write_config
 from support.distributed import run_distributed, run_distributed_each
+from support.grad_norms import GRAD_NORM_CASES, check_teacher_forced
 from support.kernels import run_with_triton_interpreter
 from support.runs import assert_user_error, cli, train_fp8_model, train_through_cli
 from support.stand_ins import strict_scaled_mm
@@ -477,6 +478,21 @@ def test_fp8_grad_norms_at_tp_2_follow_tp_1_as_closely_as_bf16_does(tiny_data, t
     assert len(runs["fp8", 1]) == steps and runs["fp8", 1] != runs["bf16", 1]
     assert 0 < deviation("bf16") < 5e-3
     assert deviation("fp8") <= 4 * deviation("bf16"), {kind: deviation(kind) for kind in ("bf16", "fp8")}
+
+
+# The largest |tp2/tp1 - 1| of a step's grad-norm, teacher-forced, over the matrix (tests/test_tensor_parallel.py):
+# with FP8 6.5e-3 at lr 5e-4 and 4.2e-2 at 3e-3 (the median step: 7.8e-4), against bf16's 7.6e-4 and 2.6e-2 (1.9e-4).
+FP8_FORCED_BANDS, FP8_FORCED_MEDIAN = {5e-4: 1e-2, 3e-3: 6e-2}, 2e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cases", GRAD_NORM_CASES)
+def test_fp8_gradients_at_the_same_weights_have_the_same_norm_at_tp_2(cases, tiny_data, tmp_path):
+    """Teacher-forced, as the bf16 test of tests/test_tensor_parallel.py: with FP8 products (tensorwise, emulated)
+    each step's gradient at tp=1's weights has nearly the same norm at tp=2, though not within bf16's band: FP8's
+    coarser rounding of the partial products widens it (8.5x bf16's at lr 5e-4, 1.6x at 3e-3; in the spiking case
+    3.8e-2 against 1.1e-2). Free-running, the spike steps of the same runs differed by up to 131%."""
+    check_teacher_forced(cases, tiny_data, tmp_path, FP8_FORCED_BANDS, FP8_FORCED_MEDIAN, fp8=True)
 
 
 @pytest.mark.slow

@@ -85,6 +85,19 @@ def tp_config(tiny_data, tmp_path, name: str, tp: int, mode: str, overlap: bool 
                             tokens={"train_steps": parity_steps()})
 
 
+def grad_norm_config(tiny_data, folder: Path, *, seed: int, tp: int = 1, dtype: str = "bfloat16", fp8: bool = False,
+                     tied: bool = True, accumulation: int = 2, mode: str = "REDUCE_SCATTER", lr: float = 3e-3,
+                     steps: int = 20) -> dict:
+    """The tiny Llama (clip 1.0, 4 warm-up steps) whose grad-norms the layouts are compared on, step by step."""
+    config = tiny_config_dict(tiny_data, folder, general={"project": "tests", "run": "tiny", "seed": seed},
+                              tokens={"train_steps": steps, "batch_accumulation_per_replica": accumulation},
+                              parallelism={"tp": tp, "tp_mode": mode}, fp8={"enabled": fp8})
+    config["model"]["dtype"] = dtype
+    config["model"]["model_config"]["tie_word_embeddings"] = tied
+    config["optimizer"]["learning_rate_scheduler"]["learning_rate"] = lr
+    return config
+
+
 MAMBA = {"is_mamba_config": True, "d_model": 64, "num_hidden_layers": 2, "vocab_size": 384,
          "ssm_cfg": {"d_state": 8, "d_conv": 4, "expand": 2}}
 

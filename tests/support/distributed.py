@@ -22,10 +22,10 @@ def _free_port() -> int:
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "nanotron.trainer", "nanotron.cli", "support.runs",
-                                "support.parity"])
+                                "support.parity", "support.grad_norms"])
 
 
-def _worker(rank: int, world_size: int, port: int, environment: dict, fn, kwargs: dict, queue) -> None:
+def _worker(rank: int, world_size: int, port: int, environment: dict, call: bytes, queue) -> None:
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(
@@ -33,7 +33,9 @@ def _worker(rank: int, world_size: int, port: int, environment: dict, fn, kwargs
         MASTER_PORT=str(port), NANOTRON_DEVICE="cpu", OMP_NUM_THREADS="1",
     )
     try:
-        # Plain pickle copies tensors by value: shared-memory handles would die with this process.
+        # Plain pickle copies tensors by value, both ways: shared-memory handles would die with this process, and
+        # the fork server passes at most a few hundred of them to a rank ("too many fds").
+        fn, kwargs = pickle.loads(call)
         queue.put((rank, "ok", pickle.dumps(fn(**kwargs))))
     except BaseException:  # report any failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
@@ -48,7 +50,8 @@ def run_distributed(fn, world_size: int, timeout: float = 240, **kwargs) -> list
     """``fn(**kwargs)`` on every rank (it builds its own ParallelContext); returns the results ordered by rank."""
     queue = _CONTEXT.Queue()
     port = _free_port()
-    processes = [_CONTEXT.Process(target=_worker, args=(rank, world_size, port, dict(os.environ), fn, kwargs, queue))
+    call = pickle.dumps((fn, kwargs))
+    processes = [_CONTEXT.Process(target=_worker, args=(rank, world_size, port, dict(os.environ), call, queue))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
