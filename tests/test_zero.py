@@ -89,3 +89,71 @@ def test_zero_3_matches_one_process(reference, tiny_data, tmp_path, dp, tp, pp, 
     results = run_distributed(_run, dp * tp * pp, config=config)
     assert_matches_reference(reference, results, (dp, tp, pp, dp_shard))
     assert all(r["held_parameter_bytes"] == 0 for r in results)  # between steps only shards are held
+
+
+def _is_sharded(config: dict) -> dict:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()
+    return {"units": trainer.sharded_units, "sharded": any(b.sharded for b in trainer.buckets.buckets),
+            "metrics": [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]}
+
+
+def test_zero_3_on_one_rank_is_zero_0_with_no_hook(reference, tiny_data, tmp_path):
+    """With one rank per shard group nothing is sharded and nothing is gathered: the run is ZeRO-0's, bit for bit."""
+    (result,) = run_distributed(_is_sharded, 1, config=zero_config(tiny_data, tmp_path / "one", zero=3))
+    assert result["units"] is None and not result["sharded"]
+    for expected, got in zip(reference["metrics"], result["metrics"], strict=True):
+        assert (got["lm_loss"], got["grad_norm"]) == (expected["lm_loss"], expected["grad_norm"]), got["step"]
+
+
+def _gathers_and_computes(config: dict) -> list[tuple[str, str]]:
+    """One step's events in order: the units' gathers launched, waited for and released, each layer's forward
+    (``forward``, as it starts) and the end of its backward (``backward``: its input's gradient computed)."""
+    from helpers import first_step
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    events = trainer.sharded_units.events = []
+
+    def record_forward(name):
+        def hook(module, args):
+            events.append(("forward", name))
+            args[0].register_hook(lambda grad: events.append(("backward", name)))
+        return hook
+
+    for index, layer in trainer.model.layers.items():
+        layer.register_forward_pre_hook(record_forward(f"layers.{index}"))
+    trainer.train_step(first_step(trainer), lr=1e-3)
+    return events
+
+
+def test_zero_3_gathers_the_next_layer_while_one_computes_and_releases_each_after_use(tiny_data, tmp_path):
+    """Forward: layer i+1's gather is launched before layer i computes and waited for after; backward: layer i's
+    while layer i+1's backward runs (before its input's gradient exists). Each layer is released after its forward
+    (the last one only once the backward started) and after its backward; never more than two layers and the outer
+    unit are gathered at once; the update releases everything."""
+    config = zero_config(tiny_data, tmp_path / "order", dp=2, zero=3, tokens={"batch_accumulation_per_replica": 1,
+                                                                                "micro_batch_size": 4})
+    events = run_distributed(_gathers_and_computes, 2, config=config)[0]
+    layers = [f"layers.{i}" for i in range(4)]
+    first, last = {}, {}
+    for index, event in enumerate(events):
+        first.setdefault(event, index)
+        last[event] = index
+    for before, after in zip(layers, layers[1:]):
+        assert first[("gather", after)] < first[("forward", before)] < first[("wait", after)], events
+        assert first[("release", before)] < first[("forward", after)], events
+        assert last[("forward", layers[-1])] < last[("gather", before)] < last[("backward", after)], events
+    assert first[("release", layers[-1])] > last[("gather", layers[-2])], events  # kept until its backward
+    gathered, most = set(), 0
+    for what, unit in events:
+        if what == "gather":
+            gathered.add(unit)
+        elif what == "release":
+            gathered.discard(unit)
+        most = max(most, len(gathered - {"outer"}))
+    assert most == 2 and gathered == set(), events

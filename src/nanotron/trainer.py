@@ -87,7 +87,7 @@ class Trainer:
         initial = self.checkpoints.initial_checkpoint(self.datasets, self.features)
         self.checkpoints.check_metrics_file(initial)
         converters = (*converters, *(c for feature in self.features for c in feature.converters(self.pc.device)))
-        self.model, self.buckets, self.optimizer = trained_model(config, self.pc, converters)
+        self.model, self.buckets, self.optimizer, self.sharded_units = trained_model(config, self.pc, converters)
         self.params = logical_parameters(self.model)
         self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         # FLOPs per token over whole causal sequences; under document masking the step log counts each step's pairs

@@ -10,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -168,8 +169,14 @@ def pipeline_schedule(config: Config, pc: ParallelContext,
     return PipelineSchedule(pc, p2p, stage_forward, before_last_backward)
 
 
-def trained_model(config: Config, pc: ParallelContext, converters: Sequence[ModuleConverter] = ()
-                  ) -> tuple[CausalLM, GradientBuckets, MixedPrecisionAdamW]:
+class TrainedModel(NamedTuple):
+    model: CausalLM
+    buckets: GradientBuckets
+    optimizer: MixedPrecisionAdamW
+    units: ShardedUnits | None  # ZeRO-3 over more than one rank: what gathers and releases the model's units
+
+
+def trained_model(config: Config, pc: ParallelContext, converters: Sequence[ModuleConverter] = ()) -> TrainedModel:
     """The model this rank trains, its gradient buckets and its optimizer. Under ZeRO-3 the model is built without
     weights, the buckets give each parameter its storage and initial values a bucket at a time, keep their shards and
     free the rest, and the model's units are gathered and released around their use (``ShardedUnits``)."""
@@ -185,9 +192,8 @@ def trained_model(config: Config, pc: ParallelContext, converters: Sequence[Modu
         units=parameter_units(model) if sharded else None,
         initialize=parameter_initializer(model_config, pc, options) if sharded else None,
     )
-    if any(bucket.sharded_params for bucket in buckets.buckets):
-        ShardedUnits(model, buckets)
-    return model, buckets, optimizer
+    units = ShardedUnits(model, buckets) if any(bucket.sharded_params for bucket in buckets.buckets) else None
+    return TrainedModel(model, buckets, optimizer, units)
 
 
 def log_summary(config: Config, pc: ParallelContext, model: CausalLM, num_parameters: int) -> None:
