@@ -157,3 +157,41 @@ def test_zero_3_gathers_the_next_layer_while_one_computes_and_releases_each_afte
             gathered.discard(unit)
         most = max(most, len(gathered - {"outer"}))
     assert most == 2 and gathered == set(), events
+
+
+def _reduced_dtypes(config: dict) -> dict:
+    """Train; the dtypes ZeRO's reduce-scatters ran in, and the metrics (rank 0)."""
+    import torch.distributed as dist
+
+    from nanotron.config import config_from_dict
+    from nanotron.parallel import data_parallel
+    from nanotron.trainer import Trainer
+
+    dtypes = set()
+
+    def recording(output, input, **kwargs):
+        dtypes.add(input.dtype)
+        return dist.reduce_scatter_tensor(output, input, **kwargs)
+
+    data_parallel.dist = type("Spy", (), {"__getattr__": lambda self, name: getattr(dist, name),
+                                          "reduce_scatter_tensor": staticmethod(recording)})()
+    try:
+        trainer = Trainer(config_from_dict(config))
+        trainer.train()
+    finally:
+        data_parallel.dist = dist
+    lines = trainer.config.resolved_metrics_path().read_text().splitlines() if trainer.pc.rank == 0 else []
+    return {"dtypes": dtypes, "metrics": [json.loads(line) for line in lines]}
+
+
+def test_bf16_gradient_reduction_is_an_option_and_summed_in_fp32(tiny_data, tmp_path):
+    """bf16 weights: ZeRO-2 reduce-scatters in fp32 by default; ``grad_reduce_in_bf16`` in bf16, which stays close."""
+    def config(name, bf16_reduce):
+        return zero_config(tiny_data, tmp_path / name, dp=2, zero=2, model={"dtype": "bfloat16"},
+                           tokens={"train_steps": 4}, optimizer={"grad_reduce_in_bf16": bf16_reduce})
+
+    fp32, bf16 = run_distributed_each(_reduced_dtypes, 2, [{"config": config("fp32", False)},
+                                                            {"config": config("bf16", True)}])
+    assert fp32[0]["dtypes"] == {torch.float32} and bf16[0]["dtypes"] == {torch.bfloat16}
+    for expected, got in zip(fp32[0]["metrics"], bf16[0]["metrics"], strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-2)
