@@ -4,8 +4,10 @@ Each peer is built as a ``TrainingLoop`` on one device at the preset's shape (a 
 trained on nanotron's own batches, the micro-batch losses averaged, gradients clipped at 1.0:
 
 - ``hf``: the ``transformers`` model in bf16 with fused AdamW, each decoder layer and the loss compiled (as
-  nanotron's ``model.compile``); ``hf-eager``: the same loop eagerly; with a torchao recipe, its decoder layers'
-  linears in torchao's float8 training (the LM head stays bf16, as nanotron's FP8 keeps it).
+  nanotron's ``model.compile``); ``hf-eager``: the same loop eagerly; ``hf-amp``: the compiled loop with fp32
+  weights and optimizer state under bf16 autocast (as ``transformers``' Trainer trains with ``bf16=True``); with a
+  torchao recipe, its decoder layers' linears in torchao's float8 training (the LM head stays bf16, as nanotron's
+  FP8 keeps it).
 - ``liger``: that model with Liger's kernels (RoPE, RMSNorm, SwiGLU, the fused linear cross-entropy that never
   builds the logits), eager, as Liger is used (compiled it is slower: its kernels break the graphs).
 - ``torchtitan``: torchtitan's own Llama 3 at the preset's shape, its ``parallelize_llama`` (each block compiled,
@@ -28,12 +30,13 @@ import torch
 from benchmark_record import BackwardStart, tensor_bytes
 
 # --peer name -> the system's name in the record.
-PEERS = {"hf": "hf-compiled", "hf-eager": "hf-eager", "liger": "liger", "torchtitan": "torchtitan",
+PEERS = {"hf": "hf-compiled", "hf-eager": "hf-eager", "hf-amp": "hf-amp", "liger": "liger", "torchtitan": "torchtitan",
          "mamba-ssm": "mamba-ssm"}
 # What each peer imports, and how to get it.
 REQUIREMENTS = {
     "hf": (("transformers",), "transformers (pip install -e '.[hf]')"),
     "hf-eager": (("transformers",), "transformers (pip install -e '.[hf]')"),
+    "hf-amp": (("transformers",), "transformers (pip install -e '.[hf]')"),
     "liger": (("transformers", "liger_kernel.transformers"),
               "liger-kernel 0.8.5 (scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
     "torchtitan": (("torchtitan.models.llama3",), "torchtitan 0.2.2 and what it imports "
@@ -90,6 +93,7 @@ class TrainingLoop:
     clip: Callable[[list[torch.nn.Parameter]], Any] = field(
         default=lambda parameters: torch.nn.utils.clip_grad_norm_(parameters, 1.0))
     restore: Callable[[], None] = field(default=lambda: None)
+    model: torch.nn.Module | None = None  # whose parameters ``scripts/benchmark_curve.py`` sets
 
     def step_function(self, micro_batches: list[dict], freed: dict, backward: BackwardStart) -> Callable[[int], None]:
         """One training step per call; the first records in ``freed["gradient_bytes"]`` the gradients' bytes, which
@@ -112,9 +116,9 @@ class TrainingLoop:
 
 def build_peer(peer: str, preset: dict, sequence_length: int, device: str, hf_experts: str = "grouped_mm",
                float8_recipe: str | None = None) -> TrainingLoop:
-    if peer in ("hf", "hf-eager"):
-        return build_hf(preset, sequence_length, device, compiled=peer == "hf", hf_experts=hf_experts,
-                        float8_recipe=float8_recipe)
+    if peer in ("hf", "hf-eager", "hf-amp"):
+        return build_hf(preset, sequence_length, device, compiled=peer != "hf-eager", hf_experts=hf_experts,
+                        float8_recipe=float8_recipe, autocast=peer == "hf-amp")
     if peer == "liger":
         return build_liger(preset, sequence_length, device, hf_experts)
     if peer == "torchtitan":
@@ -124,8 +128,9 @@ def build_peer(peer: str, preset: dict, sequence_length: int, device: str, hf_ex
     raise ValueError(f"unknown peer {peer!r}")
 
 
-def hf_model(preset: dict, sequence_length: int, device: str, hf_experts: str) -> torch.nn.Module:
-    """The ``transformers`` model of the preset, bf16, SDPA attention, seeded."""
+def hf_model(preset: dict, sequence_length: int, device: str, hf_experts: str,
+             dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The ``transformers`` model of the preset, its weights in ``dtype``, SDPA attention, seeded."""
     import transformers
 
     fields = {HF_NAMES.get(key, key): value for key, value in preset.items()}
@@ -133,9 +138,9 @@ def hf_model(preset: dict, sequence_length: int, device: str, hf_experts: str) -
     name = "Mixtral" if family(preset) == "mixtral" else "Llama"
     experts = {"experts_implementation": hf_experts} if name == "Mixtral" else {}
     config = getattr(transformers, f"{name}Config")(**fields, max_position_embeddings=sequence_length,
-                                                    attn_implementation="sdpa", dtype=torch.bfloat16, **experts)
+                                                    attn_implementation="sdpa", dtype=dtype, **experts)
     torch.manual_seed(0)
-    return getattr(transformers, f"{name}ForCausalLM")(config).to(device, torch.bfloat16).train()
+    return getattr(transformers, f"{name}ForCausalLM")(config).to(device, dtype).train()
 
 
 def fused_adamw(parameters: list[torch.nn.Parameter], device: str) -> torch.optim.AdamW:
@@ -143,9 +148,11 @@ def fused_adamw(parameters: list[torch.nn.Parameter], device: str) -> torch.opti
 
 
 def build_hf(preset: dict, sequence_length: int, device: str, compiled: bool, hf_experts: str = "grouped_mm",
-             float8_recipe: str | None = None) -> TrainingLoop:
-    """The plain ``transformers`` loop; compiled as nanotron's ``model.compile``: every decoder layer and the loss."""
-    model = hf_model(preset, sequence_length, device, hf_experts)
+             float8_recipe: str | None = None, autocast: bool = False) -> TrainingLoop:
+    """The plain ``transformers`` loop; compiled as nanotron's ``model.compile``: every decoder layer and the loss;
+    with ``autocast``, fp32 weights under bf16 autocast."""
+    model = hf_model(preset, sequence_length, device, hf_experts, torch.float32 if autocast else torch.bfloat16)
+    precision = torch.autocast(device, dtype=torch.bfloat16, enabled=autocast)
     if float8_recipe is not None:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -164,9 +171,12 @@ def build_hf(preset: dict, sequence_length: int, device: str, compiled: bool, hf
             layer.compile()
         loss_of = torch.compile(loss_of)
     parameters = list(model.parameters())
-    return TrainingLoop(parameters, fused_adamw(parameters, device),
-                        lambda micro_batch: loss_of(model(input_ids=micro_batch["input_ids"]).logits,
-                                                    micro_batch["labels"]))
+
+    def forward_loss(micro_batch):
+        with precision:
+            return loss_of(model(input_ids=micro_batch["input_ids"]).logits, micro_batch["labels"])
+
+    return TrainingLoop(parameters, fused_adamw(parameters, device), forward_loss, model=model)
 
 
 def build_liger(preset: dict, sequence_length: int, device: str, hf_experts: str = "grouped_mm") -> TrainingLoop:
@@ -190,7 +200,7 @@ def build_liger(preset: dict, sequence_length: int, device: str, hf_experts: str
     return TrainingLoop(parameters, fused_adamw(parameters, device),
                         lambda micro_batch: model(input_ids=micro_batch["input_ids"],
                                                   shift_labels=micro_batch["labels"]).loss,
-                        restore=restore)
+                        restore=restore, model=model)
 
 
 def torchtitan_feed_forward(dim: int, intermediate_size: int) -> dict:
@@ -222,13 +232,15 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_, maybe_enable_amp
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     job = torchtitan_job(sequence_length, compiled)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     args = TransformerModelArgs(
         dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
         n_kv_heads=preset["num_key_value_heads"], vocab_size=preset["vocab_size"],
-        rope_theta=preset.get("rope_theta", 10000.0),
+        rope_theta=preset.get("rope_theta", 10000.0), norm_eps=preset.get("rms_norm_eps", 1e-6),
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),  # its default stretches RoPE as Llama 3.1: off
         **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"]))
     args.update_from_config(job)
     with torch.device("meta"):
@@ -250,7 +262,7 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
 
     parameters = list(model.parameters())
     return TrainingLoop(parameters, build_optimizers([model], job.optimizer, dims), loss_of,
-                        clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True))
+                        clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True), model=model)
 
 
 def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:
@@ -270,4 +282,4 @@ def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), micro_batch["labels"].flatten())
 
     parameters = list(model.parameters())
-    return TrainingLoop(parameters, fused_adamw(parameters, device), loss_of)
+    return TrainingLoop(parameters, fused_adamw(parameters, device), loss_of, model=model)

@@ -12,19 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import benchmark
+import benchmark_peers
+import benchmark_record
+import benchmark_table
 import pytest
 import torch
 
-from helpers import ROOT, benchmark_on_cpu, tiny_config_dict
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.stand_ins import benchmark_on_cpu
 
 SCRIPTS = ROOT / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import benchmark  # noqa: E402
-import benchmark_peers  # noqa: E402
-import benchmark_record  # noqa: E402
-import benchmark_table  # noqa: E402
 
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": True, "rope_theta": 10000.0}
@@ -593,3 +592,27 @@ def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(
     assert benchmark_table.main(options) == 0
     nanotron_mfus = re.findall(r"\| nanotron \| [\d,]+ \| [\d,]+ \| ([^|]+) \|", readme.read_text())
     assert nanotron_mfus == ["—", "50.0%"]
+
+
+def test_the_curve_starts_each_peer_from_nanotrons_weights_on_its_batches(tiny_data, tmp_path, monkeypatch):
+    """``scripts/benchmark_curve.py`` on the CPU: the Hugging Face loop, given nanotron's initial weights through the
+    export, meets nanotron's first loss and gradient norm (its own random weights miss them by about 1e-2 and 30%),
+    and both curves fall together for a few steps (the peer's bf16 weights and moments lag by under 2e-2)."""
+    pytest.importorskip("transformers")
+    import benchmark_curve
+
+    monkeypatch.chdir(tmp_path)  # the run folder of the benchmark's config
+    model = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    args = benchmark_curve.parse_args([
+        "--data", str(tiny_data["tokenized"]), "--peer", "hf-eager", "--steps", "5", "--sequence-length", "64",
+        "--micro-batch-size", "4", "--accumulation", "2", "--override", "model.compile=false",
+        "optimizer.learning_rate_scheduler.learning_rate=0.003", "optimizer.learning_rate_scheduler.min_decay_lr=0.003",
+        *(f"model.model_config.{key}={value}" for key, value in model.items())])
+    result = benchmark_curve.curves(args, "cpu")
+    ours, peer = result["systems"]["nanotron"], result["systems"]["hf-eager"]
+    assert ours["losses"][-1] < ours["losses"][0] - 0.5 and min(ours["grad_norms"]) > 0
+    assert peer["losses"][0] == pytest.approx(ours["losses"][0], abs=1e-3)
+    assert peer["grad_norms"][0] == pytest.approx(ours["grad_norms"][0], rel=2e-2)
+    assert result["differences"]["hf-eager"]["max_abs_loss_difference"] < 2e-2
+    assert result["optimizer"]["weight_decay"] == 0.0 and len(result["learning_rates"]) == 5
