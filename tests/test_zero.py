@@ -3,13 +3,14 @@ process with the same global batch, and the order in which ZeRO-3 gathers, compu
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import _pieces, assemble, assert_reference_trains, full_tier, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, logical_pieces
+from support.runs import trainer_metrics
+from support.tiers import full_tier
 
 STEPS = 20 if full_tier() else 10
 
@@ -38,16 +39,13 @@ def _run(config: dict) -> dict:
     trainer = Trainer(config_from_dict(config))
     trainer.train()
     pc, buckets = trainer.pc, trainer.buckets
-    metrics = []
-    if pc.rank == 0:
-        metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
     held = sum(p.untyped_storage().nbytes() for p in {b.params.untyped_storage().data_ptr(): b.params
                                                       for b in buckets.buckets}.values())
     weights = {}
     for whole in buckets.whole_parameters():
-        weights |= _pieces(whole, trainer.params, pc.coordinates, pc.sizes)
-    return {"metrics": metrics, "weights": weights, "state_numel": trainer.optimizer.local_state_numel(),
-            "held_parameter_bytes": held}
+        weights |= logical_pieces(whole, trainer.params, pc.coordinates, pc.sizes)
+    return {"metrics": trainer_metrics(trainer), "weights": weights,
+            "state_numel": trainer.optimizer.local_state_numel(), "held_parameter_bytes": held}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +96,7 @@ def _is_sharded(config: dict) -> dict:
     trainer = Trainer(config_from_dict(config))
     trainer.train()
     return {"units": trainer.sharded_units, "sharded": any(b.sharded for b in trainer.buckets.buckets),
-            "metrics": [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]}
+            "metrics": trainer_metrics(trainer)}
 
 
 def test_zero_3_on_one_rank_is_zero_0_with_no_hook(reference, tiny_data, tmp_path):
@@ -112,9 +110,9 @@ def test_zero_3_on_one_rank_is_zero_0_with_no_hook(reference, tiny_data, tmp_pat
 def _gathers_and_computes(config: dict) -> list[tuple[str, str]]:
     """One step's events in order: the units' gathers launched, waited for and released, each layer's forward
     (``forward``, as it starts) and the end of its backward (``backward``: its input's gradient computed)."""
-    from helpers import first_step
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
+    from support.parity import first_step
 
     trainer = Trainer(config_from_dict(config))
     events = trainer.sharded_units.events = []
@@ -180,8 +178,7 @@ def _reduced_dtypes(config: dict) -> dict:
         trainer.train()
     finally:
         data_parallel.dist = dist
-    lines = trainer.config.resolved_metrics_path().read_text().splitlines() if trainer.pc.rank == 0 else []
-    return {"dtypes": dtypes, "metrics": [json.loads(line) for line in lines]}
+    return {"dtypes": dtypes, "metrics": trainer_metrics(trainer)}
 
 
 def test_bf16_gradient_reduction_is_an_option_and_summed_in_fp32(tiny_data, tmp_path):

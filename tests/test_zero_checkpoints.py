@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import _train, assert_reference_trains, cli, tiny_config_dict, transformers_outputs
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed
+from support.hf import transformers_outputs
+from support.parity import assert_reference_trains
+from support.runs import cli, train_in_process
 
 # Save at SAVED_AT, then compare the next 10 steps.
 SAVED_AT, STEPS = 3, 13
@@ -35,7 +38,7 @@ def config_for(tiny_data, folder, layout: Layout, resume_from=None, **checkpoint
 
 def train(config: dict, layout: Layout) -> list[dict]:
     dp, tp, pp, _, _ = layout
-    (metrics,) = [m for m in run_distributed(_train, dp * tp * pp, timeout=1200, config=config) if m]
+    (metrics,) = [m for m in run_distributed(train_in_process, dp * tp * pp, timeout=1200, config=config) if m]
     return metrics
 
 
