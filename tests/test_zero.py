@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.configs import tiny_config_dict
+from support.configs import MAMBA, MOE, tiny_config_dict
 from support.distributed import run_distributed, run_distributed_each
 from support.parity import assemble, assert_reference_trains, logical_pieces
 from support.runs import trainer_metrics
@@ -192,3 +192,44 @@ def test_bf16_gradient_reduction_is_an_option_and_summed_in_fp32(tiny_data, tmp_
     assert fp32[0]["dtypes"] == {torch.float32} and bf16[0]["dtypes"] == {torch.bfloat16}
     for expected, got in zip(fp32[0]["metrics"], bf16[0]["metrics"], strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-2)
+
+
+def _llama_without_marker(config: dict) -> dict:
+    return {key: value for key, value in config["model"]["model_config"].items() if key != "is_llama_config"}
+
+
+# What ZeRO-3 composes with, each as the changes it makes to ``zero_config``'s dp=2 run; the tied embeddings of the
+# tiny model are in every case above.
+COMPOSED = {
+    "moe, ep 2": lambda c: {"model": c["model"] | {"model_config": _llama_without_marker(c) | MOE},
+                            "parallelism": c["parallelism"] | {"expert_parallel_size": 2}},
+    "cp 2, document masking": lambda c: {
+        "parallelism": c["parallelism"] | {"context_parallel_size": 2},
+        "model": c["model"] | {"model_config": c["model"]["model_config"] | {"_use_doc_masking": True}}},
+    "fp8 (emulated)": lambda c: {"fp8": {"enabled": True, "recipe": "rowwise"}},
+    "mamba": lambda c: {"model": c["model"] | {"model_config": MAMBA | {"num_hidden_layers": 4}}},
+    "selective recompute": lambda c: {"parallelism": c["parallelism"] | {"recompute": "selective"}},
+    "pointwise recompute": lambda c: {"parallelism": c["parallelism"] | {"recompute": "pointwise"}},
+    "compiled layers": lambda c: {"model": c["model"] | {"compile": True}},
+}
+COMPOSED_RANKS = {"moe, ep 2": 4, "cp 2, document masking": 4}
+REPRESENTATIVE = "moe, ep 2"
+
+
+@pytest.mark.parametrize("feature", [feature if feature == REPRESENTATIVE else
+                                     pytest.param(feature, marks=pytest.mark.full_tier) for feature in COMPOSED])
+def test_zero_3_composes_with(tiny_data, tmp_path, feature):
+    """The same run at ZeRO-0 and at ZeRO-3 (whose ZeRO-0 each feature's own tests hold against one process): loss
+    and grad-norm within 1e-5 at every step (FP8 within 1e-3: a rounding flip of the casts moves more)."""
+    calls = []
+    for zero in (0, 3):
+        config = zero_config(tiny_data, tmp_path / f"zero{zero}", dp=2, zero=zero, tokens={"train_steps": 6})
+        calls.append({"config": config | COMPOSED[feature](config)})
+    plain, sharded = run_distributed_each(_run, COMPOSED_RANKS.get(feature, 2), calls)
+    tolerance = 1e-3 if feature.startswith("fp8") else 1e-5
+    (expected,), (got,) = [r["metrics"] for r in plain if r["metrics"]], [r["metrics"] for r in sharded if r["metrics"]]
+    assert len(got) == 6
+    for before, after in zip(expected, got, strict=True):
+        assert after["lm_loss"] == pytest.approx(before["lm_loss"], rel=tolerance), (feature, after["step"])
+        assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=tolerance), (feature, after["step"])
+    assert all(r["held_parameter_bytes"] == 0 for r in sharded)
