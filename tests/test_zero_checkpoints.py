@@ -3,16 +3,17 @@ and ZeRO stage resumes at another as if nothing changed, and exports to Hugging 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.configs import tiny_config_dict
+from support.configs import tiny_config_dict, write_config
 from support.distributed import run_distributed
 from support.hf import transformers_outputs
 from support.parity import assert_reference_trains
-from support.runs import cli, train_in_process
+from support.runs import assert_user_error, cli, train_in_process
 
 # Save at SAVED_AT, then compare the next 10 steps.
 SAVED_AT, STEPS = 3, 13
@@ -153,3 +154,17 @@ def nanotron_logits(checkpoint: Path, ids: list[int]) -> torch.Tensor:
     finally:
         pc.destroy()
 
+
+
+def test_a_zero_3_checkpoint_missing_an_optimizer_shard_is_one_error_line(straight_runs, tiny_data, tmp_path):
+    """One of the optimizer's shard files gone (a partial copy): the resume at one process stops with one line
+    naming the file, before training writes anything."""
+    saved = straight_runs(ZERO3_DP2)[0] / str(SAVED_AT)
+    copy = tmp_path / "copy" / str(SAVED_AT)
+    shutil.copytree(saved, copy)
+    lost = sorted((copy / "optimizer").glob("*.safetensors"))[-1]
+    lost.unlink()
+    config = config_for(tiny_data, tmp_path / "resumed", ONE_PROCESS, resume_from=str(copy))
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    assert_user_error(outcome, str(lost), "is missing")
+    assert not (tmp_path / "resumed").exists() or not any((tmp_path / "resumed").iterdir())
