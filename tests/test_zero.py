@@ -203,16 +203,17 @@ def _llama_without_marker(config: dict) -> dict:
 COMPOSED = {
     "moe, ep 2": lambda c: {"model": c["model"] | {"model_config": _llama_without_marker(c) | MOE},
                             "parallelism": c["parallelism"] | {"expert_parallel_size": 2}},
-    "cp 2, document masking": lambda c: {
+    "cp 2, qwen2, document masking": lambda c: {
         "parallelism": c["parallelism"] | {"context_parallel_size": 2},
-        "model": c["model"] | {"model_config": c["model"]["model_config"] | {"_use_doc_masking": True}}},
+        "model": c["model"] | {"model_config": _llama_without_marker(c) | {
+            "is_qwen2_config": True, "attention_bias": True, "_use_doc_masking": True}}},
     "fp8 (emulated)": lambda c: {"fp8": {"enabled": True, "recipe": "rowwise"}},
     "mamba": lambda c: {"model": c["model"] | {"model_config": MAMBA | {"num_hidden_layers": 4}}},
     "selective recompute": lambda c: {"parallelism": c["parallelism"] | {"recompute": "selective"}},
     "pointwise recompute": lambda c: {"parallelism": c["parallelism"] | {"recompute": "pointwise"}},
     "compiled layers": lambda c: {"model": c["model"] | {"compile": True}},
 }
-COMPOSED_RANKS = {"moe, ep 2": 4, "cp 2, document masking": 4}
+COMPOSED_RANKS = {"moe, ep 2": 4, "cp 2, qwen2, document masking": 4}
 REPRESENTATIVE = "moe, ep 2"
 
 
