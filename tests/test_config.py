@@ -58,6 +58,7 @@ FULL: dict[str, Any] = {
         "tp": 2,
         "expert_parallel_size": 2,
         "context_parallel_size": 1,
+        "dp_shard": 2,
         "pp_engine": "afab",
         "tp_mode": "REDUCE_SCATTER",
         "tp_linear_async_communication": True,
@@ -114,7 +115,7 @@ FULL: dict[str, Any] = {
             "lr_decay_steps": 20,
             "min_decay_lr": 6e-5,
         },
-        "zero_stage": 1,
+        "zero_stage": 2,
         "weight_decay": 0.1,
         "weight_decay_exclude_named_params": [r".*norm.*", r".*\.bias$"],
         "clip_grad": None,
@@ -125,6 +126,7 @@ FULL: dict[str, Any] = {
         "adam_moments_dtype": "bfloat16",
         "store_param_remainders": False,
         "persistent_gradient_buffers": True,
+        "grad_reduce_in_bf16": True,
         "torch_adam_is_fused": False,
         "skip_bad_steps": 2,
         "loss_spike_factor": 3.0,
@@ -559,7 +561,7 @@ RULES = {
     "tp mode is known": (_set("parallelism.tp_mode", "ring"), ["parallelism.tp_mode must be one of ALL_REDUCE"]),
     "dtype is known": (_set("model.dtype", "float8"), ["model.dtype must be one of float32, bfloat16, float16, fp32"]),
     "init std is positive": (_set("model.init_method", {"std": 0.0}), ["model.init_method.std must be > 0"]),
-    "zero stage is 0 or 1": (_set("optimizer.zero_stage", 2), ["optimizer.zero_stage must be 0", "(got 2)"]),
+    "zero stage is 0 to 3": (_set("optimizer.zero_stage", 4), ["optimizer.zero_stage must be 0", "(got 4)"]),
     "sequence fits the position embeddings under RoPE scaling": (
         _all(_set("tokens.sequence_length", 512), _set(f"{MC}.rope_scaling", {"rope_type": "linear", "factor": 2.0})),
         ["tokens.sequence_length (512)", f"{MC}.max_position_embeddings (256)", "raise max_position_embeddings"],
@@ -650,7 +652,7 @@ def test_each_validation_rule_reports_one_problem_naming_its_keys(rule):
 
 
 def test_all_validation_problems_are_reported_together():
-    problems = problems_after(_all(_set("optimizer.zero_stage", 3), _set("parallelism.pp", 8), _set("data_stages", [])))
+    problems = problems_after(_all(_set("optimizer.zero_stage", 4), _set("parallelism.pp", 8), _set("data_stages", [])))
     assert len(problems) == 3
 
 

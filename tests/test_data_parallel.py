@@ -123,7 +123,7 @@ def _diverged_replica() -> str:
     pc = ParallelContext(Layout(dp=2))
     holder = nn.Linear(4, 4, bias=False)
     annotate_placements(holder)
-    buckets = GradientBuckets({"weight": holder.weight}, set(), True, 1 << 20, pc.reduction_groups, shard=False)
+    buckets = GradientBuckets({"weight": holder.weight}, set(), True, 1 << 20, pc.reduction_groups)
     with torch.no_grad():
         holder.weight.fill_(1.0)
         check_replicas_agree(buckets, step=3)
@@ -146,7 +146,12 @@ def _expert_parallel_norm_and_replica_check() -> dict:
     from nanotron.layout import Axis, Layout
     from nanotron.optim.clip import GlobalGradNorm
     from nanotron.parallel.context import ParallelContext
-    from nanotron.parallel.data_parallel import GradientBuckets, ReplicaDivergenceError, check_replicas_agree
+    from nanotron.parallel.data_parallel import (
+        GradientBuckets,
+        ReplicaDivergenceError,
+        ZeroSettings,
+        check_replicas_agree,
+    )
     from nanotron.parallel.placement import Shard, annotate_placements, logical_parameters
 
     pc = ParallelContext(Layout(dp=2, ep=2))
@@ -155,7 +160,7 @@ def _expert_parallel_norm_and_replica_check() -> dict:
     holder.expert.parameter_shards = {"weight": ((8, 4), (Shard(Axis.EP, 0),))}  # experts 0-3 on ep 0, 4-7 on ep 1
     annotate_placements(holder)
     params = logical_parameters(holder)
-    buckets = GradientBuckets(params, set(), True, 1 << 20, pc.reduction_groups, shard=True)
+    buckets = GradientBuckets(params, set(), True, 1 << 20, pc.reduction_groups, ZeroSettings(stage=1))
     rank = dist.get_rank()
     with torch.no_grad():
         holder.dense.weight.fill_(1.0)

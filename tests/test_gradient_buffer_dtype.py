@@ -155,17 +155,18 @@ def test_over_two_ranks_the_reduced_bucket_is_fp32_and_the_unreduced_one_holds_t
 
 def _train_bf16(config: dict, fp32_buffers: bool) -> dict:
     """Train ``config``; with ``fp32_buffers`` every bucket is built as if micro-batches were summed in it."""
-    import nanotron.trainer as trainer_module
+    import nanotron.training.build as build_module
     from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
 
     data_parallel.HELD_GRADIENT_MIN_ELEMENTS = 1  # a spawned process: the fixture did not run here
-    build_all = trainer_module.build_optimizer
+    build_all = build_module.build_optimizer
     if fp32_buffers:
-        trainer_module.build_optimizer = lambda *a, **k: build_all(*a, **(k | {"single_micro_batch": False}))
+        build_module.build_optimizer = lambda *a, **k: build_all(*a, **(k | {"single_micro_batch": False}))
     try:
-        trainer = trainer_module.Trainer(config_from_dict(config))
+        trainer = Trainer(config_from_dict(config))
     finally:
-        trainer_module.build_optimizer = build_all
+        build_module.build_optimizer = build_all
     dtypes = set(grad_dtypes(trainer.buckets).values())
     trainer.train()
     lines = trainer.config.resolved_metrics_path().read_text().splitlines()

@@ -32,7 +32,8 @@ def make_model(seed=0, tie=True, kv_heads=2, dtype=torch.float32) -> LlamaForCau
         model = LlamaForCausalLM(config, padded_vocab_size(100, 8, 1))
     materialize(model, torch.device("cpu"), dtype)
     annotate_placements(model)
-    init_parameters(model, seed, lambda name: llama_init_rule(name, config, 0.02), COORDS, SIZES)
+    init_parameters(logical_parameters(model), seed, lambda name: llama_init_rule(name, config, 0.02), COORDS,
+                    SIZES)
     return model
 
 

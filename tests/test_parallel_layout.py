@@ -16,16 +16,34 @@ LAYOUTS = [Layout(pp=2, dp=2, ep=1, cp=2, tp=2), Layout(pp=1, dp=3, ep=2, cp=1, 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_coordinates_and_group_ranks_follow_the_grid_the_process_groups_are_cut_from(layout):
     grid = torch.arange(layout.world_size).reshape(layout.grid_shape)
-    for group in Group:
+    for group in (group for group in Group if not {Axis.DP_SHARD, Axis.DP_REPLICATE} & set(group.axes)):
         keep = [GRID_AXES.index(axis) for axis in group.axes]
         other = [i for i in range(len(GRID_AXES)) if i not in keep]
         slices = grid.permute(*other, *keep).reshape(-1, math.prod(grid.shape[i] for i in keep)).tolist()
+        assert layout.group_members(group) == slices
         assert all(len(ranks) == layout.size(group) for ranks in slices)
         for ranks in slices:
             for index, rank in enumerate(ranks):
                 coordinates = layout.coordinates(rank)
                 assert layout.rank_of(coordinates) == rank
                 assert layout.group_rank(group, coordinates) == index, (group, rank)
+
+
+def test_hsdp_splits_dp_into_replicas_of_neighbouring_shard_groups():
+    """dp 4 = 2 replicas x 2 shards, with ep 2: a dense weight's shards span dp_shard x ep (4 neighbouring ranks),
+    an expert's dp_shard only, and each shard's replicas the two halves of dp."""
+    layout = Layout(dp=4, ep=2, dp_shard=2, zero_stage=3)
+    assert (layout.dps, layout.dpr, layout.size(Group.DENSE_SHARDS), layout.size(Group.SHARD_REPLICAS)) == (2, 2, 4, 2)
+    assert layout.group_members(Group.DENSE_SHARDS) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.group_members(Group.EXPERT_SHARDS) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.group_members(Group.SHARD_REPLICAS) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for group in (Group.DENSE_SHARDS, Group.EXPERT_SHARDS, Group.SHARD_REPLICAS):
+        for ranks in layout.group_members(group):
+            assert [layout.group_rank(group, layout.coordinates(rank)) for rank in ranks] == list(range(len(ranks)))
+    plain = Layout(dp=4, zero_stage=3)  # without HSDP the shard groups are the replica groups
+    assert plain.served_by(Group.DENSE_SHARDS) == Group.DENSE_REPLICAS and plain.served_by(Group.SHARD_REPLICAS) is None
+    assert layout.served_by(Group.DENSE_SHARDS) == Group.DENSE_SHARDS
+    assert "optimizer.zero_stage is 0" in next(Layout(dp=4, dp_shard=2).problems())
 
 
 def test_the_config_sets_every_size_and_token_setting():
@@ -97,7 +115,7 @@ def test_rules_between_the_sequence_and_the_split():
 
 def test_checkpoint_record_reads_records_written_before_an_axis_existed():
     layout = Layout(pp=2, dp=2, tp=2, zero_stage=1)
-    assert layout.to_dict() == {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2, "zero_stage": 1}
+    assert layout.to_dict() == {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2, "zero_stage": 1, "dp_shard": 2}
     assert Layout.recorded({"dp": 2, "pp": 2, "tp": 2, "zero_stage": 1}) == layout.to_dict()
     assert layout.describe(layout.coordinates(5)) == "DP=0|PP=1|TP=1"
     assert Axis.CP == "cp" and layout.size(Axis.DP) == 2

@@ -209,6 +209,16 @@ def test_optimizer_factory_and_flat_fields_agree_as_numbers_not_as_written(tmp_p
         assert load_config(path).optimizer.adam_eps == 1e-8
 
 
+def test_zero_stage_3_in_an_upstream_file_loads_as_written(tmp_path):
+    """Upstream nanotron accepts ``zero_stage: 3`` (its open request for ZeRO-3); here it shards parameters."""
+    path = tmp_path / "zero3.yaml"
+    upstream = (UPSTREAM / "main" / "config_tiny_llama.yaml").read_text()
+    path.write_text(upstream.replace("zero_stage: 0", "zero_stage: 3"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config(path).optimizer.zero_stage == 3
+
+
 @pytest.mark.parametrize("key", ["optimizer.adam_beta1", "optimizer.optimizer_factory.adam_beta1"])
 def test_an_override_of_either_spelling_of_an_adamw_setting_wins(tmp_path, key):
     raw = _upstream("main/config_tiny_llama.yaml")

@@ -191,9 +191,14 @@ def _doremi_average(args: argparse.Namespace) -> None:
 
 def _estimate_memory(args: argparse.Namespace) -> None:
     from nanotron.config import load_config
-    from nanotron.memory import estimate_memory
+    from nanotron.memory import estimate_memory, sharding_advice
 
-    print(estimate_memory(load_config(args.config_file, args.override), args.gpu_memory_gb).table())
+    config = load_config(args.config_file, args.override)
+    estimate = estimate_memory(config, args.gpu_memory_gb)
+    print(estimate.table())
+    advice = sharding_advice(config, estimate)
+    if advice is not None:
+        print(advice)
 
 
 def _estimate(args: argparse.Namespace) -> None:

@@ -23,10 +23,12 @@ Rules:
   gradient accumulation, one at a time, with one stage).
 
 A new mechanism declares itself here: its degree (a field, with its rule in ``problems``), the axis or group it
-adds, and what it changes in the derived facts. The next two have their places: a sharded data-parallel degree
-(ZeRO-3/FSDP; HSDP as replicate × shard) splits the dp axis into two, adds the shard group to ``Group`` and divides
-the weights' state the planner counts; virtual pipeline stages (interleaved 1F1B) add a count of model chunks per
-rank that changes ``warmup`` and ``in_flight``.
+adds, and what it changes in the derived facts. Sharded data parallelism (ZeRO, ``zero_stage``) with HSDP
+(``dp_shard``) splits the dp axis into two parts that are not grid axes of their own: ``dp = dp_replicate ×
+dp_shard`` (``Axis.DP_REPLICATE`` outer, ``Axis.DP_SHARD`` inner, so a shard group is made of neighbouring ranks).
+Its groups (``Group.DENSE_SHARDS``, ``EXPERT_SHARDS``, ``SHARD_REPLICAS``) exist only when dp_shard < dp; otherwise
+the shard groups are the replica groups (``served_by``). Virtual pipeline stages (interleaved 1F1B) will add a count
+of model chunks per rank that changes ``warmup`` and ``in_flight``.
 """
 
 from __future__ import annotations
@@ -49,12 +51,17 @@ class Axis(str, Enum):
     EP = "ep"
     CP = "cp"
     TP = "tp"
+    # The two parts of dp under HSDP (not grid axes: a rank's coordinate on them comes from its dp coordinate).
+    DP_REPLICATE = "dpr"  # replicas of a ZeRO shard: dp / dp_shard
+    DP_SHARD = "dps"  # ranks ZeRO shards over: parallelism.dp_shard
 
     def __str__(self) -> str:
         return self.value
 
 
 GRID_AXES = (Axis.PP, Axis.DP, Axis.EP, Axis.CP, Axis.TP)  # outermost first: world rank = grid index
+# The grid with dp split into its replicate and shard parts, for the groups that name those parts.
+FINE_AXES = (Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.EP, Axis.CP, Axis.TP)
 
 
 class Group(str, Enum):
@@ -69,6 +76,9 @@ class Group(str, Enum):
     EXPERT_REPLICAS = "dp_cp"  # data-parallel replicas of an expert weight (sharded over ep)
     DENSE_REPLICAS = "dp_cp_ep"  # data-parallel replicas of every other weight
     STATISTICS = "pp_dp_cp_ep"  # one rank per TP group: step statistics are summed over it
+    DENSE_SHARDS = "dps_cp_ep"  # ZeRO's shards of a dense weight (HSDP: within one replica)
+    EXPERT_SHARDS = "dps_cp"  # ZeRO's shards of an expert weight (HSDP: within one replica)
+    SHARD_REPLICAS = "dpr"  # HSDP: the replicas of one ZeRO shard
 
     def __str__(self) -> str:
         return self.value
@@ -90,7 +100,8 @@ class Layout:
     sequence_parallel: bool = False  # parallelism.tp_mode: REDUCE_SCATTER (at tp > 1)
     overlapped_linears: bool = False  # parallelism.tp_linear_async_communication
     pp_engine: str = "1f1b"
-    zero_stage: int = 0  # optimizer state sharded over the data-parallel replicas (1) or not (0)
+    zero_stage: int = 0  # sharded over the data-parallel replicas: 1 optimizer state, 2 and gradients, 3 and weights
+    dp_shard: int | None = None  # HSDP: ZeRO shards over this many dp ranks (parallelism.dp_shard; None: all of dp)
     sequence_length: int = 1
     micro_batch_size: int = 1
     accumulation: int = 1  # micro-batches per step on each rank (tokens.batch_accumulation_per_replica)
@@ -101,7 +112,7 @@ class Layout:
         return cls(pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size, tp=p.tp,
                    sequence_parallel=p.tp > 1 and p.tp_mode == "REDUCE_SCATTER",
                    overlapped_linears=p.tp_linear_async_communication, pp_engine=p.pp_engine,
-                   zero_stage=config.optimizer.zero_stage, sequence_length=t.sequence_length,
+                   zero_stage=config.optimizer.zero_stage, dp_shard=p.dp_shard, sequence_length=t.sequence_length,
                    micro_batch_size=t.micro_batch_size, accumulation=t.batch_accumulation_per_replica)
 
     # --- the grid -------------------------------------------------------------------------------------------------
@@ -135,8 +146,47 @@ class Layout:
         """A rank's index in its ``group``: the group's axes in the order its name lists them, the last fastest."""
         index = 0
         for axis in group.axes:
-            index = index * getattr(self, axis.value) + coordinates[axis]
+            index = index * getattr(self, axis.value) + self.coordinate(axis, coordinates)
         return index
+
+    def group_members(self, group: Group) -> list[list[int]]:
+        """The world ranks of every process group of ``group``: one list per slice of the grid spanning its axes (dp
+        spans its replicate and shard parts), each in group order (``group_rank``), the slices in grid order."""
+        axes = {part for axis in group.axes for part in ((Axis.DP_REPLICATE, Axis.DP_SHARD) if axis == Axis.DP
+                                                          else (axis,))}
+        slices: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for rank in range(self.world_size):
+            coordinates = self.coordinates(rank)
+            key = tuple(self.coordinate(axis, coordinates) for axis in FINE_AXES if axis not in axes)
+            slices.setdefault(key, []).append((self.group_rank(group, coordinates), rank))
+        return [[rank for _, rank in sorted(members)] for members in slices.values()]
+
+    def coordinate(self, axis: Axis, coordinates: dict[Axis, int]) -> int:
+        """A rank's place on ``axis``, a grid axis or a part of dp."""
+        if axis == Axis.DP_SHARD:
+            return coordinates[Axis.DP] % self.dps
+        if axis == Axis.DP_REPLICATE:
+            return coordinates[Axis.DP] // self.dps
+        return coordinates[axis]
+
+    # --- sharded data parallelism ------------------------------------------------------------------------------------
+
+    @property
+    def dps(self) -> int:
+        """The dp ranks ZeRO shards over: ``dp_shard``, or all of dp."""
+        return self.dp_shard or self.dp
+
+    @property
+    def dpr(self) -> int:
+        """The replicas of each ZeRO shard over dp (HSDP when above 1)."""
+        return self.dp // self.dps
+
+    def served_by(self, group: Group) -> Group | None:
+        """The group whose process group this layout creates for ``group``: itself, or the group of the same ranks
+        (without HSDP the shard groups are the replica groups); None for HSDP's replica group without HSDP."""
+        if self.dpr > 1 or group not in _HSDP_GROUPS:
+            return group
+        return _HSDP_GROUPS[group]
 
     # --- data ------------------------------------------------------------------------------------------------------
 
@@ -204,7 +254,11 @@ class Layout:
     # --- rules and records -----------------------------------------------------------------------------------------
 
     def problems(self) -> Iterator[str]:
-        """The rules between the layout and the sequence length (each line names its keys and the fix)."""
+        """The rules between the layout, ZeRO and the sequence length (each line names its keys and the fix)."""
+        shard = self.dp_shard
+        if self.zero_stage == 0 and shard is not None and 2 <= shard < self.dp and self.dp % shard == 0:
+            yield (f"parallelism.dp_shard ({self.dp_shard}) shards ZeRO's state over part of dp ({self.dp}), but "
+                   "optimizer.zero_stage is 0; set zero_stage 1, 2 or 3 (3 for HSDP), or remove dp_shard")
         length, cp, tp = self.sequence_length, self.cp, self.tp
         if cp > 1 and length % (2 * cp):
             yield (f"tokens.sequence_length ({length}) must be divisible by 2 x parallelism.context_parallel_size "
@@ -219,19 +273,26 @@ class Layout:
 
     def to_dict(self) -> dict[str, int]:
         """What a checkpoint records of the layout that wrote it: the grid and how the optimizer state is sharded."""
-        return {axis.value: getattr(self, axis.value) for axis in GRID_AXES} | {"zero_stage": self.zero_stage}
+        return {axis.value: getattr(self, axis.value) for axis in GRID_AXES} | {"zero_stage": self.zero_stage,
+                                                                                "dp_shard": self.dps}
 
     @staticmethod
     def recorded(layout: dict) -> dict[str, int]:
-        """A checkpoint's layout record in today's form (axes added since default to 1)."""
-        return {axis.value: int(layout.get(axis.value, 1)) for axis in GRID_AXES} | {
-            "zero_stage": int(layout.get("zero_stage", 0))}
+        """A checkpoint's layout record in today's form (axes added since default to 1, the shard degree to dp)."""
+        grid = {axis.value: int(layout.get(axis.value, 1)) for axis in GRID_AXES}
+        sharding = {"zero_stage": int(layout.get("zero_stage", 0)), "dp_shard": int(layout.get("dp_shard", grid["dp"]))}
+        return grid | sharding
 
     def summary(self) -> str:
         """The layout in one line: the sizes, the schedule and the micro-batches of a step."""
         schedule = self.schedule.upper() if self.pp > 1 else "gradient accumulation"
-        return (f"dp {self.dp} x ep {self.ep} x cp {self.cp} x tp {self.tp} x pp {self.pp} ({schedule}), micro-batch "
-                f"{self.micro_batch_size} x {self.sequence_length} tokens, {self.accumulation} per step")
+        zero = f" (ZeRO-{self.zero_stage}{self._hsdp})" if self.zero_stage else ""
+        return (f"dp {self.dp}{zero} x ep {self.ep} x cp {self.cp} x tp {self.tp} x pp {self.pp} ({schedule}), "
+                f"micro-batch {self.micro_batch_size} x {self.sequence_length} tokens, {self.accumulation} per step")
+
+    @property
+    def _hsdp(self) -> str:
+        return f", HSDP {self.dpr} replicas x {self.dps} shards" if self.dpr > 1 else ""
 
     def describe_grid(self) -> str:
         """The grid's sizes, for messages: ``pp=2, dp=1, ep=1, cp=1, tp=2``."""
@@ -245,6 +306,12 @@ class Layout:
     @property
     def sizes(self) -> dict[Axis, int]:
         return {axis: self.size(axis) for axis in GRID_AXES}
+
+
+# Without HSDP these groups are the ranks of others (``Layout.served_by``); HSDP's replica group then has no
+# process group.
+_HSDP_GROUPS = {Group.DENSE_SHARDS: Group.DENSE_REPLICAS, Group.EXPERT_SHARDS: Group.EXPERT_REPLICAS,
+                Group.SHARD_REPLICAS: None}
 
 
 def _axes(axes: Axis | Group) -> tuple[Axis, ...]:

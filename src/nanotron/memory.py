@@ -18,6 +18,11 @@ How each part is computed, and why:
   buffer, so the buffer keeps its full size. Elsewhere (unless ``optimizer.persistent_gradient_buffers``) gradients
   of 2^20 elements or more have no buffer: autograd's, in the parameter's dtype, are held from the backward to the
   update (``holds_autograd_gradient``); smaller ones keep a buffer in the parameter's dtype.
+  ZeRO-2 and ZeRO-3 keep no full buffer: each rank sums its 1/n shard of every gradient (same dtype), and the
+  full-size gradients of the buckets being filled and reduced (``REDUCTIONS_IN_FLIGHT`` + 1 at most, in bf16 with
+  ``optimizer.grad_reduce_in_bf16``) count where they are alive. Under ZeRO-3 a bucket holds one unit's parameters:
+  the outer unit's is filled from the LM head's backward to the embedding's, a layer's during its backward and
+  reduced during the next two; under ZeRO-2 the largest buckets (``model.ddp_bucket_cap_mb``) count throughout.
   Those count at the moment of the peak: where the backward starts (one layer's, the final norm's and the LM
   head's, unless the fused loss computed the head's in its forward and counts it), or later in the backward when a
   layer's gradients outweigh what it keeps for the backward (large layers with recomputation). Each layer's
@@ -26,8 +31,12 @@ How each part is computed, and why:
 - **master weights**: the optimizer's fp32 masters of its shard: 2 bytes per bf16 weight, the bits the weight lacks
   (``optim/param_remainders.py``), with ``optimizer.store_param_remainders``, else 4 bytes, an fp32 copy (even when
   the model is fp32). **Adam moments**: two more tensors of the same shard, fp32 or
-  ``optimizer.adam_moments_dtype``. With ``zero_stage: 1`` the shard of a parameter is 1/n of it, n the ranks of its
-  gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert), else everything.
+  ``optimizer.adam_moments_dtype``. With ``zero_stage`` 1-3 the shard of a parameter is 1/n of it, n the ranks of
+  its gradient axes (``Placement.gradient_axes``: dp·cp·ep for a dense weight, dp·cp for an expert) with dp replaced
+  by ``parallelism.dp_shard`` under HSDP, else everything.
+- **ZeRO-3** weights: the rank's 1/n shard of every weight, and the units gathered at the peak: the outer unit (the
+  embeddings, the final norm and the LM head, gathered for the whole step) and the two largest decoder layers (one
+  computing, the next prefetched: ``parallel/parameter_sharding.py``).
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
   gathered keys and values and its mask. The rank's tokens and the micro-batches in flight on each stage are the
@@ -59,6 +68,8 @@ falls later in the backward, the columns are those of that moment (no logits).
 The estimates are checked against the peaks measured on H200s (docs/benchmarks.md, "Memory planner against
 measured peaks", where each run and its error are listed; tests/test_memory.py holds the Llama runs): as trained by
 default, a Llama estimate is never below its measured peak and at most 3% above it.
+The ZeRO-2/3 terms are checked on the CPU only, against the tensor storage each rank holds at dp 1, 2 and 4 under
+every stage (tests/test_zero_memory.py, the table in docs/config.md): within 3.2%.
 """
 
 from __future__ import annotations
@@ -77,7 +88,8 @@ from nanotron.models.spec import ActivationShape, ModelSpec
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.context import GridPosition
-from nanotron.parallel.data_parallel import gradient_dtype, holds_autograd_gradient
+from nanotron.parallel.data_parallel import REDUCTIONS_IN_FLIGHT, gradient_dtype, holds_autograd_gradient
+from nanotron.parallel.parameter_sharding import OUTER, parameter_units
 from nanotron.parallel.pipeline_partition import held_layers
 from nanotron.parallel.placement import get_placement
 
@@ -204,6 +216,27 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
                           largest)
 
 
+def sharding_advice(config: Config, estimate: MemoryEstimate) -> str | None:
+    """Where ``config`` does not fit and has data-parallel ranks: the least sharding that fits, tried from ZeRO-1 up
+    (ZeRO-3 under HSDP with the largest replica count first, since its gathers stay within fewer ranks, then over
+    all of dp); None where it fits, or where none of them does."""
+    dp = config.parallelism.dp
+    if estimate.fits or dp == 1:
+        return None
+    current = config.optimizer.zero_stage
+    tries = [(stage, None) for stage in (1, 2) if stage > current]
+    tries += [(3, shard) for shard in range(2, dp) if dp % shard == 0] + [(3, None)]
+    for stage, shard in tries:
+        sharded = replace(config, optimizer=replace(config.optimizer, zero_stage=stage),
+                          parallelism=replace(config.parallelism, dp_shard=shard))
+        fitting = estimate_memory(sharded, estimate.gpu_memory_gb)
+        if fitting.fits:
+            keys = f"optimizer.zero_stage={stage}" + (f" parallelism.dp_shard={shard}" if shard else "")
+            peak = max(part.peak for part in fitting.stages) / GB
+            return f"fits with {keys} ({peak:.2f} GB peak per rank): docs/config.md says when to pick which"
+    return None
+
+
 def memory_summary(config: Config, stage: int, gpu_memory_gb: float | None) -> str:
     """One line for the start of training: this rank's stage's estimated peak and total. Never raises: a planner
     that cannot model a configuration must not stop a run that may well fit."""
@@ -229,8 +262,10 @@ class _StageState:
     the bytes of those shards' masters, and the padded vocabulary its model was built with."""
 
     layers: range
-    weight_bytes: int
-    gradient_bytes: int  # the gradient buffers
+    weight_bytes: int  # ZeRO-3: the shards
+    gradient_bytes: int  # the gradient buffers (ZeRO-2/3: the shards of the step's gradients)
+    gathered_bytes: int  # ZeRO-3: the whole weights of the units gathered at the peak
+    staging: _Staging
     held: _HeldGradients
     optimizer_elements: float
     master_bytes: float
@@ -270,37 +305,89 @@ class _HeldGradients:
 def _stage_state(config: Config, stage: int) -> _StageState:
     """Build pipeline stage ``stage``'s model as training does, on the meta device (no memory), for the rank at
     coordinate 0 of the other axes, and count its parameters from their local shapes, dtypes and placements."""
-    optimizer = config.optimizer
+    optimizer, zero = config.optimizer, config.optimizer.zero_stage
     layout = Layout.from_config(config)
     grid = GridPosition(layout, layout.coordinates(layout.rank_of({Axis.PP: stage})))
     converters = (fp8_converter(config.fp8),) if config.fp8 is not None and config.fp8.enabled else ()
     model = build_stage(config.model.model_config, grid, BuildOptions.from_config(config), converters)
-    weight_bytes = gradient_bytes = 0
-    optimizer_elements = master_bytes = 0.0
+    weight_bytes = gradient_bytes = optimizer_elements = master_bytes = 0.0
     single_micro_batch = config.tokens.batch_accumulation_per_replica == 1
     held: dict[int, int] = {}  # id(parameter) -> bytes of its gradient, where a bucket holds autograd's
+    units = parameter_units(model) if zero == 3 else {}
+    whole: dict[str, int] = {}  # ZeRO-3: the bytes of each unit's weights
+    full_gradients: dict[str, list[int]] = {}  # ZeRO-2/3: each unit's (ZeRO-2: the stage's) full gradients' bytes
     for param in model.parameters():  # each shared parameter once
         elements, element_bytes = param.numel(), param.element_size()
-        weight_bytes += elements * element_bytes
         placement = get_placement(param)
-        replicas = math.prod(layout.size(axis) for axis in placement.gradient_axes)
-        if holds_autograd_gradient(elements, single_micro_batch, replicas, bool(placement.pipeline_copies),
-                                   optimizer.persistent_gradient_buffers):
+        # the ranks the buckets reduce over and, under ZeRO, shard over (HSDP: the replicas are left out)
+        shards = math.prod(layout.size(axis) for axis in placement.gradient_axes) // layout.dpr
+        unit = units.get(placement.name, "")
+        grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch, shards,
+                                    bool(placement.pipeline_copies))
+        if zero >= 2 and shards > 1:
+            gradient_bytes += elements / shards * grad_dtype.itemsize
+            staged = torch.bfloat16 if optimizer.grad_reduce_in_bf16 else grad_dtype
+            full_gradients.setdefault(unit, []).append(elements * staged.itemsize)
+        elif holds_autograd_gradient(elements, single_micro_batch, shards, bool(placement.pipeline_copies),
+                                     optimizer.persistent_gradient_buffers):
             held[id(param)] = elements * element_bytes
         else:
-            grad_dtype = gradient_dtype(param.dtype, optimizer.accumulate_grad_in_fp32, single_micro_batch,
-                                        replicas, bool(placement.pipeline_copies))
             gradient_bytes += elements * grad_dtype.itemsize
-        shard_elements = elements / replicas if optimizer.zero_stage == 1 else elements
+        if zero == 3 and shards > 1:
+            weight_bytes += elements / shards * element_bytes
+            whole[unit] = whole.get(unit, 0) + elements * element_bytes
+        else:
+            weight_bytes += elements * element_bytes
+        shard_elements = elements / shards if zero else elements
         optimizer_elements += shard_elements
         master_bytes += shard_elements * master_element_bytes(param.dtype, optimizer.store_param_remainders)
+    layers = sorted((size for unit, size in whole.items() if unit != OUTER), reverse=True)
+    buckets = {unit: _bucket_bytes(sizes, config.model.ddp_bucket_cap_mb * 2**20)
+               for unit, sizes in full_gradients.items()}
+    if zero == 3:
+        staging = _Staging(max(buckets.get(OUTER, [0])), tuple(tuple(buckets.get(f"layers.{index}", []))
+                                                               for index in model.layers))
+    else:
+        staging = _Staging(sum(sorted(buckets.get("", []), reverse=True)[:REDUCTIONS_IN_FLIGHT + 1]))
     return _StageState(
-        layers=held_layers(model), weight_bytes=weight_bytes, gradient_bytes=gradient_bytes,
+        layers=held_layers(model), weight_bytes=int(weight_bytes), gradient_bytes=int(gradient_bytes),
+        gathered_bytes=whole.get(OUTER, 0) + sum(layers[:2]),
+        staging=staging,
         held=_HeldGradients.of(model, held),
         optimizer_elements=optimizer_elements, master_bytes=master_bytes,
         fp8_weight_elements=tuple(sum(map(_fp8_weight_elements, layer.modules())) for layer in model.layers.values()),
         padded_vocab_size=model.padded_vocab_size,
     )
+
+
+@dataclass(frozen=True)
+class _Staging:
+    """ZeRO-2/3's full-size gradients of the buckets being filled or reduced: ``throughout`` the backward (ZeRO-3:
+    the outer unit's largest bucket, which the LM head's gradient starts; ZeRO-2: the largest buckets), and under
+    ZeRO-3 each layer's buckets (in the order the backward fills them), the last ``REDUCTIONS_IN_FLIGHT`` + 1 of
+    them alive at once."""
+
+    throughout: int
+    layers: tuple[tuple[int, ...], ...] = ()
+
+    def at_layer(self, index: int) -> int:
+        """During the backward of the stage's layer ``index`` (its number of layers: before the first layer's
+        backward; -1: after the last one's, nothing being filled)."""
+        filled = [size for layer in self.layers[max(index, 0):] for size in layer]
+        return self.throughout + sum(filled[:REDUCTIONS_IN_FLIGHT + (index >= 0)])
+
+
+def _bucket_bytes(gradient_bytes: list[int], bucket_bytes: int) -> list[int]:
+    """The sizes of the buckets of gradients of ``gradient_bytes`` (in parameter order), in the order the backward
+    fills them: the parameters taken in reverse, a bucket closed once it holds ``bucket_bytes``
+    (``GradientBuckets``)."""
+    buckets, current = [], 0
+    for size in reversed(gradient_bytes):
+        current += size
+        if current >= bucket_bytes:
+            buckets.append(current)
+            current = 0
+    return buckets + ([current] if current else [])
 
 
 def _moment_bytes(config: Config) -> int:
@@ -412,20 +499,23 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
         logits = in_flight * logits_kept + max(logits_transient - backward, 0)
         if not config.model.loss_chunk_tokens:  # the fused loss counts the head's gradient it keeps
             held_at_start += held.head
-    gradients, activations = held_at_start, in_flight * kept + backward
+    staging = state.staging
+    gradients, activations = held_at_start + staging.at_layer(len(per_layer)), in_flight * kept + backward
     # Later moments, when held gradients may outweigh the activations left (held gradients imply one micro-batch):
     # each layer's backward, from the last layer down, and the backward's end.
     later = held.head + held.final_norm
     moments = []
     for index in reversed(range(len(per_layer))):
         later += held.layers[index]
-        moments.append((later, sum(k for k, _ in per_layer[:index + 1]) + per_layer[index][1]))
-    moments.append((held.total + 2 * held.tied, _embedding_backward_bytes(config, micro_batch_size, stage)))
+        activations_then = sum(k for k, _ in per_layer[:index + 1]) + per_layer[index][1]
+        moments.append((later + staging.at_layer(index), activations_then))
+    moments.append((held.total + 2 * held.tied + staging.at_layer(-1),
+                    _embedding_backward_bytes(config, micro_batch_size, stage)))
     for held_then, activations_then in moments:
         if held_then + activations_then > gradients + activations + logits:
             gradients, activations, logits = held_then, activations_then, 0
     return StageMemory(
-        stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes,
+        stage=stage, layers=state.layers, in_flight=in_flight, weights=state.weight_bytes + state.gathered_bytes,
         gradients=state.gradient_bytes + gradients, master_weights=int(state.master_bytes),
         adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
         activations=activations, logits=logits, workspace=STEP_WORKSPACE_BYTES,

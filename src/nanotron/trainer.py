@@ -33,19 +33,18 @@ from nanotron.divergence import BadStepGuard
 from nanotron.features import Feature, features_for
 from nanotron.layout import Group, Layout
 from nanotron.logging import setup_logging
-from nanotron.models.build import BuildOptions, ModuleConverter, build_model
+from nanotron.models.build import ModuleConverter
 from nanotron.models.registry import spec_for_config
 from nanotron.nn.flash_attention import device_problems
 from nanotron.optim.clip import GlobalGradNorm, clip_coefficient
 from nanotron.optim.lr_schedule import learning_rate_at
-from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.data_parallel import check_replicas_agree
-from nanotron.parallel.placement import declared_names, logical_parameters
+from nanotron.parallel.placement import logical_parameters
 from nanotron.parallel.statistics import Statistics
 from nanotron.preemption import StopRequests
 from nanotron.random import seed_everything
-from nanotron.training.build import document_ends, load_data, log_summary, profiler
+from nanotron.training.build import document_ends, load_data, log_summary, profiler, trained_model
 from nanotron.training.checkpointing import RunCheckpoints
 from nanotron.training.hooks import Run
 from nanotron.training.objective import LOSS
@@ -88,13 +87,8 @@ class Trainer:
         initial = self.checkpoints.initial_checkpoint(self.datasets, self.features)
         self.checkpoints.check_metrics_file(initial)
         converters = (*converters, *(c for feature in self.features for c in feature.converters(self.pc.device)))
-        self.model = build_model(model_config, self.pc, BuildOptions.from_config(config), converters)
+        self.model, self.buckets, self.optimizer, self.sharded_units = trained_model(config, self.pc, converters)
         self.params = logical_parameters(self.model)
-        self.buckets, self.optimizer = build_optimizer(
-            self.params, config.optimizer, config.model.ddp_bucket_cap_mb, self.pc.reduction_groups,
-            declared_names(self.model, "no_weight_decay_parameters"),
-            single_micro_batch=config.tokens.batch_accumulation_per_replica == 1,
-        )
         self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         # FLOPs per token over whole causal sequences; under document masking the step log counts each step's pairs
         self.costs = spec_for_config(model_config).costs(model_config, self.model.padded_vocab_size,

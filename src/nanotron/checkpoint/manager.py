@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -163,17 +164,20 @@ def check_same_model(checkpoint: Path, metadata: dict, model_config) -> None:
 
 
 @torch.no_grad()
-def load_weights(checkpoint: Path, model: CausalLM, parallel_context: ParallelContext, metadata: dict) -> None:
+def load_weights(checkpoint: Path, model: CausalLM, parallel_context: ParallelContext, metadata: dict,
+                 parameter_groups: Iterable[dict[str, torch.Tensor]] | None = None) -> None:
     """Fill this rank's parameters and persistent buffers from the logical tensors of ``checkpoint`` (reading only
     the needed slices), after checking that it holds the same architecture. A buffer the checkpoint lacks keeps its
     initial value: buffers hold state of optional features (e.g. scaling statistics), which a run may switch on when
-    it resumes."""
+    it resumes. ``parameter_groups`` hands the parameters over a group at a time (ZeRO-3: a bucket gathered, then
+    its shard kept: ``GradientBuckets.whole_parameters``); by default all at once."""
     check_same_model(checkpoint, metadata, model.config)
     reader = LogicalTensorReader(checkpoint / "model")
-    for name, param in logical_parameters(model).items():
-        if name not in reader.names():
-            raise CheckpointError(f"parameter {name!r} is not in {checkpoint}: it was saved from another model")
-        _read_logical(reader, name, get_placement(param), param, parallel_context, _vocab_rows(model, metadata))
+    for params in parameter_groups if parameter_groups is not None else [logical_parameters(model)]:
+        for name, param in params.items():
+            if name not in reader.names():
+                raise CheckpointError(f"parameter {name!r} is not in {checkpoint}: it was saved from another model")
+            _read_logical(reader, name, get_placement(param), param, parallel_context, _vocab_rows(model, metadata))
     for name, buffer in logical_buffers(model).items():
         if name in reader.names():
             _read_logical(reader, name, get_placement(buffer), buffer, parallel_context, _vocab_rows(model, metadata))

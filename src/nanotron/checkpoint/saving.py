@@ -16,6 +16,7 @@ never fails a save.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -126,14 +127,17 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
     (optimizer state is gathered)."""
     folder = folder or FolderRanks.everyone(parallel_context)
     copy = buffers.copy if buffers is not None else _transient_copy
-    params = logical_parameters(model)
-    state = params | logical_buffers(model)
+    params, model_buffers = logical_parameters(model), logical_buffers(model)
+    state = params | model_buffers
     shard = _shard_name(parallel_context)
     files: dict[str, list[Box]] = {}
-    model_boxes = _unique_boxes(state, parallel_context, state, folder)
+    name = f"model/{shard}.safetensors"
+    model_boxes = []
+    # A bucket at a time, copied before the next: under ZeRO-3 each is gathered, then released.
+    for tensors in itertools.chain(optimizer.buckets.whole_parameters(), [model_buffers]):
+        model_boxes += [copy(name, box) for box in _unique_boxes(state, parallel_context, tensors, folder)]
     if model_boxes:
-        name = f"model/{shard}.safetensors"
-        files[name] = [copy(name, box) for box in model_boxes]
+        files[name] = model_boxes
     # One bucket at a time: under ZeRO-1 the states are gathered over data-parallel ranks, a bucket's worth at once.
     for index, states in enumerate(optimizer.bucket_states()):
         tensors = {f"{kind}/{name}": tensor for name, kinds in states.items() for kind, tensor in kinds.items()}

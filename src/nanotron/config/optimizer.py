@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from nanotron.config.rules import Spellings, at_least, positive
 
 LR_KEY = "optimizer.learning_rate_scheduler"
+ZERO_STAGES = (0, 1, 2, 3)
 MomentsDType = Annotated[Literal["float32", "bfloat16"],
                          Spellings(fold=str.lower, aliases={"fp32": "float32", "bf16": "bfloat16"})]
 # The largest Adam beta that bf16 moments take: bf16 keeps 8 significant bits (a relative spacing of 2^-7 = 0.0078),
@@ -44,7 +45,7 @@ class LRSchedulerArgs:
 @dataclass
 class OptimizerArgs:
     learning_rate_scheduler: LRSchedulerArgs
-    zero_stage: int = 0
+    zero_stage: int = 0  # sharded over data-parallel ranks: 1 optimizer state, 2 and gradients, 3 and weights
     weight_decay: float = 0.0
     weight_decay_exclude_named_params: list[str] | None = None  # None: norms, biases and embeddings are excluded
     clip_grad: float | None = 1.0
@@ -55,14 +56,18 @@ class OptimizerArgs:
     adam_moments_dtype: MomentsDType = "float32"  # bfloat16: a lower-precision option, fp32 arithmetic and masters
     store_param_remainders: bool = True  # fp32 masters of bf16 weights as those weights + 16 bits (false: copies)
     persistent_gradient_buffers: bool = False  # a flat gradient buffer even where nothing is summed in it
+    grad_reduce_in_bf16: bool = False  # ZeRO-2/3: reduce-scatter gradients in bf16 (accumulated in fp32 after)
     torch_adam_is_fused: bool = True
     skip_bad_steps: int = 0  # bad steps in a row whose update is skipped before the run stops (0: stop at the first)
     loss_spike_factor: float | None = None  # a loss above this times the recent mean counts as a bad step
 
     def problems(self) -> Iterator[str]:
-        if self.zero_stage not in (0, 1):
-            yield (f"optimizer.zero_stage must be 0 (off) or 1 (optimizer states sharded over dp) "
-                   f"(got {self.zero_stage})")
+        if self.zero_stage not in ZERO_STAGES:
+            yield (f"optimizer.zero_stage must be 0 (off), 1 (optimizer state sharded over dp), 2 (and gradients) or "
+                   f"3 (and weights) (got {self.zero_stage})")
+        elif self.grad_reduce_in_bf16 and self.zero_stage < 2:
+            yield (f"optimizer.grad_reduce_in_bf16 needs optimizer.zero_stage 2 or 3 (got {self.zero_stage}), where "
+                   "gradients are reduced every micro-batch and summed in fp32 shards; set zero_stage or remove it")
         yield from at_least("optimizer.weight_decay", self.weight_decay, 0)
         if self.clip_grad is not None:
             yield from positive("optimizer.clip_grad", self.clip_grad)

@@ -31,6 +31,7 @@ class ParallelismArgs:
     tp: int = 1
     expert_parallel_size: int = 1
     context_parallel_size: int = 1  # ranks each sequence is split over (parallel/context_parallel.py)
+    dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks, replicated over dp / dp_shard
     pp_engine: PipelineEngine = "1f1b"
     tp_mode: TensorParallelMode = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
@@ -49,6 +50,10 @@ class ParallelismArgs:
     def problems(self) -> Iterator[str]:
         for name in ("dp", "pp", "tp", "expert_parallel_size", "context_parallel_size"):
             yield from at_least(f"parallelism.{name}", getattr(self, name), 1)
+        if self.dp_shard is not None and (self.dp_shard < 2 or self.dp % self.dp_shard):
+            yield (f"parallelism.dp_shard ({self.dp_shard}) must divide parallelism.dp ({self.dp}) and be at least 2: "
+                   "ZeRO shards over groups of dp_shard data-parallel ranks, replicated over dp / dp_shard groups; "
+                   f"pick a divisor of {self.dp} or remove it (null: shard over all of dp)")
         if self.tp_linear_async_communication and self.tp_mode == "ALL_REDUCE":
             yield (
                 "parallelism.tp_linear_async_communication: true needs parallelism.tp_mode: REDUCE_SCATTER "

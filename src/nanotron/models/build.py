@@ -18,7 +18,7 @@ from nanotron.nn.recompute import compile_layer, recompute_in_backward
 from nanotron.parallel.context import GridPosition, ParallelContext
 from nanotron.parallel.context_parallel import apply_context_parallel
 from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
-from nanotron.parallel.placement import annotate_placements
+from nanotron.parallel.placement import annotate_placements, logical_parameters
 from nanotron.parallel.tensor_parallel import ALL_REDUCE, apply_tensor_parallel
 
 META = torch.device("meta")
@@ -61,11 +61,12 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype, placeholders: bool = False) -> None:
     """Replace meta parameters by empty ones on ``device`` and meta buffers by zeros.
 
     Parameters take ``dtype`` unless their module lists them in ``fp32_parameters`` (state a family keeps in fp32
-    whatever the training dtype); a parameter shared by two modules stays shared.
+    whatever the training dtype); a parameter shared by two modules stays shared. With ``placeholders`` a parameter
+    keeps no storage (its shape and dtype only): whoever holds it gives it storage and values (ZeRO-3's buckets).
     """
     created: dict[int, nn.Parameter] = {}
     for submodule in module.modules():
@@ -78,6 +79,8 @@ def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype) -> 
                 created[id(param)] = nn.Parameter(
                     torch.empty(param.shape, device=device, dtype=param_dtype), requires_grad=param.requires_grad
                 )
+                if placeholders:
+                    created[id(param)].untyped_storage().resize_(0)
             submodule._parameters[key] = created[id(param)]
         for key, buffer in submodule._buffers.items():
             if buffer is not None and buffer.is_meta:
@@ -92,14 +95,16 @@ def pipeline_stage_layers(model_config, options: BuildOptions, stages: int, tp: 
 
 
 def build_stage(model_config, grid: ParallelContext | GridPosition, options: BuildOptions,
-                converters: Sequence[ModuleConverter] = (), device: torch.device = META) -> CausalLM:
+                converters: Sequence[ModuleConverter] = (), device: torch.device = META,
+                placeholders: bool = False) -> CausalLM:
     """The part of the model that the rank at ``grid``'s coordinates holds, with placements on every parameter and
     no initial values: constructed on the meta device, split by the family's tensor-parallel plan, expert
     parallelism and context parallelism, cut to the rank's pipeline stage, converted, then materialised on ``device``.
 
     Training builds its model this way (``build_model``). On the meta device (the default) nothing is allocated and
     ``grid`` may be a ``GridPosition`` of any rank: the memory planner counts what each stage holds from the model
-    this returns, so that it reads the same shapes, placements and dtypes as training.
+    this returns, so that it reads the same shapes, placements and dtypes as training. With ``placeholders`` the
+    parameters have no storage on ``device`` (``materialize``).
     """
     spec = spec_for_config(model_config)
     tp, stages = grid.size(Axis.TP), grid.size(Axis.PP)
@@ -120,7 +125,7 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
                        stage == stages - 1)
         for convert in converters:
             convert(model)
-    materialize(model, device, options.dtype)
+    materialize(model, device, options.dtype, placeholders)
     annotate_placements(model)
     if stages > 1 and model_config.tie_word_embeddings:
         mark_tied_embedding_copies(model, stages)
@@ -128,20 +133,22 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
 
 
 def build_model(model_config, parallel_context: ParallelContext, options: BuildOptions,
-                converters: Sequence[ModuleConverter] = ()) -> CausalLM:
+                converters: Sequence[ModuleConverter] = (), initialize: bool = True) -> CausalLM:
     """The model of this rank, with placements on every parameter and random initial weights.
 
-    Weights loaded from a checkpoint overwrite these afterwards; initialising anyway keeps one code path.
+    Weights loaded from a checkpoint overwrite these afterwards; initialising anyway keeps one code path. Without
+    ``initialize`` the parameters are placeholders without storage or values, which ZeRO-3 gives them a bucket at a
+    time (``parameter_initializer``).
     """
-    spec, pc = spec_for_config(model_config), parallel_context
-    model = build_stage(model_config, pc, options, converters, pc.device)
+    pc = parallel_context
+    model = build_stage(model_config, pc, options, converters, pc.device, placeholders=not initialize)
     if hasattr(model, "flash_attention"):  # a family with attention
         model.flash_attention = use_flash_attention(options.attention_backend, pc.device, options.dtype,
                                                     model_config.head_dim)
     if pc.size(Axis.PP) > 1:
         log_stages(model, pc.coord(Axis.PP))
-    init_parameters(model, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
-                    pc.coordinates, pc.sizes)
+    if initialize:
+        parameter_initializer(model_config, pc, options)(logical_parameters(model))
     if options.recompute != "none":  # before compiling, so that the compiled forward recomputes too
         for layer in model.layers.values():
             recompute_in_backward(layer, options.recompute)
@@ -151,3 +158,16 @@ def build_model(model_config, parallel_context: ParallelContext, options: BuildO
         if model.norm is not None:  # eager, it would keep an fp32 copy of the last hidden states for its backward
             model.norm.compile()
     return model
+
+
+def parameter_initializer(model_config, grid: ParallelContext | GridPosition,
+                          options: BuildOptions) -> Callable[[dict[str, torch.Tensor]], None]:
+    """The function that gives parameters (by logical name) their initial values at ``grid``'s coordinates: the
+    family's rule, seeded by the run's seed and each name."""
+    spec = spec_for_config(model_config)
+
+    def initialize(params: dict[str, torch.Tensor]) -> None:
+        init_parameters(params, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
+                        grid.coordinates, grid.sizes)
+
+    return initialize

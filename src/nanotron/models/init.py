@@ -13,11 +13,10 @@ import hashlib
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from nanotron.layout import Axis
 from nanotron.models.spec import Initializer
-from nanotron.parallel.placement import get_placement, logical_parameters
+from nanotron.parallel.placement import get_placement
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -34,10 +33,11 @@ def constant(value: float) -> Initializer:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, rule: Callable[[str], Initializer], coords: dict[Axis, int],
-                    sizes: dict[Axis, int]) -> None:
-    """Fill every local parameter with its slice of the logical initial tensor; ``rule(name)`` draws it."""
-    for name, param in logical_parameters(model).items():
+def init_parameters(params: dict[str, torch.Tensor], seed: int, rule: Callable[[str], Initializer],
+                    coords: dict[Axis, int], sizes: dict[Axis, int]) -> None:
+    """Fill every local parameter (by logical name: ``logical_parameters``) with its slice of the logical initial
+    tensor; ``rule(name)`` draws it."""
+    for name, param in params.items():
         placement = get_placement(param)
         full = torch.empty(placement.logical_shape, dtype=torch.float32, device=param.device)
         rule(name)(full, torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name)))

@@ -1,10 +1,11 @@
-"""AdamW on fp32 master weights, over the flat shards of the gradient buckets (ZeRO-1 when they are sharded), a
+"""AdamW on fp32 master weights, over the flat shards of the gradient buckets (ZeRO when they are sharded), a
 parameter at a time where a bucket holds the gradients autograd produced (``data_parallel.py``).
 
 The optimizer keeps fp32 master weights of this rank's shard of every bucket and updates them: small updates that
 would vanish when added to a bf16 weight are kept. After each step the model's parameters take the new masters (and,
-with ZeRO-1, are all-gathered over data-parallel ranks). Without ZeRO a rank's shard is the whole bucket; with ZeRO-1
-it is 1/dp of it, so masters and Adam moments take 1/dp of the memory. The masters of bf16 weights are held as those
+with ZeRO-1 and ZeRO-2, are all-gathered over data-parallel ranks; ZeRO-3 keeps only the shards, gathered a unit at
+a time when used). Without ZeRO a rank's shard is the whole bucket; with ZeRO it is 1/n of it (n the ranks it is
+sharded over), so masters and Adam moments take 1/n of the memory. The masters of bf16 weights are held as those
 weights plus 16 remainder bits each (``param_remainders.py``, ``optimizer.store_param_remainders``), others as fp32
 copies.
 
@@ -28,7 +29,7 @@ from nanotron.config import OptimizerArgs
 from nanotron.layout import Axis
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function
 from nanotron.optim.param_remainders import joined, split_, stores_remainders
-from nanotron.parallel.data_parallel import GradientBuckets
+from nanotron.parallel.data_parallel import GradientBuckets, ZeroSettings
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -49,8 +50,8 @@ class MixedPrecisionAdamW:
         # Per bucket, what the master keeps beyond the weights: int16 remainders (zero: the weights are the masters
         # now), or an fp32 copy.
         self.remainders = [stores_remainders(b.params.dtype, args.store_param_remainders) for b in buckets.buckets]
-        self.master_state = [torch.zeros_like(b.params[b.shard], dtype=torch.int16) if remainders
-                             else b.params[b.shard].detach().float().clone()
+        self.master_state = [torch.zeros_like(b.shard_params, dtype=torch.int16) if remainders
+                             else b.shard_params.detach().float().clone()
                              for b, remainders in zip(buckets.buckets, self.remainders)]
         moments_dtype = getattr(torch, args.adam_moments_dtype)
         self.exp_avgs = [torch.zeros_like(m, dtype=moments_dtype) for m in self.master_state]
@@ -79,9 +80,9 @@ class MixedPrecisionAdamW:
         """(gradient, master state, moments, weights) of bucket ``index``'s shard, flat: the whole shard where the
         bucket has a gradient buffer, else a parameter at a time with the gradient autograd produced."""
         bucket = self.buckets.buckets[index]
-        state = (self.master_state[index], self.exp_avgs[index], self.exp_avg_sqs[index], bucket.params[bucket.shard])
-        if bucket.grads is not None:
-            yield bucket.grads[bucket.shard], *state
+        state = (self.master_state[index], self.exp_avgs[index], self.exp_avg_sqs[index], bucket.shard_params)
+        if bucket.reduced_gradient is not None:
+            yield bucket.reduced_gradient, *state
             return
         for name in bucket.names:  # not sharded: the shard is the whole bucket
             piece = slice(*bucket.ranges[name])
@@ -94,13 +95,13 @@ class MixedPrecisionAdamW:
             if self.remainders[index]:
                 self.master_state[index].zero_()
             else:
-                self.master_state[index].copy_(bucket.params[bucket.shard])
+                self.master_state[index].copy_(bucket.shard_params)
 
     def master(self, index: int) -> torch.Tensor:
         """The fp32 masters of bucket ``index``'s shard (a new tensor where they are held as remainders)."""
         if self.remainders[index]:
             bucket = self.buckets.buckets[index]
-            return joined(bucket.params[bucket.shard], self.master_state[index])
+            return joined(bucket.shard_params, self.master_state[index])
         return self.master_state[index]
 
     def local_state_numel(self) -> int:
@@ -117,7 +118,7 @@ class MixedPrecisionAdamW:
     def bucket_states(self) -> Iterator[dict[str, dict[str, torch.Tensor]]]:
         """Per bucket: {parameter name: {state kind: fp32 tensor of the parameter's local shape}}.
 
-        Collective over data-parallel ranks under ZeRO-1 (the shards are all-gathered), local otherwise. bf16 moments
+        Collective over data-parallel ranks under ZeRO (the shards are all-gathered), local otherwise. bf16 moments
         are upcast, a bucket at a time.
         """
         buckets = self.buckets
@@ -147,23 +148,32 @@ class MixedPrecisionAdamW:
                 if kind != "master":
                     self._shard_state(index, kind).copy_(whole[bucket.shard])
                 elif self.remainders[index]:
-                    split_(whole[bucket.shard], bucket.params[bucket.shard], self.master_state[index])
+                    split_(whole[bucket.shard], bucket.shard_params, self.master_state[index])
                 else:
                     self.master_state[index].copy_(whole[bucket.shard])
-                    bucket.params[bucket.shard].copy_(self.master_state[index])
+                    bucket.shard_params.copy_(self.master_state[index])
         self.step_count = step
         self.buckets.all_gather_params()
 
 
 def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, bucket_mb: float,
                     groups: dict[tuple[Axis, ...], dist.ProcessGroup], declared_no_decay: set[str] = frozenset(),
-                    single_micro_batch: bool = False) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
+                    single_micro_batch: bool = False,
+                    replicas: dict[tuple[Axis, ...], dist.ProcessGroup | None] | None = None,
+                    units: dict[str, str] | None = None,
+                    initialize: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                    ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
     """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
-    ``groups`` (gradient axes -> process group, ``ParallelContext.reduction_groups``) and the optimizer over their
-    shards; ``single_micro_batch``: every step has one micro-batch per replica."""
+    ``groups`` (gradient axes -> process group, ``ParallelContext.shard_groups``; under HSDP the ranks of one shard
+    group, each shard's ``replicas`` then summed) and the optimizer over their shards; ``single_micro_batch``: every
+    step has one micro-batch per replica. ZeRO-3: ``units`` (parameter name -> unit) cut the buckets, and
+    ``initialize`` gives the parameters their values a bucket at a time (``GradientBuckets.fill``)."""
     exclude = args.weight_decay_exclude_named_params
     no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
-    buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups,
-                              shard=args.zero_stage == 1, single_micro_batch=single_micro_batch,
+    zero = ZeroSettings(args.zero_stage, replicas, units, args.grad_reduce_in_bf16)
+    buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups, zero,
+                              single_micro_batch=single_micro_batch,
                               persistent_buffers=args.persistent_gradient_buffers)
+    if initialize is not None:
+        buckets.fill(initialize)
     return buckets, MixedPrecisionAdamW(buckets, args)

@@ -19,7 +19,6 @@ last stage of each position, which both hold a copy of tied input/output embeddi
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -152,9 +151,9 @@ class ParallelContext(GridPosition):
 
         self._grid = torch.arange(self.world_size).reshape(layout.grid_shape)
         self._groups: dict[Group, dist.ProcessGroup] = {}
-        self._members: dict[Group, list[int]] = {}
         for group in Group:
-            self._create_groups(group)
+            if layout.served_by(group) == group:
+                self._create_groups(group)
         # First and last pipeline stage of each (dp, ep, cp, tp) position: they hold the two copies of tied embeddings.
         self.pipeline_ends: dist.ProcessGroup | None = None
         if layout.pp > 1:
@@ -168,27 +167,37 @@ class ParallelContext(GridPosition):
 
     def _create_groups(self, group: Group) -> None:
         """Create one process group per slice of the grid spanning ``group``'s axes (in the order its name lists
-        them, the last fastest); keep the one that holds this rank."""
-        keep = [GRID_AXES.index(axis) for axis in group.axes]
-        other = [i for i in range(len(GRID_AXES)) if i not in keep]
-        slices = self._grid.permute(*other, *keep).reshape(-1, math.prod(self._grid.shape[i] for i in keep))
-        for ranks in slices.tolist():
+        them, the last fastest: ``Layout.group_members``); keep the one that holds this rank."""
+        for ranks in self.layout.group_members(group):
             process_group = dist.new_group(ranks)
             if self.rank in ranks:
-                self._groups[group], self._members[group] = process_group, ranks
+                self._groups[group] = process_group
 
     def group(self, group: Group) -> dist.ProcessGroup:
-        return self._groups[group]
+        """The process group of ``group`` (that of the same ranks where the layout creates no other,
+        ``Layout.served_by``)."""
+        return self._groups[self.layout.served_by(group)]
 
     def members(self, group: Group) -> list[int]:
-        """The world ranks of this rank's ``group``, in the group's order."""
-        return self._members[group]
+        """The world ranks of this rank's ``group``, in the group's order (also of a group the layout creates no
+        process group for)."""
+        return next(ranks for ranks in self.layout.group_members(group) if self.rank in ranks)
 
     @property
     def reduction_groups(self) -> dict[tuple[Axis, ...], dist.ProcessGroup]:
         """The group of every combination of gradient axes (``Placement.gradient_axes``): the data-parallel
         replicas of a dense weight span dp × cp × ep, those of an expert weight (sharded over ep) dp × cp."""
         return {group.axes: self._groups[group] for group in (Group.DENSE_REPLICAS, Group.EXPERT_REPLICAS)}
+
+    @property
+    def shard_groups(self) -> dict[tuple[Axis, ...], tuple[dist.ProcessGroup, dist.ProcessGroup | None]]:
+        """For every combination of gradient axes, the ranks ZeRO shards a bucket over and the replicas of each
+        shard (HSDP; None without it): dp_shard × cp × ep and dp / dp_shard for a dense weight, dp_shard × cp and
+        dp / dp_shard for an expert weight."""
+        replicas = self.group(Group.SHARD_REPLICAS) if self.layout.dpr > 1 else None
+        return {replicated.axes: (self.group(shards), replicas)
+                for replicated, shards in ((Group.DENSE_REPLICAS, Group.DENSE_SHARDS),
+                                           (Group.EXPERT_REPLICAS, Group.EXPERT_SHARDS))}
 
     def destroy(self) -> None:
         if dist.is_initialized():

@@ -1,6 +1,7 @@
-"""Building a run's pieces from its validated config: the data it reads, the pipeline schedule, the summary logged
-before the first step and the profiler. The model and optimizer are built by ``models/build.py`` and
-``optim/optimizer.py``, the step by ``training/step.py``; the trainer puts them together."""
+"""Building a run's pieces from its validated config: the data it reads, the model with its optimizer, the pipeline
+schedule, the summary logged before the first step and the profiler. The model and optimizer themselves are built by
+``models/build.py`` and ``optim/optimizer.py`` (``trained_model`` joins them, with ZeRO-3's sharding), the step by
+``training/step.py``; the trainer puts them together."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,9 +28,14 @@ from nanotron.data.tokenizer import (
 )
 from nanotron.layout import Axis
 from nanotron.memory import memory_summary
+from nanotron.models.build import BuildOptions, ModuleConverter, build_model, parameter_initializer
 from nanotron.models.spec import CausalLM
+from nanotron.optim.optimizer import MixedPrecisionAdamW, build_optimizer
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.data_parallel import GradientBuckets
+from nanotron.parallel.parameter_sharding import ShardedUnits, parameter_units
 from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
+from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
@@ -160,6 +167,33 @@ def pipeline_schedule(config: Config, pc: ParallelContext,
     dtype = model_config.activation_dtype(config.model.torch_dtype())
     p2p = P2P(pc, shape, dtype, config.parallelism.pp_timeout_s)
     return PipelineSchedule(pc, p2p, stage_forward, before_last_backward)
+
+
+class TrainedModel(NamedTuple):
+    model: CausalLM
+    buckets: GradientBuckets
+    optimizer: MixedPrecisionAdamW
+    units: ShardedUnits | None  # ZeRO-3 over more than one rank: what gathers and releases the model's units
+
+
+def trained_model(config: Config, pc: ParallelContext, converters: Sequence[ModuleConverter] = ()) -> TrainedModel:
+    """The model this rank trains, its gradient buckets and its optimizer. Under ZeRO-3 the model is built without
+    weights, the buckets give each parameter its storage and initial values a bucket at a time, keep their shards and
+    free the rest, and the model's units are gathered and released around their use (``ShardedUnits``)."""
+    model_config, options = config.model.model_config, BuildOptions.from_config(config)
+    sharded = config.optimizer.zero_stage == 3
+    model = build_model(model_config, pc, options, converters, initialize=not sharded)
+    shards = pc.shard_groups
+    buckets, optimizer = build_optimizer(
+        logical_parameters(model), config.optimizer, config.model.ddp_bucket_cap_mb,
+        {axes: group for axes, (group, _) in shards.items()}, declared_names(model, "no_weight_decay_parameters"),
+        single_micro_batch=config.tokens.batch_accumulation_per_replica == 1,
+        replicas={axes: replicas for axes, (_, replicas) in shards.items()},
+        units=parameter_units(model) if sharded else None,
+        initialize=parameter_initializer(model_config, pc, options) if sharded else None,
+    )
+    units = ShardedUnits(model, buckets) if any(bucket.sharded_params for bucket in buckets.buckets) else None
+    return TrainedModel(model, buckets, optimizer, units)
 
 
 def log_summary(config: Config, pc: ParallelContext, model: CausalLM, num_parameters: int) -> None:

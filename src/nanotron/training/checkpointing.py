@@ -176,7 +176,7 @@ class RunCheckpoints:
         if initial is None:
             return TrainingProgress()
         checkpoint, metadata = initial
-        load_weights(checkpoint, model, self.pc, metadata)
+        load_weights(checkpoint, model, self.pc, metadata, optimizer.buckets.whole_parameters(write_back=True))
         if self.resume_from is None:
             optimizer.sync_masters_from_model()
             logger.info(f"initial weights loaded from {checkpoint} (optimizer, schedule and data start fresh)")
