@@ -111,7 +111,7 @@ def group_members(layout: Layout, group: str) -> list[int]:
 
 def step_collectives(config: Config, stage: int = 0, layout: Layout | None = None) -> list[Collective]:
     """The collectives a rank of pipeline stage ``stage`` issues in one training step of ``config`` (its layout, or
-    ``layout`` in its place, with ``layout.zero_stage`` 2 and 3 modeled beyond what training runs today)."""
+    ``layout`` in its place)."""
     layout = layout or Layout.from_config(config)
     structure = _structure(config, layout)
     layers = structure.stage_layers(config, layout)[stage]
@@ -167,9 +167,8 @@ class _Structure:
 
 
 def with_layout(config: Config, layout: Layout) -> Config:
-    """``config`` split as ``layout``: its grid, token split and ZeRO stage (1 for the stages beyond, which training
-    does not run yet), its pipeline engine where training runs it; an explicit pipeline split kept only for its own
-    number of stages."""
+    """``config`` split as ``layout``: its grid, token split and ZeRO stage, its pipeline engine where training runs
+    it; an explicit pipeline split kept only for its own number of stages."""
     p = config.parallelism
     engine = layout.pp_engine if layout.pp_engine in ("afab", "1f1b") else p.pp_engine
     p = replace(p, dp=layout.dp, tp=layout.tp, pp=layout.pp, expert_parallel_size=layout.ep,
@@ -179,7 +178,7 @@ def with_layout(config: Config, layout: Layout) -> Config:
                 pp_stage_layers=p.pp_stage_layers if layout.pp == p.pp else None)
     t = replace(config.tokens, micro_batch_size=layout.micro_batch_size,
                 batch_accumulation_per_replica=layout.accumulation)
-    optimizer = replace(config.optimizer, zero_stage=min(layout.zero_stage, 1))
+    optimizer = replace(config.optimizer, zero_stage=layout.zero_stage)
     return replace(config, parallelism=p, tokens=t, optimizer=optimizer)
 
 
@@ -422,7 +421,8 @@ def _gradient_collectives(config: Config, layout: Layout, stage: int) -> list[Co
             continue
         elements = -(-bucket.elements // size) * size
         kind = ALL_REDUCE if layout.zero_stage == 0 else REDUCE_SCATTER_KIND
-        collectives.append(Collective(kind, group.value, elements * bucket.gradient_bytes, 1, "gradients",
+        times = layout.accumulation if layout.zero_stage >= 2 else 1  # ZeRO-2/3 reduce every micro-batch
+        collectives.append(Collective(kind, group.value, elements * bucket.gradient_bytes, times, "gradients",
                                       "gradient bucket"))
         if layout.zero_stage in (1, 2):
             collectives.append(Collective(ALL_GATHER, group.value, elements * bucket.weight_bytes, 1, "update",

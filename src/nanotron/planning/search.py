@@ -5,9 +5,8 @@ pp at most the layers, cp only for families that split sequences (and sequences 
 mixture of experts (dividing its experts), sequence parallelism at tp > 1; ZeRO stages 0 to 3 (over replicas
 only) and, with several stages, the schedules of ``schedules.py``. The global batch stays the config's (or
 ``global_batch``): a layout whose sample shards do not divide it is left out, the micro-batch shrinks where a
-shard reads fewer sequences than it. What training does not run yet (ZeRO 2 and 3, schedules other than
-``parallelism.pp_engine``'s) is marked "planned"; its memory is the planner's for ZeRO-1 and 1F1B, less the
-gradients (ZeRO-2) and the weights (ZeRO-3) the replicas no longer hold whole.
+shard reads fewer sequences than it. A schedule training does not run yet (other than ``parallelism.pp_engine``'s)
+is marked "planned"; its memory is the planner's for 1F1B.
 
 Memory is checked with the memory planner (``memory.estimate_memory``), fastest layout first, until ``top`` fit;
 a layout whose weights and optimizer state alone exceed the GPU is dropped before.
@@ -20,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from nanotron.config import Config, ConfigError
 from nanotron.layout import Group, Layout
-from nanotron.memory import ALLOCATOR_SLACK, GB, estimate_memory
+from nanotron.memory import GB, estimate_memory
 from nanotron.models.registry import spec_for_config
 from nanotron.planning.cluster import Cluster
 from nanotron.planning.collectives import with_layout
@@ -42,10 +41,7 @@ class Candidate:
 
 
 def planned(layout: Layout) -> tuple[str, ...]:
-    notes = (f"zero {layout.zero_stage}",) if layout.zero_stage > 1 else ()
-    if layout.pp > 1 and not schedule_of(layout.schedule).available:
-        notes += (layout.schedule,)
-    return notes
+    return (layout.schedule,) if layout.pp > 1 and not schedule_of(layout.schedule).available else ()
 
 
 def parse_layout(text: str, config: Config, global_batch: int) -> Layout:
@@ -133,12 +129,7 @@ def candidate(config: Config, time: StepTime, gpu_memory_gb: float) -> Candidate
     """``time``'s layout with its memory per GPU (the largest stage's, as the memory planner estimates it)."""
     layout = time.layout
     estimate = estimate_memory(with_layout(config, layout), gpu_memory_gb)
-    replicas = layout.size(Group.DENSE_REPLICAS)
-    saved = [(stage.gradients if layout.zero_stage >= 2 else 0) + (stage.weights if layout.zero_stage == 3 else 0)
-             for stage in estimate.stages]
-    largest = max(stage.total - share * (1 - 1 / replicas) * (1 + ALLOCATOR_SLACK)
-                  for stage, share in zip(estimate.stages, saved))
-    return Candidate(time, largest / GB, planned(layout))
+    return Candidate(time, max(stage.total for stage in estimate.stages) / GB, planned(layout))
 
 
 def ranked(config: Config, gpus: int, cluster: Cluster, top: int, global_batch: int) -> list[Candidate]:
