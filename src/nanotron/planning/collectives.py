@@ -432,18 +432,29 @@ def _gradient_collectives(config: Config, layout: Layout, stage: int) -> list[Co
             collectives.append(Collective(ALL_REDUCE, PIPELINE_ENDS, shard * bucket.gradient_bytes, 1, "gradients",
                                           "tied embedding copies"))
     if layout.zero_stage == 3:
-        collectives += _gathered_weights(params, layout)
+        collectives += _gathered_weights(params, config, layout, tied)
     return collectives
 
 
-def _gathered_weights(params: list[Parameter], layout: Layout) -> list[Collective]:
-    """ZeRO-3: every weight gathered before its forward and before its backward, per micro-batch."""
-    by_group: dict[Group, int] = {}
-    for p in params:
-        group = Group.EXPERT_REPLICAS if p.gradient_axes == Group.EXPERT_REPLICAS.axes else Group.DENSE_REPLICAS
-        by_group[group] = by_group.get(group, 0) + p.elements * p.dtype.itemsize
-    return [Collective(ALL_GATHER, group.value, size, 2 * layout.accumulation, "forward", "sharded weights")
-            for group, size in by_group.items()]
+def _unit(name: str) -> str:
+    """The ZeRO-3 unit of a parameter (``parallel/parameter_sharding.py``): its decoder layer, or the outer unit."""
+    return ".".join(name.split(".")[:2]) if name.startswith("layers.") else "outer"
+
+
+def _gathered_weights(params: list[Parameter], config: Config, layout: Layout, tied: bool) -> list[Collective]:
+    """ZeRO-3's gathers (``ShardedUnits``): the outer unit once a step (it stays gathered until the update); each
+    decoder layer before its forward and again before its backward in every micro-batch, but the stage's last
+    layer, which stays gathered from its forward into its backward."""
+    last = max((b.unit for b in _buckets(params, config, layout, tied) if b.unit != "outer"),
+               key=lambda unit: int(unit.split(".")[1]), default=None)
+    collectives = []
+    for bucket in _buckets(params, config, layout, tied):
+        group = Group.EXPERT_REPLICAS if bucket.axes == Group.EXPERT_REPLICAS.axes else Group.DENSE_REPLICAS
+        size = layout.size(group)
+        times = 1 if bucket.unit == "outer" else layout.accumulation * (1 if bucket.unit == last else 2)
+        collectives.append(Collective(ALL_GATHER, group.value, -(-bucket.elements // size) * size * bucket.weight_bytes,
+                                      times, "forward", "sharded weights"))
+    return collectives
 
 
 @dataclass(frozen=True)
@@ -453,27 +464,29 @@ class _Bucket:
     gradient_bytes: int
     weight_bytes: int
     tied: bool
+    unit: str = "outer"  # ZeRO-3's unit; every bucket's without ZeRO-3
 
 
 def _buckets(params: list[Parameter], config: Config, layout: Layout, tied: bool) -> list[_Bucket]:
     """The gradient buckets of ``GradientBuckets`` (``parallel/data_parallel.py``): parameters in reverse order of
-    their names, by weight decay, gradient axes and dtype, cut once a bucket reaches ``model.ddp_bucket_cap_mb``; a
-    weight tied across stages in a bucket of its own."""
+    their names, by weight decay, ZeRO-3 unit, gradient axes and dtype, cut once a bucket reaches
+    ``model.ddp_bucket_cap_mb``; a weight tied across stages in a bucket of its own."""
     cap = int(config.model.ddp_bucket_cap_mb * 2**20)
     single = layout.accumulation == 1
     in_fp32 = config.optimizer.accumulate_grad_in_fp32
     buckets: list[_Bucket] = []
     for decay in (True, False):
-        kinds: dict[tuple[tuple[Axis, ...], torch.dtype], list[Parameter]] = {}
+        kinds: dict[tuple[str, tuple[Axis, ...], torch.dtype], list[Parameter]] = {}
         for p in reversed(params):
             if p.decay == decay:
-                kinds.setdefault((p.gradient_axes, p.dtype), []).append(p)
-        for (axes, dtype), members in kinds.items():
+                unit = _unit(p.name) if layout.zero_stage == 3 else "outer"
+                kinds.setdefault((unit, p.gradient_axes, p.dtype), []).append(p)
+        for (unit, axes, dtype), members in kinds.items():
             replicas = math.prod(layout.size(axis) for axis in axes)
 
-            def bucket(elements: int, copies: bool, axes=axes, dtype=dtype, replicas=replicas) -> _Bucket:
+            def bucket(elements: int, copies: bool, axes=axes, dtype=dtype, replicas=replicas, unit=unit) -> _Bucket:
                 grad = gradient_dtype(dtype, in_fp32, single, replicas, copies)
-                return _Bucket(axes, elements, grad.itemsize, dtype.itemsize, copies)
+                return _Bucket(axes, elements, grad.itemsize, dtype.itemsize, copies, unit)
 
             filled = 0
             for p in members:
