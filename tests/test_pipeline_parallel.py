@@ -146,7 +146,7 @@ def _stuck_neighbour(timeout_s: float) -> str:
         time.sleep(3 * timeout_s)  # never sends
         return ""
     with pytest.raises(PipelineTimeoutError) as error:
-        p2p.recv_forward()
+        p2p.recv_from(0)
     return str(error.value)
 
 

@@ -123,7 +123,7 @@ def _two_layer_pipeline(pp: int) -> dict:
     router's), over 4 micro-batches."""
     from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
-    from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
+    from nanotron.parallel.pipeline_parallel import P2P, Chunk, PipelineSchedule, StageOutput
     from nanotron.parallel.statistics import sum_over_replicas
 
     pc = ParallelContext(Layout(pp=pp))
@@ -143,7 +143,7 @@ def _two_layer_pipeline(pp: int) -> dict:
         loss = (hidden @ w1).square().mean()
         return StageOutput(None, statistics | {"loss": loss}, (loss,) if aux is None else (loss, aux))
 
-    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), forward, lambda: None)
+    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), [Chunk(forward)], lambda: None)
     statistics = sum_over_replicas(schedule.run(micro_batches, step=1), {"loss": (), "aux_loss": ()}, pc)
     return {"w0": w0.grad if pc.is_first_stage else None, "w1": w1.grad if pc.is_last_stage else None,
             "statistics": {name: value.item() for name, value in statistics.items()}}

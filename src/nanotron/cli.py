@@ -1,5 +1,5 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``generate``, ``eval``, ``convert``,
-``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``.
+``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``, ``schedule``.
 
 Every subcommand checks its options while they are parsed (numeric ranges, output paths), before any work, and turns
 a bad command line and the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
@@ -195,6 +195,15 @@ def _estimate_memory(args: argparse.Namespace) -> None:
     print(estimate_memory(load_config(args.config_file, args.override), args.gpu_memory_gb).table())
 
 
+def _schedule(args: argparse.Namespace) -> None:
+    from nanotron.config import load_config
+    from nanotron.layout import Layout
+
+    timeline = Layout.from_config(load_config(args.config_file, args.override)).timeline()
+    print(timeline.summary())
+    print(timeline.render())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -314,6 +323,13 @@ def _add_run_commands(commands) -> None:
     memory.add_argument("--gpu-memory-gb", type=positive, default=None,
                         help="memory of one GPU (default: this machine's GPU, else an H200's 150.1)")
     memory.set_defaults(run=_estimate_memory)
+
+    schedule = commands.add_parser("schedule", help="print the pipeline schedule's timeline: every stage's forwards "
+                                                    "and backwards per chunk and micro-batch, and its bubble")
+    schedule.add_argument("--config-file", type=Path, required=True)
+    schedule.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                          help="change config values, e.g. parallelism.pp=4 parallelism.pp_engine=zb_h1")
+    schedule.set_defaults(run=_schedule)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

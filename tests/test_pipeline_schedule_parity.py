@@ -1,0 +1,67 @@
+"""Interleaved 1F1B, ZB-H1 and ZBV train the model one process trains: first-step gradients, then loss and grad-norm
+of every step, over real trainers in gloo processes (float32, to 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed, run_distributed_each
+from helpers import assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
+
+STEPS = parity_steps(short=10)
+
+
+def schedule_config(tiny_data, folder, *, engine: str = "1f1b", pp: int = 1, virtual: int = 1, tied: bool = True,
+                    **parallelism) -> dict:
+    """8 layers, 8 micro-batches of one sequence a step: every schedule and chunk count below can split them."""
+    base = tiny_config_dict(tiny_data, folder)
+    model = base["model"] | {"model_config": base["model"]["model_config"] | {"num_hidden_layers": 8,
+                                                                              "tie_word_embeddings": tied}}
+    dp = parallelism.get("dp", 1)
+    return tiny_config_dict(
+        tiny_data, folder, model=model,
+        parallelism={"pp": pp, "pp_engine": engine, "virtual_pipeline_size": virtual, **parallelism},
+        tokens={"micro_batch_size": 1, "batch_accumulation_per_replica": 8 // dp, "train_steps": STEPS})
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data, tmp_path_factory) -> dict[bool, dict]:
+    """One process, tied and untied embeddings."""
+    calls = [{"config": schedule_config(tiny_data, tmp_path_factory.mktemp(f"ref{tied}"), tied=tied)}
+             for tied in (True, False)]
+    tied, untied = (result for (result,) in run_distributed_each(first_step_then_train, 1, calls))
+    for result in (tied, untied):
+        assert_reference_trains(result["metrics"], STEPS)
+    return {True: tied, False: untied}
+
+
+def check_parity(reference: dict, results: list[dict], layout: str) -> None:
+    reference_grads = assemble([reference], "grads")
+    for name, grad in assemble(results, "grads").items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=f"{layout} {name}")
+    (metrics,) = [result["metrics"] for result in results if result["metrics"]]
+    for expected, got in zip(reference["metrics"], metrics, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), (layout, got["step"])
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (layout, got["step"])
+
+
+LAYOUTS = [  # (world, parallelism, tied embeddings): one representative of each schedule in the default tier
+    (2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}, True),
+    (2, {"pp": 2, "engine": "zb_h1"}, True),
+    (2, {"pp": 2, "engine": "zbv", "virtual": 2}, False),
+    pytest.param(4, {"pp": 4, "engine": "interleaved_1f1b", "virtual": 2}, True, marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 4, "engine": "zb_h1"}, True, marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "dp": 2}, True,
+                 marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 2, "engine": "zb_h1", "tp": 2, "tp_mode": "REDUCE_SCATTER"}, True,
+                 marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 2, "engine": "zbv", "virtual": 2, "dp": 2}, False, marks=pytest.mark.full_tier),
+]
+
+
+@pytest.mark.parametrize("world, parallelism, tied", LAYOUTS)
+def test_schedule_trains_as_one_process(references, tiny_data, tmp_path, world, parallelism, tied):
+    config = schedule_config(tiny_data, tmp_path, tied=tied, **parallelism)
+    results = run_distributed(first_step_then_train, world, timeout=900, config=config)
+    check_parity(references[tied], results, str(parallelism))
