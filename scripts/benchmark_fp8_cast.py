@@ -1,4 +1,5 @@
-"""The FP8 backward's casts on CUDA: what the compiler makes of them against the tiled Triton kernels of ``nn/fp8.py``.
+"""The FP8 backward's casts on CUDA: what the compiler makes of them against the tiled Triton kernels of
+``nn/fp8/cast_kernels.py``.
 
     python scripts/benchmark_fp8_cast.py --output fp8_cast.json
     python scripts/benchmark_fp8_cast.py --grouped --output fp8_grouped_cast.json
@@ -6,14 +7,14 @@
 Each linear's backward casts its bf16 output gradient [tokens, features] to e5m2 twice: row-major for the input
 gradient's product, and transposed for the weight gradient's (``torch._scaled_mm`` takes both operands with the
 reduced dimension contiguous). torch.compile fuses the cast and the transposed copy into one kernel with two stores
-(``nn/fp8.py`` as compiled layers run it), with the amax as a separate reduction unless the scale is known. The
-kernel of ``nn/fp8.py`` reads a [rows, columns] tile once and writes both layouts from it, recording the amax with
-one atomic per tile; it is timed here at several tiles. Shapes: the 1B model's gate|up, q|k|v and output-projection
-gradients at 16,384 tokens.
+(``nn/fp8/casts.py`` as compiled layers run it), with the amax as a separate reduction unless the scale is known.
+The kernel of ``nn/fp8/cast_kernels.py`` reads a [rows, columns] tile once and writes both layouts from it,
+recording the amax with one atomic per tile; it is timed here at several tiles. Shapes: the 1B model's gate|up,
+q|k|v and output-projection gradients at 16,384 tokens.
 Every setting's outputs are checked bit for bit against the compiler's; times are ``triton.testing.do_bench``
 medians in ms, with the bandwidth of the 4 bytes moved per element.
 
-``--grouped`` times the MoE experts' backward casts (``_FP8GroupedLinear``) at the mixtral preset's shapes: 16,640
+``--grouped`` times the MoE experts' backward casts (``fp8_grouped_linear``'s) at the mixtral preset's shapes: 16,640
 token rows in 8 uneven groups of whole 16-row blocks, 2048, 4096 and 8192 features, each cast per (group, feature)
 and transposed, and with ``rowwise`` (the output gradient) also per row, row-major; and the weights [8, 8192, 2048]
 and [8, 2048, 4096] per (expert, input column), transposed. The compiled plain-torch casts
@@ -35,13 +36,9 @@ import triton
 from benchmark_record import kernel_record
 from triton.testing import do_bench
 
-from nanotron.nn.fp8 import (
-    GROUPED_ALIGNMENT,
-    _cast_both_layouts_kernel,
-    _cast_per_group,
-    quantize_for_grouped_backward_reference,
-    quantize_weight_columns_reference,
-)
+from nanotron.nn.fp8 import GROUPED_ALIGNMENT
+from nanotron.nn.fp8.cast_kernels import _cast_both_layouts_kernel, _cast_per_group
+from nanotron.nn.fp8.grouped import quantize_for_grouped_backward_reference, quantize_weight_columns_reference
 
 E5M2 = torch.float8_e5m2
 E5M2_MAX = torch.finfo(E5M2).max
@@ -51,7 +48,7 @@ TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4), (
 
 
 def tiled(x: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int, int]):
-    """``nn/fp8.py``'s kernel (it records the amax) at another tile."""
+    """``cast_both_layouts``'s kernel (it records the amax) at another tile."""
     rows, columns = x.shape
     out = torch.empty_like(x, dtype=E5M2)
     out_t = torch.empty((columns, rows), dtype=E5M2, device=x.device)

@@ -1,5 +1,6 @@
-"""The fixtures shared by the test files (a tiny learnable corpus with its tokenizer and tokenized shards, DoReMi's
-domains and reference run) and the hooks that pick the test tier; the plain helpers are in ``helpers.py``.
+"""The fixtures shared by the test files (a tiny learnable corpus with its tokenizer and tokenized shards, a run
+trained on it to read or to damage, a converted Hugging Face Llama, DoReMi's domains and reference run) and the
+hooks that pick the test tier; the plain functions are in the ``support`` package.
 
 Tiers (``NANOTRON_TEST_TIER``): the default run trains every layout-parity comparison for a few steps
 (``parity_steps()``) on top of the exact first-step gradient checks; ``full`` trains them for the full 20 steps and
@@ -15,22 +16,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed
-from helpers import (
-    DOMAINS,
-    FULL_TIER_REASON,
-    TIER_VARIABLE,
-    _train,
-    doremi_config,
-    full_tier,
-    quick_tier,
-    tier_name,
-    write_corpus,
-)
+from support.configs import DOMAINS, doremi_config, short_config
+from support.corpus import write_corpus
+from support.hf import save_tiny_hf_model
+from support.runs import train_on_ranks, train_through_cli
+from support.tiers import FULL_TIER_REASON, TIER_VARIABLE, full_tier, quick_tier, tier_name
 
 
 def pytest_configure(config) -> None:
@@ -97,6 +92,38 @@ def tiny_data(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def base(tiny_data, tmp_path_factory) -> dict:
+    """A run folder trained 2 steps with the tiny config (hidden 64, 2 layers, 4/2 heads, vocab 384, tied) and its
+    config, read by the tests that resume, evaluate or convert it (never changed)."""
+    root = tmp_path_factory.mktemp("base")
+    config = short_config(tiny_data, root / "run", train_steps=2)
+    train_through_cli(config, root / "config.yaml")
+    assert (root / "run" / "latest.txt").read_text().strip() == "2"
+    return {"run": root / "run", "config": config}
+
+
+@pytest.fixture
+def saved(tiny_data, tmp_path) -> dict:
+    """A run folder trained 2 steps, its checkpoint and config, for a test that damages them."""
+    run = tmp_path / "run"
+    config = short_config(tiny_data, run, 2)
+    train_through_cli(config, tmp_path / "config.yaml")
+    return {"run": run, "checkpoint": run / "2", "config": config}
+
+
+@pytest.fixture(scope="module")
+def converted_llama(tiny_data, tmp_path_factory) -> Path:
+    """A tiny Llama saved by ``transformers`` (128 positions) converted to nanotron with the tiny corpus's
+    tokenizer."""
+    from nanotron.checkpoint.hf import hf_to_nanotron
+
+    root = tmp_path_factory.mktemp("converted")
+    save_tiny_hf_model("llama", root / "hf")
+    shutil.copy(tiny_data["tokenizer"], root / "hf" / "tokenizer.json")
+    return hf_to_nanotron(root / "hf", root / "ckpt")
+
+
+@pytest.fixture(scope="module")
 def doremi_domains(tiny_data, tmp_path_factory) -> list[Path]:
     """Three domains tokenized with the tiny tokenizer: two corpora of the test grammar and a shuffled-word one."""
     from nanotron.data.preprocess import preprocess
@@ -121,5 +148,5 @@ def doremi_domains(tiny_data, tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def doremi_reference(tiny_data, doremi_domains, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
-    run_distributed(_train, 1, config=doremi_config(tiny_data, doremi_domains, run, steps=12))
+    train_on_ranks(doremi_config(tiny_data, doremi_domains, run, steps=12), 1)
     return run

@@ -5,18 +5,19 @@ recorded by the benchmark."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed_each
-from helpers import ROOT, benchmark_on_cpu, tiny_config_dict
 from nanotron.config import ConfigError, load_config
 from nanotron.memory import estimate_memory
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed_each
+from support.stand_ins import benchmark_on_cpu
 
 EXAMPLE = ROOT / "examples" / "config_tiny_llama.yaml"
 CPU = torch.device("cpu")
@@ -182,9 +183,6 @@ def test_a_checkpoint_resumes_with_the_other_moments_dtype(runs, saved, loaded):
 def test_the_benchmark_records_the_moments_dtype_and_names_runs_by_it(tiny_data, tmp_path, monkeypatch):
     import argparse
 
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
     import benchmark
     import benchmark_record
 

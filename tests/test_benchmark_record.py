@@ -12,19 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import benchmark
+import benchmark_peers
+import benchmark_record
+import benchmark_table
 import pytest
 import torch
 
-from helpers import ROOT, benchmark_on_cpu, tiny_config_dict
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.stand_ins import benchmark_on_cpu
 
 SCRIPTS = ROOT / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import benchmark  # noqa: E402
-import benchmark_peers  # noqa: E402
-import benchmark_record  # noqa: E402
-import benchmark_table  # noqa: E402
 
 TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 128, "tie_word_embeddings": True, "rope_theta": 10000.0}

@@ -1,6 +1,8 @@
 """Checkpoints that cannot be trusted or cannot be written, through the real mechanisms: a hand-edited
 checkpoint.json, a file list naming what no save writes (a path elsewhere, a symbolic link out, a device, a pipe), a
-disk that fills up inside safetensors' own write, and an old checkpoint that cannot be pruned.
+disk that fills up inside safetensors' own write, and an old checkpoint that cannot be pruned; same-size corruption,
+a planted pickle, a corrupt checkpoint.json, a full disk or an unwritable folder at any save, a ``latest.txt``
+pointing elsewhere; and background saves writing what foreground ones write.
 
 A full disk is a small tmpfs mounted in a user and mount namespace of the training process where the system allows
 one, and a file-size limit (RLIMIT_FSIZE) on it; a folder that cannot be deleted is a read-only bind mount (or, where
@@ -10,8 +12,10 @@ run as processes of their own.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import resource
 import shlex
 import shutil
@@ -22,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Outcome, _config, assert_user_error, checkpoint_json, cli, train, write_config
 from nanotron.checkpoint.integrity import file_entry
 from nanotron.checkpoint.manager import write_metadata
+from support.configs import short_config, write_config
+from support.runs import Outcome, assert_user_error, checkpoint_json, checkpoint_steps, cli, train_through_cli
 
 MODEL_FILE = "model/pp000-tp000-ep000.safetensors"  # the first file a save writes, through safetensors (~400 kB)
 FREE_BYTES = 128 * 1024  # room left on a full disk: less than that file, more than a step's other writes
@@ -34,7 +39,7 @@ FREE_BYTES = 128 * 1024  # room left on a full disk: less than that file, more t
 def trained(tiny_data, tmp_path_factory) -> Path:
     """A run folder trained 2 steps (checkpoint 2); tests work on copies of it."""
     root = tmp_path_factory.mktemp("trained")
-    train(_config(tiny_data, root / "run", 2), root / "config.yaml")
+    train_through_cli(short_config(tiny_data, root / "run", 2), root / "config.yaml")
     return root / "run"
 
 
@@ -44,18 +49,14 @@ def run(trained, tmp_path) -> Path:
     return tmp_path / "run"
 
 
-def _steps(run: Path) -> list[str]:
-    return sorted((p.name for p in run.iterdir() if p.name.isdigit()), key=int)
-
-
 def _eval(run: Path, tiny_data) -> Outcome:
     return cli("eval", "--ckpt-path", run, "--data", tiny_data["tokenized"], "--sequence-length", 16,
                "--max-windows", 2)
 
 
 def _resume(run: Path, tiny_data, tmp_path: Path) -> Outcome:
-    config = _config(tiny_data, tmp_path / "resumed", 3,
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(run)})
+    config = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(run)})
     return cli("train", "--config-file", write_config(tmp_path / "resume.yaml", config))
 
 
@@ -251,7 +252,7 @@ def test_a_file_list_naming_a_device_or_a_pipe_is_refused_instead_of_hanging(run
 @pytest.mark.slow
 def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_run_resumes(run, tiny_data, tmp_path,
                                                                                          full):
-    config = _config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"})
+    config = short_config(tiny_data, run, 3, checkpoints={"checkpoint_interval": 1, "resume_checkpoint_path": "auto"})
     outcome = full(run, ["train", "--config-file", write_config(tmp_path / "config.yaml", config)])
     assert_user_error(outcome, f"while saving checkpoint 3 (writing {run / '.tmp-3' / MODEL_FILE})",
                       "(the size of the previous checkpoint)", "are free",
@@ -259,17 +260,159 @@ def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_ru
     assert sorted(p.name for p in run.iterdir()) == ["2", "latest.txt", "metrics.jsonl"]  # no partial save
     assert not [p for p in run.rglob(".*")]  # nor any temporary file
     assert (run / "latest.txt").read_text().strip() == "2" and cli("checkpoint", "verify", run).code == 0
-    assert "resumed from" in train(config, tmp_path / "again.yaml").stderr
+    assert "resumed from" in train_through_cli(config, tmp_path / "again.yaml").stderr
     assert checkpoint_json(run)["step"] == 3
 
 
 # --- pruning old checkpoints ---------------------------------------------------------------------------------------
 
 def test_an_old_checkpoint_that_cannot_be_deleted_is_kept_with_a_warning_at_every_save(run, tiny_data, tmp_path):
-    config = _config(tiny_data, run, 4, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
-                                                     "resume_checkpoint_path": "auto"})
+    config = short_config(tiny_data, run, 4, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
+                                                          "resume_checkpoint_path": "auto"})
     outcome = _with_a_read_only_folder(run / "2", ["train", "--config-file", write_config(tmp_path / "c.yaml", config)])
     assert outcome.code == 0, outcome.stderr[-3000:]
     assert outcome.stderr.count(f"could not delete the old checkpoint {run / '2'}") == 2  # after saving 3, and 4
-    assert _steps(run) == ["2", "4"] and (run / "latest.txt").read_text().strip() == "4"
+    assert checkpoint_steps(run) == ["2", "4"] and (run / "latest.txt").read_text().strip() == "4"
     assert cli("checkpoint", "verify", run / "2").code == 0  # kept whole
+
+
+# --- damaged files, full disks and stray latest.txt files -----------------------------------------------------------
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_same_size_corruption_is_named_by_every_loader(saved, tiny_data, tmp_path):
+    weights = next((saved["checkpoint"] / "model").glob("*.safetensors"))
+    assert cli("checkpoint", "verify", saved["run"]).code == 0
+    _flip_a_byte(weights)
+    expected = (str(weights), "does not match its checksum")
+    assert_user_error(cli("checkpoint", "verify", saved["run"]), *expected)
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)), *expected)
+    assert_user_error(cli("eval", "--ckpt-path", saved["run"], "--data", tiny_data["tokenized"],
+                          "--sequence-length", "16"), *expected)
+    assert_user_error(cli("generate", "--ckpt-path", saved["run"], "--prompt", "the"), *expected)
+    assert_user_error(cli("convert", "nanotron-to-hf", "--ckpt-path", saved["run"], "--save-path", tmp_path / "hf"),
+                      *expected)
+
+
+def test_corrupt_optimizer_state_is_named_not_reported_as_divergence(saved, tiny_data, tmp_path):
+    state = next((saved["checkpoint"] / "optimizer").glob("*.safetensors"))
+    _flip_a_byte(state)
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    line = assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)),
+                             str(state), "checksum")
+    assert "learning_rate" not in line
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that a load executed code from the checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
+    from nanotron.checkpoint.manager import write_metadata
+
+    rng = saved["checkpoint"] / "rng"
+    marker = tmp_path / "executed"
+    for file in rng.iterdir():  # a pickled rng file with a payload, and no other rng state
+        file.unlink()
+    (rng / "rank-00000.pt").write_bytes(pickle.dumps({"coords": {}, "state": _Payload(marker)}))
+    metadata = json.loads((saved["checkpoint"] / "checkpoint.json").read_text())
+    metadata["files"] = {name: entry for name, entry in metadata["files"].items() if not name.startswith("rng/")}
+    write_metadata(saved["checkpoint"], metadata)
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    outcome = train_through_cli(resume, tmp_path / "resume.yaml")
+    assert not marker.exists()
+    assert "random states re-derived from the seed" in outcome.stderr
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda m: "{not json", "cannot read"),
+    (lambda m: json.dumps({k: v for k, v in m.items() if k != "consumed_samples"}), "'consumed_samples' is missing"),
+    (lambda m: json.dumps(m | {"step": "two"}), "'step' is missing or not an int (got 'two')"),
+], ids=["bad-json", "missing-key", "step-not-an-integer"])
+def test_a_corrupt_checkpoint_json_is_one_error(saved, tiny_data, tmp_path, damage, fragment):
+    file = saved["checkpoint"] / "checkpoint.json"
+    file.write_text(damage(json.loads(file.read_text())))
+    resume = short_config(tiny_data, tmp_path / "resumed", 3,
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])})
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)), fragment)
+    assert_user_error(cli("eval", "--ckpt-path", saved["run"], "--data", tiny_data["tokenized"]), fragment)
+
+
+def test_latest_pointing_outside_the_run_folder_is_refused(saved, tiny_data, tmp_path):
+    (saved["run"] / "latest.txt").write_text("../../elsewhere\n")
+    assert_user_error(cli("checkpoint", "verify", saved["run"]), "latest.txt names '../../elsewhere'")
+
+
+def _save_into_a_full_disk(config: dict) -> dict:
+    import nanotron.files as files
+    from nanotron.config import config_from_dict
+    from nanotron.errors import CheckpointError
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()  # saves step 2 normally
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    files.save_file = full
+    trainer.progress.step = 3
+    try:
+        trainer.save()
+        trainer.wait_for_saves()  # an asynchronous save reports its failure here
+        message = None
+    except CheckpointError as error:
+        message = str(error)
+    return {"message": message}
+
+
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["foreground", "background"])
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(tiny_data, tmp_path, async_save):
+    from support.distributed import run_distributed
+
+    run = tmp_path / "run"
+    config = short_config(tiny_data, run, 2, parallelism={"dp": 2})
+    config["checkpoints"]["async_save"] = async_save
+    config["tokens"]["micro_batch_size"] = 2
+    results = run_distributed(_save_into_a_full_disk, 2, config=config)
+    for result in results:  # every rank reports the same error instead of waiting for the others
+        assert "no space left on the device" in result["message"] and "(the size of the previous" in result["message"]
+    assert checkpoint_steps(run) == ["2"] and not list(run.glob(".tmp-*"))
+    assert (run / "latest.txt").read_text().strip() == "2"
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_before_training(tiny_data, tmp_path):
+    (tmp_path / "file").write_text("")
+    config = short_config(tiny_data, tmp_path / "file" / "run", 2)
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
+                      "checkpoints.checkpoints_path", "is not writable")
+
+
+def test_background_saves_write_the_same_checkpoints_as_foreground_ones(tiny_data, tmp_path):
+    runs = {}
+    for async_save in (False, True):
+        run = tmp_path / f"async-{async_save}"
+        train_through_cli(short_config(tiny_data, run, 6, checkpoints={"checkpoint_interval": 2,
+                                                                       "async_save": async_save}),
+                          tmp_path / f"{async_save}.yaml")
+        runs[async_save] = run
+    assert checkpoint_steps(runs[True]) == ["2", "4", "6"] and cli("checkpoint", "verify", runs[True]).code == 0
+    for step in ("2", "4", "6"):
+        files = [json.loads((runs[a] / step / "checkpoint.json").read_text())["files"] for a in (False, True)]
+        tensors = {name: entry["crc32"] for name, entry in files[0].items() if name.startswith(("model/", "optim"))}
+        assert tensors and tensors == {name: files[1][name]["crc32"] for name in tensors}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_distributed
-from helpers import _train, assert_reference_trains, full_tier, tiny_config_dict
 from nanotron.data.loader import global_batch_indices, rank_micro_batches
+from support.configs import tiny_config_dict
+from support.parity import assert_reference_trains
+from support.runs import train_on_ranks
+from support.tiers import full_tier
 
 # Save at SAVED_AT, compare every step after it: 3 of 6 steps, or 6 of 16 under NANOTRON_TEST_TIER=full.
 SAVED_AT, STEPS = (6, 16) if full_tier() else (3, 6)
@@ -29,10 +31,9 @@ def config_for(tiny_data, folder, layout: Layout, resume_from=None) -> dict:
     )
 
 
-def train(config: dict, layout: Layout) -> list[dict]:
+def ranks(layout: Layout) -> int:
     dp, tp, pp, _ = layout
-    (metrics,) = [m for m in run_distributed(_train, dp * tp * pp, config=config) if m]
-    return metrics
+    return dp * tp * pp
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def straight_runs(tiny_data, tmp_path_factory):
     def run(layout: Layout):
         if layout not in runs:
             folder = tmp_path_factory.mktemp("straight")
-            runs[layout] = (folder, train(config_for(tiny_data, folder, layout), layout))
+            runs[layout] = (folder, train_on_ranks(config_for(tiny_data, folder, layout), ranks(layout)))
             assert_reference_trains(runs[layout][1], STEPS)
         return runs[layout]
 
@@ -69,8 +70,8 @@ PAIRS = [
 @pytest.mark.parametrize("source, target", PAIRS, ids=lambda layout: "dp{}tp{}pp{}z{}".format(*layout))
 def test_resume_at_another_layout_continues_the_run(straight_runs, tiny_data, tmp_path, source, target):
     folder, straight = straight_runs(source)
-    resumed = train(config_for(tiny_data, tmp_path / "resumed", target, resume_from=str(folder / str(SAVED_AT))),
-                    target)
+    resumed = train_on_ranks(config_for(tiny_data, tmp_path / "resumed", target,
+                                        resume_from=str(folder / str(SAVED_AT))), ranks(target))
     assert [m["step"] for m in resumed] == list(range(SAVED_AT + 1, STEPS + 1))
     for expected, got in zip(straight[SAVED_AT:], resumed, strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]

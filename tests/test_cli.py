@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed
-from helpers import _config, assert_user_error, cli, corpus_documents, datatrove_folder, train
+from support.configs import short_config
+from support.corpus import corpus_documents, datatrove_folder
+from support.distributed import run_distributed
+from support.runs import assert_user_error, cli, train_through_cli
 
 
 def nanotron(*args: str) -> subprocess.CompletedProcess:
@@ -48,8 +50,8 @@ def test_train_frees_its_process_groups_before_returning(tiny_data, tmp_path, mo
 
     import torch.distributed as dist
 
-    from helpers import tiny_config_dict, write_config
     from nanotron.cli import main
+    from support.configs import tiny_config_dict, write_config
 
     created = []
     new_group = dist.new_group
@@ -139,7 +141,7 @@ def test_a_malformed_command_line_is_one_error_line(arguments, expected):
 def run(tiny_data, tmp_path_factory) -> Path:
     """A run folder trained one step with the tiny config (its checkpoint holds the tiny tokenizer)."""
     root = tmp_path_factory.mktemp("run")
-    train(_config(tiny_data, root / "run", train_steps=1), root / "config.yaml")
+    train_through_cli(short_config(tiny_data, root / "run", train_steps=1), root / "config.yaml")
     return root / "run"
 
 

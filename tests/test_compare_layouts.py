@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import compare_layouts
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_layouts.py"
-spec = importlib.util.spec_from_file_location("compare_layouts", SCRIPT)
-compare_layouts = importlib.util.module_from_spec(spec)
-sys.modules["compare_layouts"] = compare_layouts  # dataclasses look their module up there
-spec.loader.exec_module(compare_layouts)
 
 
 def test_layout_parsing():

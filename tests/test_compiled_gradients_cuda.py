@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import MOE, first_step, relative_error, tiny_config_dict
+from support.configs import MOE, tiny_config_dict
+from support.kernels import relative_error
+from support.parity import first_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

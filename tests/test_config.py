@@ -1,8 +1,12 @@
-"""The YAML config: loading, strictness, legacy keys, validation messages, round trips and derived values."""
+"""The YAML config: loading, strictness, legacy keys, validation messages, round trips and derived values; YAML
+alias bombs refused at once."""
+
+from __future__ import annotations
 
 import copy
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, fields, is_dataclass
 from datetime import datetime
@@ -28,6 +32,7 @@ from nanotron.config import (
     save_config,
     validate_config,
 )
+from support.runs import assert_user_error, cli, python_process
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "config_tiny_llama.yaml"
 
@@ -711,3 +716,36 @@ def test_every_example_config_loads_and_round_trips(path, tmp_path):
     cfg = load_config(path)
     save_config(cfg, tmp_path / "again.yaml")
     assert load_config(tmp_path / "again.yaml") == cfg
+
+
+# --- YAML alias bombs -----------------------------------------------------------------------------------------------
+
+def _nested_aliases(levels: int) -> str:
+    """A flow list of ``levels`` anchored lists, each holding the previous one 9 times: 9**levels values."""
+    lists = ["&l0 [" + ", ".join(["lol"] * 9) + "]"]
+    lists += [f"&l{level} [" + ", ".join([f"*l{level - 1}"] * 9) + "]" for level in range(1, levels)]
+    return "[" + ", ".join(lists) + "]"
+
+
+@pytest.mark.parametrize("document, key", [
+    ("general:\n  project: {laughs}\n", "general.project[5]"),
+    pytest.param("data_stages: {laughs}\n", "data_stages[5]", marks=pytest.mark.slow),
+], ids=["general.project", "data_stages"])
+def test_nested_yaml_aliases_are_refused_at_once(tmp_path, document, key):
+    import nanotron.trainer  # noqa: F401  (imported by the command before it reads the config: not timed)
+
+    config = tmp_path / "laughs.yaml"
+    config.write_text(document.format(laughs=_nested_aliases(7)))  # 9**7 = 4.8M values from 300 bytes
+    fragments = (str(config), f"'{key}' holds more than 100,000 values once its YAML aliases", "write the values out")
+    start = time.perf_counter()
+    outcome = cli("train", "--config-file", config)
+    assert time.perf_counter() - start < 0.5
+    assert_user_error(outcome, *fragments)
+    assert_user_error(python_process("run_train.py", "--config-file", config), *fragments)
+
+
+def test_an_alias_of_its_own_container_is_refused(tmp_path):
+    config = tmp_path / "loop.yaml"
+    config.write_text("general: &g\n  project: *g\n")
+    assert_user_error(cli("train", "--config-file", config), str(config), "'general.project' is an alias of a value "
+                                                                          "that contains it")

@@ -9,7 +9,6 @@ from typing import Any, Literal
 import pytest
 import yaml
 
-from helpers import ROOT
 from nanotron.config import (
     MODEL_CONFIG_CLASSES,
     Config,
@@ -17,6 +16,7 @@ from nanotron.config import (
     config_from_dict,
     validate_config,
 )
+from support import ROOT
 
 EXAMPLE = ROOT / "examples" / "config_tiny_llama.yaml"
 

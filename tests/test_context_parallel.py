@@ -7,13 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import _train, assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
 from nanotron.config import ConfigError, config_from_dict
 from nanotron.data.batch import MicroBatch
 from nanotron.layout import Axis, Group
 from nanotron.nn.attention import AttentionMasks, allowed
 from nanotron.parallel.context_parallel import ContextParallelBatches, token_indices
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.runs import train_on_ranks
+from support.tiers import parity_steps
 
 # Layer 0 slides over 8 tokens (chunks are 8 tokens at cp 2 over 32), layer 1 has no RoPE and attends to everything;
 # the tiny corpus's documents (about 40 tokens) are masked from each other where a sample packs two.
@@ -187,15 +190,15 @@ SAVED_AT, STEPS = 3, 6
 @pytest.mark.parametrize("source, target", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_resume_at_another_cp_size_continues_the_run(tiny_data, tmp_path, source, target):
     straight_folder = tmp_path / "straight"
-    (straight,) = [m for m in run_distributed(_train, source, config=cp_config(
+    straight = train_on_ranks(cp_config(
         tiny_data, straight_folder, cp=source, steps=STEPS, checkpoints={
-            "checkpoints_path": str(straight_folder), "checkpoint_interval": SAVED_AT, "save_final_state": False}))
-        if m]
+            "checkpoints_path": str(straight_folder), "checkpoint_interval": SAVED_AT, "save_final_state": False}),
+        source)
     resumed_folder = tmp_path / "resumed"
-    (resumed,) = [m for m in run_distributed(_train, target, config=cp_config(
+    resumed = train_on_ranks(cp_config(
         tiny_data, resumed_folder, cp=target, steps=STEPS, checkpoints={
             "checkpoints_path": str(resumed_folder), "checkpoint_interval": 1000, "save_final_state": False,
-            "resume_checkpoint_path": str(straight_folder / str(SAVED_AT))})) if m]
+            "resume_checkpoint_path": str(straight_folder / str(SAVED_AT))}), target)
     assert [m["step"] for m in resumed] == list(range(SAVED_AT + 1, STEPS + 1))
     for expected, got in zip(straight[SAVED_AT:], resumed, strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.tiers import parity_steps
 
 # Coefficients large enough that the router losses move the gradients well past the tolerance.
 EXPERTS = {"is_llamoe_config": True, "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_aux_loss_coef": 0.1,

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from distributed import run_distributed
 from nanotron.data.batch import MicroBatch
 from nanotron.nn.attention import attend
 from nanotron.nn.recompute import keep_attention_context
@@ -21,6 +20,7 @@ from nanotron.parallel.context_parallel import (
     overlapped_attention,
     token_indices,
 )
+from support.distributed import run_distributed
 
 SEQUENCE, WINDOW = 16, 3
 DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * SEQUENCE])

@@ -11,13 +11,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import build_corpus as corpus
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build_corpus.py"
-spec = importlib.util.spec_from_file_location("build_corpus", SCRIPT)
-corpus = importlib.util.module_from_spec(spec)
-sys.modules["build_corpus"] = corpus  # dataclasses look their module up there
-spec.loader.exec_module(corpus)
+SCRIPT = Path(corpus.__file__)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -39,8 +39,8 @@ def test_compiled_adamw_matches_the_reference(moments):
 
 
 def test_fused_swiglu_backward_matches_the_reference_and_autograd():
-    from helpers import check_swiglu_kernel
     from nanotron.nn.swiglu import swiglu
+    from support.kernels import check_swiglu_kernel
 
     check_swiglu_kernel("cuda")
     generator = torch.Generator("cuda").manual_seed(0)
@@ -121,19 +121,19 @@ def test_fp8_scaled_mm_matches_the_emulation(rowwise, shape):
 
 
 def test_fp8_cast_kernel_matches_the_plain_cast_on_cuda():
-    from helpers import check_cast_both_layouts
+    from support.kernels import check_cast_both_layouts
 
     check_cast_both_layouts("cuda")
 
 
 def test_chunked_selective_scan_matches_the_loop_on_cuda():
-    from helpers import check_chunked_scan
+    from support.kernels import check_chunked_scan
 
     check_chunked_scan("cuda")
 
 
 def test_causal_conv_kernels_match_the_reference_on_cuda():
-    from helpers import check_causal_conv
+    from support.kernels import check_causal_conv
 
     check_causal_conv("cuda")
 
@@ -176,7 +176,7 @@ def test_compiled_mamba_mixer_matches_the_reference_mixer():
 
 
 def test_compiled_fused_loss_passes_match_the_plain_ones_on_cuda():
-    from helpers import check_compiled_passes, check_softmax_statistics_kernel
+    from support.kernels import check_compiled_passes, check_softmax_statistics_kernel
 
     check_softmax_statistics_kernel("cuda")
     check_compiled_passes("cuda")

@@ -14,13 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from helpers import running
 from nanotron.data import preprocess as preprocess_module
 from nanotron.data.dataset import BLEND_PERIOD, DataError, PretrainDataset, TokenShards, unique_domain_names
 from nanotron.data.loader import MicroBatchLoader, global_batch_indices, rank_micro_batches
 from nanotron.data.permutation import permute
 from nanotron.data.preprocess import iter_documents, list_input_files, preprocess
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint, train_tokenizer
+from support.processes import running
 
 PROSE = "the model reads a long stream of tokens and learns to predict the next one from every page".split()
 CODE = "def return import class self value list index yield lambda none true false assert".split()

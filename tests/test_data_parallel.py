@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import _pieces, assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_gradients, logical_pieces
+from support.tiers import parity_steps
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both
 
@@ -42,7 +44,9 @@ def _run(config: dict) -> dict:
     metrics = []
     if pc.rank == 0:
         metrics = [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
-    weights = _pieces(dict(trainer.params), trainer.params, pc.coordinates, pc.sizes) if pc.coord(Axis.DP) == 0 else {}
+    weights = {}
+    if pc.coord(Axis.DP) == 0:
+        weights = logical_pieces(dict(trainer.params), trainer.params, pc.coordinates, pc.sizes)
     return {"metrics": metrics, "weights": weights, "state_numel": trainer.optimizer.local_state_numel(),
             "grads": grads if config["optimizer"]["zero_stage"] == 0 else {}}
 

@@ -1,9 +1,14 @@
-"""Upstream nanotron's data read directly: datatrove-tokenized folders, Hugging Face datasets and synthetic tokens.
+"""Upstream nanotron's data read directly: datatrove-tokenized folders, Hugging Face datasets and synthetic tokens,
+and training reading each data stage from the source its config names (a Hugging Face dataset per domain as in
+upstream's DoReMi layout); the domains keep apart in the metrics and on the step line at any layout, also folders of
+one name.
 
 The fixtures are written by the real libraries (datatrove's DocumentTokenizer, datasets' save_to_disk, parquet and
 jsonl files) with the tiny test tokenizer; a test needing a library that is absent is skipped with the extra to
 install.
 """
+
+from __future__ import annotations
 
 import json
 import logging
@@ -17,22 +22,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (
-    Outcome,
-    assert_user_error,
-    cli,
-    corpus_documents,
-    datatrove_folder,
-    tiny_config_dict,
-    write_config,
-    write_corpus,
-)
 from nanotron.data.dataset import BLEND_PERIOD, DataError, TokenShards
 from nanotron.data.datatrove_folder import DatatroveDataset, DatatroveTokens
 from nanotron.data.loader import MicroBatchLoader
 from nanotron.data.preprocess import preprocess
 from nanotron.data.synthetic import SyntheticDataset
 from nanotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
+from support.configs import tiny_config_dict, write_config
+from support.corpus import corpus_documents, datatrove_folder, write_corpus
+from support.runs import Outcome, assert_user_error, cli, metrics, train_on_ranks, train_through_cli
 
 SEQUENCE_LENGTH = 16
 SEED = 3
@@ -554,3 +552,96 @@ def test_each_kind_of_source_is_one_row_answering_its_domains_sources_and_docume
     assert type(settings) in SOURCES
     assert source.domain_sources == ([str(path) for path in sources] or ["synthetic tokens"])
     assert len(source.domain_names) == len(source.domain_sources) and source.eos_token_id == eos
+
+
+# ------------------------------------------------------------------------------------- training on each kind of source
+
+@pytest.fixture
+def domains_on_disk(tiny_data, tmp_path, monkeypatch):
+    """Two domains saved by ``datasets`` under one folder, as upstream's DoReMi examples keep theirs."""
+    datasets = pytest.importorskip("datasets", reason='the Hugging Face readers need it: pip install -e ".[data]"')
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    documents = corpus_documents(tiny_data["corpus"])
+    for name, part in (("Wikipedia (en)", documents[::2]), ("Github", documents[1::2])):
+        datasets.Dataset.from_dict({"text": part}).save_to_disk(tmp_path / "domains" / name)
+    return tmp_path / "domains"
+
+
+def test_a_hugging_face_dataset_per_domain_trains_with_its_domains(tiny_data, domains_on_disk, tmp_path):
+    run = tmp_path / "run"
+    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2}, doremi={  # mixed by weight, no proxy
+        "domain_names": "Wikipedia (en), Github", "domain_weights": [0.75, 0.25]})
+    config["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(domains_on_disk),
+                                                   "hf_dataset_splits": "train", "text_column_name": "text"}
+    train_through_cli(config, tmp_path / "config.yaml")
+    records = metrics(run)
+    assert [record["step"] for record in records] == [1, 2]
+    assert set(records[0]["domain_losses"]) == {"Wikipedia (en)", "Github"}, records[0]
+    assert all(loss > 0 for loss in records[-1]["domain_losses"].values())
+
+
+def test_a_null_dataset_trains_on_synthetic_tokens(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
+    config["data_stages"][0]["data"]["dataset"] = None
+    train_through_cli(config, tmp_path / "config.yaml")
+    assert [record["step"] for record in metrics(run)] == [1, 2]
+
+
+def test_a_hugging_face_dataset_whose_texts_are_all_null_is_refused(tiny_data, tmp_path, monkeypatch):
+    """It trained on end-of-document ids alone, and exited 0."""
+    datasets = pytest.importorskip("datasets", reason='the Hugging Face readers need it: pip install -e ".[data]"')
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    folder = tmp_path / "null_texts"
+    datasets.Dataset.from_dict({"text": [None] * 3000}, features=datasets.Features(
+        {"text": datasets.Value("string")})).save_to_disk(folder)
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 2})
+    config["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(folder), "text_column_name": "text"}
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
+                      f"no row of the Hugging Face dataset {folder} has text in column 'text' (all 3,000 are null or "
+                      "empty); set text_column_name to its text column")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_folders_of_one_name_are_apart_in_the_metrics_and_on_the_step_line(tiny_data, tmp_path):
+    """They were one domain, "web", their losses merged."""
+    folders = [tmp_path / "a" / "web", tmp_path / "b" / "web"]
+    for folder in folders:
+        shutil.copytree(tiny_data["tokenized"], folder)
+    run = tmp_path / "run"
+    config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
+    config["data_stages"][0]["data"]["dataset"] = {"dataset_folder": [str(folder) for folder in folders]}
+    outcome = train_through_cli(config, tmp_path / "config.yaml")
+    assert all(set(record["domain_losses"]) == {"a/web", "b/web"} for record in metrics(run)), metrics(run)
+    step_lines = [line for line in outcome.stderr.splitlines() if "| a/web " in line and "| b/web " in line]
+    assert len(step_lines) == 2, outcome.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def two_domains(tiny_data, tmp_path_factory) -> list[Path]:
+    """The tiny corpus and a second domain tokenized with the same tokenizer: 'tokenized' and 'other'."""
+    from nanotron.data.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("domains")
+    corpus = write_corpus(root / "raw", documents=200, seed=1)
+    preprocess([corpus], tiny_data["tokenizer"], root / "other", num_workers=1)
+    return [tiny_data["tokenized"], root / "other"]
+
+
+@pytest.mark.slow
+def test_multi_folder_runs_log_the_loss_of_every_domain_at_any_layout(tiny_data, two_domains, tmp_path):
+    stage = {"name": "main", "start_training_step": 1,
+             "data": {"seed": 3, "num_loading_workers": 0,
+                      "dataset": {"dataset_folder": [str(f) for f in two_domains], "dataset_weights": [0.5, 0.5]}}}
+    single = tiny_config_dict(tiny_data, tmp_path / "single", data_stages=[stage], tokens={"train_steps": 4})
+    split = tiny_config_dict(tiny_data, tmp_path / "split", data_stages=[stage], parallelism={"dp": 2, "pp": 2},
+                             tokens={"train_steps": 4, "micro_batch_size": 2})
+    reference = train_on_ranks(single, 1)
+    layout = train_on_ranks(split, 4)
+    for record in reference:
+        losses = record["domain_losses"]
+        assert set(losses) == {"tokenized", "other"}
+        assert min(losses.values()) <= record["lm_loss"] <= max(losses.values())
+    assert reference[-1]["lm_loss"] < reference[0]["lm_loss"]
+    for ours, theirs in zip(layout, reference):
+        assert ours["domain_losses"] == pytest.approx(theirs["domain_losses"], rel=1e-5)

@@ -9,7 +9,7 @@ from unittest import mock
 
 import numpy as np
 
-from distributed import run_distributed
+from support.distributed import run_distributed
 
 VOCAB, TOKENS, BAD_AT = 384, 5000, 3777  # the bad id in the second half of the file: rank 1's share
 

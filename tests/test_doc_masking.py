@@ -10,18 +10,11 @@ import warnings
 import pytest
 import torch
 
-from distributed import run_distributed_each
-from helpers import (
-    _train,
-    assert_user_error,
-    cli,
-    first_step,
-    metrics,
-    relative_error,
-    tiny_config_dict,
-    train,
-    write_config,
-)
+from support.configs import tiny_config_dict, write_config
+from support.distributed import run_distributed_each
+from support.kernels import relative_error
+from support.parity import first_step
+from support.runs import assert_user_error, cli, metrics, train_in_process, train_through_cli
 
 EOS = 9
 QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -228,7 +221,7 @@ LAYOUTS = {
 @pytest.mark.slow
 def test_every_layout_trains_as_one_rank(tiny_data, tmp_path):
     """One 2-rank spawn for the three layouts; later pipeline stages read the documents too."""
-    reference = _train(_config(tiny_data, tmp_path / "reference"))
+    reference = train_in_process(_config(tiny_data, tmp_path / "reference"))
     calls = []
     for name, (parallelism, _) in LAYOUTS.items():
         config = _config(tiny_data, tmp_path / name)
@@ -237,7 +230,7 @@ def test_every_layout_trains_as_one_rank(tiny_data, tmp_path):
             config["optimizer"]["zero_stage"] = 1
             config["tokens"]["batch_accumulation_per_replica"] = 1  # the same global batch
         calls.append({"config": config})
-    for name, ranks in zip(LAYOUTS, run_distributed_each(_train, 2, calls)):
+    for name, ranks in zip(LAYOUTS, run_distributed_each(train_in_process, 2, calls)):
         for expected, got in zip(reference, ranks[0], strict=True):
             assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), (name, got["step"])
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (name, got["step"])
@@ -251,9 +244,9 @@ def test_a_resumed_run_continues_exactly(tiny_data, tmp_path):
         config["checkpoints"]["resume_checkpoint_path"] = "auto"
         return config
 
-    train(config("straight", 3), tmp_path / "straight.yaml")
-    train(config("resumed", 2), tmp_path / "first.yaml")
-    train(config("resumed", 3), tmp_path / "second.yaml")
+    train_through_cli(config("straight", 3), tmp_path / "straight.yaml")
+    train_through_cli(config("resumed", 2), tmp_path / "first.yaml")
+    train_through_cli(config("resumed", 3), tmp_path / "second.yaml")
     expected, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [(m["step"], m["lm_loss"], m["grad_norm"]) for m in got] == [
         (m["step"], m["lm_loss"], m["grad_norm"]) for m in expected]
@@ -283,7 +276,7 @@ def test_synthetic_tokens_without_an_eos_id_name_the_key_to_set(tiny_data, tmp_p
 
 @pytest.fixture(scope="module")
 def datatrove_data(tiny_data, tmp_path_factory):
-    from helpers import corpus_documents, datatrove_folder
+    from support.corpus import corpus_documents, datatrove_folder
 
     return datatrove_folder(tmp_path_factory.mktemp("datatrove"), corpus_documents(tiny_data["corpus"])[:60],
                             tiny_data["tokenizer"])
@@ -313,10 +306,10 @@ def test_datatrove_folders_without_end_of_document_tokens_are_cut_at_their_index
     of the dataset reads the same ends."""
     import pickle
 
-    from helpers import corpus_documents, datatrove_folder
     from nanotron.config import config_from_dict
     from nanotron.data.tokenizer import eos_token_id, load_tokenizer
     from nanotron.trainer import Trainer
+    from support.corpus import corpus_documents, datatrove_folder
 
     eos = eos_token_id(load_tokenizer(tiny_data["tokenizer"]))
     folder = datatrove_folder(tmp_path / "data", corpus_documents(tiny_data["corpus"])[:60], tiny_data["tokenizer"],

@@ -1,6 +1,7 @@
 """DoReMi: the weight update by hand, the proxy's weight trajectory at every split of the
 global batch (dp x accumulation, pp, tp) against one process, exact resume, averaging, held-out splits and bad
-input."""
+input; its loss compiled with the model, and its weights resumed by domain name, onto reordered folders, or refused
+onto other domains."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import DOMAINS, DOREMI_STEPS, assert_user_error, cli, doremi_config, write_config, write_corpus
+from support.configs import DOMAINS, DOREMI_STEPS, doremi_config, write_config
+from support.corpus import write_corpus
+from support.distributed import run_distributed, run_distributed_each
+from support.runs import Outcome, assert_user_error, cli, python_process
 
 STEPS = DOREMI_STEPS
 
@@ -182,3 +186,130 @@ def test_a_proxy_over_folders_of_one_name_keys_its_weights_by_the_end_of_their_p
     history = [json.loads(line) for line in (run / "domain_weights.jsonl").read_text().splitlines()]
     assert [set(record["weights"]) for record in history] == [names, names]
     assert set(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["domain_losses"]) == names
+
+
+def _doremi_loss_is_compiled(config: dict) -> dict:
+    """Build the proxy trainer with model.compile, recording what ``torch.compile`` is given; call its language-model
+    loss on a micro-batch weighted as DoReMi weighs it, compiled and eagerly, and by hand."""
+    from nanotron.config import config_from_dict
+    from nanotron.data.batch import MicroBatch
+    from nanotron.features import features_for
+    from nanotron.layout import Group
+    from nanotron.trainer import Trainer
+    from nanotron.training.objective import micro_batch_loss
+
+    compiled, real_compile = {}, torch.compile
+
+    def recording_compile(function, *args, **kwargs):
+        result = real_compile(function, *args, **kwargs)
+        compiled[id(result)] = function
+        return result
+
+    torch.compile = recording_compile
+    try:
+        proxy = config_from_dict(config)
+        trainer = Trainer(proxy, features=features_for(proxy, doremi_proxy=True))
+    finally:
+        torch.compile = real_compile
+    labels = torch.randint(0, 384, (2, 8))
+    batch = MicroBatch(labels, labels, torch.ones(2, 8, dtype=torch.bool), torch.tensor([0, 2]),
+                       token_count=torch.tensor(16.0), sample_weights=torch.tensor([0.1, 0.3]))
+    logits = torch.randn(2, 8, trainer.model.padded_vocab_size)
+    loss_function = trainer.program.objective_at(1).language_model.loss
+    arguments = (logits, batch, trainer.pc.group(Group.TP), 384, 3)
+    loss = loss_function(*arguments)[0]
+    source = compiled.get(id(loss_function))
+    eager = (source or loss_function)(*arguments)[0]
+    by_hand = (torch.nn.functional.cross_entropy(logits[..., :384].transpose(1, 2), labels, reduction="none").sum(-1)
+               * batch.sample_weights).sum()
+    trainer.pc.destroy()
+    return {"compiled": source is micro_batch_loss, "equal": torch.allclose(loss, eager, rtol=1e-5),
+            "weighted": torch.allclose(eager, by_hand, rtol=1e-5)}
+
+
+@pytest.mark.slow
+def test_the_doremi_loss_is_compiled_when_the_model_is(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "proxy", reference=doremi_reference, steps=1)
+    config["model"]["compile"] = True
+    assert run_distributed(_doremi_loss_is_compiled, 1, config=config) == [
+        {"compiled": True, "equal": True, "weighted": True}]
+
+
+# --- DoReMi weights resumed onto other domains ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def proxy_run(tiny_data, doremi_domains, doremi_reference, tmp_path_factory) -> Path:
+    """A DoReMi proxy over the domains animals, colours, rivers, stopped with a checkpoint at step 3."""
+    run = tmp_path_factory.mktemp("proxy") / "run"
+    config = doremi_config(tiny_data, doremi_domains, run, reference=doremi_reference, steps=3)
+    assert cli("doremi", "train", "--config-file", write_config(run.parent / "proxy.yaml", config)).code == 0
+    return run
+
+
+def _resume_proxy(tiny_data, folders, reference, checkpoint: Path, run: Path, **doremi) -> Outcome:
+    """One more step (4) of the proxy from ``checkpoint``, written to ``run``, by ``nanotron doremi train``."""
+    config = doremi_config(tiny_data, folders, run, reference=reference, resume=checkpoint, steps=4, **doremi)
+    return cli("doremi", "train", "--config-file", write_config(run.parent / f"{run.name}.yaml", config))
+
+
+def _first_weights(run: Path) -> dict[str, float]:
+    """The weights the first resumed step trained with, by domain: those the checkpoint saved."""
+    (record,) = [json.loads(line) for line in (run / "domain_weights.jsonl").read_text().splitlines()]
+    assert record["step"] == 4
+    return record["weights"]
+
+
+def _as_written_before(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of ``checkpoint`` holding its weights as checkpoints did before they were keyed by name: a list in the
+    order of the domains of its config."""
+    copy = tmp_path / "old"
+    shutil.copytree(checkpoint, copy)
+    metadata = json.loads((copy / "checkpoint.json").read_text())
+    weights = metadata["domain_weights"]
+    if isinstance(weights, dict):  # (a checkpoint of the code before the change already holds a list)
+        metadata["domain_weights"] = [weights[name] for name in DOMAINS]
+    # Those checkpoints were of format 2, which carried no manifest checksum.
+    metadata.pop("manifest_sha256", None)
+    metadata["format_version"] = 2
+    (copy / "checkpoint.json").write_text(json.dumps(metadata))
+    return copy
+
+
+@pytest.mark.parametrize("written", ["by-name", "as-a-list-before"])
+def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reordered(
+        tiny_data, doremi_domains, doremi_reference, proxy_run, tmp_path, written):
+    checkpoint = proxy_run / "3"
+    if written == "as-a-list-before":
+        checkpoint = _as_written_before(checkpoint, tmp_path)
+    assert _resume_proxy(tiny_data, doremi_domains, doremi_reference, checkpoint, tmp_path / "same").code == 0
+    assert _resume_proxy(tiny_data, doremi_domains[::-1], doremi_reference, checkpoint, tmp_path / "reversed").code == 0
+    expected = _first_weights(tmp_path / "same")
+    assert len(set(expected.values())) == len(DOMAINS)  # the weights moved apart: a swap would show
+    assert _first_weights(tmp_path / "reversed") == expected
+
+
+@pytest.mark.parametrize("written, change, fragments", [
+    ("by-name", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
+    ("by-name", {"folders": 2}, ("gone: rivers",)),
+    ("as-a-list-before", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
+], ids=["renamed", "removed", "renamed-as-a-list-before"])
+@pytest.mark.slow
+def test_resuming_domain_weights_onto_other_domains_is_refused(
+        tiny_data, doremi_domains, doremi_reference, proxy_run, tmp_path, written, change, fragments):
+    checkpoint = proxy_run / "3"
+    if written == "as-a-list-before":
+        checkpoint = _as_written_before(checkpoint, tmp_path)
+    config = doremi_config(tiny_data, doremi_domains[:change.get("folders", 3)], tmp_path / "run",
+                           reference=doremi_reference, resume=checkpoint, steps=4,
+                           domain_names=change.get("domain_names"))
+    outcome = python_process("-m", "nanotron", "doremi", "train", "--config-file",
+                             write_config(tmp_path / "resume.yaml", config))
+    assert_user_error(outcome, str(checkpoint), "data_stages[0].data.dataset.dataset_folder", *fragments)
+    assert not (tmp_path / "run" / "domain_weights.jsonl").exists()
+
+
+def test_domains_of_the_same_name_are_refused(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    config = doremi_config(tiny_data, doremi_domains, tmp_path / "run", reference=doremi_reference,
+                           domain_names=["animals", "colours", "animals"])
+    assert_user_error(cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config)),
+                      "'animals' names several domains", "give each its own name in doremi.domain_names")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import MAMBA, doremi_config, tiny_config_dict
+from support.configs import MAMBA, doremi_config, tiny_config_dict
+from support.distributed import run_distributed
 
 QWEN2_DOCUMENTS = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

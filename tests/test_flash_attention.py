@@ -11,26 +11,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed import run_distributed
-from helpers import (
-    SMALL,
-    AttentionCalls,
-    assemble,
-    assert_same_gradients,
-    assert_user_error,
-    cli,
-    first_step_then_train,
-    ids_for,
-    loss_and_gradients,
-    metrics,
-    recomputed,
-    small_llama,
-    tiny_config_dict,
-    train,
-    write_config,
-)
 from nanotron.nn import flash_attention
 from nanotron.nn.attention import AttentionMasks, FlashMask, attend
+from support.configs import tiny_config_dict, write_config
+from support.distributed import run_distributed
+from support.parity import assemble, first_step_then_train
+from support.runs import assert_user_error, cli, metrics, train_through_cli
+from support.small_llama import (
+    SMALL,
+    AttentionCalls,
+    assert_same_gradients,
+    ids_for,
+    loss_and_gradients,
+    recomputed,
+    small_llama,
+)
 
 DOCUMENTS = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
 SEQUENCE = DOCUMENTS.shape[1]
@@ -246,7 +241,7 @@ def _tiny_qwen2(tiny_data, run, backend: str) -> dict:
 def test_training_through_fa4_matches_torchs_kernels(stand_in, tiny_data, tmp_path):
     runs = {backend: tmp_path / backend for backend in ("fa4", "torch")}
     for backend, run in runs.items():
-        train(_tiny_qwen2(tiny_data, run, backend), tmp_path / f"{backend}.yaml")
+        train_through_cli(_tiny_qwen2(tiny_data, run, backend), tmp_path / f"{backend}.yaml")
     losses = {backend: [m["lm_loss"] for m in metrics(run)] for backend, run in runs.items()}
     assert losses["fa4"] == pytest.approx(losses["torch"], rel=1e-5)
     assert stand_in.calls >= 3 * 2  # every layer of every step ran FA4's op

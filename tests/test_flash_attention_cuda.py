@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import relative_error, require_gpu
 from nanotron.nn import flash_attention
 from nanotron.nn.attention import AttentionMasks, FlashMask, attend
+from support.kernels import relative_error
+from support.tiers import require_gpu
 
 SEQUENCE = 2048
 CASES = {  # name: (q heads, kv heads, head dim, window, documents?, query runs of cp rank 1 of 2)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import require_gpu, run_with_triton_interpreter
+from support.kernels import run_with_triton_interpreter
+from support.tiers import require_gpu
 
 COUNTS = [5, 19, 0, 24, 40]  # one expert without tokens (16 zero rows once aligned), none a multiple of 16
 E4M3_MAX = 448.0
@@ -47,15 +48,8 @@ def check_cast_per_group(device: str = "cpu") -> None:
     ``COUNTS`` (an empty expert's 16 zero rows, tiles spanning several groups, a last tile past the rows), a group
     without rows at all, feature counts that are not a multiple of the tile, and the weight's batch of matrices."""
     from nanotron.models.moe.model import _grouped_layout
-    from nanotron.nn.fp8 import (
-        E4M3,
-        GROUPED_ALIGNMENT,
-        GROUPED_BLOCK_C,
-        GROUPED_BLOCKS,
-        cast_per_group,
-        quantize,
-        quantize_per_group,
-    )
+    from nanotron.nn.fp8 import E4M3, GROUPED_ALIGNMENT, quantize, quantize_per_group
+    from nanotron.nn.fp8.cast_kernels import GROUPED_BLOCK_C, GROUPED_BLOCKS, cast_per_group
 
     generator = torch.Generator().manual_seed(0)
     layout = _grouped_layout(torch.zeros(sum(COUNTS), 1), torch.tensor(COUNTS), GROUPED_ALIGNMENT)
@@ -92,11 +86,12 @@ def check_grouped_linear(device: str = "cpu") -> None:
     from unittest import mock
 
     from nanotron.models.moe.model import _grouped_layout
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import cast_kernels
+    from nanotron.nn.fp8 import grouped as fp8_grouped
 
     generator = torch.Generator().manual_seed(1)
     counts = torch.tensor(COUNTS)
-    _, tokens, offsets = _grouped_layout(torch.zeros(sum(COUNTS), 1), counts, fp8.GROUPED_ALIGNMENT)
+    _, tokens, offsets = _grouped_layout(torch.zeros(sum(COUNTS), 1), counts, fp8_grouped.GROUPED_ALIGNMENT)
     rows = int(offsets[-1])
     x = grouped_input(rows, 32, offsets, tokens, device, generator)
     grad = grouped_input(rows, 48, offsets, tokens, device, generator)
@@ -106,17 +101,17 @@ def check_grouped_linear(device: str = "cpu") -> None:
 
     def run() -> list[torch.Tensor]:
         xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fp8.fp8_grouped_linear(xi, wi, offsets)
+        out = fp8_grouped.fp8_grouped_linear(xi, wi, offsets)
         out.backward(grad)
         return [out, xi.grad, wi.grad]
 
     casts = []
-    kernel = fp8.cast_per_group
-    with mock.patch.object(fp8, "cast_per_group", lambda *args: casts.append(args[3]) or kernel(*args)), \
-            mock.patch.object(fp8, "available", lambda device: True):
+    kernel = cast_kernels.cast_per_group
+    with mock.patch.object(cast_kernels, "cast_per_group", lambda *args: casts.append(args[3]) or kernel(*args)), \
+            mock.patch.object(fp8_grouped, "available", lambda device: True):
         with_kernels = run()
     assert casts == [True, False, False]
-    with mock.patch.object(fp8, "available", lambda device: False):
+    with mock.patch.object(fp8_grouped, "available", lambda device: False):
         plain = run()
     for name, got, want in zip(("output", "dx", "dW"), with_kernels, plain):
         assert torch.equal(got, want) and got.abs().sum() > 0, name
@@ -129,20 +124,21 @@ def check_compiled_grouped_linear() -> None:
     from unittest import mock
 
     from nanotron.models.moe.model import _grouped_layout
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import grouped as fp8_grouped
 
     generator = torch.Generator().manual_seed(2)
-    _, tokens, offsets = _grouped_layout(torch.zeros(sum(COUNTS), 1), torch.tensor(COUNTS), fp8.GROUPED_ALIGNMENT)
+    _, tokens, offsets = _grouped_layout(torch.zeros(sum(COUNTS), 1), torch.tensor(COUNTS),
+                                         fp8_grouped.GROUPED_ALIGNMENT)
     rows = int(offsets[-1])
     x, grad = (grouped_input(rows, columns, offsets, tokens, "cpu", generator) for columns in (32, 48))
     weight = torch.stack([grouped_input(48, 32, torch.tensor([48]), torch.arange(48), "cpu", generator)
                           for _ in COUNTS])
 
     def forward(xi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
-        return fp8.fp8_grouped_linear(xi, wi, offsets)
+        return fp8_grouped.fp8_grouped_linear(xi, wi, offsets)
 
     results = []
-    with mock.patch.object(fp8, "available", lambda device: True):
+    with mock.patch.object(fp8_grouped, "available", lambda device: True):
         for run in (forward, torch.compile(forward, fullgraph=True)):
             xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
             out = run(xi, wi)
@@ -182,7 +178,7 @@ def test_the_compiled_grouped_linear_gives_the_eager_gradients_on_cuda():
     detached from its backward: every gradient zero."""
     require_gpu((8, 9))  # FP8 casts
     from nanotron.models.moe.model import _grouped_layout
-    from nanotron.nn import fp8
+    from nanotron.nn.fp8 import grouped as fp8_grouped
 
     torch.manual_seed(0)
     counts = torch.tensor(COUNTS, device="cuda")
@@ -191,7 +187,7 @@ def test_the_compiled_grouped_linear_gives_the_eager_gradients_on_cuda():
     grad = torch.randn(x.shape[0], 96, device="cuda", dtype=torch.bfloat16)
 
     def forward(xi: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
-        return fp8.fp8_grouped_linear(xi, wi, offsets)
+        return fp8_grouped.fp8_grouped_linear(xi, wi, offsets)
 
     results = []
     for run in (forward, torch.compile(forward, fullgraph=True)):  # compiled, the backward is compiled with it

@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import moe_config, require_gpu, train_fp8_model
 from nanotron.models.moe.model import GroupedExperts, _grouped_layout
-from nanotron.nn import fp8
-from nanotron.nn.fp8 import E4M3, FP8ExpertMatmul, quantize, quantize_per_group
+from nanotron.nn.fp8 import E4M3, FP8ExpertMatmul, FP8RangeCounts, quantize, quantize_per_group
+from nanotron.nn.fp8 import grouped as fp8_grouped
+from support.configs import moe_config
+from support.distributed import run_distributed
+from support.runs import train_fp8_model
+from support.tiers import require_gpu
 
 COUNTS = [5, 19, 0, 24]  # one expert without tokens, none a multiple of 16
 
@@ -38,13 +40,13 @@ def run(module: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, grad: tor
 def counting_grouped_products(monkeypatch) -> list[int]:
     """Counts the calls of ``fp8_grouped_mm`` (two per grouped product and direction: 2 forward, 4 backward)."""
     calls = []
-    real = fp8.fp8_grouped_mm
+    real = fp8_grouped.fp8_grouped_mm
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fp8, "fp8_grouped_mm", counted)
+    monkeypatch.setattr(fp8_grouped, "fp8_grouped_mm", counted)
     return calls
 
 
@@ -101,8 +103,8 @@ def test_the_weight_gradient_scales_each_expert_over_its_own_tokens():
 
     g_cols, g_scale = quantize_per_group(grad, offsets, E4M3)
     x_cols, x_scale = quantize_per_group(x, offsets, E4M3)
-    per_group = fp8.fp8_grouped_mm(g_cols.t().contiguous(), g_scale.flatten(), x_cols.t().contiguous().t(),
-                                   x_scale.flatten(), offsets, torch.float32)[1]
+    per_group = fp8_grouped.fp8_grouped_mm(g_cols.t().contiguous(), g_scale.flatten(), x_cols.t().contiguous().t(),
+                                           x_scale.flatten(), offsets, torch.float32)[1]
     g_all, g_all_scale = quantize(grad, E4M3, 0)
     x_all, x_all_scale = quantize(x, E4M3, 0)
     over_all_tokens = (g_all.float() / g_all_scale)[32:].t() @ (x_all.float() / x_all_scale)[32:]
@@ -147,7 +149,7 @@ def test_the_gpu_calls_meet_the_ops_contract_on_meta_tensors(monkeypatch):
         module = GroupedExperts(4, 64, 32).bfloat16()
         x = torch.empty(37, 64, dtype=torch.bfloat16, requires_grad=True)
         counts = torch.empty(4, dtype=torch.int64)
-        x_grouped, _, offsets = _grouped_layout(x, counts, fp8.GROUPED_ALIGNMENT)
+        x_grouped, _, offsets = _grouped_layout(x, counts, fp8_grouped.GROUPED_ALIGNMENT)
         hidden = torch.empty(x_grouped.shape[0], 32, dtype=torch.bfloat16)
     module.expert_matmul = FP8ExpertMatmul()
     out = module(x, counts)
@@ -157,8 +159,9 @@ def test_the_gpu_calls_meet_the_ops_contract_on_meta_tensors(monkeypatch):
     assert module.down_proj.grad.shape == module.down_proj.shape
     for operand, weight in ((x_grouped, module.gate_up_proj), (hidden, module.down_proj)):
         (xq, x_scale), (wq, w_scale) = quantize(operand, E4M3, -1), quantize(weight, E4M3, -1)
-        out = fp8.grouped_linear_product(xq, x_scale.squeeze(-1), wq, w_scale.squeeze(-1), offsets, operand.dtype)
-        grads = fp8.grouped_linear_gradient_products(out, operand, weight, offsets)
+        out = fp8_grouped.grouped_linear_product(xq, x_scale.squeeze(-1), wq, w_scale.squeeze(-1), offsets,
+                                                         operand.dtype)
+        grads = fp8_grouped.grouped_linear_gradient_products(out, operand, weight, offsets)
         assert [g.shape for g in grads] == [operand.shape, weight.shape]
     assert len(calls) == 6
     for a_shape, b_shape in calls:
@@ -185,7 +188,7 @@ def test_counting_the_casts_ranges_takes_the_per_expert_loop(monkeypatch):
     run the loop then, and count its casts: each expert's two products, forward and backward."""
     calls = counting_grouped_products(monkeypatch)
     module, counts = experts(), torch.tensor(COUNTS)
-    module.expert_matmul = FP8ExpertMatmul(fp8.FP8RangeCounts())
+    module.expert_matmul = FP8ExpertMatmul(FP8RangeCounts())
     out, *_ = run(module, torch.randn(48, 32), counts, torch.randn(48, 32))
     recorded = module.expert_matmul.ranges.counts
     assert not calls and out.isfinite().all()
@@ -218,17 +221,17 @@ def test_compiled_grouped_experts_keep_one_graph_whatever_their_token_counts():
 def _train_counting_grouped_products(config: dict) -> dict:
     """``train_fp8_model`` on this rank, with the number of grouped FP8 products it ran."""
     calls = []
-    real = fp8.fp8_grouped_mm
+    real = fp8_grouped.fp8_grouped_mm
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    fp8.fp8_grouped_mm = counted
+    fp8_grouped.fp8_grouped_mm = counted
     try:
         return train_fp8_model(config) | {"grouped_products": len(calls)}
     finally:
-        fp8.fp8_grouped_mm = real
+        fp8_grouped.fp8_grouped_mm = real
 
 
 @pytest.mark.slow
@@ -265,7 +268,7 @@ def test_scaled_grouped_mm_matches_the_emulation_on_the_gpu(monkeypatch):
     counts = torch.tensor([300, 0, 17, 511, 64, 1, 100, 31], device="cuda")
     x, grad = (torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     real = run(module, x, counts, grad)
-    monkeypatch.setattr(fp8, "_runs_scaled_grouped_mm", lambda device: False)
+    monkeypatch.setattr(fp8_grouped, "_runs_scaled_grouped_mm", lambda device: False)
     monkeypatch.setattr(FP8ExpertMatmul, "groups", staticmethod(lambda x, *weights: True))
     emulated = run(module, x, counts, grad)
     for name, got, want in zip(("output", "dx", "dW gate_up", "dW down"), real, emulated):

@@ -1,6 +1,7 @@
 """The fused LM head + cross-entropy (``parallel/linear_cross_entropy.py``): against logits then ``F.cross_entropy``
 at several chunk sizes, over vocabulary shards at tp=2 in both modes, in training against the unfused loss at
-several layouts, and the bound on what it allocates."""
+several layouts, and the bound on what it allocates; the unfused vocabulary-parallel cross-entropy reads nothing back
+to the host."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed import run_distributed, run_distributed_each
-from helpers import relative_error, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.kernels import relative_error
 
 HIDDEN, VOCAB, PADDED, BATCH, SEQUENCE = 8, 37, 40, 3, 16  # 48 tokens, 3 padding columns
 TOKENS = BATCH * SEQUENCE
@@ -75,8 +77,8 @@ def test_equals_logits_then_cross_entropy_in_fp32(group, chunk):
 def test_the_compiled_passes_give_the_plain_ones_values():
     """Compiled on the CPU (as on CUDA by test_cuda_kernels.py): the chunk passes within rounding, and the sum of the
     chunks' head gradients and the backward's scaling bit for bit, the scaling in place."""
-    from helpers import check_compiled_passes
     from nanotron.parallel.linear_cross_entropy import ChunkPasses
+    from support.kernels import check_compiled_passes
 
     check_compiled_passes("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -97,9 +99,9 @@ def test_the_compiled_passes_give_the_plain_ones_values():
 
 
 def test_the_statistics_kernel_equals_the_reference_under_triton_s_interpreter():
-    from helpers import run_with_triton_interpreter
+    from support.kernels import run_with_triton_interpreter
 
-    run_with_triton_interpreter("from helpers import check_softmax_statistics_kernel as check; check()")
+    run_with_triton_interpreter("from support.kernels import check_softmax_statistics_kernel as check; check()")
 
 
 def test_bf16_is_within_bf16_rounding_of_the_fp32_reference(group):
@@ -236,7 +238,7 @@ def assert_same_steps(fused_ranks: list[dict], unfused_ranks: list[dict], what: 
 def test_training_in_one_process_matches_the_unfused_loss(tiny_data, tmp_path):
     """The tied Llama, a mixture of experts (auxiliary losses) and Mamba, fused and not; and a head given
     another matmul, which keeps the unfused loss."""
-    from helpers import MAMBA, MOE
+    from support.configs import MAMBA, MOE
 
     llama = tiny_config_dict(tiny_data, tmp_path)["model"]["model_config"]
     families = {"llama": None, "llamoe": {k: v for k, v in llama.items() if k != "is_llama_config"} | MOE,
@@ -307,3 +309,33 @@ def test_the_memory_planner_counts_the_kept_gradients_and_one_chunk():
         return estimate_memory(config, gpu_memory_gb=150.1).stages[0].peak / 1e9
 
     assert peak(4096) < peak(0) - 4  # the 4.2 GB of bf16 logits of 4 x 4096 tokens, and more
+
+
+def _host_syncs_of_vocab_parallel_cross_entropy() -> int:
+    """Forward and backward of the cross-entropy over a vocabulary of 10 padded to 12 (rank 1 holds the padding),
+    counting the reads of tensor values to the host (``bool`` and ``item``) that it makes."""
+    import torch.distributed as dist
+
+    from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())
+    logits = torch.randn(2, 5, 6, requires_grad=True)
+    labels = torch.randint(0, 10, (2, 5))
+    reads = []
+    to_bool, item = torch.Tensor.__bool__, torch.Tensor.item
+    torch.Tensor.__bool__ = lambda self: reads.append("bool") or to_bool(self)
+    torch.Tensor.item = lambda self: reads.append("item") or item(self)
+    try:
+        losses = vocab_parallel_token_losses(logits, labels, dist.group.WORLD, vocab_size=10)
+        losses.sum().backward()
+    finally:
+        torch.Tensor.__bool__, torch.Tensor.item = to_bool, item
+    assert torch.isfinite(losses).all() and torch.isfinite(logits.grad).all()
+    return len(reads)
+
+
+def test_vocab_parallel_cross_entropy_reads_nothing_back_to_the_host():
+    """Which columns are padding is known from the ranks' vocabulary slices: testing the mask's values made every
+    rank wait for the GPU at every micro-batch."""
+    assert run_distributed(_host_syncs_of_vocab_parallel_cross_entropy, 2) == [0, 0]

@@ -1,9 +1,13 @@
 """``nanotron generate`` refuses missing or empty prompts and sampling options that would be ignored or out of
-range in one line, before loading any model; each sampler runs with its options or their defaults."""
+range in one line, before loading any model; each sampler runs with its options or their defaults; generating past
+the model's context is one error line suggesting the length that fits."""
+
+from __future__ import annotations
 
 import pytest
 
-from helpers import _config, assert_user_error, cli, train
+from support.configs import short_config
+from support.runs import assert_user_error, cli, nanotron_process, train_through_cli
 
 
 def test_missing_or_blank_prompts_are_one_error_line(tmp_path):
@@ -39,7 +43,7 @@ def test_a_sampling_option_out_of_range_is_one_error_line(tmp_path, sampling):
 
 def test_each_sampler_runs_with_its_options_or_their_defaults(tiny_data, tmp_path):
     run = tmp_path / "run"
-    train(_config(tiny_data, run, train_steps=1), tmp_path / "config.yaml")
+    train_through_cli(short_config(tiny_data, run, train_steps=1), tmp_path / "config.yaml")
 
     def completion(*sampling: str) -> str:
         outcome = cli("generate", "--ckpt-path", run, "--prompt", "the cat", "--max-new-tokens", 6, "--seed", 3,
@@ -51,3 +55,19 @@ def test_each_sampler_runs_with_its_options_or_their_defaults(tiny_data, tmp_pat
     assert completion("--sampler", "top-p") == completion("--sampler", "top-p", "--top-p", "0.9", "--temperature", "1")
     completion("--sampler", "top-p", "--top-p", "1", "--temperature", "0.5")  # 1 keeps every token
     completion("--sampler", "top-k", "--top-k", "1000")  # more than the vocabulary: every token
+
+
+def test_generation_past_the_context_is_an_error(converted_llama):
+    outcome = nanotron_process("generate", "--ckpt-path", converted_llama, "--prompt", "the cat",
+                               "--max-new-tokens", 200)
+    line = assert_user_error(outcome, "--max-new-tokens (200)", "more than the 128 the model was trained for "
+                                                                "(max_position_embeddings)")
+    assert "===" not in outcome.stdout  # nothing was generated
+    # the largest length it suggests fits exactly; none at all is an error too
+    most = int(line.split("pass --max-new-tokens ")[1].split()[0])
+    fitting = cli("generate", "--ckpt-path", converted_llama, "--prompt", "the cat", "--max-new-tokens", most)
+    assert fitting.code == 0 and "=== the cat" in fitting.stdout, fitting.stderr[-3000:]
+    one_more = cli("generate", "--ckpt-path", converted_llama, "--prompt", "the cat", "--max-new-tokens", most + 1)
+    assert_user_error(one_more, f"--max-new-tokens ({most + 1})")
+    assert_user_error(cli("generate", "--ckpt-path", converted_llama, "--prompt", "the cat", "--max-new-tokens", 0),
+                      "argument --max-new-tokens: must be at least 1 (got 0)")

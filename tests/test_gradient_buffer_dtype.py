@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_distributed, run_distributed_each
-from helpers import ROOT, tiny_config_dict
 from nanotron.config import LRSchedulerArgs, OptimizerArgs, load_config
 from nanotron.memory import estimate_memory
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel import data_parallel
 from nanotron.parallel.placement import Placement, Shard, annotate_placements, get_placement, set_placement
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
 
 DENSE_AXES, EXPERT_AXES = ("dp", "cp", "ep"), ("dp", "cp")
 

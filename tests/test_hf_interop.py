@@ -1,10 +1,13 @@
 """Hugging Face interop and generation: conversion both ways, logits parity at any layout, greedy decoding; every
 activation of the gated MLPs, every config.json field classified, weights that cannot convert refused, and the
-tokenizer's bos and eos ids in exports."""
+tokenizer's bos and eos ids in exports; an export never leaves a half-written folder."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed
-from helpers import PROMPTS, ROOT, _nanotron
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed
+from support.hf import PROMPTS, nanotron_outputs
+from support.runs import assert_user_error, cli, train_through_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,12 +63,12 @@ def hf_logits_and_greedy(hf_path: Path) -> tuple[torch.Tensor, list[list[int]]]:
 def test_logits_and_generation_match_transformers_at_every_layout(converted):
     hf_path, ckpt = converted
     reference_logits, reference_greedy = hf_logits_and_greedy(hf_path)
-    (single,) = run_distributed(_nanotron, 1, ckpt=str(ckpt), tp=1, pp=1)
+    (single,) = run_distributed(nanotron_outputs, 1, ckpt=str(ckpt), tp=1, pp=1)
     assert (single["logits"] - reference_logits).abs().max() < 1e-4
     assert single["cached"] == single["uncached"]  # the KV cache changes nothing (64 tokens, batched prompts)
     assert single["cached"][0][:24] == reference_greedy
 
-    sharded = run_distributed(_nanotron, 4, ckpt=str(ckpt), tp=2, pp=2)
+    sharded = run_distributed(nanotron_outputs, 4, ckpt=str(ckpt), tp=2, pp=2)
     last_stage = [r for r in sharded if r["logits"] is not None]
     assert len(last_stage) == 2
     assert (last_stage[0]["logits"] - reference_logits).abs().max() < 1e-4
@@ -98,15 +104,15 @@ MEMORIZE = "the quick brown fox jumps over the lazy dog near the river bank toda
 def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     import json
 
-    from helpers import write_config
     from nanotron.data.preprocess import preprocess
     from nanotron.data.tokenizer import train_tokenizer
+    from support.configs import write_config
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": MEMORIZE}) + "\n" for _ in range(300)))
     tokenizer = train_tokenizer([corpus], 300, tmp_path / "tokenizer.json")
     preprocess([corpus], tokenizer, tmp_path / "data", num_workers=1)
-    from helpers import tiny_config_dict
+    from support.configs import tiny_config_dict
 
     config = tiny_config_dict({"tokenizer": tokenizer, "tokenized": tmp_path / "data"}, tmp_path / "ckpt",
                               tokens={"train_steps": 80})
@@ -159,7 +165,7 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
 
 @pytest.mark.slow
 def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
-    from helpers import tiny_config_dict, write_config
+    from support.configs import tiny_config_dict, write_config
 
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 6})
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
@@ -205,7 +211,8 @@ DEFAULT_TIER_ACTIVATIONS = {"Llama": "gelu", "Qwen2": "gelu_pytorch_tanh", "Qwen
                  else pytest.mark.full_tier)
     for family in GATED_FAMILIES for activation in ("gelu", "gelu_pytorch_tanh", "relu")])
 def test_hidden_act_converts_with_the_logits_of_transformers_and_back(family, activation, tmp_path):
-    from helpers import away_from_initial_values, cli
+    from support.hf import away_from_initial_values
+    from support.runs import cli
 
     torch.manual_seed(0)
     config = getattr(transformers, f"{family}Config")(
@@ -304,7 +311,7 @@ def test_conversion_refuses_a_field_it_does_not_build_in_one_line_writing_nothin
                                                                                    tmp_path):
     import json
 
-    from helpers import assert_user_error, cli
+    from support.runs import assert_user_error, cli
 
     hf = tmp_path / "hf"
     torch.manual_seed(0)
@@ -331,7 +338,6 @@ def test_keys_that_no_transformers_field_names_are_ignored_with_one_warning(tmp_
         read_hf_config(hf)
     (record,) = caplog.records
     assert "ignored the keys fused_add_norm, n_layer" in record.getMessage()
-
 
 
 def _fields_table() -> str:
@@ -373,7 +379,7 @@ def test_the_docs_list_every_field_as_the_tables_treat_it():
 def test_conversion_refuses_non_finite_or_integer_weights_by_name_writing_nothing(value, fragment, tmp_path):
     from safetensors.torch import save_file
 
-    from helpers import assert_user_error, cli
+    from support.runs import assert_user_error, cli
 
     hf = random_hf_llama(tmp_path / "hf", tied=True)
     weights = load_file(hf / "model.safetensors")
@@ -401,15 +407,15 @@ class _Scripted(transformers.LogitsProcessor):
         return forced
 
 
-
 @pytest.fixture(scope="module")
 def run_with_default_token_ids(tiny_data, tmp_path_factory) -> Path:
     """A quickstart-like run whose config leaves bos and eos at the schema's defaults (1 and 2: ``!`` and ``"`` of
     the tiny byte-level BPE)."""
-    from helpers import tiny_config_dict, train
+    from support.configs import tiny_config_dict
+    from support.runs import train_through_cli
 
     root = tmp_path_factory.mktemp("default_token_ids")
-    train(tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 2}), root / "config.yaml")
+    train_through_cli(tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 2}), root / "config.yaml")
     return root / "run"
 
 
@@ -417,7 +423,7 @@ def _export(run: Path, target: Path) -> dict:
     """config.json of ``run`` exported by the CLI into ``target``."""
     import json
 
-    from helpers import cli
+    from support.runs import cli
 
     outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", run, "--save-path", target)
     assert outcome.code == 0, outcome.stderr[-3000:]
@@ -428,8 +434,8 @@ def test_an_exported_run_stops_generating_at_its_tokenizers_end_of_text_only(run
                                                                              tmp_path):
     """Training takes the tokenizer's ids in place of the defaults, and the export writes them: transformers'
     generate goes on past ``"`` and stops at ``<|endoftext|>``."""
-    from helpers import checkpoint_json
     from nanotron.data.tokenizer import EOS_TOKEN, load_tokenizer
+    from support.runs import checkpoint_json
 
     tokenizer = load_tokenizer(tiny_data["tokenizer"])
     end, quote = tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id('"')
@@ -472,3 +478,57 @@ def test_export_takes_the_tokenizers_ids_where_the_checkpoint_has_ordinary_token
     assert (written["bos_token_id"], written["eos_token_id"]) == (None, 0)
     assert [record.getMessage() for record in caplog.records] == ([] if warned is None else
                                                                   [f"the checkpoint's {warned}"])
+
+
+# --- exports that never leave a half-written folder -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """A run folder trained one step with the tiny config."""
+
+    root = tmp_path_factory.mktemp("trained")
+    config = tiny_config_dict(tiny_data, root / "run", tokens={"train_steps": 1})
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    train_through_cli(config, root / "config.yaml")
+    return root / "run"
+
+
+def test_a_failed_export_to_hugging_face_leaves_the_earlier_export_whole(trained, tmp_path, monkeypatch):
+    """The tokenizer copy fails half-way (a file-size limit reached: EFBIG) while an earlier export is in the
+    target: the earlier export keeps every byte, and nothing half-written is left beside it. The next export
+    replaces it."""
+    from nanotron.checkpoint.hf import nanotron_to_hf
+
+    target = nanotron_to_hf(trained, tmp_path / "hf")
+    earlier = {path.name: path.read_bytes() for path in target.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(earlier)
+    config = json.loads(earlier["config.json"])
+    config["note"] = "the earlier export"
+    (target / "config.json").write_text(json.dumps(config))
+    earlier["config.json"] = (target / "config.json").read_bytes()
+
+    def copy_until_full(source, destination):
+        data = Path(source).read_bytes()
+        Path(destination).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.EFBIG, "File too large", str(destination))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "copy", copy_until_full)
+        with pytest.raises(OSError, match="File too large"):
+            nanotron_to_hf(trained, target)
+    assert {path.name: path.read_bytes() for path in target.iterdir()} == earlier
+    assert [path.name for path in tmp_path.iterdir()] == ["hf"]
+
+    nanotron_to_hf(trained, target)
+    assert "note" not in json.loads((target / "config.json").read_text())
+    assert (target / "tokenizer.json").read_bytes() == (trained / "1" / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_an_export_refuses_a_folder_holding_other_files(trained, tmp_path):
+    """The export replaces its target folder whole: a folder with anything else in it is refused, untouched."""
+    target = tmp_path / "models"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", trained, "--save-path", target)
+    assert_user_error(outcome, str(target), "notes.txt", "choose a new or empty folder")
+    assert [path.name for path in target.iterdir()] == ["notes.txt"]

@@ -10,9 +10,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from distributed import run_distributed
-from helpers import tiny_config_dict
 from nanotron.training.hooks import Feature
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "nanotron"
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import _nanotron, _run, _train, assemble, assert_reference_trains, parity_steps, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed
+from support.hf import nanotron_outputs
+from support.parity import assemble, assert_reference_trains, parity_run
+from support.runs import train_on_ranks
+from support.tiers import parity_steps
 
 STEPS = parity_steps()
 
@@ -28,9 +32,9 @@ def kv_config(tiny_data, folder, tp: int, kv_heads: int, **checkpoints) -> dict:
 @pytest.mark.parametrize("tp, kv_heads", [pytest.param(4, 2, marks=pytest.mark.slow), (2, 1)],
                          ids=["tp4-2kv", "tp2-mqa"])
 def test_replicated_kv_heads_match_one_process(tiny_data, tmp_path, tp, kv_heads):
-    (reference,) = run_distributed(_run, 1, config=kv_config(tiny_data, tmp_path / "ref", 1, kv_heads))
+    (reference,) = run_distributed(parity_run, 1, config=kv_config(tiny_data, tmp_path / "ref", 1, kv_heads))
     assert_reference_trains(reference["metrics"], STEPS)
-    results = run_distributed(_run, tp, config=kv_config(tiny_data, tmp_path / "tp", tp, kv_heads))
+    results = run_distributed(parity_run, tp, config=kv_config(tiny_data, tmp_path / "tp", tp, kv_heads))
     head_dim = 16
     # Each rank holds 4 / tp query heads and one kv head (for k and for v), shared with tp / kv_heads - 1 others.
     assert results[0]["local_shapes"]["layers.0.attn.qkv_proj.weight"][0] == (4 // tp + 2) * head_dim
@@ -50,13 +54,12 @@ def test_a_tp4_checkpoint_of_2_kv_heads_resumes_at_tp1_and_exports(tiny_data, tm
     from nanotron.checkpoint.hf import nanotron_to_hf
 
     half = STEPS // 2
-    straight = run_distributed(_train, 1, config=kv_config(tiny_data, tmp_path / "straight", 1, 2,
-                                                           save_initial_state=True))[0]
+    straight = train_on_ranks(kv_config(tiny_data, tmp_path / "straight", 1, 2, save_initial_state=True), 1)
     first = kv_config(tiny_data, tmp_path / "run", 4, 2, save_initial_state=True)
     first["tokens"]["train_steps"] = half
-    run_distributed(_train, 4, config=first)
+    train_on_ranks(first, 4)
     resumed = kv_config(tiny_data, tmp_path / "run", 1, 2, resume_checkpoint_path=str(tmp_path / "run"))
-    metrics = run_distributed(_train, 1, config=resumed)[0]
+    metrics = train_on_ranks(resumed, 1)
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
     for expected, got in zip(straight, metrics, strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
@@ -68,7 +71,7 @@ def test_a_tp4_checkpoint_of_2_kv_heads_resumes_at_tp1_and_exports(tiny_data, tm
         assert torch.equal(tensor, exported["straight"][name]), name
     # The checkpoint written at tp=4 generates at tp=4 as at tp=1: same logits, same greedy tokens (KV cache on).
     written_at_tp4 = str(tmp_path / "run" / str(half))
-    (single,) = run_distributed(_nanotron, 1, ckpt=written_at_tp4, tp=1, pp=1)
-    sharded = run_distributed(_nanotron, 4, ckpt=written_at_tp4, tp=4, pp=1)
+    (single,) = run_distributed(nanotron_outputs, 1, ckpt=written_at_tp4, tp=1, pp=1)
+    sharded = run_distributed(nanotron_outputs, 4, ckpt=written_at_tp4, tp=4, pp=1)
     torch.testing.assert_close(sharded[0]["logits"], single["logits"], rtol=1e-5, atol=1e-5)
     assert sharded[0]["cached"] == single["cached"] == single["uncached"]

@@ -4,13 +4,14 @@ import os
 import subprocess
 import sys
 
-from helpers import ROOT, _config, write_config
+from support import ROOT
+from support.configs import short_config, write_config
 
 
 def test_a_config_error_is_printed_once_even_when_another_rank_exits_first(tiny_data, tmp_path):
     """Rank 0 is held back 3 s before it starts, so rank 1 meets the (same) config error first. Had rank 1 exited
     at once, the launcher would have stopped rank 0 before it printed: a failed job without an error line."""
-    config = _config(tiny_data, tmp_path / "run", 2)
+    config = short_config(tiny_data, tmp_path / "run", 2)
     config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = -1
     path = write_config(tmp_path / "config.yaml", config)
     train = f"{sys.executable} {ROOT / 'run_train.py'} --config-file {path}"

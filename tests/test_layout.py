@@ -82,7 +82,7 @@ def test_no_family_is_named_outside_its_package_and_the_registry():
 
 
 def test_no_test_file_imports_another():
-    """Shared test code lives in helpers.py and distributed.py: a test file imported by another runs its module code
+    """Shared test code lives in the ``support`` package: a test file imported by another runs its module code
     (fixtures, constants) twice under two names and couples the files."""
     imported = []
     for path in sorted(Path(__file__).parent.glob("test_*.py")):

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from distributed import run_distributed
-from helpers import _train
 from nanotron.config import load_config
+from support.runs import train_on_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "config_tiny_long.yaml"
 STEPS = 2
@@ -41,7 +40,7 @@ def test_the_long_context_example_trains_on_two_context_parallel_ranks(tiny_data
     run = tmp_path / "run"
     raw = _with_test_paths(yaml.safe_load(EXAMPLE.read_text()), tiny_data, run)
     ranks = raw["parallelism"]["context_parallel_size"]
-    records = run_distributed(_train, ranks, config=raw)[0]
+    records = train_on_ranks(raw, ranks)
     assert [record["step"] for record in records] == list(range(1, STEPS + 1))
     for record in records:
         assert math.isfinite(record["lm_loss"]) and math.isfinite(record["grad_norm"]), record

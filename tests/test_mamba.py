@@ -5,28 +5,19 @@ and bad input."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed, run_distributed_each
-from helpers import (
-    MAMBA,
-    PROMPTS,
-    _run,
-    assemble,
-    assert_reference_trains,
-    assert_user_error,
-    cli,
-    parity_steps,
-    run_with_triton_interpreter,
-    tiny_config_dict,
-    write_config,
-)
+from support.configs import MAMBA, tiny_config_dict, write_config
+from support.distributed import run_distributed, run_distributed_each
+from support.hf import PROMPTS
+from support.kernels import fresh_python, run_with_triton_interpreter
+from support.parity import assemble, assert_reference_trains, parity_run
+from support.runs import assert_user_error, cli
+from support.tiers import parity_steps
 
 
 def test_the_scan_continues_across_calls():
@@ -47,7 +38,7 @@ def test_the_scan_continues_across_calls():
 @pytest.mark.slow
 def test_the_triton_kernels_equal_the_plain_torch_references():
     """The GPU scan's and conv's Triton kernels, run by Triton's interpreter on the CPU."""
-    run_with_triton_interpreter("from helpers import check_chunked_scan, check_causal_conv; "
+    run_with_triton_interpreter("from support.kernels import check_chunked_scan, check_causal_conv; "
                                 "check_chunked_scan(); check_causal_conv()")
 
 
@@ -59,8 +50,8 @@ def written_kernel_arguments() -> dict[str, list[str]]:
     from triton.backends.compiler import GPUTarget
 
     from nanotron.nn import causal_conv1d as conv
-    from nanotron.nn import fp8
     from nanotron.nn import selective_scan as scan
+    from nanotron.nn.fp8 import cast_kernels
     from nanotron.parallel import linear_cross_entropy as loss
 
     class Hopper:
@@ -81,10 +72,11 @@ def written_kernel_arguments() -> dict[str, list[str]]:
                "conv forward": (conv._conv_forward_kernel, conv_sizes),
                "conv pre-activation gradient": (conv._preactivation_gradient_kernel, conv_sizes),
                "conv input gradient": (conv._input_gradient_kernel, conv_sizes),
-               "fp8 cast": (fp8._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
-                                                            "RECORD_AMAX": True, "BLOCK_R": 32, "BLOCK_C": 128}),
-               "fp8 grouped amax": (fp8._grouped_amax_kernel, grouped_sizes),
-               "fp8 grouped cast": (fp8._grouped_cast_kernel, grouped_sizes),
+               "fp8 cast": (cast_kernels._cast_both_layouts_kernel, {"rows": 64, "columns": 64, "FP8_MAX": 448.0,
+                                                                     "RECORD_AMAX": True, "BLOCK_R": 32,
+                                                                     "BLOCK_C": 128}),
+               "fp8 grouped amax": (cast_kernels._grouped_amax_kernel, grouped_sizes),
+               "fp8 grouped cast": (cast_kernels._grouped_cast_kernel, grouped_sizes),
                "loss statistics": (loss._softmax_statistics_kernel, {"tokens": 8, "row_length": 64,
                                                                      "valid_columns": 60, "BLOCK": 32,
                                                                      "labels_ptr": torch.zeros(4).long()})}
@@ -105,10 +97,8 @@ def test_compiled_graphs_copy_no_input_of_the_kernels():
     triton_kernel_wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
     if not hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
         pytest.skip("this torch names its Triton IR analysis differently")
-    tests = Path(__file__).parent
-    code = f"import sys, json; sys.path.insert(0, {str(tests)!r}); from test_mamba import written_kernel_arguments; " \
-           "print(json.dumps(written_kernel_arguments()))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    done = fresh_python("import json; from test_mamba import written_kernel_arguments; "
+                        "print(json.dumps(written_kernel_arguments()))")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "scan forward": ["last_ptr", "starts_ptr", "y_ptr"],
@@ -305,12 +295,12 @@ def test_tensor_parallel_in_both_modes_matches_one_process_and_resumes_at_tp_1(t
                        "checkpoints": base["checkpoints"] | {"checkpoint_interval": steps // 2,
                                                              "resume_checkpoint_path": resume}}
 
-    (reference,) = run_distributed(_run, 1, config=config("one", 1))
+    (reference,) = run_distributed(parity_run, 1, config=config("one", 1))
     first, last = reference["metrics"][0], reference["metrics"][-1]  # it learns (more slowly than the tiny Llama)
     assert last["lm_loss"] < first["lm_loss"] - 0.3 and all(m["grad_norm"] > 0 for m in reference["metrics"])
     expected_weights, expected_grads = assemble([reference], "weights"), assemble([reference], "grads")
     for mode, ranks in zip(("ALL_REDUCE", "REDUCE_SCATTER"), run_distributed_each(
-            _run, 2, [{"config": config(f"tp2_{mode}", 2, mode)} for mode in ("ALL_REDUCE", "REDUCE_SCATTER")])):
+            parity_run, 2, [{"config": config(f"tp2_{mode}", 2, mode)} for mode in ("ALL_REDUCE", "REDUCE_SCATTER")])):
         assert ranks[0]["local_shapes"]["layers.0.mixer.A_log"] == (64, 8)  # 128 channels over 2 ranks
         for name, tensor in assemble(ranks, "weights").items():
             assert torch.equal(tensor, expected_weights[name]), (mode, name)
@@ -319,6 +309,6 @@ def test_tensor_parallel_in_both_modes_matches_one_process_and_resumes_at_tp_1(t
         for a, b in zip(reference["metrics"], ranks[0]["metrics"], strict=True):
             assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5), (mode, a["step"])
     resumed = config("tp2_at_tp1", 1, resume=str(tmp_path / "tp2_ALL_REDUCE" / str(steps // 2)))
-    (at_tp1,) = run_distributed(_run, 1, config=resumed)
+    (at_tp1,) = run_distributed(parity_run, 1, config=resumed)
     later = {m["step"]: m["lm_loss"] for m in reference["metrics"] if m["step"] > steps // 2}
     assert {m["step"]: pytest.approx(m["lm_loss"], rel=1e-5) for m in at_tp1["metrics"]} == later

@@ -9,8 +9,10 @@ import json
 import pytest
 import torch
 
-from distributed import run_distributed_each
-from helpers import ROOT, _train, benchmark_on_cpu, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed_each
+from support.runs import train_in_process
+from support.stand_ins import benchmark_on_cpu
 
 EOS = 9
 QWEN2_TINY = {"is_qwen2_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
@@ -148,13 +150,13 @@ LAYOUTS = {"dp2": ({"dp": 2}, {"batch_accumulation_per_replica": 1}), "pp2": ({"
 def test_the_count_is_the_steps_whatever_the_layout(tiny_data, tmp_path):
     """Summed over data-parallel replicas, counted once over pipeline stages, context-parallel and tensor-parallel
     ranks: every 2-rank layout of the same global batch logs the FLOPs per token of one rank."""
-    reference = _flops_per_token(_train(_config(tiny_data, tmp_path / "reference")))
+    reference = _flops_per_token(train_in_process(_config(tiny_data, tmp_path / "reference")))
     calls = []
     for name, (parallelism, tokens) in LAYOUTS.items():
         config = _config(tiny_data, tmp_path / name, **parallelism)
         config["tokens"] |= tokens
         calls.append({"config": config})
-    for name, ranks in zip(LAYOUTS, run_distributed_each(_train, 2, calls)):
+    for name, ranks in zip(LAYOUTS, run_distributed_each(train_in_process, 2, calls)):
         assert _flops_per_token(ranks[0]) == pytest.approx(reference, rel=1e-9), name
 
 
@@ -164,10 +166,9 @@ def test_the_benchmark_record_counts_the_pairs_of_its_two_batches(tiny_data, tmp
     and the causal count, which the peers (attending across documents) compute, is kept beside them."""
     import argparse
 
-    from nanotron.trainer import Trainer
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import benchmark
+
+    from nanotron.trainer import Trainer
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(benchmark.PRESETS, "tiny-qwen2", QWEN2_TINY | {"is_llama_config": False})

@@ -5,12 +5,12 @@ command, and the estimates against the peaks measured on H200s (docs/benchmarks.
 import pytest
 import yaml
 
-from helpers import ROOT
 from nanotron.cli import main
 from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
 from nanotron.memory import CUDA_RUNTIME_BYTES, STEP_WORKSPACE_BYTES, estimate_memory, memory_summary
 from nanotron.models.registry import spec_for_config
 from nanotron.parallel import data_parallel
+from support import ROOT
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"
@@ -244,10 +244,10 @@ def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
 
     import torch
 
-    from helpers import BATCH, SMALL, small_llama
-    from helpers import SEQ as LENGTH
     from nanotron.models.llama.costs import llama_layer_activations
     from nanotron.models.spec import ActivationShape
+    from support.small_llama import BATCH, SMALL, small_llama
+    from support.small_llama import SEQ as LENGTH
 
     config = dataclasses.replace(SMALL, num_hidden_layers=1)
     model = small_llama(config)

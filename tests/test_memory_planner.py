@@ -7,8 +7,6 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from distributed import run_distributed_each
-from helpers import ROOT
 from nanotron.config import ConfigError, apply_overrides, config_from_dict, load_config
 from nanotron.layout import Layout
 from nanotron.memory import estimate_memory
@@ -17,6 +15,8 @@ from nanotron.models.registry import MODEL_SPECS
 from nanotron.parallel.context import GridPosition
 from nanotron.parallel.placement import get_placement, logical_parameters
 from nanotron.parallel.tensor_parallel import Column, ColumnParallelLinear, Style
+from support import ROOT
+from support.distributed import run_distributed_each
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 TINY_MAMBA = ROOT / "examples" / "config_tiny_mamba.yaml"

@@ -1,10 +1,15 @@
+"""The Llama model: shapes, padded vocabulary, tied embeddings, attention against a reference, the masked loss,
+initial weights as a function of seed and name; and the seams a model family plugs into: the registry, module
+converters swapping a linear's matmul, and persistent buffers in checkpoints."""
+
+from __future__ import annotations
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import run_with_triton_interpreter
 from nanotron.config import LlamaConfig
 from nanotron.models.build import materialize, padded_vocab_size
 from nanotron.models.init import init_parameters
@@ -12,6 +17,9 @@ from nanotron.models.llama.costs import llama_costs
 from nanotron.models.llama.model import LlamaForCausalLM, llama_init_rule
 from nanotron.nn.loss import masked_sum, token_losses
 from nanotron.parallel.placement import annotate_placements, logical_parameters
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed_each
+from support.kernels import run_with_triton_interpreter
 
 COORDS = {"pp": 0, "dp": 0, "ep": 0, "tp": 0}
 SIZES = {"pp": 1, "dp": 1, "ep": 1, "tp": 1}
@@ -130,4 +138,89 @@ def test_swiglu_backward_reference_matches_autograd():
 
 
 def test_the_swiglu_kernel_equals_the_reference_under_triton_s_interpreter():
-    run_with_triton_interpreter("from helpers import check_swiglu_kernel; check_swiglu_kernel()")
+    run_with_triton_interpreter("from support.kernels import check_swiglu_kernel; check_swiglu_kernel()")
+
+
+# --- the registry, module converters, the linear matmul and buffers -------------------------------------------------
+
+def test_registry_finds_llama_by_name_config_and_hf_model_type():
+    from nanotron.config import LlamaConfig
+    from nanotron.errors import CheckpointError
+    from nanotron.models.registry import LLAMA, spec_for_config, spec_for_hf_model_type, spec_named
+    from nanotron.models.spec import CausalLM
+
+    assert spec_named("llama", "here") is spec_for_config(LlamaConfig()) is LLAMA
+    assert spec_for_hf_model_type("llama", "x") is LLAMA
+    with torch.device("meta"):
+        assert isinstance(LLAMA.model_class(LlamaConfig(num_hidden_layers=1), 32000), CausalLM)
+    for name, hf_type in (("llamoe", "mixtral"), ("mamba", "mamba")):
+        assert spec_named(name, "here") is spec_for_hf_model_type(hf_type, "x")
+    with pytest.raises(CheckpointError, match="holds a 'rwkv' model, which this version cannot build"):
+        spec_named("rwkv", "ckpt/5")
+    with pytest.raises(CheckpointError, match="describes a 'gpt2' model; supported model_type values: llama, mamba, "
+                                              "mixtral, qwen2"):
+        spec_for_hf_model_type("gpt2", "hf/config.json")
+
+
+def counting_matmul(counts: dict):
+    import torch.nn.functional as F
+
+    def matmul(x, weight, bias=None):
+        counts["calls"] = counts.get("calls", 0) + 1
+        return F.linear(x, weight, bias)
+
+    return matmul
+
+
+def swap_matmuls(model) -> None:
+    """A converter in the way FP8 would plug in: every linear but the LM head gets another matmul; the final norm
+    gets a persistent buffer (scaling state)."""
+    from nanotron.nn.linear import Linear
+    from nanotron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    model.counts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (Linear, ColumnParallelLinear, RowParallelLinear)) and not name.endswith("lm_head"):
+            module.matmul = counting_matmul(model.counts)
+    if model.norm is not None:
+        model.norm.register_buffer("scale_history", torch.zeros(4))
+
+
+def _train_with_converter(config: dict, converted: bool, resume_buffer: bool = False) -> dict:
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config), converters=(swap_matmuls,) if converted else ())
+    losses = []
+    loader = trainer.loader(trainer.config.data_stages[0])
+    for step in range(1, 4):
+        losses.append(trainer.finish_step(trainer.train_step(loader.next_step(), 1e-3)).loss)
+        trainer.progress.step = step
+    result = {"losses": losses, "calls": getattr(trainer.model, "counts", {}).get("calls", 0)}
+    if converted and trainer.model.norm is not None:
+        result["loaded_buffer"] = trainer.model.norm.scale_history.tolist()
+        trainer.model.norm.scale_history.copy_(torch.arange(4.0))
+    trainer.save()
+    return result
+
+
+@pytest.mark.slow
+def test_converted_linears_train_like_the_plain_model_and_buffers_are_checkpointed(tiny_data, tmp_path):
+    """At tp=2 in sequence-parallel mode with overlap, a converter's matmul runs in every converted layer (the
+    overlapped path steps aside) and gives the same losses; the buffer it adds is saved and restored on resume."""
+    parallelism = {"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_linear_async_communication": True}
+    plain, converted = (tiny_config_dict(tiny_data, tmp_path / name, parallelism=parallelism)
+                        for name in ("plain", "converted"))
+    resumed = tiny_config_dict(tiny_data, tmp_path / "converted", parallelism=parallelism,
+                               checkpoints={"checkpoint_interval": 1000,
+                                            "resume_checkpoint_path": str(tmp_path / "converted")})
+    runs = run_distributed_each(_train_with_converter, 2, [
+        {"config": plain, "converted": False}, {"config": converted, "converted": True},
+        {"config": resumed | {"tokens": resumed["tokens"] | {"train_steps": 40}}, "converted": True},
+    ])
+    (plain_run, _), (converted_run, _), (resumed_run, _) = runs
+    assert converted_run["calls"] == 3 * 2 * 2 * 4  # steps x micro-batches x layers x linears (the head is left)
+    assert plain_run["calls"] == 0
+    torch.testing.assert_close(converted_run["losses"], plain_run["losses"], rtol=1e-6, atol=0)
+    assert converted_run["loaded_buffer"] == [0.0] * 4  # a fresh run starts from zeros
+    assert resumed_run["loaded_buffer"] == [0.0, 1.0, 2.0, 3.0]  # the resumed one from the checkpoint

@@ -10,19 +10,11 @@ import math
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import (
-    MOE_GLOBAL_BATCH,
-    assemble,
-    assert_reference_trains,
-    assert_user_error,
-    cli,
-    first_step_gradients,
-    moe_config,
-    parity_steps,
-    tiny_config_dict,
-    write_config,
-)
+from support.configs import MOE_GLOBAL_BATCH, moe_config, tiny_config_dict, write_config
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_gradients
+from support.runs import assert_user_error, cli
+from support.tiers import parity_steps
 
 STEPS = parity_steps()
 SAVED_AT = STEPS // 2

@@ -16,19 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    ROOT,
-    _config,
-    assert_reference_trains,
-    checkpoint_json,
-    descendants,
-    killed_on_failure,
-    metrics,
-    parity_steps,
-    signal_all,
-    wait_for_all,
-    write_config,
-)
+from support import ROOT
+from support.configs import short_config, write_config
+from support.parity import assert_reference_trains
+from support.processes import descendants, killed_on_failure, signal_all, wait_for_all
+from support.runs import checkpoint_json, metrics
+from support.tiers import parity_steps
 
 TIMEOUT_S = 240
 ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
@@ -71,7 +64,7 @@ def _run_agents(config_path: Path, agents: list[list[str]]) -> None:
 
 
 def _dp2_tp2(tiny_data, run: Path, steps: int) -> dict:
-    config = _config(tiny_data, run, steps, parallelism={"dp": 2, "tp": 2})
+    config = short_config(tiny_data, run, steps, parallelism={"dp": 2, "tp": 2})
     config["tokens"]["micro_batch_size"] = 2  # the tiny config's global batch of 8 sequences, over dp=2
     return config
 

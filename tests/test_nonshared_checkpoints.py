@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed
-from helpers import ROOT, _config, assert_user_error, cli, metrics, wait_for_all, write_config
+from support import ROOT
+from support.configs import short_config, write_config
+from support.distributed import run_distributed
+from support.processes import wait_for_all
+from support.runs import assert_user_error, cli, metrics
 
 TIMEOUT_S = 240
 ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
@@ -49,9 +52,9 @@ def _train_on_nodes(config_path: Path, nodes: list[Path], ranks_per_node: int = 
 
 
 def _node_config(tiny_data, tmp_path: Path, name: str, steps: int, parallelism: dict) -> Path:
-    config = _config(tiny_data, Path(RUN), steps, parallelism=parallelism,
-                     checkpoints={"checkpoint_interval": 3, "resume_checkpoint_path": "auto",
-                                  "checkpoints_path_is_shared_file_system": False})
+    config = short_config(tiny_data, Path(RUN), steps, parallelism=parallelism,
+                          checkpoints={"checkpoint_interval": 3, "resume_checkpoint_path": "auto",
+                                       "checkpoints_path_is_shared_file_system": False})
     config["tokens"]["micro_batch_size"] = 8 // parallelism.get("dp", 1) // 2  # a global batch of 8 sequences
     config["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = TOTAL_STEPS  # the same schedule if stopped
     return write_config(tmp_path / f"{name}.yaml", config)
@@ -122,9 +125,9 @@ def test_each_node_keeps_its_own_ranks_files_and_the_run_resumes_exactly(tiny_da
     else:
         assert_user_error(converted, str(nodes[1] / RUN / str(TOTAL_STEPS) / "model"))
     # Another layout cannot find the other node's files: refused before anything is built.
-    other = _config(tiny_data, tmp_path / "other", TOTAL_STEPS + 2,
-                    checkpoints={"resume_checkpoint_path": str(nodes[1] / RUN),
-                                 "checkpoints_path_is_shared_file_system": False})
+    other = short_config(tiny_data, tmp_path / "other", TOTAL_STEPS + 2,
+                         checkpoints={"resume_checkpoint_path": str(nodes[1] / RUN),
+                                      "checkpoints_path_is_shared_file_system": False})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "other.yaml", other)),
                       "holds only the files of ranks 1", "checkpoints_path_is_shared_file_system: false",
                       "this run's layout is pp=1, dp=1, ep=1, cp=1, tp=1", "resume at the layout")

@@ -1,7 +1,7 @@
 import pytest
 
-from distributed import run_distributed
 from nanotron.layout import Axis, Group
+from support.distributed import run_distributed
 
 
 def _groups(tp, pp, dp, ep):

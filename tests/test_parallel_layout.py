@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from helpers import ROOT
 from nanotron.config import load_config
 from nanotron.layout import GRID_AXES, Axis, Group, Layout
+from support import ROOT
 
 LAYOUTS = [Layout(pp=2, dp=2, ep=1, cp=2, tp=2), Layout(pp=1, dp=3, ep=2, cp=1, tp=2), Layout(pp=3, dp=1, ep=2, cp=2)]
 

@@ -5,17 +5,18 @@ are their nearest bf16; the planner counts 2 bytes instead of 4."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
-from distributed import run_distributed_each
-from helpers import ROOT, run_with_triton_interpreter, tiny_config_dict
 from nanotron.config import load_config
 from nanotron.memory import estimate_memory
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function, adamw_update_remainders_fused
 from nanotron.optim.param_remainders import joined, split_
+from support import ROOT
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed_each
+from support.kernels import run_with_triton_interpreter
 
 CPU = torch.device("cpu")
 
@@ -215,9 +216,6 @@ def test_a_checkpoint_resumes_its_masters_exactly_with_the_other_setting(zero1_r
 
 
 def test_the_benchmark_names_two_runs_by_how_they_hold_the_masters():
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
     import benchmark_record
 
     run = {"preset": "mixtral", "precision": "bf16", "adam_moments": "fp32"}

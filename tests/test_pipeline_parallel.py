@@ -1,4 +1,5 @@
-"""Pipeline parallelism: the partitioner, both engines against one process, tied embeddings, accumulation, timeouts."""
+"""Pipeline parallelism: the partitioner, both engines against one process, tied embeddings, accumulation, timeouts,
+an inner stage's auxiliary loss and every stage's statistics, and rotary tables built once per stage."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import assemble, assert_reference_trains, first_step_gradients, parity_steps, tiny_config_dict
 from nanotron.parallel.pipeline_partition import PartitionError, balanced_partition, stage_layers
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_gradients
+from support.tiers import parity_steps
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both
 
@@ -180,3 +183,70 @@ def test_step_lines_appear_at_pp_2_with_quiet_replicas(tiny_data, tmp_path):
     by_rank = run_distributed(_step_lines, 2, config=config)
     assert [len(lines) for lines in by_rank] == [5, 0]
     assert by_rank[0][-1].startswith("step 5/5 | loss ")
+
+
+def _rotary_positions_per_stage(config: dict) -> int:
+    """Train, counting the positions whose rotary tables this rank computes."""
+    from nanotron.config import config_from_dict
+    from nanotron.nn.rotary import RotaryEmbedding
+    from nanotron.trainer import Trainer
+
+    computed, forward = [], RotaryEmbedding.forward
+    RotaryEmbedding.forward = lambda self, positions: computed.append(positions.numel()) or forward(self, positions)
+    try:
+        Trainer(config_from_dict(config)).train()
+    finally:
+        RotaryEmbedding.forward = forward
+    return sum(computed)
+
+
+def test_every_pipeline_stage_builds_its_rotary_tables_once_for_the_sequence_length(tiny_data, tmp_path):
+    """At pp=2 with sequence parallelism the second stage cannot read the sequence's length from its hidden states:
+    it built tables for all max_position_embeddings (here 8x the sequence) at every forward, and the first stage
+    rebuilt its own at every forward too. Both now build the sequence's tables once."""
+    config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 2, "sequence_length": 32},
+                              parallelism={"pp": 2, "tp": 1})
+    config["model"]["model_config"]["max_position_embeddings"] = 256
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    assert run_distributed(_rotary_positions_per_stage, 2, config=config) == [32, 32]
+
+
+def _two_layer_pipeline(pp: int) -> dict:
+    """x + x W0 (a residual block, as stage outputs are) -> W1 -> mean square, with an auxiliary loss on x W0 (as a
+    router's), over 4 micro-batches."""
+    from nanotron.layout import Layout
+    from nanotron.parallel.context import ParallelContext
+    from nanotron.parallel.pipeline_parallel import P2P, Chunk, PipelineSchedule, StageOutput
+    from nanotron.parallel.statistics import sum_over_replicas
+
+    pc = ParallelContext(Layout(pp=pp))
+    generator = torch.Generator().manual_seed(0)
+    w0, w1 = (torch.randn(8, 8, generator=generator).requires_grad_() for _ in range(2))
+    micro_batches = [{"x": torch.randn(2, 4, 8, generator=generator)} for _ in range(4)]
+
+    def forward(micro_batch, hidden):
+        statistics, aux = {}, None
+        if pc.is_first_stage:
+            branch = micro_batch["x"] @ w0
+            aux = 0.1 * branch.square().mean()
+            hidden = micro_batch["x"] + branch
+            statistics["aux_loss"] = aux
+        if not pc.is_last_stage:
+            return StageOutput(hidden, statistics, () if aux is None else (aux,))
+        loss = (hidden @ w1).square().mean()
+        return StageOutput(None, statistics | {"loss": loss}, (loss,) if aux is None else (loss, aux))
+
+    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), [Chunk(forward)], lambda: None)
+    statistics = sum_over_replicas(schedule.run(micro_batches, step=1), {"loss": (), "aux_loss": ()}, pc)
+    return {"w0": w0.grad if pc.is_first_stage else None, "w1": w1.grad if pc.is_last_stage else None,
+            "statistics": {name: value.item() for name, value in statistics.items()}}
+
+
+def test_an_inner_stage_adds_its_auxiliary_loss_and_every_stage_gets_the_statistics():
+    (single,) = run_distributed(_two_layer_pipeline, 1, pp=1)
+    first, last = run_distributed(_two_layer_pipeline, 2, pp=2)
+    assert single["w0"].abs().sum() > 0 and single["statistics"]["aux_loss"] > 0
+    torch.testing.assert_close(first["w0"], single["w0"], rtol=1e-6, atol=1e-7)  # includes the auxiliary loss
+    torch.testing.assert_close(last["w1"], single["w1"], rtol=1e-6, atol=1e-7)
+    for stage in (first, last):
+        assert stage["statistics"] == pytest.approx(single["statistics"], rel=1e-6)

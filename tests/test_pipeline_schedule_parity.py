@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed, run_distributed_each
-from helpers import assemble, assert_reference_trains, first_step_then_train, parity_steps, tiny_config_dict
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.tiers import parity_steps
 
 STEPS = parity_steps(short=10)
 

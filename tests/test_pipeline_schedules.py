@@ -7,10 +7,11 @@ import types
 
 import pytest
 
-from helpers import assert_user_error, cli, tiny_config_dict, write_config
 from nanotron.config import ConfigError
 from nanotron.layout import Layout
 from nanotron.pipeline_schedules import SCHEDULES, ScheduleError, schedule_for, schedule_problems
+from support.configs import tiny_config_dict, write_config
+from support.runs import assert_user_error, cli
 
 VIRTUAL = {"afab": 1, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}
 

@@ -18,21 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from distributed import run_distributed_each
-from helpers import (
-    BATCH,
-    ROOT,
-    SEQ,
-    SMALL,
-    AttentionCalls,
-    assert_same_gradients,
-    ids_for,
-    loss_and_gradients,
-    recompute_config,
-    recomputed,
-    small_llama,
-    train_with_flops,
-)
 from nanotron.config import LlaMoEConfig, config_from_dict, load_config
 from nanotron.memory import estimate_memory
 from nanotron.models.build import padded_vocab_size
@@ -41,6 +26,21 @@ from nanotron.models.moe.costs import moe_layer_activations
 from nanotron.models.moe.model import LlaMoEForCausalLM
 from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import MATMUL_OPS, keep_matmul_and_attention_context, recompute_in_backward
+from support import ROOT
+from support.configs import recompute_config
+from support.distributed import run_distributed_each
+from support.runs import train_with_flops
+from support.small_llama import (
+    BATCH,
+    SEQ,
+    SMALL,
+    AttentionCalls,
+    assert_same_gradients,
+    ids_for,
+    loss_and_gradients,
+    recomputed,
+    small_llama,
+)
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 POINTWISE = ["parallelism.recompute=pointwise"]

@@ -1,12 +1,14 @@
-"""How a run with data loader workers ends, under torchrun or not. Preempted: whoever gets the stop signal (torchrun's
-agent, which passes it on to each rank's process group; every process of the job, as Slurm's scancel and --signal do;
-or one rank), every rank finishes its step, saves the same step and exits 0 without a traceback, and the resumed run
-trains exactly as an uninterrupted one. A loader worker that dies anyway (the out-of-memory killer) ends its rank with
-one error line. An exception in a step ends its rank at once, its workers killed, and the launcher then stops the
-others."""
+"""How a run ends, under torchrun or not. A stop signal saves and exits cleanly, then the run resumes, also when it
+lands during the ranks' agreement to stop. With data loader workers, preempted: whoever gets the stop signal
+(torchrun's agent, which passes it on to each rank's process group; every process of the job, as Slurm's scancel and
+--signal do; or one rank), every rank finishes its step, saves the same step and exits 0 without a traceback, and the
+resumed run trains exactly as an uninterrupted one. A loader worker that dies anyway (the out-of-memory killer) ends
+its rank with one error line. An exception in a step ends its rank at once, its workers killed, and the launcher then
+stops the others."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,20 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    checkpoint_json,
+from support import ROOT
+from support.configs import short_config, tiny_config_dict, write_config
+from support.processes import (
     children,
     descendants,
     finished,
     killed_on_failure,
-    metrics,
     running,
     signal_all,
     start_training,
-    tiny_config_dict,
     training_outcome,
-    write_config,
 )
+from support.runs import checkpoint_json, metrics
 
 TIMEOUT_S = 120
 
@@ -172,3 +173,62 @@ def test_an_exception_in_a_step_ends_the_run_at_once_with_its_traceback(tiny_dat
     assert outcome.code == 1 and "RuntimeError: a bug in step 2" in outcome.stderr, outcome.stderr[-4000:]
     workers = [int(pid) for pid in pids.read_text().split()]
     assert len(workers) == 1 and not any(running(pid) for pid in workers), workers
+
+
+@pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM),
+                                            pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.slow)])
+def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    parallelism = {"dp": 2} if launch == "torchrun" else {}
+    config = short_config(tiny_data, run, 100_000, parallelism=parallelism)
+    config["tokens"]["micro_batch_size"] = 2 if launch == "torchrun" else 4
+    config["checkpoints"]["checkpoint_interval"] = 100_000
+    launcher = [sys.executable] if launch == "python" else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    process = start_training(write_config(tmp_path / "config.yaml", config), launcher, log)
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").exists() and len(metrics(run)) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # Slurm's --signal reaches every task: under torchrun, every worker process of the agent
+    for pid in [process.pid] if launch == "python" else children(process.pid):
+        os.kill(pid, signum)
+    try:
+        process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        for pid in children(process.pid) + [process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+        pytest.fail(f"the run did not stop within 120 s of {signal.Signals(signum).name}:\n"
+                    + log.read_text()[-6000:])
+    output = log.read_text()
+    assert process.returncode == 0, output[-6000:]
+    step = checkpoint_json(run)["step"]
+    assert f"{signal.Signals(signum).name} received: stopped after step {step}" in output
+    assert metrics(run)[-1]["step"] == step and step >= 3
+    resume = config | {"tokens": config["tokens"] | {"train_steps": step + 2}}
+    resume["checkpoints"] = config["checkpoints"] | {"resume_checkpoint_path": "auto"}
+    command = launcher + [str(ROOT / "run_train.py"), "--config-file", str(write_config(tmp_path / "r.yaml", resume))]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert [r["step"] for r in metrics(run)] == list(range(1, step + 3))
+
+
+def test_a_signal_handled_during_the_stop_agreement_stops_the_next_step(monkeypatch):
+    """Ranks spend much of a step waiting in collectives, the agreement's all-reduce among them: a signal handled
+    there must not be overwritten by the other ranks' zeros (the run would train on and be killed later)."""
+    import torch.distributed as dist
+
+    from nanotron.preemption import StopRequests
+
+    def all_reduce_while_signalled(flag, op, group):  # the other ranks' flags are 0; the signal lands meanwhile
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce_while_signalled)
+    with StopRequests() as stop:
+        assert not stop.agreed(None)  # not seen by the other ranks before the all-reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda flag, op, group: None)
+        assert stop.agreed(None) and stop.signal_name == "SIGUSR1"

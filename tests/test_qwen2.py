@@ -11,22 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import run_distributed_each
-from helpers import (
-    _run,
-    assert_reference_trains,
-    assert_user_error,
-    away_from_initial_values,
-    check_against_reference,
-    cli,
-    first_step,
-    metrics,
-    tiny_config_dict,
-    tp_config,
-    train,
-    transformers_outputs,
-    write_config,
-)
+from support.configs import tiny_config_dict, tp_config, write_config
+from support.distributed import run_distributed_each
+from support.hf import away_from_initial_values, transformers_outputs
+from support.parity import assert_reference_trains, check_against_reference, first_step, parity_run
+from support.runs import assert_user_error, cli, metrics, train_through_cli
 
 SHAPE = dict(vocab_size=112, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rope_theta=5000.0, bos_token_id=1, eos_token_id=2,
@@ -274,8 +263,8 @@ def test_tp2_matches_tp1_with_windows_nope_and_z_loss(tiny_data, tmp_path):
         return cfg
 
     paths = (0, 8192)
-    references = run_distributed_each(_run, 1, [{"config": config(f"ref-{c}", 1, c)} for c in paths])
-    results = run_distributed_each(_run, 2, [{"config": config(f"tp2-{c}", 2, c)} for c in paths])
+    references = run_distributed_each(parity_run, 1, [{"config": config(f"ref-{c}", 1, c)} for c in paths])
+    results = run_distributed_each(parity_run, 2, [{"config": config(f"tp2-{c}", 2, c)} for c in paths])
     for chunk_tokens, (reference,), ranks in zip(paths, references, results):
         assert_reference_trains(reference["metrics"], len(reference["metrics"]))
         assert all(m["z_loss"] > 0 for m in reference["metrics"])
@@ -310,7 +299,7 @@ def _upstream_config(tiny_data, tmp_path, **changes) -> dict:
 
 
 def test_a_yaml_with_upstreams_qwen2_keys_trains(tiny_data, tmp_path):
-    train(_upstream_config(tiny_data, tmp_path), tmp_path / "config.yaml")
+    train_through_cli(_upstream_config(tiny_data, tmp_path), tmp_path / "config.yaml")
     records = metrics(tmp_path / "run")
     assert [record["step"] for record in records] == [1, 2]
     assert all(record["z_loss"] > 0 and record["lm_loss"] > 0 for record in records)

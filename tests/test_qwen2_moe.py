@@ -13,23 +13,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from distributed import run_distributed, run_distributed_each
-from helpers import (
-    _run,
-    assemble,
-    assert_reference_trains,
-    assert_user_error,
-    away_from_initial_values,
-    cli,
-    corpus_documents,
-    datatrove_folder,
-    metrics,
-    parity_steps,
-    tiny_config_dict,
-    train,
-    transformers_outputs,
-    write_config,
-)
+from support.configs import tiny_config_dict, write_config
+from support.corpus import corpus_documents, datatrove_folder
+from support.distributed import run_distributed, run_distributed_each
+from support.hf import away_from_initial_values, transformers_outputs
+from support.parity import assemble, assert_reference_trains, parity_run
+from support.runs import assert_user_error, cli, metrics, train_through_cli
+from support.tiers import parity_steps
 
 SHAPE = dict(vocab_size=112, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, rope_theta=5000.0, bos_token_id=1, eos_token_id=2,
@@ -257,10 +247,10 @@ def _training_config(tiny_data, run: Path, *, dp: int = 1, ep: int = 1, tp: int 
 def test_expert_parallel_layouts_match_one_process(tiny_data, tmp_path):
     """One process, then dp2 x ep2 and ep2 x tp2 in one 4-rank spawn: first-step gradients of every tensor (the
     shared expert and its gate included) and the curves of losses, grad-norms and router statistics."""
-    (reference,) = run_distributed(_run, 1, config=_training_config(tiny_data, tmp_path / "reference"))
+    (reference,) = run_distributed(parity_run, 1, config=_training_config(tiny_data, tmp_path / "reference"))
     layouts = {"dp2_ep2": {"dp": 2, "ep": 2}, "ep2_tp2": {"ep": 2, "tp": 2}}
-    results = run_distributed_each(_run, 4, [{"config": _training_config(tiny_data, tmp_path / name, **layout)}
-                                             for name, layout in layouts.items()])
+    results = run_distributed_each(parity_run, 4, [{"config": _training_config(tiny_data, tmp_path / name, **layout)}
+                                                   for name, layout in layouts.items()])
     assert_reference_trains(reference["metrics"], parity_steps())
     for record in reference["metrics"]:
         assert len(record["moe_expert_load"]) == 2 and record["moe_load_balancing_loss"] >= 0.99
@@ -284,7 +274,7 @@ def test_the_step_line_tells_the_routers_z_loss_from_the_logits(tiny_data, tmp_p
     config["model"]["model_config"]["z_loss_enabled"] = True
     config["tokens"]["train_steps"] = 1
     config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
-    outcome = train(config, tmp_path / "config.yaml")
+    outcome = train_through_cli(config, tmp_path / "config.yaml")
     (line,) = [line for line in (outcome.stdout + outcome.stderr).splitlines() if "step 1/1" in line]
     assert " | z_loss " in line and " | moe_z_loss " in line and " | load_balancing_loss " in line, line
     (record,) = metrics(tmp_path / "run")
@@ -314,7 +304,7 @@ def test_upstreams_qwen_with_moe_example_trains_its_experts(tiny_data, tmp_path)
     raw["tokenizer"]["tokenizer_name_or_path"] = str(tiny_data["tokenizer"])
     raw["parallelism"].update(dp=1)
     raw["tokens"].update(sequence_length=32, micro_batch_size=2, train_steps=2)
-    train(raw, tmp_path / "config.yaml")
+    train_through_cli(raw, tmp_path / "config.yaml")
     records = metrics(tmp_path / "run")
     assert [record["step"] for record in records] == [1, 2]
     assert all(len(record["moe_expert_load"]) == 2 and 1.0 <= record["moe_max_expert_load"] <= 8.0

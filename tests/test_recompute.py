@@ -10,8 +10,9 @@ import torch
 import yaml
 from torch import nn
 
-from distributed import run_distributed_each
-from helpers import RECOMPUTE_STEPS, recompute_config, tiny_config_dict, train_with_flops, write_config
+from support.configs import RECOMPUTE_STEPS, recompute_config, tiny_config_dict, write_config
+from support.distributed import run_distributed_each
+from support.runs import train_with_flops
 
 
 def _saved_for_backward(config: dict) -> dict:

@@ -1,5 +1,6 @@
 """One run at a time per run folder (``checkpoint/run_lock.py``), and metrics files written by one run only: real
-training processes started side by side, killed with SIGKILL and stopped with SIGTERM, alone and under torchrun."""
+training processes started side by side, killed with SIGKILL and stopped with SIGTERM, alone and under torchrun.
+Training again over a finished run is refused; with ``resume_checkpoint_path: auto`` it continues."""
 
 from __future__ import annotations
 
@@ -15,17 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (
-    ROOT,
-    _config,
-    assert_user_error,
-    checkpoint_json,
-    children,
-    cli,
-    start_training,
-    train,
-    write_config,
-)
+from support import ROOT
+from support.configs import short_config, write_config
+from support.processes import children, start_training
+from support.runs import assert_user_error, checkpoint_json, checkpoint_steps, cli, metrics, train_through_cli
 
 LAUNCHERS = {
     "python": [sys.executable],
@@ -72,7 +66,8 @@ def _stop(process: subprocess.Popen, launch: str, log: Path) -> None:
 def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_command_starts(
         tiny_data, tmp_path, launch):
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"
-    config = _config(tiny_data, run, 100_000, checkpoints={"checkpoint_interval": 2, "resume_checkpoint_path": "auto"})
+    config = short_config(tiny_data, run, 100_000, checkpoints={"checkpoint_interval": 2,
+                                                                "resume_checkpoint_path": "auto"})
     if launch == "torchrun":
         config["parallelism"]["dp"], config["tokens"]["micro_batch_size"] = 2, 2
     path = write_config(tmp_path / "config.yaml", config)
@@ -122,7 +117,7 @@ def test_the_lock_is_held_from_set_up_to_close_and_released_when_set_up_fails(ti
     from nanotron.trainer import Trainer
 
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"
-    config = _config(tiny_data, run, 2)
+    config = short_config(tiny_data, run, 2)
     environment = dict(os.environ)  # a world of one sets RANK, MASTER_PORT...: later subprocesses must not inherit them
     trainer = Trainer(config_from_dict(config))
     try:
@@ -143,36 +138,54 @@ def test_a_lock_held_from_another_host_is_refused_with_how_to_remove_it(tiny_dat
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"
     run.mkdir()
     lock.write_text(json.dumps({"host": "node-17", "pid": 4242, "started": "2026-01-02T03:04:05+00:00"}))
-    path = write_config(tmp_path / "config.yaml", _config(tiny_data, run, 2))
+    path = write_config(tmp_path / "config.yaml", short_config(tiny_data, run, 2))
     assert_user_error(cli("train", "--config-file", path),
                       f"{run} is in use by another training run (host node-17, pid 4242, since 2026-01-02T03:04:05",
                       f"cannot be checked from {socket.gethostname()}", f"delete {lock} by hand")
     lock.unlink()
-    train(_config(tiny_data, run, 2), tmp_path / "after.yaml")
+    train_through_cli(short_config(tiny_data, run, 2), tmp_path / "after.yaml")
     assert not lock.exists()
 
 
 def test_a_metrics_file_of_another_run_is_refused_and_continued_only_by_resuming_that_run(tiny_data, tmp_path):
     shared = tmp_path / "metrics.jsonl"
-    first = _config(tiny_data, tmp_path / "a", 3, logging={"metrics_path": str(shared)})
-    train(first, tmp_path / "a.yaml")
+    first = short_config(tiny_data, tmp_path / "a", 3, logging={"metrics_path": str(shared)})
+    train_through_cli(first, tmp_path / "a.yaml")
     before = shared.read_text()
 
-    from_scratch = _config(tiny_data, tmp_path / "b", 2, logging={"metrics_path": str(shared)})
+    from_scratch = short_config(tiny_data, tmp_path / "b", 2, logging={"metrics_path": str(shared)})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "b.yaml", from_scratch)),
                       f"logging.metrics_path {shared} already holds another run's metrics",
                       "this run resumes no checkpoint", "point logging.metrics_path at a new file")
     elsewhere = tmp_path / "elsewhere.jsonl"  # another run's records
     elsewhere.write_text('{"step": 1, "lm_loss": 5.0}\n')
-    fork = _config(tiny_data, tmp_path / "c", 5, logging={"metrics_path": str(elsewhere)},
-                   checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(tmp_path / "a")})
+    fork = short_config(tiny_data, tmp_path / "c", 5, logging={"metrics_path": str(elsewhere)},
+                        checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": str(tmp_path / "a")})
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "c.yaml", fork)),
                       f"logging.metrics_path {elsewhere} already holds another run's metrics",
                       f"the checkpoint {tmp_path / 'a' / '3'} logs to {shared}")
     assert elsewhere.read_text() == '{"step": 1, "lm_loss": 5.0}\n'
     assert shared.read_text() == before
 
-    resume = _config(tiny_data, tmp_path / "a", 5, logging={"metrics_path": str(shared)},
-                     checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
-    assert "resumed from" in train(resume, tmp_path / "resume.yaml").stderr
+    resume = short_config(tiny_data, tmp_path / "a", 5, logging={"metrics_path": str(shared)},
+                          checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
+    assert "resumed from" in train_through_cli(resume, tmp_path / "resume.yaml").stderr
     assert [json.loads(line)["step"] for line in shared.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_running_again_over_a_run_is_refused_and_auto_resumes(tiny_data, tmp_path):
+    run = tmp_path / "run"
+    config = short_config(tiny_data, run, 3)
+    train_through_cli(config, tmp_path / "config.yaml")
+    before = (run / "metrics.jsonl").read_text()
+    outcome = cli("train", "--config-file", write_config(tmp_path / "again.yaml", config))
+    assert_user_error(outcome, f"checkpoints.checkpoints_path {run} already holds a run",
+                      "latest.txt names checkpoint '3'", "resume_checkpoint_path: auto")
+    assert (run / "metrics.jsonl").read_text() == before and checkpoint_steps(run) == ["3"]
+    auto = short_config(tiny_data, run, 5, checkpoints={"checkpoint_interval": 1000, "resume_checkpoint_path": "auto"})
+    assert "resumed from" in train_through_cli(auto, tmp_path / "auto.yaml").stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]
+    fresh = short_config(tiny_data, tmp_path / "fresh", 2, checkpoints={"checkpoint_interval": 1000,
+                                                                        "resume_checkpoint_path": "auto"})
+    # nothing there yet: from scratch
+    assert "resumed from" not in train_through_cli(fresh, tmp_path / "fresh.yaml").stderr

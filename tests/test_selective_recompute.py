@@ -12,22 +12,6 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from distributed import run_distributed_each
-from helpers import (
-    BATCH,
-    ROOT,
-    SEQ,
-    SMALL,
-    AttentionCalls,
-    assert_same_gradients,
-    ids_for,
-    loss_and_gradients,
-    recompute_config,
-    recomputed,
-    small_llama,
-    tiny_config_dict,
-    train_with_flops,
-)
 from nanotron.config import ConfigError, LlamaConfig, apply_overrides, config_from_dict, load_config
 from nanotron.layout import Layout
 from nanotron.memory import estimate_memory
@@ -36,6 +20,21 @@ from nanotron.models.llama.costs import llama_costs, llama_layer_activations
 from nanotron.models.spec import ActivationShape
 from nanotron.nn.recompute import ATTENTION_OPS, recompute_in_backward
 from nanotron.parallel.context import ParallelContext
+from support import ROOT
+from support.configs import recompute_config, tiny_config_dict
+from support.distributed import run_distributed_each
+from support.runs import train_with_flops
+from support.small_llama import (
+    BATCH,
+    SEQ,
+    SMALL,
+    AttentionCalls,
+    assert_same_gradients,
+    ids_for,
+    loss_and_gradients,
+    recomputed,
+    small_llama,
+)
 
 TINY = ROOT / "examples" / "config_tiny_llama.yaml"
 BENCH = ROOT / "examples" / "config_llama1b_bench.yaml"

@@ -1,7 +1,8 @@
 """The ids of a preprocessed folder are checked against its vocabulary from the id range that ``nanotron preprocess``
 records for each shard, without reading the shards (which would cost every rank of every run a pass over the
 dataset); a folder without recorded ranges is still checked by reading it, once. Every window read is checked against
-the range of its shard, so a shard changed since it was recorded stops the run with one line naming it.
+the range of its shard, so a shard changed since it was recorded stops the run with one line naming it, as do ids
+outside the vocabulary in a folder that records no range.
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import _config, assert_user_error, cli, training_outcome, without_id_ranges, write_config
 from nanotron.data.dataset import DataError, TokenShards
 from nanotron.data.preprocess import preprocess
+from support.configs import folder_stage, short_config, write_config
+from support.corpus import without_id_ranges
+from support.processes import training_outcome
+from support.runs import (
+    assert_user_error,
+    cli,
+    python_process,
+)
 
 _TOKENS_PER_SHARD = 4096
 
@@ -130,7 +138,7 @@ def test_a_recorded_range_outside_the_vocabulary_is_refused_naming_the_shard(tin
     shard, vocab = metadata["shards"][1], metadata["tokenizer"]["vocab_size"]
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(folder)]}}}
-    config = _config(tiny_data, tmp_path / "run", 2, data_stages=[stage])
+    config = short_config(tiny_data, tmp_path / "run", 2, data_stages=[stage])
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
                       f"shard {folder / shard['tokens']} holds token ids {shard['min_token_id']} to "
                       f"{shard['max_token_id']} as recorded in metadata.json",
@@ -165,10 +173,68 @@ def test_a_shard_disagreeing_with_its_recorded_range_ends_a_run_with_loader_work
     folder, metadata = _edited_copy(sharded, tmp_path / "data", _negative_ids)
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 1, "dataset": {"dataset_folder": [str(folder)]}}}
-    config = write_config(tmp_path / "config.yaml", _config(tiny_data, tmp_path / "run", 4, data_stages=[stage]))
+    config = write_config(tmp_path / "config.yaml", short_config(tiny_data, tmp_path / "run", 4, data_stages=[stage]))
     line = assert_user_error(training_outcome(config, [sys.executable], tmp_path / "train.log", timeout_s=120),
                              "holds token id -3 at token", "that metadata.json records for it: the folder is corrupt")
     ranges = {str(folder / shard["tokens"]): (shard["min_token_id"], shard["max_token_id"])
               for shard in metadata["shards"]}
     found = re.search(r"shard (\S+) holds token id -3 at token (\d+), outside the range (\d+) to (\d+) ", line)
     assert found and ranges[found[1]] == (int(found[3]), int(found[4])) and int(found[2]) % 50 == 0, line
+
+
+def _damaged_copy(tiny_data, folder: Path, bad_id: str) -> tuple[Path, int, int]:
+    """A copy of the tiny folder whose first shard, rewritten as int32, holds an id outside the vocabulary in every
+    training window: the vocabulary size (``bad_id="past"``) or -1 (``"negative"``). Its metadata records no id
+    range, as a folder edited by hand or written by an earlier version, so the shard is read. Returns the shard, the
+    id and its first position."""
+    shutil.copytree(tiny_data["tokenized"], folder)
+    metadata = json.loads((folder / "metadata.json").read_text())
+    shard = folder / metadata["shards"][0]["tokens"]
+    tokens = np.load(shard).astype(np.int32)
+    value, position = metadata["tokenizer"]["vocab_size"] if bad_id == "past" else -1, 7
+    tokens[position::16] = value
+    np.save(shard, tokens)
+    (folder / "metadata.json").write_text(json.dumps(without_id_ranges(metadata) | {"dtype": "int32"}))
+    return shard, value, position
+
+
+@pytest.mark.parametrize("bad_id", ["past", pytest.param("negative", marks=pytest.mark.slow)])
+def test_a_shard_with_ids_outside_the_vocabulary_is_one_error_naming_it(tiny_data, tmp_path, bad_id):
+    shard, value, position = _damaged_copy(tiny_data, tmp_path / "data", bad_id)
+    config = short_config(tiny_data, tmp_path / "run", 2, data_stages=[folder_stage(tmp_path / "data", workers=1)])
+    outcome = python_process("run_train.py", "--config-file", write_config(tmp_path / "config.yaml", config))
+    assert_user_error(outcome, f"shard {shard} holds token id {value} at token {position}", "outside the vocabulary")
+
+
+def test_a_shard_is_read_whole_once_when_opened_then_window_by_window(tiny_data, tmp_path):
+    from nanotron.data.dataset import DataError, TokenShards
+
+    shard, value, position = _damaged_copy(tiny_data, tmp_path / "data", "past")
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        TokenShards(tmp_path / "data")
+    # The copy a data-loading worker opens (ids already checked) does not scan the tokens again; it checks the
+    # windows it reads.
+    worker_copy = TokenShards(tmp_path / "data", ids_checked=True)
+    assert len(worker_copy.read(0, position)) == position
+    with pytest.raises(DataError, match=f"shard {shard} holds token id {value} at token {position}, outside the "
+                                        f"vocabulary of its tokenizer \\({value} ids\\)"):
+        worker_copy.read(0, position + 1)
+
+
+def test_out_of_vocabulary_ids_in_a_shard_are_one_error(tiny_data, tmp_path):
+    import numpy as np
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data["tokenized"], data)
+    metadata = json.loads((data / "metadata.json").read_text())
+    shard = data / metadata["shards"][0]["tokens"]
+    vocab = metadata["tokenizer"]["vocab_size"]
+    tokens = np.load(shard, mmap_mode="r+")
+    tokens[::16] = vocab  # one id past the vocabulary in every training window
+    tokens.flush()
+    (data / "metadata.json").write_text(json.dumps(without_id_ranges(metadata)))  # edited: the shard is read
+    stage = {"name": "main", "start_training_step": 1,
+             "data": {"seed": 3, "num_loading_workers": 0, "dataset": {"dataset_folder": [str(data)]}}}
+    config = short_config(tiny_data, tmp_path / "run", 4, data_stages=[stage])
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
+                      str(data), f"token id {vocab} at token", f"outside the vocabulary of its tokenizer ({vocab} ids)")

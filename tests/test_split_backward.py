@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
-from helpers import SEQ, SMALL, ids_for, small_llama
 from nanotron.parallel.split_backward import backward_input
+from support.distributed import run_distributed
+from support.small_llama import SEQ, SMALL, ids_for, small_llama
 
 
 def _middle_chunk_backward(model, ids: torch.Tensor, split: bool) -> tuple[torch.Tensor, dict, list[str], int]:

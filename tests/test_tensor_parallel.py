@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_distributed, run_distributed_each
-from helpers import _run, assert_reference_trains, check_against_reference, parity_steps, tp_config
+from support.configs import tp_config
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assert_reference_trains, check_against_reference, parity_run
+from support.tiers import parity_steps
 
 STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step gradients are checked exactly in both
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory):
-    (result,) = run_distributed(_run, 1, config=tp_config(tiny_data, tmp_path_factory.mktemp("ref"), "ref", 1,
-                                                          "ALL_REDUCE"))
+    (result,) = run_distributed(parity_run, 1, config=tp_config(tiny_data, tmp_path_factory.mktemp("ref"), "ref", 1,
+                                                                "ALL_REDUCE"))
     assert_reference_trains(result["metrics"], STEPS)
     return result
 
@@ -25,7 +27,7 @@ def reference(tiny_data, tmp_path_factory):
 def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, variants):
     calls = [{"config": tp_config(tiny_data, tmp_path, f"{mode}-{overlap}", tp, mode, overlap)}
              for mode, overlap in variants]
-    for variant, results in zip(variants, run_distributed_each(_run, tp, calls)):
+    for variant, results in zip(variants, run_distributed_each(parity_run, tp, calls)):
         check_against_reference(reference, results, tp, variant)
 
 

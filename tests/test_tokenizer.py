@@ -1,4 +1,7 @@
-"""Tokenizer loading, training and identity (nanotron.data.tokenizer)."""
+"""Tokenizer loading, training and identity (nanotron.data.tokenizer): data or initial weights of another tokenizer
+refused unless ``checkpoints.allow_tokenizer_change``."""
+
+from __future__ import annotations
 
 import hashlib
 import json
@@ -16,6 +19,14 @@ from nanotron.data.tokenizer import (
     load_tokenizer,
     tokenizer_fingerprint,
     train_tokenizer,
+)
+from support.configs import folder_stage, short_config, write_config
+from support.corpus import write_corpus
+from support.runs import (
+    assert_user_error,
+    cli,
+    python_process,
+    train_through_cli,
 )
 
 WORDS = ("the model reads a long stream of tokens and learns to predict the next one from every shard of data "
@@ -117,7 +128,8 @@ def test_the_bos_id_is_the_token_the_tokenizer_puts_before_every_text():
 
 
 def test_training_refuses_an_eos_id_that_names_an_ordinary_token_in_one_line(tiny_data, tmp_path):
-    from helpers import assert_user_error, cli, tiny_config_dict, write_config
+    from support.configs import tiny_config_dict, write_config
+    from support.runs import assert_user_error, cli
 
     config = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 1})
     config["model"]["model_config"]["eos_token_id"] = 5
@@ -163,3 +175,43 @@ def test_train_stops_at_a_bad_input_line_and_writes_nothing(tmp_path):
     with pytest.raises(DataError, match=r"bad.jsonl, line 2: no 'text' key"):
         train_tokenizer([tmp_path / "bad.jsonl"], vocab_size=300, output=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_initial_weights_trained_with_another_tokenizer_of_the_same_size_are_refused(tiny_data, tmp_path):
+    from nanotron.data.preprocess import preprocess
+    from nanotron.data.tokenizer import load_tokenizer, train_tokenizer
+
+    trained = tmp_path / "trained"
+    first = short_config(tiny_data, trained, 1)
+    assert cli("train", "--config-file", write_config(tmp_path / "a.yaml", first)).code == 0
+    corpus = write_corpus(tmp_path / "raw", documents=200, seed=5)
+    other = train_tokenizer([corpus], 384, tmp_path / "other.json")
+    assert load_tokenizer(other).get_vocab_size() == load_tokenizer(tiny_data["tokenizer"]).get_vocab_size()
+    preprocess([corpus], other, tmp_path / "other_data", num_workers=1)
+    config = short_config(tiny_data, tmp_path / "run", 2, tokenizer={"tokenizer_name_or_path": str(other)},
+                          data_stages=[folder_stage(tmp_path / "other_data")])
+    config["model"]["init_method"] = {"path": str(trained)}
+    outcome = python_process("run_train.py", "--config-file", write_config(tmp_path / "init.yaml", config))
+    assert_user_error(outcome, str(tmp_path / "other_data"), "another tokenizer", "checkpoints.allow_tokenizer_change")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    config["checkpoints"]["allow_tokenizer_change"] = True
+    assert cli("train", "--config-file", write_config(tmp_path / "allowed.yaml", config)).code == 0
+
+
+def test_resuming_on_data_from_another_tokenizer_is_refused_unless_asked(saved, tiny_data, tmp_path):
+    from nanotron.data.preprocess import preprocess
+    from nanotron.data.tokenizer import train_tokenizer
+
+    corpus = write_corpus(tmp_path / "raw", documents=100, seed=5)
+    other = train_tokenizer([corpus], 300, tmp_path / "other.json")
+    preprocess([corpus], other, tmp_path / "other_data", num_workers=1)
+    stage = {"name": "main", "start_training_step": 1,
+             "data": {"seed": 3, "num_loading_workers": 0,
+                      "dataset": {"dataset_folder": [str(tmp_path / "other_data")]}}}
+    checkpoints = {"checkpoint_interval": 1000, "resume_checkpoint_path": str(saved["run"])}
+    resume = short_config(tiny_data, tmp_path / "resumed", 3, data_stages=[stage], checkpoints=checkpoints,
+                          tokenizer={"tokenizer_name_or_path": None})
+    assert_user_error(cli("train", "--config-file", write_config(tmp_path / "resume.yaml", resume)),
+                      str(tmp_path / "other_data"), "another tokenizer", "checkpoints.allow_tokenizer_change")
+    resume["checkpoints"]["allow_tokenizer_change"] = True
+    assert "resumed from" in train_through_cli(resume, tmp_path / "allowed.yaml").stderr

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from helpers import _config, assert_user_error, cli, metrics, train, write_config
+from support.configs import short_config, write_config
+from support.runs import assert_user_error, cli, metrics, train_through_cli
 
 
 def test_tensorboard_and_wandb_offline_hold_the_logged_steps(tiny_data, tmp_path, monkeypatch):
@@ -17,10 +18,10 @@ def test_tensorboard_and_wandb_offline_hold_the_logged_steps(tiny_data, tmp_path
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    config = _config(tiny_data, run, 3)
+    config = short_config(tiny_data, run, 3)
     config["logging"] |= {"tensorboard_dir": str(tmp_path / "tb"),
                           "wandb": {"project": "tests", "mode": "offline", "dir": str(tmp_path / "wb")}}
-    train(config, tmp_path / "config.yaml")
+    train_through_cli(config, tmp_path / "config.yaml")
     records = metrics(run)
 
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -72,7 +73,7 @@ def test_a_tracker_without_its_package_is_refused_before_training(tiny_data, tmp
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    config = _config(tiny_data, tmp_path / "run", 2)
+    config = short_config(tiny_data, tmp_path / "run", 2)
     config["logging"]["wandb"] = {"project": "tests", "mode": "offline"}
     assert_user_error(cli("train", "--config-file", write_config(tmp_path / "config.yaml", config)),
                       "logging.wandb is set but the wandb package is not installed", 'pip install -e ".[wandb]"')

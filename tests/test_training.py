@@ -10,26 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from distributed import run_distributed
-from helpers import ROOT, tiny_config_dict, write_config
-
-
-def train(config_path: Path, *, launcher: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
-    command = (launcher or [sys.executable]) + [str(ROOT / "run_train.py"), "--config-file", str(config_path)]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    if check and result.returncode != 0:
-        raise AssertionError(f"training failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
-
-
-def metrics(checkpoint_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (checkpoint_dir / "metrics.jsonl").read_text().splitlines()]
+from support.configs import tiny_config_dict, write_config
+from support.distributed import run_distributed
+from support.runs import metrics, train_in_subprocess
 
 
 def test_tiny_model_learns_logs_and_checkpoints(tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", checkpoints={"checkpoint_interval": 10})
-    result = train(write_config(tmp_path / "config.yaml", config))
+    result = train_in_subprocess(write_config(tmp_path / "config.yaml", config))
     assert "global batch: 8 sequences x 32 tokens = 256 tokens per step" in result.stderr
     records = metrics(tmp_path / "ckpt")
     assert [r["step"] for r in records] == list(range(1, 21))
@@ -58,16 +46,16 @@ def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
     model = tiny_config_dict(tiny_data, tmp_path)["model"] | {"dtype": dtype}
     straight = tiny_config_dict(tiny_data, tmp_path / "straight", model=model, optimizer=_schedule(12),
                                 tokens={"train_steps": 12}, checkpoints={"checkpoint_interval": 100})
-    train(write_config(tmp_path / "straight.yaml", straight))
+    train_in_subprocess(write_config(tmp_path / "straight.yaml", straight))
 
     first = tiny_config_dict(tiny_data, tmp_path / "resumed", model=model, optimizer=_schedule(12),
                              tokens={"train_steps": 7}, checkpoints={"checkpoint_interval": 100})
-    train(write_config(tmp_path / "first.yaml", first))
+    train_in_subprocess(write_config(tmp_path / "first.yaml", first))
     second = tiny_config_dict(tiny_data, tmp_path / "resumed", model=model, optimizer=_schedule(12),
                               tokens={"train_steps": 12},
                               checkpoints={"checkpoint_interval": 100,
                                            "resume_checkpoint_path": str(tmp_path / "resumed")})
-    result = train(write_config(tmp_path / "second.yaml", second))
+    result = train_in_subprocess(write_config(tmp_path / "second.yaml", second))
     assert "resumed from" in result.stderr
 
     a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
@@ -105,7 +93,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     assert not (tmp_path / "ckpt" / "6").exists()
 
     config["checkpoints"]["resume_checkpoint_path"] = str(tmp_path / "ckpt")
-    result = train(write_config(path, config))
+    result = train_in_subprocess(write_config(path, config))
     assert "at step 3" in result.stderr
     assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "8"
     assert [r["step"] for r in metrics(tmp_path / "ckpt")] == list(range(1, 9))
@@ -113,7 +101,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
 
 def _error_line(tiny_data, tmp_path, **overrides) -> str:
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", **overrides)
-    result = train(write_config(tmp_path / "bad.yaml", config), check=False)
+    result = train_in_subprocess(write_config(tmp_path / "bad.yaml", config), check=False)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -205,7 +193,7 @@ def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
     first = tiny_config_dict(tiny_data, tmp_path / "run", tokens={"train_steps": 6},
                              checkpoints={"checkpoint_interval": 2, "keep_last_n": 2},
                              optimizer={"learning_rate_scheduler": schedule})
-    train(write_config(tmp_path / "first.yaml", first))
+    train_in_subprocess(write_config(tmp_path / "first.yaml", first))
     kept = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit())
     assert kept == ["4", "6"]  # keep_last_n: 2
     assert (tmp_path / "run" / "6" / "tokenizer" / "tokenizer.json").exists()
@@ -214,7 +202,7 @@ def test_resume_options_retention_and_missing_files(tiny_data, tmp_path):
                              optimizer={"learning_rate_scheduler": schedule},
                              checkpoints={"checkpoint_interval": 100, "resume_checkpoint_path": str(tmp_path / "run"),
                                           "load_optimizer": False, "load_lr_scheduler": False})
-    result = train(write_config(tmp_path / "fresh.yaml", fresh))
+    result = train_in_subprocess(write_config(tmp_path / "fresh.yaml", fresh))
     assert "fresh optimizer state and LR schedule" in result.stderr
     records = {r["step"]: r for r in metrics(tmp_path / "run")}
     # The schedule starts again at the resume step: warmup over 3 steps, then cosine down over the 6 remaining.
@@ -238,7 +226,7 @@ def test_compiled_model_and_loss_match_eager(tiny_data, tmp_path):
         config = tiny_config_dict(tiny_data, folder, tokens={"train_steps": 4},
                                   model=tiny_config_dict(tiny_data, folder)["model"] | {"compile": compiled},
                                   optimizer={"learning_rate_scheduler": {"learning_rate": 3e-3, "lr_warmup_steps": 2}})
-        train(write_config(tmp_path / f"{compiled}.yaml", config))
+        train_in_subprocess(write_config(tmp_path / f"{compiled}.yaml", config))
         runs[compiled] = metrics(folder)
     for eager, fused in zip(runs[False], runs[True], strict=True):
         assert fused["lm_loss"] == pytest.approx(eager["lm_loss"], rel=1e-5)

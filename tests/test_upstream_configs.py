@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import assert_user_error, cli, corpus_documents, datatrove_folder, metrics, train, write_config
 from nanotron.config import (
     ConfigError,
     DuplicateKeyWarning,
@@ -23,6 +22,9 @@ from nanotron.config import (
     load_config,
     save_config,
 )
+from support.configs import write_config
+from support.corpus import corpus_documents, datatrove_folder
+from support.runs import assert_user_error, cli, metrics, train_through_cli
 
 UPSTREAM = Path(__file__).parent / "upstream_configs"
 FILES = sorted(str(path.relative_to(UPSTREAM)) for path in UPSTREAM.glob("*/*.yaml"))
@@ -158,7 +160,7 @@ def test_upstream_example_trains_with_paths_and_sizes_substituted(name, tiny_dat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RunLengthWarning)  # their warmups and later stages outlast 2 steps
         warnings.simplefilter("ignore", LegacyKeyWarning)
-        train(_substituted(name, tiny_data, their_data, run), tmp_path / "config.yaml")
+        train_through_cli(_substituted(name, tiny_data, their_data, run), tmp_path / "config.yaml")
     records = metrics(run)
     assert [record["step"] for record in records] == [1, 2]
 

@@ -41,10 +41,9 @@ How each part is computed, and why:
   rebuilds one layer at a time. The last stage adds the final norm (compiled
   with the layers: it then keeps its input, not an fp32 copy of it).
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute``: the compiled forward keeps the FP8 copies of the
-  converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight
-  (the 8B shape on one H200 peaked 6.44 GB above bf16, where this counts 6.98 GB). Without recomputation FP8 keeps
-  less than bf16, since the backward recomputes the cast inputs (45.8 against 52.3 GB at the 1B shape); that is
-  not modeled, so the estimate is then an upper bound.
+  converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight.
+  Without recomputation FP8 keeps less than bf16, since the backward recomputes the cast inputs; that is not
+  modeled, so the estimate is then an upper bound.
 - **logits**: the LM head's output and the loss buffers of the last stage (``logits_bytes``), per micro-batch in
   flight and during the loss's backward; with the fused head and loss (``model.loss_chunk_tokens``), the gradients
   it computes in the forward and keeps, and one chunk's logits (``fused_loss_bytes``).
@@ -59,22 +58,9 @@ The columns add up to the peak: the loss's backward and a layer's backward do no
 the two transients counts (the layers' one under activations, the rest of the loss's under logits). When the peak
 falls later in the backward, the columns are those of that moment (no logits).
 
-Checked against the peaks in docs/benchmarks.md ("Memory planner against measured peaks"): the Llama 1B shape on
-one H200 with compiled layers (52.3 GB), at pp=2 1F1B with 10 + 6 layers (43.0 / 28.1 GB), at tp=2 with sequence
-parallelism (28.27 GB, two ranks with gloo on one H200), the 8B shape at dp=2 with ZeRO-1 (118.4 GB), and on one
-H200 with recomputed layers and bf16 gradients (135.7 GB; 142.1 GB in FP8): within 1%. The tp=2 layout peaked at
-30.4 GB at an older commit with NCCL on two GPUs, 7% above the estimate by the size of one rank's bf16 logits
-(2.1 GB), not of any parameter state; that difference is not explained. Compiled Mamba at 130M (24.6 GB; 7.0 GB
-with recomputed layers) and 1.4B (76.6 GB): within 0.3%.
-These older runs held their masters as fp32 copies, some with fp32 gradient buffers where one micro-batch per step
-now gets bf16 ones, and with attention's v a view that kept the whole q|k|v output alive. As trained by default
-(masters as remainders, v copied out of q|k|v, the loss in chunks), the estimates are 0.4-2.2% above the measured
-peaks: the 1B at micro-batches 4 and 8 (42.35, 63.12 GB) and at sequence 8192 (42.37), the 8B recomputed in bf16
-and FP8 (119.63, 126.04); tests/test_memory.py holds both sets. Those runs kept the final norm eager, which the
-estimates now count compiled (0.13 GB less at the 1B shape and micro-batch 4). All of these ran with every
-gradient in a buffer (``optimizer.persistent_gradient_buffers``, as their tests say). With large gradients held
-(the default since), the estimates are 0.02-2.9% above the measured peaks of the same 1B runs (39.75, 60.37, 39.77
-GB), of the 8B's (112.60 GB in bf16 and FP8, now at the backward's end) and of compiled Mamba at 130M and 1.4B.
+The estimates are checked against the peaks measured on H200s (docs/benchmarks.md, "Memory planner against
+measured peaks", where each run and its error are listed; tests/test_memory.py holds the Llama runs): as trained by
+default, a Llama estimate is never below its measured peak and at most 3% above it.
 """
 
 from __future__ import annotations

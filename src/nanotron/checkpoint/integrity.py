@@ -28,7 +28,7 @@ REQUIRED = {"format_version": int, "step": int, "optimizer_step": int, "lr_sched
             "consumed_samples": dict, "consumed_tokens": int, "layout": dict, "model": dict, "files": dict}
 MANIFEST_CHECKSUM = "manifest_sha256"
 FIRST_SEALED_FORMAT = 3  # format 2 has no manifest checksum and loads unchecked
-# Format 1 (before the model family was recorded, 2026-11-29 to 12-01) never left development: it is refused.
+# Format 1 (no model family recorded) never left development: it is refused.
 OLDEST_FORMAT = 2
 
 

@@ -11,7 +11,7 @@ from nanotron.config.rules import positive
 
 @dataclass
 class FP8Args:
-    """FP8 matmuls in the decoder's linear layers and MoE experts (``nn/fp8.py``); embeddings, the LM head,
+    """FP8 matmuls in the decoder's linear layers and MoE experts (``nn/fp8/``); embeddings, the LM head,
     routers, norms and the loss stay in the model dtype, master weights and optimizer state in fp32."""
 
     enabled: bool = False

@@ -1,5 +1,5 @@
 """FP8 training as a feature (``fp8.enabled``): the model converter, the amax histories between steps, the
-out-of-range statistics and the checkpoint check. The FP8 products themselves are ``nn/fp8.py``.
+out-of-range statistics and the checkpoint check. The FP8 products themselves are ``nn/fp8/``.
 
 The histories (delayed scaling) are model buffers, saved and loaded with the weights; this feature pushes each
 step's amaxes into them after the update (maximised over ranks, so every rank and layout scales alike), drops a

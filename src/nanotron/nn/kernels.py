@@ -1,7 +1,7 @@
 """Triton, the optional dependency of the fused GPU kernels, loaded in one place for the modules that have them
-(``fp8.py``: the gradient casts, ``swiglu.py``: the backward, ``causal_conv1d.py`` and ``selective_scan.py``: Mamba,
-``optim/adamw.py``: the update of masters held as remainders, ``parallel/linear_cross_entropy.py``: the loss's softmax
-statistics).
+(``fp8/cast_kernels.py``: the gradient casts, ``swiglu.py``: the backward, ``causal_conv1d.py`` and
+``selective_scan.py``: Mamba, ``optim/adamw.py``: the update of masters held as remainders,
+``parallel/linear_cross_entropy.py``: the loss's softmax statistics).
 
 Each of them defines its kernels only when Triton loaded (``triton`` is not None) and runs them where ``available``
 says so; everywhere else it runs its plain-torch reference. The kernels need Triton and a torch with

@@ -2,9 +2,10 @@
 
 The forward is plain torch (the compiler fuses it into one pass). The backward needs both halves of the gradient of
 ``gate_up`` from the same three inputs (gate, up, the output's gradient). Left to autograd and the compiler, it is a
-single kernel that concatenates the two halves, which reads its inputs twice and ran at half the memory bandwidth on
-an H200 (10 ms of a 1B model's 255 ms step). With Triton available on a CUDA device, one kernel reads each input once
-and writes both halves; everywhere else ``swiglu_backward_reference`` computes the same values in plain torch.
+single kernel that concatenates the two halves, which reads its inputs twice and ran at half the memory bandwidth
+(docs/benchmarks.md, "Where the step time went"). With Triton available on a CUDA device, one kernel reads each
+input once and writes both halves; everywhere else ``swiglu_backward_reference`` computes the same values in plain
+torch.
 """
 
 from __future__ import annotations

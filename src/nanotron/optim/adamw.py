@@ -3,8 +3,8 @@
 Written once in plain torch, the same arithmetic as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
 moments). On CUDA it is compiled into a single kernel per shard that also applies the clipping factor to the
 gradient as it reads it and writes the model-dtype copy of the new master, so an update reads every fp32 tensor once
-and writes the bf16 weights without another pass (``torch.optim.AdamW(fused=True)`` plus a separate copy and a
-separate clipping pass cost ~4.5 ms more per step for a 1.2B model on an H200). Elsewhere it runs as is.
+and writes the bf16 weights without another pass, where ``torch.optim.AdamW(fused=True)`` needs a separate copy and
+a separate clipping pass (docs/benchmarks.md, "Where the step time went"). Elsewhere it runs as is.
 
 The moments may be stored in bf16 (``optimizer.adam_moments_dtype``, as DeepSeek-V3 and Megatron-LM's
 precision-aware optimizer do): the same function reads them into fp32, updates them in fp32 and rounds them once on

@@ -28,12 +28,12 @@ compiled (``model.compile``) each is one kernel that reads the model-dtype logit
 the model dtype: no fp32 copy of a chunk's logits is stored. The chunks' shares of ``grad_W`` are summed in fp32 and
 rounded once (``sum_in_fp32``), and the backward scales both gradients by the scalar's (``scale_``): compiled, each is
 one vectorised pass, where eager torch ran four (an fp32 copy, the sum, the rounding, and a scaling by a 0-dim fp32
-tensor that takes a slow mixed-dtype path): about 2.5 ms of a 1B step, whose ``grad_W`` is 0.5 GB.
+tensor that takes a slow mixed-dtype path).
 
 On CUDA with Triton the statistics are one kernel that reads each logit once, keeping a running maximum and a sum
 of exponentials rescaled to it (online softmax). The compiler's version of ``softmax_statistics_reference`` reads
-the chunk twice (the maximum, then the sum), whether it splits the reduction or not: 1.13 ms for a chunk of 8,192
-tokens at the 1B vocabulary on an H200, against a single read's ~0.6 ms.
+the chunk twice (the maximum, then the sum), whether it splits the reduction or not (timings in
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

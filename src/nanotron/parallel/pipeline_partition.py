@@ -7,7 +7,7 @@ the compute per chunk, since the slowest stage sets the pace of the whole pipeli
 token that the model family reports (``ModelSpec.costs``): for Llama a decoder layer costs its matmuls plus attention
 over the sequence, the LM head its ``vocab * hidden`` output matmul, and the embedding lookup nothing. With a 128k
 vocabulary the head weighs as much as two to four decoder layers, so the last stage gets fewer layers (Llama 1B at pp=2:
-10 + 6, which measured 10% faster than 8 + 8). Memory is not balanced: under 1F1B the first stage keeps the most
+10 + 6; docs/benchmarks.md times it against 8 + 8). Memory is not balanced: under 1F1B the first stage keeps the most
 micro-batches in flight and holds the most activations; ``parallelism.pp_stage_layers`` overrides the split (one
 count per chunk). The split minimises the most expensive chunk exactly (dynamic programming over the contiguous
 splits).

@@ -9,7 +9,7 @@ tensor-parallel ranks, or a kv head replicated over the ranks that share it.
 
 The rotary cos/sin tables are computed once per forward, outside the decoder layers, and handed to each of them:
 inside a compiled layer the compiler would otherwise fuse the trigonometry into the rotation and recompute it for
-every batch row and head (measured: ~20 ms of a 1B model's 280 ms step on an H200). The attention masks are built
+every batch row and head (docs/benchmarks.md, "Where the step time went"). The attention masks are built
 there too, once per forward and window (``nn/attention.py``), so that compiled layers receive them ready.
 """
 

@@ -21,7 +21,8 @@ def _free_port() -> int:
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "nanotron.trainer", "nanotron.cli", "helpers"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "nanotron.trainer", "nanotron.cli", "support.runs",
+                                "support.parity"])
 
 
 def _worker(rank: int, world_size: int, port: int, environment: dict, fn, kwargs: dict, queue) -> None:

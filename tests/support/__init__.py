@@ -1,0 +1,10 @@
+"""What the test files share (plain functions and constants; the fixtures are in ``conftest.py``), one module per
+concern: ``tiers`` (which tests run), ``corpus`` and ``configs`` (the tiny data and models), ``runs`` (one ``train_*``
+per way of running, the CLI's outcome), ``processes`` (training processes steered by signals), ``distributed``
+(a function on N gloo ranks), ``parity`` (layouts against the single-process reference), ``hf`` (Hugging Face
+interop), ``kernels`` (kernel checks against their references), ``stand_ins`` (what only a GPU has) and
+``small_llama``. A test file imports from here, never from another test file."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,167 @@
+"""Training runs, one ``train_*`` per way of running: ``nanotron train`` in this process
+(``train_through_cli``), the Trainer in this process (``train_in_process``, also the function each rank runs),
+the Trainer on N gloo ranks (``train_on_ranks``) and ``run_train.py`` in a fresh process
+(``train_in_subprocess``); the CLI's outcome, in this process or a fresh one, and the files a run writes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from support import ROOT
+from support.configs import write_config
+from support.distributed import run_distributed
+
+
+@dataclass
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+def cli(*args) -> Outcome:
+    """``nanotron ARGS`` in this process; its exit status, stdout and stderr.
+
+    Undoes what a command leaves behind in the process (the variables ParallelContext sets for a world of one, the
+    ``nanotron`` log handler bound to the captured stream, a process group left by a failed start-up), so that
+    every call starts as a fresh ``nanotron`` process would.
+    """
+    from nanotron.cli import main
+
+    environment = dict(os.environ)
+    logger = logging.getLogger("nanotron")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([str(arg) for arg in args])
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def assert_user_error(outcome: Outcome, *fragments: str) -> str:
+    """Exit status 2, exactly one `error:` line containing every fragment, no traceback; returns the line."""
+    assert outcome.code == 2, outcome.stderr[-3000:]
+    assert len(outcome.error_lines) == 1, outcome.stderr[-3000:]
+    assert "Traceback" not in outcome.stderr, outcome.stderr[-3000:]
+    line = outcome.error_lines[0]
+    for fragment in fragments:
+        assert fragment in line, line
+    return line
+
+
+def train_through_cli(config: dict, path: Path) -> Outcome:
+    """``nanotron train`` on ``config`` (written to ``path``) in this process (``cli``); it must succeed."""
+    outcome = cli("train", "--config-file", write_config(path, config))
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    return outcome
+
+
+def train_in_process(config: dict) -> list[dict]:
+    """The Trainer in this process: on a rank of ``run_distributed`` or alone; rank 0's metrics records."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()
+    return trainer_metrics(trainer)
+
+
+def train_on_ranks(config: dict, ranks: int) -> list[dict]:
+    """The Trainer on ``ranks`` gloo ranks (``train_in_process`` on each); rank 0's metrics records."""
+    return run_distributed(train_in_process, ranks, config=config)[0]
+
+
+def train_in_subprocess(config_path: Path, *, launcher: list[str] | None = None, check: bool = True
+                        ) -> subprocess.CompletedProcess:
+    """``run_train.py`` on the CPU in a fresh process (``python``, or ``launcher`` such as torchrun's command); it
+    must succeed unless not ``check``."""
+    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    command = (launcher or [sys.executable]) + [str(ROOT / "run_train.py"), "--config-file", str(config_path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def trainer_metrics(trainer) -> list[dict]:
+    """The records a trainer wrote to its metrics.jsonl, on rank 0 (which writes them); none on the other ranks."""
+    if trainer.pc.rank != 0:
+        return []
+    return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
+
+
+def python_process(*args) -> Outcome:
+    """``python ARGS`` in a fresh process from the repository root, on the CPU."""
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "NANOTRON_DEVICE": "cpu"})
+    return Outcome(result.returncode, result.stdout, result.stderr)
+
+
+def nanotron_process(*args) -> Outcome:
+    """``python -m nanotron ARGS`` in a fresh process, on the CPU: the command as a user runs it."""
+    return python_process("-m", "nanotron", *args)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_json(run: Path) -> dict:
+    return json.loads((run / (run / "latest.txt").read_text().strip() / "checkpoint.json").read_text())
+
+
+def checkpoint_steps(run: Path) -> list[str]:
+    """The steps of the checkpoints in a run folder, oldest first."""
+    return sorted((p.name for p in run.iterdir() if p.name.isdigit()), key=int)
+
+
+def train_with_flops(config: dict) -> dict:
+    """The run's metrics (on rank 0) and its model and hardware FLOPs per token."""
+    from nanotron.config import config_from_dict
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    trainer.train()
+    flops = {"model_flops": trainer.flops_per_token, "hardware_flops": trainer.step_log.hardware_flops_per_token}
+    return {"metrics": trainer_metrics(trainer), **flops}
+
+
+def train_fp8_model(config: dict) -> dict:
+    """The FP8 linears and expert groups converted, their range counters, the metrics records (rank 0) and this
+    rank's amax histories."""
+    from nanotron.config import config_from_dict
+    from nanotron.nn.fp8 import FP8Matmul, FP8RangeCounts
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    converted = sum(isinstance(getattr(m, "matmul", None), FP8Matmul) for m in trainer.model.modules())
+    experts = sum(isinstance(getattr(m, "expert_matmul", None), FP8Matmul) for m in trainer.model.modules())
+    counters = sum(isinstance(m, FP8RangeCounts) for m in trainer.model.modules())
+    trainer.train()
+    histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
+    return {"converted": converted, "experts": experts, "counters": counters, "records": trainer_metrics(trainer),
+            "histories": histories}
