@@ -250,3 +250,28 @@ def test_an_inner_stage_adds_its_auxiliary_loss_and_every_stage_gets_the_statist
     torch.testing.assert_close(last["w1"], single["w1"], rtol=1e-6, atol=1e-7)
     for stage in (first, last):
         assert stage["statistics"] == pytest.approx(single["statistics"], rel=1e-6)
+
+
+class _Clock:
+    """A stand-in for a CUDA event: a time in milliseconds."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, end: _Clock) -> float:
+        return end.ms - self.ms
+
+
+def test_the_idle_share_is_the_time_between_actions_and_the_step_log_averages_it_per_stage():
+    """On GPUs each stage times its actions with CUDA events: the share of the step between them is its idle share;
+    the step's metrics give each stage's, averaged over the ranks that measured it (none yet: no metric)."""
+    from nanotron.parallel.pipeline_parallel import IDLE_RANKS, IDLE_SHARE, PipelineSchedule, idle_share
+
+    actions = [(_Clock(0), _Clock(2)), (_Clock(3), _Clock(5)), (_Clock(8), _Clock(10))]  # busy 6 of 10
+    assert idle_share(actions) == pytest.approx(0.4)
+    assert idle_share([(_Clock(1), _Clock(1))]) == 0.0
+    schedule = PipelineSchedule.__new__(PipelineSchedule)
+    schedule.idle = object()
+    sums = {IDLE_SHARE: torch.tensor([0.8, 0.2, 0.0]), IDLE_RANKS: torch.tensor([2.0, 1.0, 0.0])}
+    assert schedule.metrics(sums) == {IDLE_SHARE: pytest.approx([0.4, 0.2, 0.0])}
+    assert schedule.metrics({IDLE_SHARE: torch.zeros(3), IDLE_RANKS: torch.zeros(3)}) == {}

@@ -1,5 +1,6 @@
 """Interleaved 1F1B, ZB-H1 and ZBV train the model one process trains: first-step gradients, then loss and grad-norm
-of every step, over real trainers in gloo processes (float32, to 1e-5)."""
+of every step, over real trainers in gloo processes (float32, to 1e-5); and a run resumes
+exactly at another schedule and pipeline size."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from support.configs import tiny_config_dict
 from support.distributed import run_distributed, run_distributed_each
 from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.runs import train_in_process
 from support.tiers import parity_steps
 
 STEPS = parity_steps(short=10)
@@ -67,3 +69,59 @@ def test_schedule_trains_as_one_process(references, tiny_data, tmp_path, world, 
     config = schedule_config(tiny_data, tmp_path, tied=tied, **parallelism)
     results = run_distributed(first_step_then_train, world, timeout=900, config=config)
     check_parity(references[tied], results, str(parallelism))
+
+
+# --- resume across schedules and pipeline sizes -----------------------------------------------------------------
+
+SAVED_AT, RESUMED_STEPS = 3, 6
+ONE_PROCESS = {"pp": 1}
+INTERLEAVED = {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}
+
+
+def resume_config(tiny_data, folder, layout: dict, resume_from: str | None = None) -> dict:
+    config = schedule_config(tiny_data, folder, **layout)
+    config["tokens"]["train_steps"] = RESUMED_STEPS
+    config["checkpoints"] |= {"checkpoint_interval": SAVED_AT, "resume_checkpoint_path": resume_from,
+                              "save_final_state": False}
+    return config
+
+
+def world(layout: dict) -> int:
+    return layout["pp"] * layout.get("dp", 1) * layout.get("tp", 1)
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tiny_data, tmp_path_factory):
+    """Uninterrupted runs, each saving at SAVED_AT, by layout."""
+    runs = {}
+
+    def run(layout: dict) -> tuple:
+        key = str(layout)
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("saved")
+            runs[key] = (folder, run_distributed(train_in_process, world(layout), timeout=900,
+                                                 config=resume_config(tiny_data, folder, layout))[0])
+            assert_reference_trains(runs[key][1], RESUMED_STEPS)
+        return runs[key]
+
+    return run
+
+
+@pytest.mark.parametrize("source, target", [
+    (INTERLEAVED, ONE_PROCESS),
+    pytest.param(INTERLEAVED, {"pp": 4, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
+    pytest.param(ONE_PROCESS, INTERLEAVED, marks=pytest.mark.full_tier),
+    pytest.param({"pp": 4, "engine": "interleaved_1f1b", "virtual": 2}, INTERLEAVED, marks=pytest.mark.full_tier),
+], ids=str)
+def test_a_run_resumes_exactly_under_another_schedule_and_pipeline_size(saved_runs, tiny_data, tmp_path, source,
+                                                                         target):
+    """Checkpoints hold logical tensors: the steps after the resume are the uninterrupted run's, whatever the
+    chunks and stages on either side."""
+    folder, straight = saved_runs(source)
+    config = resume_config(tiny_data, tmp_path / "resumed", target, resume_from=str(folder / str(SAVED_AT)))
+    resumed = run_distributed(train_in_process, world(target), timeout=900, config=config)[0]
+    assert [m["step"] for m in resumed] == list(range(SAVED_AT + 1, RESUMED_STEPS + 1))
+    for expected, got in zip(straight[SAVED_AT:], resumed, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
+        assert (got["lr"], got["consumed_tokens"]) == (expected["lr"], expected["consumed_tokens"])
