@@ -76,6 +76,31 @@ def test_fp8_linears_compute_each_half_once():
         assert torch.equal(c.counts - whole, whole)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_grouped_experts_defer_their_weights_and_an_expert_loop_runs_them_in_the_input_half(grouped):
+    """The experts' grouped GEMM takes every expert's weight in one product: it waits for W. The loop over experts
+    (no grouped GEMM) reaches each weight through one product per expert: its gradient comes in I. Either way the
+    halves give the whole backward's gradients."""
+    from nanotron.config import LlaMoEConfig
+    from nanotron.models.moe.model import GroupedExperts, LlaMoEForCausalLM
+
+    torch.manual_seed(0)
+    config = LlaMoEConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          moe_num_experts=4, num_experts_per_tok=2)
+    model = LlaMoEForCausalLM(config, 64)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    for experts in model.modules():
+        if isinstance(experts, GroupedExperts):
+            experts.grouped_mm = grouped
+    events = _assert_split_equals_whole(model, ids_for(config))
+    later = events[events.index("|W|") + 1:]
+    experts = {f"layers.0.mlp.experts.{name}" for name in ("gate_up_proj", "down_proj")}
+    assert (experts <= set(later)) == grouped and (experts.isdisjoint(later)) != grouped
+    assert "layers.0.attn.qkv_proj.weight" in later
+
+
 class _WholeGradients(torch.autograd.Function):
     """``x * w`` computing both gradients at once, as a compiled layer's graph or a kernel's op does."""
 
