@@ -140,10 +140,11 @@ def test_accepted_spellings_are_stored_canonically_and_listed_in_the_error():
 def test_literals_of_configs_built_in_code_are_checked_too():
     """Configs the loader never read: built in Python."""
     cfg = config_from_dict(_example_with_fp8())
-    bad = replace(cfg, parallelism=replace(cfg.parallelism, pp_engine="GPipe"),
+    bad = replace(cfg, parallelism=replace(cfg.parallelism, pp_engine="LoopedBFS"),
                   fp8=replace(cfg.fp8, recipe="blockwise"))
     with pytest.raises(ConfigError) as info:
         validate_config(bad)
-    assert info.value.problems == ["parallelism.pp_engine must be one of afab, 1f1b (got 'gpipe')",
+    assert info.value.problems == ["parallelism.pp_engine must be one of afab, 1f1b, interleaved_1f1b, zb_h1, zbv, "
+                                   "gpipe, interleaved1f1b, interleavedzerobubble, zbvzerobubble (got 'loopedbfs')",
                                    "fp8.recipe must be one of tensorwise, rowwise, delayed (got 'blockwise')"]
 

@@ -17,7 +17,8 @@ LAYERS = [
     {"optim", "logging"},
     {"parallel"},
     {"nn", "data"},
-    {"config", "layout", "errors", "files", "random", "preemption", "metrics", "trackers", "divergence"},
+    {"config", "layout", "pipeline_schedules", "errors", "files", "random", "preemption", "metrics", "trackers",
+     "divergence"},
 ]
 
 

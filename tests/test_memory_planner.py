@@ -189,7 +189,7 @@ def test_the_planner_reading_the_model_gives_the_numbers_of_the_one_that_restate
     assert len(stages) == len(RECORDED[case])
     for stage, recorded in zip(stages, RECORDED[case]):
         start, stop, in_flight, weights, gradients, masters, moments, activations, logits = recorded
-        assert (stage.layers, stage.in_flight) == (range(start, stop), in_flight)
+        assert (stage.layers, stage.in_flight) == (list(range(start, stop)), in_flight)
         assert (stage.weights, stage.gradients, stage.activations, stage.logits) == (
             weights, gradients, activations, logits)
         # The ZeRO-1 shards are fractions summed in another order: equal to the byte.

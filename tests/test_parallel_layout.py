@@ -77,16 +77,17 @@ def test_micro_batches_in_flight_per_schedule():
 
 @pytest.mark.parametrize("layout", [Layout(pp=4, accumulation=8), Layout(pp=4, accumulation=2),
                                     Layout(pp=3, accumulation=5, pp_engine="afab"), Layout(accumulation=3)])
-def test_the_warm_up_the_schedule_runs_holds_the_micro_batches_the_planner_counts(layout):
-    """The schedule runs ``warmup`` forwards, then one forward before each backward: the most it holds at once is
-    ``in_flight``, for any number of micro-batches; under AFAB every forward comes first."""
+def test_the_actions_the_schedule_runs_hold_the_micro_batches_the_planner_counts(layout):
+    """The executor runs the schedule's actions in order: counted along them, the activations held at once are
+    ``in_flight``, for any number of micro-batches: ``min(pp - stage, m)`` under 1F1B, every one under AFAB."""
     for micro_batches in range(1, 10):
         for stage in range(layout.pp):
-            warmup = layout.warmup(stage, micro_batches)
-            held = warmup + (1 if micro_batches > warmup else 0)
-            assert held == layout.in_flight(stage, micro_batches), (stage, micro_batches)
-            assert warmup == (micro_batches if layout.schedule == "afab" else
-                              min(layout.pp - stage - 1, micro_batches))
+            held = peak = 0
+            for action in layout.timeline(micro_batches).schedule.actions(stage):
+                held += 1 if action.op == "F" else -1
+                peak = max(peak, held)
+            assert peak == layout.in_flight(stage, micro_batches), (stage, micro_batches)
+            assert peak == (micro_batches if layout.schedule == "afab" else min(layout.pp - stage, micro_batches))
         assert layout.in_flight(0) == layout.in_flight(0, layout.accumulation)
 
 

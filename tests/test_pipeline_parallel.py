@@ -149,7 +149,7 @@ def _stuck_neighbour(timeout_s: float) -> str:
         time.sleep(3 * timeout_s)  # never sends
         return ""
     with pytest.raises(PipelineTimeoutError) as error:
-        p2p.recv_forward()
+        p2p.recv_from(0)
     return str(error.value)
 
 
@@ -216,7 +216,7 @@ def _two_layer_pipeline(pp: int) -> dict:
     router's), over 4 micro-batches."""
     from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
-    from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
+    from nanotron.parallel.pipeline_parallel import P2P, Chunk, PipelineSchedule, StageOutput
     from nanotron.parallel.statistics import sum_over_replicas
 
     pc = ParallelContext(Layout(pp=pp))
@@ -236,7 +236,7 @@ def _two_layer_pipeline(pp: int) -> dict:
         loss = (hidden @ w1).square().mean()
         return StageOutput(None, statistics | {"loss": loss}, (loss,) if aux is None else (loss, aux))
 
-    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), forward, lambda: None)
+    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), [Chunk(forward)], lambda: None)
     statistics = sum_over_replicas(schedule.run(micro_batches, step=1), {"loss": (), "aux_loss": ()}, pc)
     return {"w0": w0.grad if pc.is_first_stage else None, "w1": w1.grad if pc.is_last_stage else None,
             "statistics": {name: value.item() for name, value in statistics.items()}}
@@ -250,3 +250,28 @@ def test_an_inner_stage_adds_its_auxiliary_loss_and_every_stage_gets_the_statist
     torch.testing.assert_close(last["w1"], single["w1"], rtol=1e-6, atol=1e-7)
     for stage in (first, last):
         assert stage["statistics"] == pytest.approx(single["statistics"], rel=1e-6)
+
+
+class _Clock:
+    """A stand-in for a CUDA event: a time in milliseconds."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def elapsed_time(self, end: _Clock) -> float:
+        return end.ms - self.ms
+
+
+def test_the_idle_share_is_the_time_between_actions_and_the_step_log_averages_it_per_stage():
+    """On GPUs each stage times its actions with CUDA events: the share of the step between them is its idle share;
+    the step's metrics give each stage's, averaged over the ranks that measured it (none yet: no metric)."""
+    from nanotron.parallel.pipeline_parallel import IDLE_RANKS, IDLE_SHARE, PipelineSchedule, idle_share
+
+    actions = [(_Clock(0), _Clock(2)), (_Clock(3), _Clock(5)), (_Clock(8), _Clock(10))]  # busy 6 of 10
+    assert idle_share(actions) == pytest.approx(0.4)
+    assert idle_share([(_Clock(1), _Clock(1))]) == 0.0
+    schedule = PipelineSchedule.__new__(PipelineSchedule)
+    schedule.idle = object()
+    sums = {IDLE_SHARE: torch.tensor([0.8, 0.2, 0.0]), IDLE_RANKS: torch.tensor([2.0, 1.0, 0.0])}
+    assert schedule.metrics(sums) == {IDLE_SHARE: pytest.approx([0.4, 0.2, 0.0])}
+    assert schedule.metrics({IDLE_SHARE: torch.zeros(3), IDLE_RANKS: torch.zeros(3)}) == {}

@@ -1,5 +1,5 @@
 """The ``nanotron`` command: ``train``, ``preprocess``, ``train-tokenizer``, ``generate``, ``eval``, ``convert``,
-``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``, ``estimate``.
+``checkpoint verify``, ``plot``, ``doremi train|average``, ``estimate-memory``, ``estimate``, ``schedule``.
 
 Every subcommand checks its options while they are parsed (numeric ranges, output paths), before any work, and turns
 a bad command line and the library's user-facing errors (bad config, data, tokenizer or checkpoint) into a single
@@ -233,6 +233,15 @@ def _estimate(args: argparse.Namespace) -> None:
     print(table(found, f"{shape}: the {len(found)} fastest layouts of {args.gpus} GPUs that fit"))
 
 
+def _schedule(args: argparse.Namespace) -> None:
+    from nanotron.config import load_config
+    from nanotron.layout import Layout
+
+    timeline = Layout.from_config(load_config(args.config_file, args.override)).timeline()
+    print(timeline.summary())
+    print(timeline.render())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -371,6 +380,12 @@ def _add_run_commands(commands) -> None:
                           help="sequences per step (default: the config's)")
     estimate.add_argument("--top", type=at_least(1), default=10, help="layouts shown")
     estimate.set_defaults(run=_estimate)
+    schedule = commands.add_parser("schedule", help="print the pipeline schedule's timeline: every stage's forwards "
+                                                    "and backwards per chunk and micro-batch, and its bubble")
+    schedule.add_argument("--config-file", type=Path, required=True)
+    schedule.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                          help="change config values, e.g. parallelism.pp=4 parallelism.pp_engine=zb_h1")
+    schedule.set_defaults(run=_schedule)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,26 +18,31 @@ Rules:
 - samples are sharded over dp × ep; the cp ranks of one (dp, ep) pair read the same samples and each keeps
   ``sequence_length / cp`` tokens of every sequence (two chunks, for an even share of causal attention), which
   sequence parallelism splits again over tp between layers;
-- a stage runs ``warmup(stage, n)`` forwards before its first backward and so holds ``in_flight(stage)``
-  micro-batches' activations at once: all of the step's under AFAB, at most ``pp - stage`` under 1F1B (plain
-  gradient accumulation, one at a time, with one stage).
+- the decoder is cut into ``chunks`` = pp × ``virtual`` model chunks (virtual stages), stage ``stage_of(chunk)``
+  holding chunk ``chunk``; the schedule (``pipeline``, ``pipeline_schedules.py``) orders each stage's forwards and
+  backwards over its chunks, and so says how many (chunk, micro-batch) activations a stage holds at once
+  (``in_flight``): all of the step's under AFAB, at most ``pp - stage`` under 1F1B (plain gradient accumulation, one
+  at a time, with one stage).
 
 A new mechanism declares itself here: its degree (a field, with its rule in ``problems``), the axis or group it
 adds, and what it changes in the derived facts. Sharded data parallelism (ZeRO, ``zero_stage``) with HSDP
 (``dp_shard``) splits the dp axis into two parts that are not grid axes of their own: ``dp = dp_replicate ×
 dp_shard`` (``Axis.DP_REPLICATE`` outer, ``Axis.DP_SHARD`` inner, so a shard group is made of neighbouring ranks).
 Its groups (``Group.DENSE_SHARDS``, ``EXPERT_SHARDS``, ``SHARD_REPLICAS``) exist only when dp_shard < dp; otherwise
-the shard groups are the replica groups (``served_by``). Virtual pipeline stages (interleaved 1F1B) will add a count
-of model chunks per rank that changes ``warmup`` and ``in_flight``.
+the shard groups are the replica groups (``served_by``). Virtual pipeline stages: ``virtual``, the model chunks per
+stage, read by the schedule and the stage split.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
+
+from nanotron.pipeline_schedules import Schedule, Timeline, schedule_for, schedule_problems
 
 if TYPE_CHECKING:
     from nanotron.config import Config
@@ -100,6 +105,7 @@ class Layout:
     sequence_parallel: bool = False  # parallelism.tp_mode: REDUCE_SCATTER (at tp > 1)
     overlapped_linears: bool = False  # parallelism.tp_linear_async_communication
     pp_engine: str = "1f1b"
+    virtual: int = 1  # model chunks per pipeline stage (parallelism.virtual_pipeline_size)
     zero_stage: int = 0  # sharded over the data-parallel replicas: 1 optimizer state, 2 and gradients, 3 and weights
     dp_shard: int | None = None  # HSDP: ZeRO shards over this many dp ranks (parallelism.dp_shard; None: all of dp)
     sequence_length: int = 1
@@ -112,6 +118,7 @@ class Layout:
         return cls(pp=p.pp, dp=p.dp, ep=p.expert_parallel_size, cp=p.context_parallel_size, tp=p.tp,
                    sequence_parallel=p.tp > 1 and p.tp_mode == "REDUCE_SCATTER",
                    overlapped_linears=p.tp_linear_async_communication, pp_engine=p.pp_engine,
+                   virtual=p.virtual_pipeline_size,
                    zero_stage=config.optimizer.zero_stage, dp_shard=p.dp_shard, sequence_length=t.sequence_length,
                    micro_batch_size=t.micro_batch_size, accumulation=t.batch_accumulation_per_replica)
 
@@ -237,28 +244,48 @@ class Layout:
         """The schedule that runs: the configured engine with several stages, else plain gradient accumulation."""
         return self.pp_engine if self.pp > 1 else "1f1b"
 
-    def warmup(self, stage: int, micro_batches: int) -> int:
-        """The forwards stage ``stage`` runs before its first backward, of a step of ``micro_batches``: all of them
-        under AFAB; under 1F1B one fewer than the stages from it to the last (the later stages' forwards must run
-        before its first gradient comes back), then one forward and one backward in turn."""
-        if self.schedule == "afab":
-            return micro_batches
-        return min(self.pp - stage - 1, micro_batches)
+    @property
+    def chunks(self) -> int:
+        """The model chunks the decoder is cut into: ``virtual`` per pipeline stage."""
+        return self.pp * self.virtual
+
+    @property
+    def pipeline(self) -> Schedule:
+        """The schedule of a step's ``accumulation`` micro-batches over the stages' chunks."""
+        return self.timeline().schedule
+
+    def timeline(self, micro_batches: int | None = None) -> Timeline:
+        """The schedule of ``micro_batches`` (by default the step's ``accumulation``), run on unit costs."""
+        return _timeline(self.schedule, self.pp, self.virtual, micro_batches or self.accumulation)
+
+    def stage_of(self, chunk: int) -> int:
+        """The pipeline stage that holds model chunk ``chunk``."""
+        return self.pipeline.stage_of(chunk)
+
+    def chunks_of(self, stage: int) -> list[int]:
+        """The model chunks pipeline stage ``stage`` holds, in model order."""
+        return self.pipeline.chunks_of(stage)
 
     def in_flight(self, stage: int, micro_batches: int | None = None) -> int:
-        """The micro-batches whose activations stage ``stage`` holds at once (of ``micro_batches``, by default the
-        step's ``accumulation``): its warm-up, and the forward of the first backward's turn."""
-        count = self.accumulation if micro_batches is None else micro_batches
-        return min(self.warmup(stage, count) + 1, count)
+        """The (chunk, micro-batch) activations stage ``stage`` holds at once (of ``micro_batches``, by default the
+        step's ``accumulation``), in the order its schedule runs: from a forward to the backward that ends with it
+        (the weight gradients, where they are deferred)."""
+        return int(self.timeline(micro_batches).held(stage))
 
     # --- rules and records -----------------------------------------------------------------------------------------
 
     def problems(self) -> Iterator[str]:
-        """The rules between the layout, ZeRO and the sequence length (each line names its keys and the fix)."""
+        """The rules between the layout, ZeRO, the sequence length and the schedule (each line names its keys and
+        the fix)."""
         shard = self.dp_shard
         if self.zero_stage == 0 and shard is not None and 2 <= shard < self.dp and self.dp % shard == 0:
             yield (f"parallelism.dp_shard ({self.dp_shard}) shards ZeRO's state over part of dp ({self.dp}), but "
                    "optimizer.zero_stage is 0; set zero_stage 1, 2 or 3 (3 for HSDP), or remove dp_shard")
+        if self.zero_stage >= 2 and self.pp > 1 and self.pp_engine not in ("afab", "1f1b"):
+            yield (f"optimizer.zero_stage {self.zero_stage} runs with parallelism.pp_engine afab or 1f1b, not "
+                   f"{self.pp_engine} (its sharded gradients and gathers are not yet composed with model chunks or a "
+                   "split backward); use afab or 1f1b, or zero_stage 1")
+        yield from schedule_problems(self.pp_engine, self.pp, self.virtual, self.accumulation)
         length, cp, tp = self.sequence_length, self.cp, self.tp
         if cp > 1 and length % (2 * cp):
             yield (f"tokens.sequence_length ({length}) must be divisible by 2 x parallelism.context_parallel_size "
@@ -286,6 +313,8 @@ class Layout:
     def summary(self) -> str:
         """The layout in one line: the sizes, the schedule and the micro-batches of a step."""
         schedule = self.schedule.upper() if self.pp > 1 else "gradient accumulation"
+        if self.virtual > 1:
+            schedule += f", {self.virtual} chunks per stage"
         zero = f" (ZeRO-{self.zero_stage}{self._hsdp})" if self.zero_stage else ""
         return (f"dp {self.dp}{zero} x ep {self.ep} x cp {self.cp} x tp {self.tp} x pp {self.pp} ({schedule}), "
                 f"micro-batch {self.micro_batch_size} x {self.sequence_length} tokens, {self.accumulation} per step")
@@ -312,6 +341,11 @@ class Layout:
 # process group.
 _HSDP_GROUPS = {Group.DENSE_SHARDS: Group.DENSE_REPLICAS, Group.EXPERT_SHARDS: Group.EXPERT_REPLICAS,
                 Group.SHARD_REPLICAS: None}
+
+
+@functools.cache
+def _timeline(name: str, pp: int, virtual: int, micro_batches: int) -> Timeline:
+    return schedule_for(name, pp, virtual, micro_batches).timeline()
 
 
 def _axes(axes: Axis | Group) -> tuple[Axis, ...]:

@@ -40,7 +40,9 @@ How each part is computed, and why:
 - **activations**: what autograd keeps for the backward, per micro-batch in flight, plus the largest transient of a
   backward, for the rank's tokens: 1/cp of each sequence under context parallelism, whose attention also keeps the
   gathered keys and values and its mask. The rank's tokens and the micro-batches in flight on each stage are the
-  layout's (``Layout.rank_tokens``, ``Layout.in_flight``: the schedule runs by the same numbers).
+  layout's (``Layout.rank_tokens``, ``Layout.in_flight``: the schedule runs by the same numbers). With several model
+  chunks per stage (virtual stages) each (chunk, micro-batch) in flight weighs its chunk's layers, at the moment
+  the stage's schedule holds the most (``Timeline.held``); the logits count at their own most.
   What a decoder layer saves cannot be read from its parameters: each family models it
   (``ModelSpec.layer_activations``, in ``models/<family>/costs.py``) from reading the layer's code, checked layer by
   layer on an H200; with ``parallelism.recompute: full`` each layer keeps only its input (with ``selective``, also
@@ -90,7 +92,7 @@ from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.context import GridPosition
 from nanotron.parallel.data_parallel import REDUCTIONS_IN_FLIGHT, gradient_dtype, holds_autograd_gradient
 from nanotron.parallel.parameter_sharding import OUTER, parameter_units
-from nanotron.parallel.pipeline_partition import held_layers
+from nanotron.parallel.pipeline_partition import describe_layers, held_layers
 from nanotron.parallel.placement import get_placement
 
 GB = 1e9
@@ -112,8 +114,8 @@ class StageMemory:
     """One pipeline stage's memory per rank, in bytes, at ``micro_batch_size``."""
 
     stage: int
-    layers: range
-    in_flight: int  # micro-batches whose activations are kept at once
+    layers: list[int]
+    in_flight: int  # (chunk, micro-batch) activations kept at once
     weights: int
     gradients: int
     master_weights: int
@@ -143,6 +145,7 @@ class MemoryEstimate:
     gpu_memory_gb: float
     micro_batch_size: int
     largest_micro_batch_per_stage: tuple[int, ...]  # 0: not even one sequence fits
+    pipeline: str = ""  # the schedule's predicted bubble and activations in flight, one line (several stages)
 
     @property
     def fits(self) -> bool:
@@ -161,7 +164,7 @@ class MemoryEstimate:
         for stage, largest in zip(self.stages, self.largest_micro_batch_per_stage):
             parts = (stage.weights, stage.gradients, stage.master_weights, stage.adam_moments, stage.activations,
                      stage.logits, stage.peak, stage.total)
-            rows.append([str(stage.stage), f"{stage.layers.start}-{stage.layers.stop - 1}", str(stage.in_flight),
+            rows.append([str(stage.stage), describe_layers(stage.layers), str(stage.in_flight),
                          *(f"{part / GB:.2f}" for part in parts),
                          "yes" if stage.total <= self.gpu_memory_gb * GB else "no", str(largest)])
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -169,7 +172,7 @@ class MemoryEstimate:
         lines.insert(1, "-+-".join("-" * width for width in widths))
         verdict = "fits" if self.fits else "does not fit"
         return "\n".join([
-            self.description, *lines,
+            self.description, *([self.pipeline] if self.pipeline else []), *lines,
             "GB per rank, at the moment of the peak (grads: the gradient buffers and the gradients held without "
             "one at that moment).",
             f"peak: what torch.cuda.max_memory_allocated reports (workspace of "
@@ -213,7 +216,7 @@ def estimate_memory(config: Config, gpu_memory_gb: float | None = None) -> Memor
                    + (", recomputed layers" if p.recompute != "none" else "")
                    + (f" ({p.recompute})" if p.recompute not in ("none", "full") else ""))
     return MemoryEstimate(description, stages_at(layout.micro_batch_size), gpu_memory_gb, layout.micro_batch_size,
-                          largest)
+                          largest, layout.timeline().summary() if layout.pp > 1 else "")
 
 
 def sharding_advice(config: Config, estimate: MemoryEstimate) -> str | None:
@@ -261,7 +264,8 @@ class _StageState:
     """A stage's parameters on one rank: its layers, their bytes, the elements of the optimizer's shard of them and
     the bytes of those shards' masters, and the padded vocabulary its model was built with."""
 
-    layers: range
+    layers: list[int]
+    chunk_layers: dict[int, range]  # the layers of each of the stage's model chunks
     weight_bytes: int  # ZeRO-3: the shards
     gradient_bytes: int  # the gradient buffers (ZeRO-2/3: the shards of the step's gradients)
     gathered_bytes: int  # ZeRO-3: the whole weights of the units gathered at the peak
@@ -350,8 +354,8 @@ def _stage_state(config: Config, stage: int) -> _StageState:
     else:
         staging = _Staging(sum(sorted(buckets.get("", []), reverse=True)[:REDUCTIONS_IN_FLIGHT + 1]))
     return _StageState(
-        layers=held_layers(model), weight_bytes=int(weight_bytes), gradient_bytes=int(gradient_bytes),
-        gathered_bytes=whole.get(OUTER, 0) + sum(layers[:2]),
+        layers=held_layers(model), chunk_layers=model.chunk_layers, weight_bytes=int(weight_bytes),
+        gradient_bytes=int(gradient_bytes), gathered_bytes=whole.get(OUTER, 0) + sum(layers[:2]),
         staging=staging,
         held=_HeldGradients.of(model, held),
         optimizer_elements=optimizer_elements, master_bytes=master_bytes,
@@ -487,20 +491,24 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     per_layer = [spec.layer_activations(config.model.model_config, index, shape) for index in state.layers]
     if shape.recompute != "none":  # one byte each: the FP8 weights a recomputed forward keeps
         per_layer = [(k + fp8, t) for (k, t), fp8 in zip(per_layer, state.fp8_weight_elements, strict=True)]
-    kept = sum(k for k, _ in per_layer)
+    kept_by_layer = dict(zip(state.layers, (k for k, _ in per_layer), strict=True))
+    kept = {chunk: sum(kept_by_layer[index] for index in layers) for chunk, layers in state.chunk_layers.items()}
     backward = max(t for _, t in per_layer)
     logits = 0
     held = state.held
     held_at_start = held.final_norm + (held.layers[-1] if held.layers else 0)
-    if stage == layout.pp - 1:
-        kept += final_norm_bytes(config, micro_batch_size)
+    timeline, head_chunk = layout.timeline(), layout.chunks - 1
+    if head_chunk in kept:
+        kept[head_chunk] += final_norm_bytes(config, micro_batch_size)
         logits_kept, logits_transient = logits_bytes(config, micro_batch_size)
         # The loss's backward runs before any layer's, when every layer still holds its activations.
-        logits = in_flight * logits_kept + max(logits_transient - backward, 0)
+        in_flight_logits = timeline.held(stage, {chunk: chunk == head_chunk for chunk in kept})
+        logits = int(in_flight_logits) * logits_kept + max(logits_transient - backward, 0)
         if not config.model.loss_chunk_tokens:  # the fused loss counts the head's gradient it keeps
             held_at_start += held.head
     staging = state.staging
-    gradients, activations = held_at_start + staging.at_layer(len(per_layer)), in_flight * kept + backward
+    gradients = held_at_start + staging.at_layer(len(per_layer))
+    activations = int(timeline.held(stage, kept)) + backward
     # Later moments, when held gradients may outweigh the activations left (held gradients imply one micro-batch):
     # each layer's backward, from the last layer down, and the backward's end.
     later = held.head + held.final_norm

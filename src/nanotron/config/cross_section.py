@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from nanotron.config.optimizer import LR_KEY
 from nanotron.config.rules import MODEL_CONFIG_KEY
 from nanotron.layout import Layout
+from nanotron.pipeline_schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from nanotron.config.config import Config
@@ -25,6 +26,7 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _model_vs_parallelism(cfg)
     yield from _documents_vs_data_stages(cfg)
     yield from _context_parallelism(cfg)
+    yield from _pipeline_schedule(cfg)
 
 
 def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:
@@ -76,10 +78,12 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
                f"parallelism.expert_parallel_size ({ep}): every expert-parallel rank holds the same number of whole "
                "experts")
     yield from Layout.from_config(cfg).problems()  # the sequence against the cp and tp splits
-    if c.num_hidden_layers < p.pp:
+    chunks = p.pp * p.virtual_pipeline_size
+    if c.num_hidden_layers < chunks:
         yield (
-            f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp ({p.pp}): "
-            "every pipeline stage needs at least one layer"
+            f"{key}.num_hidden_layers ({c.num_hidden_layers}) must be >= parallelism.pp x virtual_pipeline_size "
+            f"({p.pp} x {p.virtual_pipeline_size}): every pipeline stage's chunk needs at least one layer; lower "
+            "virtual_pipeline_size or pp"
         )
 
 
@@ -112,3 +116,25 @@ def _context_parallelism(cfg: Config) -> Iterator[str]:
     if cfg.doremi is not None:
         yield (f"doremi with parallelism.context_parallel_size ({cp}) is not supported yet: DoReMi's reference "
                "losses are per whole sequence; set context_parallel_size: 1")
+
+
+def _pipeline_schedule(cfg: Config) -> Iterator[str]:
+    """What a schedule with split backwards, or with both ends of the model on one stage, cannot run is refused by
+    name (the schedule's own rules on chunks and micro-batches are the layout's, ``Layout.problems``)."""
+    p = cfg.parallelism
+    if p.pp == 1:
+        return
+    engine, split = p.pp_engine, SCHEDULES[p.pp_engine].splits_backward
+    if split and p.recompute != "none":
+        yield (f"parallelism.pp_engine: {engine} splits each backward into the input's and the weights' gradients, "
+               f"which parallelism.recompute ({p.recompute}) would recompute twice (selective and pointwise cannot "
+               "at all); set recompute: none, or use pp_engine: interleaved_1f1b or 1f1b")
+    if split and cfg.model.compile:
+        yield (f"parallelism.pp_engine: {engine} splits each backward into the input's and the weights' gradients, "
+               "which a compiled layer computes in one graph; set model.compile: false, or use pp_engine: "
+               "interleaved_1f1b or 1f1b")
+    if SCHEDULES[engine].v_shape and cfg.model.model_config.tie_word_embeddings:
+        yield (f"parallelism.pp_engine: {engine} puts the first and the last model chunk on stage 0, where "
+               f"{MODEL_CONFIG_KEY}.tie_word_embeddings would give the one weight two gradients per micro-batch, "
+               "which the gradient buckets do not take yet; set tie_word_embeddings: false, or use pp_engine: "
+               "interleaved_1f1b")

@@ -7,7 +7,12 @@ from typing import Annotated, Literal
 from nanotron.config.rules import Spellings, at_least, canonical_spellings, positive
 
 # nanotron matched these enum names case-insensitively; one spelling is stored so that equal configs compare equal.
-PipelineEngine = Annotated[Literal["afab", "1f1b"], Spellings(fold=str.lower)]
+# The pipeline schedules (``pipeline_schedules.py``) also take torchtitan's names (its ``pipeline_parallel_schedule``).
+PipelineEngine = Annotated[
+    Literal["afab", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"],
+    Spellings(fold=str.lower, aliases={"gpipe": "afab", "interleaved1f1b": "interleaved_1f1b",
+                                       "interleavedzerobubble": "zb_h1", "zbvzerobubble": "zbv"}),
+]
 TensorParallelMode = Annotated[Literal["ALL_REDUCE", "REDUCE_SCATTER"], Spellings(fold=str.upper)]
 # What each decoder layer keeps for the backward and runs again there, and what that costs. The setting's three
 # consequences, one per value:
@@ -33,9 +38,10 @@ class ParallelismArgs:
     context_parallel_size: int = 1  # ranks each sequence is split over (parallel/context_parallel.py)
     dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp ranks, replicated over dp / dp_shard
     pp_engine: PipelineEngine = "1f1b"
+    virtual_pipeline_size: int = 1  # model chunks per pipeline stage (virtual stages; interleaved_1f1b, zbv: 2)
     tp_mode: TensorParallelMode = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
-    pp_stage_layers: list[int] | None = None  # decoder layers per stage; None: balanced by estimated cost
+    pp_stage_layers: list[int] | None = None  # decoder layers per chunk, in model order; None: balanced by cost
     pp_timeout_s: float = 600.0  # a pipeline exchange waiting longer than this fails, naming the stage and step
     replica_check_interval: int | None = 100  # steps between weight checksums across data-parallel replicas
     recompute: Recompute = "none"  # what each decoder layer rebuilds in the backward (``Recompute``)
@@ -62,10 +68,11 @@ class ParallelismArgs:
         yield from positive("parallelism.pp_timeout_s", self.pp_timeout_s)
         if self.replica_check_interval is not None:
             yield from at_least("parallelism.replica_check_interval", self.replica_check_interval, 1)
-        if self.pp_stage_layers is not None and len(self.pp_stage_layers) != self.pp:
+        chunks = self.pp * self.virtual_pipeline_size
+        if self.pp_stage_layers is not None and len(self.pp_stage_layers) != chunks:
             yield (
-                f"parallelism.pp_stage_layers has {len(self.pp_stage_layers)} entries but parallelism.pp is "
-                f"{self.pp}: give one layer count per pipeline stage"
+                f"parallelism.pp_stage_layers has {len(self.pp_stage_layers)} entries but parallelism.pp x "
+                f"virtual_pipeline_size is {chunks}: give one layer count per model chunk, in model order"
             )
         if self.pp_stage_layers is not None and any(count < 1 for count in self.pp_stage_layers):
             yield f"parallelism.pp_stage_layers {self.pp_stage_layers}: every stage needs at least one decoder layer"

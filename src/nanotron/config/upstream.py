@@ -12,6 +12,9 @@ into our schema's form, so the typed reader stays strict for everything else:
 - a feature we do not have is refused in one line naming it, unless its value is the one that means "off" (``1``,
   ``null``, ``false``), which is dropped silently.
 
+torchtitan's count of layers per pipeline chunk (``pipeline_parallel_layers_per_stage``) is read the same way, as
+our chunks per stage and layers per chunk.
+
 So the schema has no field that nothing reads: upstream's are accepted here, before it, and never saved.
 
 docs/upstream.md lists every key and what happens to it.
@@ -160,7 +163,8 @@ def translate(raw: Any) -> tuple[Any, Translation]:
         value = section.pop(name)
         if runs_anyway is not EVERY_VALUE and value != runs_anyway:
             found.ignored[key] = why
-    for rewrite in (_optimizer_factory, _recompute, _init_method, _model_config, _datasets, _domain_names):
+    for rewrite in (_optimizer_factory, _recompute, _layers_per_chunk, _init_method, _model_config, _datasets,
+                    _domain_names):
         rewrite(raw, found)
     return raw, found
 
@@ -316,6 +320,28 @@ def _recompute(raw: dict, found: Translation) -> None:
                               "recompute_granularity")
     else:
         parallelism["recompute"] = granularity.lower() if layer else "none"
+
+
+def _layers_per_chunk(raw: dict, found: Translation) -> None:
+    """torchtitan's ``pipeline_parallel_layers_per_stage`` (k decoder layers in every virtual stage) is
+    ``virtual_pipeline_size`` = layers / (pp k) chunks per stage of ``pp_stage_layers`` k layers each."""
+    parallelism = _section(raw, "parallelism")
+    if parallelism is None or "pipeline_parallel_layers_per_stage" not in parallelism:
+        return
+    per_chunk = parallelism.pop("pipeline_parallel_layers_per_stage")
+    layers, pp = (_section(raw, MODEL_CONFIG) or {}).get("num_hidden_layers"), parallelism.get("pp", 1)
+    key = "parallelism.pipeline_parallel_layers_per_stage"
+    if {"virtual_pipeline_size", "pp_stage_layers"} & parallelism.keys():
+        found.problems.append(f"{key} and parallelism.virtual_pipeline_size or pp_stage_layers are both set; keep "
+                              "one of them")
+    elif not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (per_chunk, layers, pp)) \
+            or layers % (pp * per_chunk):
+        found.problems.append(f"{key} ({_yaml(per_chunk)}) must split {MODEL_CONFIG}.num_hidden_layers "
+                              f"({_yaml(layers)}) into parallelism.pp ({_yaml(pp)}) x a whole number of chunks of "
+                              "that many layers; change it, or set parallelism.virtual_pipeline_size instead")
+    else:
+        chunks = layers // per_chunk
+        parallelism["virtual_pipeline_size"], parallelism["pp_stage_layers"] = chunks // pp, [per_chunk] * chunks
 
 
 def other_spellings(dotted: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import ConfigError
 from nanotron.errors import CheckpointError
 from nanotron.layout import Axis, Group
-from nanotron.models.build import BuildOptions, build_model
+from nanotron.models.build import BuildOptions, build_model, stage_chunks
 from nanotron.models.registry import check_model_config, spec_for_config
 from nanotron.models.spec import CausalLM
 from nanotron.parallel.context import ParallelContext
@@ -165,8 +165,9 @@ def _until_eos(row: list[int], eos_token_id: int | None) -> list[int]:
 def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, positions: torch.Tensor | None,
                    mask: torch.Tensor | None, caches: dict[str, object] | None, last_only: bool = True,
                    gather: bool = True, document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Logits over the padded vocabulary on the last stage (None elsewhere), gathered over TP unless ``gather``
-    is False (then each TP rank keeps its vocabulary shard).
+    """Logits over the padded vocabulary on the stage of the LM head (None elsewhere), gathered over TP unless
+    ``gather`` is False (then each TP rank keeps its vocabulary shard). Through the pipeline one model chunk after the
+    other (a stage may hold several, ``stage_chunks``: a DoReMi reference at the run's layout).
 
     Only the last position's ([batch, vocab]) unless ``last_only`` is False ([batch, seq, vocab]). ``document_ids``
     (with ``positions`` restarting in each document, as a micro-batch under document masking holds them) keep
@@ -175,12 +176,17 @@ def forward_logits(model: CausalLM, pc: ParallelContext, ids: torch.Tensor, posi
     hidden_size = model.config.hidden_size
     dtype = model.config.activation_dtype(next(model.parameters()).dtype)
     p2p = P2P(pc, (ids.shape[0], ids.shape[1], hidden_size), dtype, timeout_s=600.0)
-    hidden = None if pc.is_first_stage else p2p.recv_forward()
+    layout, stage = pc.layout, pc.coord(Axis.PP)
     documents = {} if document_ids is None else {"document_ids": document_ids}  # only families with attention take it
-    out = model(input_ids=ids, hidden_states=hidden, position_ids=positions, attention_mask=mask, caches=caches,
-                **documents)
-    if not pc.is_last_stage:
-        p2p.send_forward(out)
+    out = None
+    for chunk, view in zip(layout.chunks_of(stage), stage_chunks(model), strict=True):
+        if chunk > 0 and layout.stage_of(chunk - 1) != stage:
+            out = p2p.recv_from(layout.stage_of(chunk - 1))
+        out = view(input_ids=ids, hidden_states=out, position_ids=positions, attention_mask=mask, caches=caches,
+                   **documents)
+        if chunk < layout.chunks - 1 and layout.stage_of(chunk + 1) != stage:
+            p2p.send_to(out, layout.stage_of(chunk + 1))
+    if model.lm_head is None:
         return None
     logits = out[:, -1].contiguous() if last_only else out.contiguous()
     if gather and pc.size(Axis.TP) > 1:

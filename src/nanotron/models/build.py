@@ -17,7 +17,13 @@ from nanotron.nn.flash_attention import use_flash_attention
 from nanotron.nn.recompute import compile_layer, recompute_in_backward
 from nanotron.parallel.context import GridPosition, ParallelContext
 from nanotron.parallel.context_parallel import apply_context_parallel
-from nanotron.parallel.pipeline_partition import keep_stage, log_stages, mark_tied_embedding_copies, stage_layers
+from nanotron.parallel.pipeline_partition import (
+    chunk_view,
+    keep_stage,
+    log_stages,
+    mark_tied_embedding_copies,
+    stage_layers,
+)
 from nanotron.parallel.placement import annotate_placements, logical_parameters
 from nanotron.parallel.tensor_parallel import ALL_REDUCE, apply_tensor_parallel
 
@@ -87,11 +93,21 @@ def materialize(module: nn.Module, device: torch.device, dtype: torch.dtype, pla
                 submodule._buffers[key] = torch.zeros(buffer.shape, device=device, dtype=buffer.dtype)
 
 
-def pipeline_stage_layers(model_config, options: BuildOptions, stages: int, tp: int = 1) -> list[range]:
-    """Decoder layers of every pipeline stage, from ``parallelism.pp_stage_layers`` or balanced by compute."""
+def pipeline_stage_layers(model_config, options: BuildOptions, chunks: int, tp: int = 1) -> list[range]:
+    """Decoder layers of every model chunk (one per stage without virtual stages), from
+    ``parallelism.pp_stage_layers`` or balanced by compute."""
     vocab = padded_vocab_size(model_config.vocab_size, options.vocab_multiple, tp)
     costs = spec_for_config(model_config).costs(model_config, vocab, options.sequence_length)
-    return stage_layers(list(costs.layer_flops), stages, options.pp_stage_layers, head_cost=costs.head_flops)
+    return stage_layers(list(costs.layer_flops), chunks, options.pp_stage_layers, head_cost=costs.head_flops)
+
+
+def stage_chunks(model: CausalLM) -> list[CausalLM]:
+    """The model chunks of a stage's ``model`` (``build_stage``), in model order: views of it, each running its
+    chunk's layers, the first chunk's embedding and the last chunk's head (torchtitan's model parts)."""
+    layers, last = model.chunk_layers, model.chunk_count - 1
+    if len(layers) == 1:
+        return [model]
+    return [chunk_view(model, layers[chunk], chunk == 0, chunk == last) for chunk in sorted(layers)]
 
 
 def build_stage(model_config, grid: ParallelContext | GridPosition, options: BuildOptions,
@@ -99,7 +115,8 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
                 placeholders: bool = False) -> CausalLM:
     """The part of the model that the rank at ``grid``'s coordinates holds, with placements on every parameter and
     no initial values: constructed on the meta device, split by the family's tensor-parallel plan, expert
-    parallelism and context parallelism, cut to the rank's pipeline stage, converted, then materialised on ``device``.
+    parallelism and context parallelism, cut to the rank's pipeline stage (the layers of its model chunks, which
+    ``chunk_layers`` records for ``stage_chunks``), converted, then materialised on ``device``.
 
     Training builds its model this way (``build_model``). On the meta device (the default) nothing is allocated and
     ``grid`` may be a ``GridPosition`` of any rank: the memory planner counts what each stage holds from the model
@@ -119,16 +136,21 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
             spec.expert_parallel(model, grid.group(Group.EP))
         if grid.size(Axis.CP) > 1:
             apply_context_parallel(model, grid.group(Group.CP))
+        layout = grid.layout
+        chunks, layers = layout.chunks_of(grid.coord(Axis.PP)), [range(model_config.num_hidden_layers)]
         if stages > 1:
-            stage = grid.coord(Axis.PP)
-            keep_stage(model, pipeline_stage_layers(model_config, options, stages, tp)[stage], stage == 0,
-                       stage == stages - 1)
+            layers = pipeline_stage_layers(model_config, options, layout.chunks, tp)
+            keep_stage(model, [index for chunk in chunks for index in layers[chunk]], 0 in chunks,
+                       layout.chunks - 1 in chunks)
+        # the stage's chunks, by their index among all: what ``stage_chunks`` cuts the model into
+        model.chunk_layers, model.chunk_count = {chunk: layers[chunk] for chunk in chunks}, len(layers)
         for convert in converters:
             convert(model)
     materialize(model, device, options.dtype, placeholders)
     annotate_placements(model)
-    if stages > 1 and model_config.tie_word_embeddings:
-        mark_tied_embedding_copies(model, stages)
+    last_stage = layout.stage_of(layout.chunks - 1)
+    if last_stage != 0 and model_config.tie_word_embeddings:
+        mark_tied_embedding_copies(model, last_stage)
     return model
 
 

@@ -1,32 +1,39 @@
-"""Pipeline schedules: all-forward-all-backward (AFAB) and one-forward-one-backward (1F1B).
+"""Pipeline schedules run over model chunks: one executor for any schedule's list of actions.
 
-Each stage runs its part of the model on every micro-batch of the step. Activations go to the next stage and their
-gradients come back through point-to-point messages. Shapes are fixed by the config (micro-batch, sequence or
-sequence shard, hidden), so no shape metadata is ever exchanged. Every exchange is a ``batch_isend_irecv`` on the
-pipeline group created at start-up, and every wait has a deadline: a stage that waits longer than
-``parallelism.pp_timeout_s`` (or whose neighbour died) fails with an error naming the stage, the step and the exchange
-instead of hanging.
+Each stage holds one or more model chunks (virtual stages) and runs every micro-batch of the step through them in the
+order its schedule lists (``pipeline_schedules.py``, which the layout picks: ``Layout.timeline``): a chunk's forward,
+its whole backward, or its backward in two parts (the input's gradient, then the deferred weights'; see
+``split_backward.py``). Activations go to the next chunk and their gradients come back, through point-to-point messages
+where the chunks are on two stages and by hand within one stage. Shapes are fixed by the config (micro-batch, sequence
+or sequence shard, hidden), so no shape metadata is ever exchanged.
 
-The language-model loss of each micro-batch is computed on the last stage only, as ``sum of token losses / global
+Messages between two stages are posted, on both, in the one order their timeline gives (``Timeline.messages``): a
+send when its tensor exists, and every receive that comes before it in that order, so that each send meets its
+receive in the same order on every backend (NCCL matches a pair's messages by order); a receive waits for its message
+just before the action that needs it, with a deadline: a stage that waits longer than ``parallelism.pp_timeout_s``
+(or whose neighbour died) fails with an error naming the stage, the step and the exchange instead of hanging.
+
+The language-model loss of each micro-batch is computed on the last chunk only, as ``sum of token losses / global
 token count``, so accumulating over the schedule's micro-batches gives the mean over the global batch with no further
-scaling. A stage's forward (the step program's, ``training/step.py``) returns a :class:`StageOutput`: the activations
-for the next stage (none on the last), the stage's contributions to the loss (the language-model loss on the last
-stage, a router's load-balancing loss on any stage, each backpropagated together with the gradient that comes back
-for the activations) and named statistics, which the schedule sums over the step's micro-batches
+scaling. A chunk's forward (the step program's, ``training/step.py``) returns a :class:`StageOutput`: the activations
+for the next chunk (none on the last), the chunk's contributions to the loss (the language-model loss on the last
+chunk, a router's load-balancing loss on any chunk, each backpropagated together with the gradient that comes back for
+the activations) and named statistics, which the schedule sums over the step's micro-batches
 (``parallel/statistics.py``).
 
-Both schedules are one loop: a warm-up of forwards, then one forward and one backward in turn, then the remaining
-backwards (cool-down). The layout (``Layout.warmup``) says how many forwards the warm-up runs on stage ``s`` of
-``P``: ``min(P - s - 1, M)`` under 1F1B (Narayanan et al., 2021), so that at most ``P - s`` micro-batches are in
-flight, and all ``M`` under AFAB (all forwards, then all backwards). With one stage both reduce to plain gradient
-accumulation, one micro-batch at a time. A stage frees each activation it has sent; the autograd graph behind it
-stays until its backward.
+With one stage and one chunk every schedule is plain gradient accumulation, one micro-batch at a time. A stage frees
+each activation it has sent once the send is done; the autograd graph behind it stays until its backward.
+
+On GPUs each stage measures the share of the step its device idles between actions (``IdleTimes``, CUDA events
+around every action), which the step's statistics carry per stage (``IDLE_SHARE``, measured two steps earlier, when
+its events are done: reading them sooner would wait for the GPU).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -36,7 +43,9 @@ import torch.distributed as dist
 from nanotron.data.batch import MicroBatch
 from nanotron.layout import Axis, Group
 from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.split_backward import DeferredWeightGradients, backward_input
 from nanotron.parallel.statistics import Statistics, accumulate
+from nanotron.pipeline_schedules import Action, Message, Op, Timeline
 
 
 class PipelineTimeoutError(RuntimeError):
@@ -45,7 +54,7 @@ class PipelineTimeoutError(RuntimeError):
 
 @dataclass
 class P2P:
-    """Exchanges with the neighbouring stages (same dp/ep/tp coordinates)."""
+    """Exchanges with the other stages of this rank's pipeline (same dp/ep/cp/tp coordinates)."""
 
     parallel_context: ParallelContext
     shape: tuple[int, ...]
@@ -55,148 +64,280 @@ class P2P:
 
     def __post_init__(self):
         pc = self.parallel_context
-        ranks, stage = pc.members(Group.PP), pc.coord(Axis.PP)
-        self.stage = stage
+        self.ranks, self.stage = pc.members(Group.PP), pc.coord(Axis.PP)
         self.group = pc.group(Group.PP)
-        self.prev = ranks[stage - 1] if stage > 0 else None
-        self.next = ranks[stage + 1] if stage < len(ranks) - 1 else None
 
-    def _exchange(self, what: str, send: list[tuple[torch.Tensor, int]], recv_from: list[int]) -> list[torch.Tensor]:
-        received = [torch.empty(self.shape, dtype=self.dtype, device=self.parallel_context.device) for _ in recv_from]
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), peer, self.group) for tensor, peer in send]
-        ops += [dist.P2POp(dist.irecv, buffer, peer, self.group) for buffer, peer in zip(received, recv_from)]
-        deadline = time.monotonic() + self.timeout_s
+    def post(self, tensor: torch.Tensor | None, stage: int) -> tuple[dist.Work, torch.Tensor]:
+        """Start sending ``tensor`` to ``stage``, or receiving into a new buffer from it (``tensor`` None)."""
+        if tensor is None:
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.parallel_context.device)
+            return dist.irecv(buffer, self.ranks[stage], self.group), buffer
+        tensor = tensor.contiguous()
+        return dist.isend(tensor, self.ranks[stage], self.group), tensor
+
+    def wait(self, work: dist.Work, what: str, deadline: float | None = None) -> None:
+        """Wait for ``work`` until ``deadline`` (by default ``timeout_s`` from now)."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         try:
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError as error:  # the backends raise RuntimeError subclasses on timeouts and lost peers
             raise PipelineTimeoutError(
                 f"pipeline stage {self.stage} could not {what} at step {self.step} within "
                 f"parallelism.pp_timeout_s={self.timeout_s:g}s: a neighbouring stage is stuck or crashed "
                 f"(raise the timeout if it is only slow). Backend said: {str(error).splitlines()[0][:200]}"
             ) from error
-        return received
 
-    def recv_forward(self) -> torch.Tensor:
-        (x,) = self._exchange("receive activations from the previous stage", [], [self.prev])
-        return x
+    def recv_from(self, stage: int) -> torch.Tensor:
+        """Activations from ``stage``, waited for (generation's forward, one chunk after the other)."""
+        work, buffer = self.post(None, stage)
+        self.wait(work, f"receive activations from stage {stage}")
+        return buffer
 
-    def send_forward(self, y: torch.Tensor) -> None:
-        self._exchange("send activations to the next stage", [(y, self.next)], [])
+    def send_to(self, y: torch.Tensor, stage: int) -> None:
+        work, _ = self.post(y, stage)
+        self.wait(work, f"send activations to stage {stage}")
 
-    def recv_backward(self) -> torch.Tensor:
-        (g,) = self._exchange("receive gradients from the next stage", [], [self.next])
-        return g
 
-    def send_backward(self, g: torch.Tensor) -> None:
-        self._exchange("send gradients to the previous stage", [(g, self.prev)], [])
+def _describe(message: Message, sending: bool) -> str:
+    kind = "activations" if message.forward else "gradients"
+    return f"{'send' if sending else 'receive'} the {kind} of chunk {message.chunk}, micro-batch {message.micro_batch}"
 
-    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor:
-        (g,) = self._exchange("exchange activations/gradients with the next stage", [(y, self.next)], [self.next])
-        return g
 
-    def send_backward_recv_forward(self, g: torch.Tensor) -> torch.Tensor:
-        (x,) = self._exchange("exchange gradients/activations with the previous stage", [(g, self.prev)], [self.prev])
-        return x
+class Mailbox:
+    """One step's messages between this stage and the others, posted in the order the timeline gives each pair."""
+
+    def __init__(self, p2p: P2P, timeline: Timeline):
+        self.p2p, self.schedule = p2p, timeline.schedule
+        stage = p2p.stage
+        self.queues = {peer: deque(timeline.messages(stage, peer)) for peer in range(self.schedule.pp)
+                       if peer != stage}
+        self.receives: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
+        self.sends: list[tuple[dist.Work, Message, torch.Tensor | None]] = []  # the tensor to free once sent
+
+    def _peer(self, message: Message, sending: bool) -> int:
+        chunk = message.receiver_chunk if sending else message.chunk
+        return self.schedule.stage_of(chunk)
+
+    def _post_until(self, peer: int, target: Message) -> None:
+        """Post the pair's receives up to ``target`` (a send of this stage's must already be posted)."""
+        queue = self.queues[peer]
+        while queue and queue[0] != target:
+            message = queue.popleft()
+            if self.schedule.stage_of(message.chunk) == self.p2p.stage:
+                raise RuntimeError(f"pipeline stage {self.p2p.stage}: {message} comes before {target} between "
+                                   f"stages {self.p2p.stage} and {peer}, but it is not ready: the schedule's "
+                                   "order is not one its timeline allows")
+            self.receives[message] = self.p2p.post(None, peer)
+
+    def send(self, message: Message, tensor: torch.Tensor, free: bool) -> None:
+        """Send ``tensor`` as ``message``; ``free``: release its memory once it is sent (see ``_free``)."""
+        peer = self._peer(message, sending=True)
+        self._post_until(peer, message)
+        self.queues[peer].popleft()
+        work, _ = self.p2p.post(tensor, peer)
+        self.sends.append((work, message, tensor if free else None))
+        self._free_sent()
+
+    def receive(self, message: Message) -> torch.Tensor:
+        peer = self._peer(message, sending=False)
+        if message not in self.receives:
+            self._post_until(peer, message)
+            self.queues[peer].popleft()
+            self.receives[message] = self.p2p.post(None, peer)
+        work, buffer = self.receives.pop(message)
+        self.p2p.wait(work, _describe(message, sending=False))
+        self._free_sent()
+        return buffer
+
+    def _free_sent(self, wait: bool = False) -> None:
+        deadline = time.monotonic() + self.p2p.timeout_s
+        left = []
+        for work, message, tensor in self.sends:
+            if wait:
+                self.p2p.wait(work, _describe(message, sending=True), deadline)
+            elif not work.is_completed():
+                left.append((work, message, tensor))
+                continue
+            if tensor is not None:
+                _free(tensor)
+        self.sends = left
+
+    def finish(self) -> None:
+        """Wait for every send of the step."""
+        self._free_sent(wait=True)
+
+
+def _free(tensor: torch.Tensor) -> None:
+    """Release a sent activation's memory; its autograd node needs only its shape for the backward.
+
+    The chunk output comes from a residual addition, whose backward does not read the output's values.
+    """
+    tensor.untyped_storage().resize_(0)
 
 
 @dataclass
 class StageOutput:
-    """One stage's forward of one micro-batch.
+    """One chunk's forward of one micro-batch.
 
-    The activations are freed once sent (see ``PipelineSchedule._free``), so a loss of an inner stage must be computed
-    from tensors inside the stage (router logits), never from the output itself.
+    The activations are freed once sent (see ``_free``), so a loss of an inner chunk must be computed from tensors
+    inside the chunk (router logits), never from the output itself.
     """
 
-    output: torch.Tensor | None  # activations for the next stage; None on the last stage
+    output: torch.Tensor | None  # activations for the next chunk; None on the last chunk
     statistics: Statistics = field(default_factory=dict)  # summed over micro-batches, detached
-    losses: tuple[torch.Tensor, ...] = ()  # scalars this stage adds to the objective, each a root of its backward
+    losses: tuple[torch.Tensor, ...] = ()  # scalars this chunk adds to the objective, each a root of its backward
+
+
+@dataclass
+class Chunk:
+    """A model chunk as the schedule runs it: its forward, ``forward(micro_batch, inputs)``, and the weights whose
+    gradients a split backward may defer (``split_backward.py``)."""
+
+    forward: Callable[[MicroBatch, torch.Tensor | None], StageOutput]
+    weights: Sequence[torch.nn.Parameter] = ()
+
+
+GRADIENT_OPS = (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+IDLE_SHARE, IDLE_RANKS = "pipeline_idle_share", "pipeline_idle_ranks"  # per stage: summed shares, ranks measured
+
+
+class IdleTimes:
+    """CUDA events around every action of a step on this stage, kept until they are read (two steps later)."""
+
+    def __init__(self):
+        self.steps: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+
+    def around(self, step: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """A (start, end) pair of events to record around one action of ``step``."""
+        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self.steps.setdefault(step, []).append(pair)
+        return pair
+
+    def statistics(self, step: int, stage: int, stages: int, device: torch.device) -> Statistics:
+        """This stage's idle share of step ``step - 2`` in its slot (none measured yet: zeros), and how many ranks
+        measured it (1 here)."""
+        share, ranks = torch.zeros(stages, device=device), torch.zeros(stages, device=device)
+        pairs = self.steps.pop(step - 2, None)
+        for old in [s for s in self.steps if s < step - 2]:
+            del self.steps[old]
+        if pairs:
+            share[stage], ranks[stage] = idle_share(pairs), 1.0
+        return {IDLE_SHARE: share, IDLE_RANKS: ranks}
+
+
+def idle_share(pairs: Sequence[tuple]) -> float:
+    """The share of the time from the first action's start to the last's end spent between actions, from (start,
+    end) event pairs in order (anything with ``elapsed_time``)."""
+    total = pairs[0][0].elapsed_time(pairs[-1][1])
+    busy = sum(start.elapsed_time(end) for start, end in pairs)
+    return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
 
 
 class PipelineSchedule:
-    """Runs forward and backward of all micro-batches of one step on this stage.
+    """Runs forward and backward of all micro-batches of one step on this stage's ``chunks`` (in model order, those
+    ``Layout.chunks_of`` gives the stage), in the order of the layout's schedule.
 
-    ``forward(micro_batch, inputs)`` returns the stage's :class:`StageOutput`. ``before_last_backward()`` is called
-    before the step's last backward on this stage, when data-parallel gradient reduction may start.
+    ``before_last_backward()`` is called before the first gradient computation after which every gradient is the
+    step's last for its weight, when data-parallel gradient reduction may start.
     """
 
-    def __init__(self, parallel_context: ParallelContext, p2p: P2P,
-                 forward: Callable[[dict, torch.Tensor | None], StageOutput], before_last_backward: Callable[[], None]):
+    def __init__(self, parallel_context: ParallelContext, p2p: P2P, chunks: Sequence[Chunk],
+                 before_last_backward: Callable[[], None]):
         self.layout, self.stage = parallel_context.layout, parallel_context.coord(Axis.PP)
         self.p2p = p2p
-        self.forward_fn = forward
+        self.chunks = dict(zip(self.layout.chunks_of(self.stage), chunks, strict=True))
         self.before_last_backward = before_last_backward
-        self.first, self.last = parallel_context.is_first_stage, parallel_context.is_last_stage
+        self.device = parallel_context.device
+        self.idle = IdleTimes() if self.device.type == "cuda" and self.layout.pp > 1 else None
+
+    def template(self) -> dict[str, tuple[int, ...]]:
+        """The statistics the schedule adds to the step's (``IDLE_SHARE`` and ``IDLE_RANKS`` where measured)."""
+        return {} if self.idle is None else {IDLE_SHARE: (self.layout.pp,), IDLE_RANKS: (self.layout.pp,)}
+
+    def metrics(self, sums: Statistics) -> dict:
+        """``pipeline_idle_share``: each stage's idle share averaged over its ranks (once measured)."""
+        if self.idle is None or not sums[IDLE_RANKS].any():
+            return {}
+        return {IDLE_SHARE: (sums[IDLE_SHARE] / sums[IDLE_RANKS].clamp(min=1)).tolist()}
 
     def run(self, micro_batches: list[MicroBatch], step: int) -> Statistics:
         """Forward and backward every micro-batch; returns this stage's statistics summed over the micro-batches."""
         self.p2p.step = step
+        timeline = self.layout.timeline(len(micro_batches))
+        actions = timeline.schedule.actions(self.stage)
+        run = _StepRun(self, micro_batches, Mailbox(self.p2p, timeline))
+        start_reducing = _first_final_gradient(actions, len(micro_batches))
+        for index, action in enumerate(actions):
+            if index == start_reducing:
+                self.before_last_backward()
+            if self.idle is None:
+                run.act(action)
+            else:
+                start, end = self.idle.around(step)
+                start.record()
+                run.act(action)
+                end.record()
+        run.mailbox.finish()
+        if self.idle is not None:
+            run.statistics |= self.idle.statistics(step, self.stage, self.layout.pp, self.device)
+        return run.statistics
+
+
+def _first_final_gradient(actions: list[Action], micro_batches: int) -> int:
+    """The index of the first gradient action after which every gradient action is of the last micro-batch."""
+    last_earlier = max((i for i, a in enumerate(actions) if a.op in GRADIENT_OPS and a.micro_batch < micro_batches - 1),
+                       default=-1)
+    return next(i for i in range(last_earlier + 1, len(actions)) if actions[i].op in GRADIENT_OPS)
+
+
+class _StepRun:
+    """The state of one step on one stage: activations and gradients in flight, deferred weight gradients."""
+
+    def __init__(self, schedule: PipelineSchedule, micro_batches: list[MicroBatch], mailbox: Mailbox):
+        self.chunks, self.micro_batches, self.mailbox = schedule.chunks, micro_batches, mailbox
+        self.pipeline = mailbox.schedule
+        self.stage, self.last = schedule.stage, self.pipeline.chunks - 1
         self.statistics: Statistics = {}
-        self._pending_input: list[torch.Tensor] = []
-        self._backwards_left = len(micro_batches)
-        self._run(micro_batches, self.layout.warmup(self.stage, len(micro_batches)))
-        return self.statistics
+        self.local: dict[tuple[bool, int, int], torch.Tensor] = {}  # messages between chunks of this stage
+        self.held: dict[tuple[int, int], tuple[torch.Tensor | None, StageOutput]] = {}
+        self.deferred: dict[tuple[int, int], DeferredWeightGradients] = {}
 
-    # --- one micro-batch on this stage ----------------------------------------------------------------------
+    def act(self, action: Action) -> None:
+        if action.op == Op.FORWARD:
+            self.forward(action.chunk, action.micro_batch)
+        elif action.op == Op.BACKWARD_WEIGHT:
+            self.deferred.pop((action.chunk, action.micro_batch)).run()
+        else:
+            self.backward(action.chunk, action.micro_batch, split=action.op == Op.BACKWARD_INPUT)
 
-    def _forward(self, micro_batch: MicroBatch) -> tuple[torch.Tensor | None, StageOutput]:
-        x = None if self.first else self._next_input()
-        if x is not None:
-            x.requires_grad_()
-        y = self.forward_fn(micro_batch, x)
+    def _take(self, message: Message) -> torch.Tensor:
+        if self.pipeline.stage_of(message.chunk) == self.stage:
+            return self.local.pop((message.forward, message.chunk, message.micro_batch))
+        return self.mailbox.receive(message)
+
+    def _give(self, message: Message, tensor: torch.Tensor, free: bool) -> None:
+        if self.pipeline.stage_of(message.receiver_chunk) == self.stage:
+            self.local[message.forward, message.chunk, message.micro_batch] = tensor
+        else:
+            self.mailbox.send(message, tensor, free)
+
+    def forward(self, chunk: int, index: int) -> None:
+        x = None
+        if chunk > 0:
+            x = self._take(Message(True, chunk - 1, index)).detach().requires_grad_()
+        y = self.chunks[chunk].forward(self.micro_batches[index], x)
         accumulate(self.statistics, y.statistics)
-        return x, y
+        if chunk < self.last:
+            self._give(Message(True, chunk, index), y.output, free=True)
+        self.held[chunk, index] = (x, y)
 
-    def _next_input(self) -> torch.Tensor:
-        """This micro-batch's input: already received with the previous backward exchange, or received now."""
-        return self._pending_input.pop(0) if self._pending_input else self.p2p.recv_forward()
-
-    @staticmethod
-    def _free(y: StageOutput) -> None:
-        """Release a sent activation's memory; its autograd node needs only its shape for the backward.
-
-        The stage output comes from a residual addition, whose backward does not read the output's values.
-        """
-        y.output.untyped_storage().resize_(0)
-
-    def _backward(self, x: torch.Tensor | None, y: StageOutput, grad: torch.Tensor | None) -> torch.Tensor | None:
-        self._backwards_left -= 1
-        if self._backwards_left == 0:
-            self.before_last_backward()
-        outputs, grads = ([], []) if y.output is None else ([y.output], [grad])
-        torch.autograd.backward(outputs + list(y.losses), grads + [None] * len(y.losses))
-        return None if x is None else x.grad
-
-    # --- the schedule -------------------------------------------------------------------------------------------
-
-    def _run(self, micro_batches: list[dict], warmup: int) -> None:
-        """``warmup`` forwards, then one forward and one backward in turn, then the backwards left."""
-        in_flight = []
-        for micro_batch in micro_batches[:warmup]:
-            x, y = self._forward(micro_batch)
-            if not self.last:
-                self.p2p.send_forward(y.output)
-                self._free(y)
-            in_flight.append((x, y))
-
-        steady = micro_batches[warmup:]
-        for i, micro_batch in enumerate(steady):
-            x, y = self._forward(micro_batch)
-            in_flight.append((x, y))
-            grad = None
-            if not self.last:
-                grad = self.p2p.send_forward_recv_backward(y.output)
-                self._free(y)
-            x_old, y_old = in_flight.pop(0)
-            dx = self._backward(x_old, y_old, grad)
-            if not self.first:
-                if i == len(steady) - 1:
-                    self.p2p.send_backward(dx)
-                else:  # receive the next micro-batch's input in the same exchange
-                    self._pending_input.append(self.p2p.send_backward_recv_forward(dx))
-
-        for x, y in in_flight:
-            grad = None if self.last else self.p2p.recv_backward()
-            dx = self._backward(x, y, grad)
-            if not self.first:
-                self.p2p.send_backward(dx)
+    def backward(self, chunk: int, index: int, split: bool) -> None:
+        x, y = self.held.pop((chunk, index))
+        roots, grads = ([], []) if y.output is None else ([y.output], [self._take(Message(False, chunk + 1, index))])
+        roots, grads = roots + list(y.losses), grads + [None] * len(y.losses)
+        if split:
+            self.deferred[chunk, index] = backward_input(roots, grads, x, self.chunks[chunk].weights)
+        else:
+            torch.autograd.backward(roots, grads)
+        if chunk > 0:
+            self._give(Message(False, chunk, index), x.grad, free=False)

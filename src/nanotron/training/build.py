@@ -34,7 +34,7 @@ from nanotron.optim.optimizer import MixedPrecisionAdamW, build_optimizer
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.parameter_sharding import ShardedUnits, parameter_units
-from nanotron.parallel.pipeline_parallel import P2P, PipelineSchedule, StageOutput
+from nanotron.parallel.pipeline_parallel import P2P, Chunk, PipelineSchedule
 from nanotron.parallel.placement import declared_names, logical_parameters
 from nanotron.training.hooks import Feature
 
@@ -158,15 +158,15 @@ def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str
             for stage, dataset in datasets.items()}
 
 
-def pipeline_schedule(config: Config, pc: ParallelContext,
-                      stage_forward: Callable[[dict[str, torch.Tensor], torch.Tensor | None], StageOutput],
+def pipeline_schedule(config: Config, pc: ParallelContext, chunks: Sequence[Chunk],
                       before_last_backward: Callable[[], None]) -> PipelineSchedule:
-    """The micro-batch schedule of ``pc``'s layout; with pp=1 it is plain gradient accumulation."""
+    """The micro-batch schedule of ``pc``'s layout over this stage's model ``chunks``; with pp=1 it is plain gradient
+    accumulation."""
     model_config = config.model.model_config
     shape = pc.layout.stage_activation_shape(model_config.hidden_size)
     dtype = model_config.activation_dtype(config.model.torch_dtype())
     p2p = P2P(pc, shape, dtype, config.parallelism.pp_timeout_s)
-    return PipelineSchedule(pc, p2p, stage_forward, before_last_backward)
+    return PipelineSchedule(pc, p2p, chunks, before_last_backward)
 
 
 class TrainedModel(NamedTuple):

@@ -171,10 +171,10 @@ class LanguageModelLoss:
 
 
 def fused_head_loss(config: Config, pc: ParallelContext, model: CausalLM) -> LinearCrossEntropy | None:
-    """The LM head and the loss in one, chunk by chunk (``model.loss_chunk_tokens``), on the last stage; None: the
-    model returns the logits and the loss function takes them."""
+    """The LM head and the loss in one, chunk by chunk (``model.loss_chunk_tokens``), on the stage of the head; None:
+    the model returns the logits and the loss function takes them."""
     chunk_tokens = config.model.loss_chunk_tokens
-    if chunk_tokens == 0 or not pc.is_last_stage:
+    if chunk_tokens == 0 or model.lm_head is None:
         return None
     if not fusable_head(model.lm_head):
         logger.warning("model.loss_chunk_tokens is ignored: a converter gave the LM head another matmul (or it "

@@ -7,10 +7,11 @@ One step, on every rank:
    parallelism cuts it to the rank's tokens; then the features' ``before_forward_backward`` adds what their terms read;
 2. the target tokens of the whole global batch (every micro-batch of every data- and context-parallel rank) are
    counted, and every micro-batch carries the count (``MicroBatch.token_count``);
-3. the pipeline schedule (``parallel/pipeline_parallel.py``) runs every micro-batch's forward on this stage
-   (``stage_forward``: the model, then the data stage's step terms, ``training/objective.py``) and its backward, and
-   sums the terms' statistics over the micro-batches; data-parallel gradient reduction starts before the last
-   backward and finishes after it, and the copies of tied weights are synchronised;
+3. the pipeline schedule (``parallel/pipeline_parallel.py``) runs every micro-batch's forward through this stage's
+   model chunks (``stage_forward``: the chunk, then the data stage's step terms, ``training/objective.py``) and its
+   backward, in the order of the layout's schedule, and sums the terms' statistics over the micro-batches;
+   data-parallel gradient reduction starts once the remaining gradients are the last micro-batch's and finishes
+   after them, and the copies of tied weights are synchronised;
 4. the statistics are summed over stages and ranks: every rank returns the step's.
 
 Because the loss is each target token's loss over the global count (1, 2), every split of the global batch into ranks
@@ -27,6 +28,7 @@ The trainer calls ``run`` and reads the step's report (``report``); it names no 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -38,12 +40,13 @@ from nanotron.config import Config
 from nanotron.data.batch import BatchTransform, MicroBatch
 from nanotron.data.dataset import SampleSource
 from nanotron.layout import Axis, Group
+from nanotron.models.build import stage_chunks
 from nanotron.models.registry import spec_for_config
 from nanotron.models.spec import CausalLM, ModelCosts
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.context_parallel import ContextParallelBatches
 from nanotron.parallel.data_parallel import GradientBuckets, sync_tied_copies
-from nanotron.parallel.pipeline_parallel import StageOutput
+from nanotron.parallel.pipeline_parallel import Chunk, StageOutput
 from nanotron.parallel.statistics import Statistics, sum_over_replicas
 from nanotron.training.build import pipeline_schedule
 from nanotron.training.objective import AttentionPairs, LanguageModelLoss, Objective, StageOutputs, fused_head_loss
@@ -64,7 +67,9 @@ class StepProgram:
         self.objectives, self.transforms, self.features = objectives, list(transforms), list(features)
         self.logits = logits
         self.objective = next(iter(objectives.values()))  # the terms of the step that runs (``run`` sets them)
-        self.schedule = pipeline_schedule(config, pc, self._forward, self._before_last_backward)
+        chunks = [Chunk(functools.partial(self.stage_forward, view), list(view.parameters()))
+                  for view in stage_chunks(model)]
+        self.schedule = pipeline_schedule(config, pc, chunks, self._before_last_backward)
 
     @classmethod
     def build(cls, config: Config, pc: ParallelContext, model: CausalLM, buckets: GradientBuckets,
@@ -114,17 +119,17 @@ class StepProgram:
         self.buckets.finish_reduction()
         if self.pc.pipeline_ends is not None:
             sync_tied_copies(self.buckets, self.pc.pipeline_ends)
-        return sum_over_replicas(statistics, self.objective.template(), self.pc)
+        return sum_over_replicas(statistics, self.objective.template() | self.schedule.template(), self.pc)
 
     def stage_forward(self, module: nn.Module, batch: MicroBatch, hidden_states: torch.Tensor | None) -> StageOutput:
-        """The forward of pipeline stage ``module`` on one micro-batch (``hidden_states``: the previous stage's
+        """The forward of model chunk ``module`` on one micro-batch (``hidden_states``: the previous chunk's
         activations), and the step terms on its outputs: their contributions to the loss and their statistics."""
         # A later stage takes the ids too, for the sequence's length (its rotary tables), not for their values; every
         # stage takes the tokens' positions and documents where the batch has them, and the transforms' inputs.
         inputs = batch.model_inputs()
         for transform in self.transforms:
             inputs |= transform.model_inputs(batch)
-        last = self.pc.is_last_stage
+        last = module.lm_head is not None
         output = module(input_ids=batch.input_ids, hidden_states=hidden_states, head=self.logits, **inputs)
         losses, statistics = self.objective.compute(StageOutputs(module, output, last), batch)
         return StageOutput(None if last else output, statistics, tuple(losses))
@@ -138,10 +143,7 @@ class StepProgram:
             domain_losses = None
         else:
             domain_losses = {} if skipped else language_model.domain_losses(sums)
-        return domain_losses, {} if skipped else objective.metrics(sums)
-
-    def _forward(self, batch: MicroBatch, hidden_states: torch.Tensor | None) -> StageOutput:
-        return self.stage_forward(self.model, batch, hidden_states)
+        return domain_losses, {} if skipped else objective.metrics(sums) | self.schedule.metrics(sums)
 
     def _before_last_backward(self) -> None:
         """Gradients of the last micro-batch complete the step: buckets may now be reduced as they fill up."""

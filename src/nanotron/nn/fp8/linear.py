@@ -102,7 +102,23 @@ def _scaling_amax(x: torch.Tensor, operand: int, dim: int | None, amaxes: AmaxHi
     return split.max_over_ranks(own.float())
 
 
+def _asked_for(ctx, index: int) -> bool:
+    """Whether the running backward asks for the gradient of input ``index`` (one of the first, tensor, inputs): a
+    backward split into the input's and the weights' parts (``parallel/split_backward.py``) asks for one at a time.
+    A compiled layer's backward is traced whole, never split (asking the engine there would break the graph)."""
+    if not ctx.needs_input_grad[index] or torch.compiler.is_compiling():
+        return ctx.needs_input_grad[index]
+    node = ctx.next_functions[index][0]
+    return node is not None and torch._C._will_engine_execute_node(node)
+
+
 class _FP8Linear(torch.autograd.Function):
+    """The three FP8 products of a linear. Its backward computes only the gradients asked for (the input's, the
+    weight's and bias's, or all), so that a split backward defers the weight's (``splits_weight_gradients``); a cast
+    shared by both halves counts its range once, in the input's half where the input needs a gradient at all."""
+
+    splits_weight_gradients = True
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
                 amaxes: AmaxHistory | None, ranges: FP8RangeCounts | None, split: SplitFeatures | None):
@@ -125,23 +141,27 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         recipe, ranges, split = ctx.recipe, ctx.ranges, ctx.split
         g2 = grad.reshape(-1, grad.shape[-1])
+        wants_input, wants_weight = _asked_for(ctx, 0), _asked_for(ctx, 1)
+        grad_input = grad_weight = None
         if recipe.rowwise:
             x2, weight = ctx.saved_tensors
 
             def along(t: torch.Tensor, dtype: torch.dtype, dim: int, operand: int):
                 return quantize(t, dtype, dim, _scaling_amax(t, operand, dim, None, split), ranges, operand)
 
-            # dx = g W: reduce over out features
-            g_rows, g_row_scale = along(g2, recipe.gradient_dtype, -1, GRADIENT)
-            w_cols, w_col_scale = along(weight, E4M3, 0, WEIGHT)
-            grad_input = fp8_mm(g_rows, g_row_scale, w_cols, w_col_scale, grad.dtype)
-            # dW = gᵀ x: reduce over tokens
-            g_cols, g_col_scale = along(g2, recipe.gradient_dtype, 0, GRADIENT)
-            x_cols, x_col_scale = along(x2, E4M3, 0, INPUT)
-            grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
+            if wants_input:  # dx = g W: reduce over out features
+                g_rows, g_row_scale = along(g2, recipe.gradient_dtype, -1, GRADIENT)
+                w_cols, w_col_scale = along(weight, E4M3, 0, WEIGHT)
+                grad_input = fp8_mm(g_rows, g_row_scale, w_cols, w_col_scale, grad.dtype)
+            if wants_weight:  # dW = gᵀ x: reduce over tokens
+                g_cols, g_col_scale = along(g2, recipe.gradient_dtype, 0, GRADIENT)
+                x_cols, x_col_scale = along(x2, E4M3, 0, INPUT)
+                grad_weight = fp8_mm(g_cols.t(), g_col_scale.t(), x_cols, x_col_scale, grad.dtype)
         else:
             xq, x_scale, wq, w_scale = ctx.saved_tensors
             amaxes = ctx.amaxes
+            if wants_weight and not wants_input and ctx.needs_input_grad[0]:
+                ranges = None  # the input's half counted this cast
             if ranges is None:  # both layouts in one pass (counting the cast's range needs the scaled tensor)
                 amax = None if amaxes is None else amaxes.recorded_amax(GRADIENT)
                 if amax is None:
@@ -153,10 +173,13 @@ class _FP8Linear(torch.autograd.Function):
                 amax = _scaling_amax(g2, GRADIENT, None, amaxes, split)
                 gq, g_scale = quantize(g2, recipe.gradient_dtype, None, amax, ranges, GRADIENT)
                 gq_t = gq.t()
-            grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
-            grad_weight = fp8_mm(gq_t, g_scale, xq, x_scale, grad.dtype)
-        grad_bias = g2.sum(0) if ctx.has_bias else None
-        return grad_input.view(ctx.input_shape), grad_weight, grad_bias, None, None, None, None
+            if wants_input:
+                grad_input = fp8_mm(gq, g_scale, wq, w_scale, grad.dtype)
+            if wants_weight:
+                grad_weight = fp8_mm(gq_t, g_scale, xq, x_scale, grad.dtype)
+        grad_bias = g2.sum(0) if ctx.has_bias and _asked_for(ctx, 2) else None
+        grad_input = None if grad_input is None else grad_input.view(ctx.input_shape)
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class FP8Matmul:

@@ -1,0 +1,178 @@
+"""Interleaved 1F1B, ZB-H1 and ZBV train the model one process trains: first-step gradients, then loss and grad-norm
+of every step, over real trainers in gloo processes (float32, to 1e-5); and a run resumes
+exactly at another schedule and pipeline size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.configs import tiny_config_dict
+from support.distributed import run_distributed, run_distributed_each
+from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.runs import train_in_process
+from support.tiers import parity_steps
+
+STEPS = parity_steps(short=10)
+
+
+def schedule_config(tiny_data, folder, *, engine: str = "1f1b", pp: int = 1, virtual: int = 1, tied: bool = True,
+                    **parallelism) -> dict:
+    """8 layers, 8 micro-batches of one sequence a step: every schedule and chunk count below can split them."""
+    base = tiny_config_dict(tiny_data, folder)
+    model = base["model"] | {"model_config": base["model"]["model_config"] | {"num_hidden_layers": 8,
+                                                                              "tie_word_embeddings": tied}}
+    replicas = parallelism.get("dp", 1) * parallelism.get("expert_parallel_size", 1)
+    return tiny_config_dict(
+        tiny_data, folder, model=model,
+        parallelism={"pp": pp, "pp_engine": engine, "virtual_pipeline_size": virtual, **parallelism},
+        tokens={"micro_batch_size": 1, "batch_accumulation_per_replica": 8 // replicas, "train_steps": STEPS})
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data, tmp_path_factory) -> dict[bool, dict]:
+    """One process, tied and untied embeddings."""
+    calls = [{"config": schedule_config(tiny_data, tmp_path_factory.mktemp(f"ref{tied}"), tied=tied)}
+             for tied in (True, False)]
+    tied, untied = (result for (result,) in run_distributed_each(first_step_then_train, 1, calls))
+    for result in (tied, untied):
+        assert_reference_trains(result["metrics"], STEPS)
+    return {True: tied, False: untied}
+
+
+def check_parity(reference: dict, results: list[dict], layout: str) -> None:
+    reference_grads = assemble([reference], "grads")
+    for name, grad in assemble(results, "grads").items():
+        torch.testing.assert_close(grad, reference_grads[name], rtol=1e-5, atol=1e-7, msg=f"{layout} {name}")
+    (metrics,) = [result["metrics"] for result in results if result["metrics"]]
+    for expected, got in zip(reference["metrics"], metrics, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), (layout, got["step"])
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (layout, got["step"])
+
+
+LAYOUTS = [  # (world, parallelism, tied embeddings): one representative of each schedule in the default tier
+    (2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}, True),
+    (2, {"pp": 2, "engine": "zb_h1"}, True),
+    (2, {"pp": 2, "engine": "zbv", "virtual": 2}, False),
+    pytest.param(4, {"pp": 4, "engine": "interleaved_1f1b", "virtual": 2}, True, marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 4, "engine": "zb_h1"}, True, marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "dp": 2}, True,
+                 marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 2, "engine": "zb_h1", "tp": 2, "tp_mode": "REDUCE_SCATTER"}, True,
+                 marks=pytest.mark.full_tier),
+    pytest.param(4, {"pp": 2, "engine": "zbv", "virtual": 2, "dp": 2}, False, marks=pytest.mark.full_tier),
+]
+
+
+@pytest.mark.parametrize("world, parallelism, tied", LAYOUTS)
+def test_schedule_trains_as_one_process(references, tiny_data, tmp_path, world, parallelism, tied):
+    config = schedule_config(tiny_data, tmp_path, tied=tied, **parallelism)
+    results = run_distributed(first_step_then_train, world, timeout=900, config=config)
+    check_parity(references[tied], results, str(parallelism))
+
+
+# --- features on the schedules ---------------------------------------------------------------------------------
+
+# Layer 0 dense, then mixtures of 4 experts (top-2) with both router losses: inner chunks add losses of their own.
+MOE = {"is_llamoe_config": True, "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_first_dense_layers": 1,
+       "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.001}
+MAMBA = {"is_mamba_config": True, "d_model": 64, "num_hidden_layers": 8, "vocab_size": 384,
+         "ssm_cfg": {"d_state": 8, "d_conv": 4, "expand": 2}}
+QWEN2_DOCUMENTS = {"is_qwen2_config": True, "attention_bias": True, "_use_doc_masking": True}
+
+
+def feature_config(tiny_data, folder, feature: str, **layout) -> dict:
+    """The model of ``feature``; the mixture of experts learns at 1e-3: at 3e-3 its gradient norm jumps 50-fold at
+    step 5, after which any split's order of sums shows above 1e-5 (1F1B's too)."""
+    config = schedule_config(tiny_data, folder, **layout)
+    model_config = config["model"]["model_config"]
+    if feature == "moe":
+        del model_config["is_llama_config"]
+        model_config |= MOE
+        config["optimizer"]["learning_rate_scheduler"]["learning_rate"] = 1e-3
+    elif feature == "mamba":
+        config["model"]["model_config"] = MAMBA
+    elif feature == "documents":
+        del model_config["is_llama_config"]
+        model_config |= QWEN2_DOCUMENTS
+        config["data_stages"][0]["data"]["dataset"]["return_positions"] = True
+    return config
+
+
+@pytest.mark.parametrize("feature, world, parallelism", [
+    ("moe", 2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}),
+    pytest.param("moe", 4, {"pp": 2, "engine": "zb_h1", "expert_parallel_size": 2}, marks=pytest.mark.full_tier),
+    pytest.param("mamba", 2, {"pp": 2, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
+    pytest.param("mamba", 2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}, marks=pytest.mark.full_tier),
+    pytest.param("documents", 2, {"pp": 2, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
+    pytest.param("llama", 4, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "context_parallel_size": 2},
+                 marks=pytest.mark.full_tier),
+    pytest.param("llama", 2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "recompute": "full"},
+                 marks=pytest.mark.full_tier),
+], ids=str)
+def test_features_train_as_one_process_under_the_schedules(tiny_data, tmp_path, feature, world, parallelism):
+    """Mixtures of experts (router losses on inner chunks; expert parallelism), Mamba (whose convolution's weight
+    cannot wait for W), document masking, context parallelism and recomputed layers, each against one process of
+    the same model."""
+    (reference,) = run_distributed(first_step_then_train, 1, timeout=900,
+                                   config=feature_config(tiny_data, tmp_path / "one", feature))
+    assert_reference_trains(reference["metrics"], STEPS)
+    results = run_distributed(first_step_then_train, world, timeout=900,
+                              config=feature_config(tiny_data, tmp_path / "split", feature, **parallelism))
+    check_parity(reference, results, f"{feature} {parallelism}")
+
+
+# --- resume across schedules and pipeline sizes -----------------------------------------------------------------
+
+SAVED_AT, RESUMED_STEPS = 3, 6
+ONE_PROCESS = {"pp": 1}
+INTERLEAVED = {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}
+
+
+def resume_config(tiny_data, folder, layout: dict, resume_from: str | None = None) -> dict:
+    config = schedule_config(tiny_data, folder, **layout)
+    config["tokens"]["train_steps"] = RESUMED_STEPS
+    config["checkpoints"] |= {"checkpoint_interval": SAVED_AT, "resume_checkpoint_path": resume_from,
+                              "save_final_state": False}
+    return config
+
+
+def world(layout: dict) -> int:
+    return layout["pp"] * layout.get("dp", 1) * layout.get("tp", 1)
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tiny_data, tmp_path_factory):
+    """Uninterrupted runs, each saving at SAVED_AT, by layout."""
+    runs = {}
+
+    def run(layout: dict) -> tuple:
+        key = str(layout)
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("saved")
+            runs[key] = (folder, run_distributed(train_in_process, world(layout), timeout=900,
+                                                 config=resume_config(tiny_data, folder, layout))[0])
+            assert_reference_trains(runs[key][1], RESUMED_STEPS)
+        return runs[key]
+
+    return run
+
+
+@pytest.mark.parametrize("source, target", [
+    (INTERLEAVED, ONE_PROCESS),
+    pytest.param(INTERLEAVED, {"pp": 4, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
+    pytest.param(ONE_PROCESS, INTERLEAVED, marks=pytest.mark.full_tier),
+    pytest.param({"pp": 4, "engine": "interleaved_1f1b", "virtual": 2}, INTERLEAVED, marks=pytest.mark.full_tier),
+], ids=str)
+def test_a_run_resumes_exactly_under_another_schedule_and_pipeline_size(saved_runs, tiny_data, tmp_path, source,
+                                                                         target):
+    """Checkpoints hold logical tensors: the steps after the resume are the uninterrupted run's, whatever the
+    chunks and stages on either side."""
+    folder, straight = saved_runs(source)
+    config = resume_config(tiny_data, tmp_path / "resumed", target, resume_from=str(folder / str(SAVED_AT)))
+    resumed = run_distributed(train_in_process, world(target), timeout=900, config=config)[0]
+    assert [m["step"] for m in resumed] == list(range(SAVED_AT + 1, RESUMED_STEPS + 1))
+    for expected, got in zip(straight[SAVED_AT:], resumed, strict=True):
+        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
+        assert (got["lr"], got["consumed_tokens"]) == (expected["lr"], expected["consumed_tokens"])
