@@ -36,12 +36,14 @@ def save_tiny_hf_model(family: str, folder: Path) -> Path:
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 21], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 
-def nanotron_outputs(ckpt: str, tp: int, pp: int) -> dict:
+def nanotron_outputs(ckpt: str, tp: int, pp: int, ep: int = 1) -> dict:
+    """A checkpoint's logits over the first prompt and its greedy continuations of every prompt, with and without
+    the KV cache, on this rank of a tp x pp (x ep: every expert-parallel rank generating the same text) layout."""
     from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
     from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
-    pc = ParallelContext(Layout(tp=tp, pp=pp))
+    pc = ParallelContext(Layout(tp=tp, pp=pp, ep=ep))
     model, _ = load_model(Path(ckpt), pc)
     ids = torch.tensor([PROMPTS[0]])
     logits = forward_logits(model, pc, ids, None, None, None, last_only=False)
