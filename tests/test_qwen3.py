@@ -325,6 +325,7 @@ def test_the_examples_train_on_the_quickstart_data_as_written(name, tiny_data, t
     raw["data_stages"][0]["data"]["dataset"]["dataset_folder"] = str(tiny_data["tokenized"])
     raw["model"]["model_config"]["vocab_size"] = 384
     raw["tokens"]["train_steps"] = 2
+    raw["logging"]["iteration_step_info_interval"] = 1
     records = train_on_ranks(raw, config.parallelism.world_size)
     assert [record["step"] for record in records] == [1, 2]
     assert all(math.isfinite(record["lm_loss"]) for record in records)
