@@ -342,4 +342,4 @@ def test_expert_parallelism_needs_a_moe_config(tiny_data, tmp_path):
     config = _training_config(tiny_data, tmp_path / "run", ep=2)
     config["model"]["model_config"]["moe_config"] = None
     outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
-    assert_user_error(outcome, "expert_parallel_size (2)", "is_qwen2_config: true with a moe_config")
+    assert_user_error(outcome, "expert_parallel_size (2)", "is_qwen2_config or is_qwen3_config: true with a moe_config")

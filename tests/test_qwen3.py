@@ -230,9 +230,9 @@ def test_the_q_k_norms_start_at_one_and_are_replicated_under_tp():
 
 GLOBAL_BATCH = 16
 STEPS = parity_steps(short=10)
-# 3 layers (a pipeline split [1, 2]); heads of 24 over a hidden size of 64; a window on layer 1
+# 3 layers (a pipeline split [1, 2]); 4 heads of 32 over a hidden size of 64; a window on layer 1
 TINY = {"is_qwen3_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 64, "tie_word_embeddings": True, "sliding_window_size": 8,
         "sliding_window_layers": [1]}
 # layer 0 dense, layers 1-2 four experts, top-2, with the router's z-loss
