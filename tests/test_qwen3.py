@@ -273,6 +273,24 @@ def test_expert_parallel_matches_one_process(references, tiny_data, tmp_path):
     _assert_layouts_match(references["moe"], tiny_data, tmp_path, 2, {"ep2": {"ep": 2}})
 
 
+def test_recomputation_leaves_training_unchanged_under_document_masking(tiny_data, tmp_path):
+    """Qwen3-MoE with document masking and a window: every recomputation (the q/k norms and the routing rebuilt in
+    the backward) trains exactly as none."""
+    from support.runs import train_in_process
+
+    curves = {}
+    for recompute in ("none", "full", "selective", "pointwise"):
+        config = _training_config(tiny_data, tmp_path / recompute, experts=True)
+        config["model"]["model_config"]["_use_doc_masking"] = True
+        config["parallelism"]["recompute"] = recompute
+        config["tokens"]["train_steps"] = 3
+        config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+        curves[recompute] = [(r["lm_loss"], r["grad_norm"], r["moe_load_balancing_loss"])
+                             for r in train_in_process(config)]
+    assert len(curves["none"]) == 3
+    assert curves["full"] == curves["selective"] == curves["pointwise"] == curves["none"]
+
+
 # --- the example configs ----------------------------------------------------------------------------------------
 
 EXAMPLES = {"dense": ROOT / "examples" / "config_tiny_qwen3.yaml",
