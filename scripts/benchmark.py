@@ -72,6 +72,16 @@ PRESETS = {
                   "ssm_cfg": {"d_state": 16, "d_conv": 4, "expand": 2}, "tie_word_embeddings": True},
     "mamba1.4b": {"is_mamba_config": True, "d_model": 2048, "num_hidden_layers": 48, "vocab_size": 50280,
                   "ssm_cfg": {"d_state": 16, "d_conv": 4, "expand": 2}, "tie_word_embeddings": True},
+    # Qwen3-1.7B's shape (1.72B parameters, tied embeddings; heads of 128 over a hidden size of 2048) and a
+    # Qwen3-MoE of Qwen3-30B-A3B's layer on 16 layers with 32 experts, top-8 (3.34B parameters, 1.22B used per
+    # token), which fits one H200 with its optimizer state.
+    "qwen3-1.7b": {"is_llama_config": False, "is_qwen3_config": True, "hidden_size": 2048, "intermediate_size": 6144,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1000000.0},
+    "qwen3-moe": {"is_llama_config": False, "is_qwen3_config": True, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                  "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+                  "moe_config": {"num_experts": 32, "top_k": 8, "moe_intermediate_size": 768}},
     "llama130m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "num_key_value_heads": 12, "vocab_size": 50280, "tie_word_embeddings": True},
     "llama1.4b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,

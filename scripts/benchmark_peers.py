@@ -53,6 +53,8 @@ HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is
 def family(preset: dict) -> str:
     if preset.get("is_mamba_config"):
         return "mamba"
+    if preset.get("is_qwen3_config"):
+        return "qwen3"
     return "mixtral" if preset.get("is_llamoe_config") else "llama"
 
 
@@ -60,13 +62,15 @@ def peer_problem(peer: str, preset_name: str, preset: dict) -> str | None:
     """Why ``peer`` cannot train ``preset`` here (its family, or its library does not import), else None."""
     kind = family(preset)
     if peer == "torchtitan" and kind != "llama":
-        described = {"mixtral": "mixture-of-experts", "mamba": "Mamba"}[kind]
+        described = {"mixtral": "mixture-of-experts", "mamba": "Mamba", "qwen3": "Qwen3"}[kind]
         return f"--peer torchtitan trains torchtitan's Llama 3 only; {preset_name} is a {described} preset"
     if peer == "mamba-ssm" and kind != "mamba":
         return f"--peer mamba-ssm needs a Mamba preset, not {preset_name}"
     if peer != "mamba-ssm" and kind == "mamba":
         return (f"{preset_name} has no --peer {peer} here; use --peer mamba-ssm (the authors' kernels) or "
                 "--no-peers")
+    if kind == "qwen3":  # transformers' Qwen3 and torchtitan's qwen3 are not wired as peers yet
+        return f"{preset_name} has no --peer {peer} here yet; use --no-peers"
     return library_problem(peer)
 
 

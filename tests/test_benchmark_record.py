@@ -145,10 +145,30 @@ def test_default_peer_is_the_compiled_transformers_loop_and_no_peers_trains_nano
     assert alone["ratios"] == {} and default["ratios"]["hf-compiled"] == pytest.approx(64_000 / 66_000)
 
 
+@pytest.mark.parametrize("preset, parameters, used", [("qwen3-1.7b", 1.72e9, 1.72e9), ("qwen3-moe", 3.34e9, 1.22e9)])
+def test_the_qwen3_presets_build_valid_configs_of_their_size(preset, parameters, used, tmp_path):
+    """The bench config with each Qwen3 preset passes validation; its parameters, and those a token uses (the
+    LM head's included, the attention's FLOPs left out), are what the presets' comments say."""
+    import argparse
+
+    from nanotron.config import validate_config
+    from nanotron.models.registry import spec_for_config
+
+    args = argparse.Namespace(data=str(tmp_path), sequence_length=4096, micro_batch_size=1, accumulation=1, steps=2,
+                              warmup=1, save_to=None)
+    config = benchmark.nanotron_config(args, preset, [])
+    validate_config(config)
+    model = config.model.model_config
+    costs = spec_for_config(model).costs(model, model.vocab_size, 4096)
+    assert costs.parameters == pytest.approx(parameters, rel=5e-3)
+    assert (costs.flops_per_token - sum(costs.attention_flops)) / 6 == pytest.approx(used, rel=5e-3)
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--preset", "mixtral", "--peer", "torchtitan"], "--peer torchtitan trains torchtitan's Llama 3 only; mixtral"),
     (["--preset", "mamba130m"], "mamba130m has no --peer hf here; use --peer mamba-ssm"),
     (["--peer", "mamba-ssm"], "--peer mamba-ssm needs a Mamba preset, not llama1b"),
+    (["--preset", "qwen3-moe"], "qwen3-moe has no --peer hf here yet; use --no-peers"),
     (["--peer", "liger", "--torchao", "tensorwise"], "--torchao compares torchao's float8 with the compiled"),
     (["--warmup", "0"], "--warmup must be at least 1"),
 ])

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from support.configs import tiny_config_dict, tp_config, write_config
 from support.distributed import run_distributed_each
-from support.hf import away_from_initial_values, transformers_outputs
+from support.hf import (
+    away_from_initial_values,
+    export_back_exactly,
+    one_process_outputs,
+    transformers_outputs,
+)
 from support.parity import assert_reference_trains, check_against_reference, first_step, parity_run
 from support.runs import assert_user_error, cli, metrics, train_through_cli
 
@@ -53,29 +57,12 @@ def converted(request, tmp_path_factory):
     return {"name": name, "hf": hf, "ckpt": root / "nanotron", "sliding": sliding, "nope": nope, "root": root}
 
 
-def _nanotron_outputs(ckpt: Path) -> dict:
-    from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
-    from nanotron.layout import Layout
-    from nanotron.parallel.context import ParallelContext
-
-    pc = ParallelContext(Layout(tp=1))
-    try:
-        model, _ = load_model(ckpt, pc)
-        vocab = model.config.vocab_size
-        logits = forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None, last_only=False)
-        greedy = SamplingArgs("greedy")
-        return {"model": model, "logits": logits[0, :, :vocab],
-                "cached": generate(model, pc, PROMPTS, NEW_TOKENS, greedy, None, vocab, use_cache=True),
-                "uncached": generate(model, pc, PROMPTS, NEW_TOKENS, greedy, None, vocab, use_cache=False)}
-    finally:
-        pc.destroy()
-
-
 def test_logits_and_greedy_generation_match_transformers(converted):
     """Sliding windows shorter than the prompt and the generated text, NoPE layers; prompts of different lengths
     (left padding) with and without the KV cache."""
-    ours, theirs = _nanotron_outputs(converted["ckpt"]), transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
-    layers = ours["model"].layers.values()
+    ours = one_process_outputs(converted["ckpt"], PROMPTS, NEW_TOKENS)
+    theirs = transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
+    layers = ours["layers"]
     assert [i for i, layer in enumerate(layers) if layer.attn.window == WINDOW] == converted["sliding"]
     assert [i for i, layer in enumerate(layers) if not layer.attn.rope] == converted["nope"]
     assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
@@ -83,24 +70,11 @@ def test_logits_and_greedy_generation_match_transformers(converted):
 
 
 def test_conversion_back_is_exact(converted):
-    transformers = pytest.importorskip("transformers")
-    back = converted["root"] / "back"
-    outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", converted["ckpt"], "--save-path", back)
-    assert outcome.code == 0, outcome.stderr[-3000:]
-    original, exported = load_file(converted["hf"] / "model.safetensors"), load_file(back / "model.safetensors")
-    assert set(exported) == set(original)
-    for name, tensor in exported.items():
-        assert torch.equal(tensor, original[name]), name
-    before, after = (transformers.AutoConfig.from_pretrained(path) for path in (converted["hf"], back))
-    assert type(after) is type(before) and after.architectures == before.architectures
+    before, after, _ = export_back_exactly(converted["hf"], converted["ckpt"], converted["root"] / "back", PROMPTS[0])
+    assert after.architectures == before.architectures
     keys = ["layer_types", "sliding_window", "use_sliding_window"]
     keys += ["no_rope_layers"] if converted["name"] == "smollm3" else []
     assert {key: getattr(after, key) for key in keys} == {key: getattr(before, key) for key in keys}
-    model = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
-    reference = transformers.AutoModelForCausalLM.from_pretrained(converted["hf"]).eval()
-    ids = torch.tensor([PROMPTS[0]])
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 def test_qwen2_config_without_biases_nor_windows_exports_as_either_architecture():

@@ -11,12 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
 
 from support.configs import tiny_config_dict, write_config
 from support.corpus import corpus_documents, datatrove_folder
 from support.distributed import run_distributed, run_distributed_each
-from support.hf import away_from_initial_values, transformers_outputs
+from support.hf import (
+    away_from_initial_values,
+    convert_altered,
+    export_back_exactly,
+    one_process_outputs,
+    transformers_outputs,
+)
 from support.parity import assemble, assert_reference_trains, parity_run
 from support.runs import assert_user_error, cli, metrics, train_through_cli
 from support.tiers import parity_steps
@@ -55,57 +60,26 @@ def converted(request, tmp_path_factory):
     return {"hf": hf, "ckpt": root / "nanotron", "moe_layers": moe_layers, "sliding": sliding, "root": root}
 
 
-def _nanotron_outputs(ckpt: Path) -> dict:
-    from nanotron.generation.generate import SamplingArgs, forward_logits, generate, load_model
-    from nanotron.layout import Layout
-    from nanotron.models.moe.model import MoEFeedForward
-    from nanotron.parallel.context import ParallelContext
-
-    pc = ParallelContext(Layout(tp=1))
-    try:
-        model, _ = load_model(ckpt, pc)
-        vocab, greedy = model.config.vocab_size, SamplingArgs("greedy")
-        layers = list(model.layers.values())
-        return {"moe_layers": [i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEFeedForward)],
-                "shared": all(layer.mlp.shared_expert is not None for layer in layers
-                              if isinstance(layer.mlp, MoEFeedForward)),
-                "sliding": [i for i, layer in enumerate(layers) if layer.attn.window is not None],
-                "logits": forward_logits(model, pc, torch.tensor([PROMPTS[0]]), None, None, None,
-                                         last_only=False)[0, :, :vocab],
-                "cached": generate(model, pc, PROMPTS, NEW_TOKENS, greedy, None, vocab, use_cache=True),
-                "uncached": generate(model, pc, PROMPTS, NEW_TOKENS, greedy, None, vocab, use_cache=False)}
-    finally:
-        pc.destroy()
-
-
 def test_logits_and_greedy_generation_match_transformers(converted):
-    ours, theirs = _nanotron_outputs(converted["ckpt"]), transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
-    assert ours["moe_layers"] == converted["moe_layers"] and ours["shared"]
-    assert ours["sliding"] == converted["sliding"]
+    from nanotron.models.moe.model import MoEFeedForward
+
+    ours = one_process_outputs(converted["ckpt"], PROMPTS, NEW_TOKENS)
+    theirs = transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
+    blocks = {i: layer.mlp for i, layer in enumerate(ours["layers"]) if isinstance(layer.mlp, MoEFeedForward)}
+    assert list(blocks) == converted["moe_layers"] and all(block.shared_expert is not None for block in blocks.values())
+    assert [i for i, layer in enumerate(ours["layers"]) if layer.attn.window is not None] == converted["sliding"]
     assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
     assert ours["cached"] == ours["uncached"] == theirs["greedy"]
 
 
 def test_conversion_back_is_exact(converted):
-    transformers = pytest.importorskip("transformers")
-    back = converted["root"] / "back"
-    outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", converted["ckpt"], "--save-path", back)
-    assert outcome.code == 0, outcome.stderr[-3000:]
-    original, exported = load_file(converted["hf"] / "model.safetensors"), load_file(back / "model.safetensors")
-    assert set(exported) == set(original)
+    before, after, exported = export_back_exactly(converted["hf"], converted["ckpt"], converted["root"] / "back",
+                                                  PROMPTS[0])
     assert any(name.endswith("mlp.shared_expert_gate.weight") for name in exported)
-    for name, tensor in exported.items():
-        assert torch.equal(tensor, original[name]), name
-    before, after = (transformers.AutoConfig.from_pretrained(path) for path in (converted["hf"], back))
-    assert type(after) is type(before) and after.architectures == ["Qwen2MoeForCausalLM"]
+    assert after.architectures == ["Qwen2MoeForCausalLM"]
     keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
             "norm_topk_prob", "router_aux_loss_coef", "qkv_bias", "layer_types", "use_sliding_window"]
     assert {key: getattr(after, key) for key in keys} == {key: getattr(before, key) for key in keys}
-    ids = torch.tensor([PROMPTS[0]])
-    model, reference = (transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-                        for path in (back, converted["hf"]))
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits)
 
 
 def test_checkpoint_records_the_qwen2_type_and_upstreams_moe_config(converted):
@@ -131,14 +105,7 @@ def stored(tmp_path_factory) -> Path:
 def test_declared_sizes_are_checked_against_the_stored_tensors(stored, tmp_path, config_changes, drop, fragment):
     """A config.json that declares other experts than the weights hold (or weights without the shared expert's
     gate) is refused in one line before anything is written."""
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    config = json.loads((stored / "config.json").read_text()) | config_changes
-    (hf / "config.json").write_text(json.dumps(config))
-    tensors = load_file(stored / "model.safetensors")
-    save_file({name: tensor for name, tensor in tensors.items() if drop is None or not name.endswith(drop)},
-              hf / "model.safetensors")
-    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", tmp_path / "out")
+    outcome = convert_altered(stored, tmp_path, config_changes, drop)
     assert_user_error(outcome, "does not match the weights", fragment)
     assert not (tmp_path / "out").exists()
 
@@ -342,4 +309,4 @@ def test_expert_parallelism_needs_a_moe_config(tiny_data, tmp_path):
     config = _training_config(tiny_data, tmp_path / "run", ep=2)
     config["model"]["model_config"]["moe_config"] = None
     outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
-    assert_user_error(outcome, "expert_parallel_size (2)", "is_qwen2_config: true with a moe_config")
+    assert_user_error(outcome, "expert_parallel_size (2)", "is_qwen2_config or is_qwen3_config: true with a moe_config")

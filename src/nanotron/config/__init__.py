@@ -1,6 +1,7 @@
 """The typed training config: one module per section (its dataclasses and, beside their fields, their rules), one
-per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`), the rules between sections (`cross_section.py`),
-the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving (`loading.py`).
+per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`, `qwen3.py`), the rules between sections
+(`cross_section.py`), the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving
+(`loading.py`).
 
 Users write YAML in nanotron's format (see docs/config.md); code reads it with `load_config` and gets a `Config`.
 """
@@ -30,6 +31,7 @@ from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LRSchedulerArgs, OptimizerArgs
 from nanotron.config.parallelism import ParallelismArgs
 from nanotron.config.qwen2 import Qwen2Config
+from nanotron.config.qwen3 import Qwen3Config, Qwen3MoEConfig
 from nanotron.config.rules import ConfigError, model_config_problems
 from nanotron.config.upstream import IGNORED_KEYS
 
@@ -62,6 +64,8 @@ __all__ = [
     "ParallelismArgs",
     "ProfilerArgs",
     "Qwen2Config",
+    "Qwen3Config",
+    "Qwen3MoEConfig",
     "RandomInit",
     "RunLengthWarning",
     "TokenizerArgs",

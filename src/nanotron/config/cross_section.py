@@ -72,7 +72,8 @@ def _model_vs_parallelism(cfg: Config) -> Iterator[str]:
     ep, moe = p.expert_parallel_size, c.moe
     if ep > 1 and moe is None:
         yield (f"parallelism.expert_parallel_size ({ep}) needs a mixture-of-experts model ({key} with "
-               "is_llamoe_config: true, or is_qwen2_config: true with a moe_config); set it to 1 for this model")
+               "is_llamoe_config: true, or is_qwen2_config or is_qwen3_config: true with a moe_config); set it to 1 "
+               "for this model")
     elif ep >= 1 and moe is not None and moe.num_experts >= 1 and moe.num_experts % ep:
         yield (f"{key}.{moe.num_experts_key} ({moe.num_experts}) must be divisible by "
                f"parallelism.expert_parallel_size ({ep}): every expert-parallel rank holds the same number of whole "

@@ -99,12 +99,7 @@ class LlamaConfig(FamilyFacts):
         if problems:
             return problems
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
-        if self.hidden_size % heads:
-            problems.append(f"{k}hidden_size ({self.hidden_size}) must be divisible by {k}num_attention_heads "
-                            f"({heads}) so that every head has the same size")
-        elif self.head_dim % 2:
-            problems.append(f"{k}hidden_size / {k}num_attention_heads = {self.head_dim} must be even: rotary "
-                            "embeddings rotate pairs of head dimensions")
+        problems += self._head_size_problems(k)
         if heads % kv_heads:
             problems.append(f"{k}num_attention_heads ({heads}) must be divisible by {k}num_key_value_heads "
                             f"({kv_heads}): each kv head serves a whole group of heads")
@@ -122,6 +117,18 @@ class LlamaConfig(FamilyFacts):
                             f"({self.max_position_embeddings}); raise max_position_embeddings or shorten the "
                             "sequences")
         return problems
+
+
+    def _head_size_problems(self, k: str) -> list[str]:
+        """The rules of the head size, ``hidden_size / num_attention_heads`` (variants with their own head size
+        override this)."""
+        if self.hidden_size % self.num_attention_heads:
+            return [f"{k}hidden_size ({self.hidden_size}) must be divisible by {k}num_attention_heads "
+                    f"({self.num_attention_heads}) so that every head has the same size"]
+        if self.head_dim % 2:
+            return [f"{k}hidden_size / {k}num_attention_heads = {self.head_dim} must be even: rotary embeddings "
+                    "rotate pairs of head dimensions"]
+        return []
 
 
 def rope_scaling_problems(scaling: dict, key: str) -> Iterator[str]:

@@ -48,14 +48,8 @@ class Qwen2Config(LlamaConfig):
 
     @property
     def moe(self) -> MoESettings | None:
-        """The mixture-of-experts blocks ``moe_config`` describes (dropless, no router z-loss), or None: dense."""
-        m = self.moe_config
-        if m is None:
-            return None
-        return MoESettings(m.num_experts, m.top_k, m.moe_intermediate_size, m.norm_topk_prob, None,
-                           m.router_aux_loss_coef, 0.0, m.layer_indices(self.num_hidden_layers),
-                           m.shared_expert_intermediate_size if m.enable_shared_expert else None,
-                           "moe_config.num_experts")
+        """The mixture-of-experts blocks ``moe_config`` describes, or None: dense."""
+        return None if self.moe_config is None else self.moe_config.settings(self.num_hidden_layers)
 
     def uses_rope(self, index: int) -> bool:
         """Whether layer ``index`` rotates its queries and keys."""

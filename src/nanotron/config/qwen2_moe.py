@@ -12,6 +12,7 @@ layers keep the dense MLP of ``intermediate_size``. The blocks are LlaMoE's (``m
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from nanotron.config.moe import MoESettings
 from nanotron.config.rules import at_least
 
 ALL_LAYERS = [-1]  # upstream's way to write "every layer"
@@ -33,6 +34,13 @@ class Qwen2MoEConfig:
         if self.layers == ALL_LAYERS:
             return tuple(range(num_hidden_layers))
         return tuple(sorted(set(self.layers)))
+
+    def settings(self, num_hidden_layers: int) -> MoESettings:
+        """The blocks these keys describe (dropless, no router z-loss)."""
+        return MoESettings(self.num_experts, self.top_k, self.moe_intermediate_size, self.norm_topk_prob, None,
+                           self.router_aux_loss_coef, 0.0, self.layer_indices(num_hidden_layers),
+                           self.shared_expert_intermediate_size if self.enable_shared_expert else None,
+                           "moe_config.num_experts")
 
     def problems(self, key: str, num_hidden_layers: int) -> Iterator[str]:
         """Rules on the values, ``key`` being where the mapping is (``model.model_config.moe_config``)."""

@@ -13,9 +13,10 @@ from nanotron.models.llama import LLAMA
 from nanotron.models.mamba import MAMBA
 from nanotron.models.moe import LLAMOE
 from nanotron.models.qwen2 import QWEN2
+from nanotron.models.qwen3 import QWEN3
 from nanotron.models.spec import ModelSpec
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA, QWEN2)}
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA, QWEN2, QWEN3)}
 
 
 def spec_named(name: str, source: object) -> ModelSpec:

@@ -8,7 +8,8 @@ Two modes (``parallelism.tp_mode``):
 - ``REDUCE_SCATTER`` (sequence parallelism): activations between blocks are sharded along the sequence, so norms and
   residual adds touch 1/tp of the tokens. A column-parallel linear all-gathers the sequence first; a row-parallel
   linear reduce-scatters its output back to a sequence shard. Norm weights then see different tokens on every rank,
-  so their gradients are summed over TP (``SequenceParallelRMSNorm``).
+  so their gradients are summed over TP (``GradientSummedRMSNorm``), as those of a norm over each head's features
+  are in both modes (every rank normalises its own heads).
 
 Every parallel layer records, per parameter, the logical shape and how it is sharded (``parameter_shards``);
 ``annotate_placements`` turns that into each parameter's ``Placement`` after materialisation. Constructors read only
@@ -217,8 +218,9 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(local, self.group)
 
 
-class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm on a sequence shard: the weight's gradient is summed over TP (each rank saw other tokens)."""
+class GradientSummedRMSNorm(RMSNorm):
+    """RMSNorm whose weight, whole on every rank, is applied to this rank's part of the values (a sequence shard,
+    or its heads): the weight's gradient is summed over TP."""
 
     def __init__(self, hidden_size: int, eps: float, group: dist.ProcessGroup):
         super().__init__(hidden_size, eps)
@@ -243,7 +245,7 @@ class GradientSummedLinear(Linear):
 class Style(ABC):
     """How one module of a plan is split: ``parallelize`` returns the module's tensor-parallel replacement (None:
     keep it). A family defines styles of its own for the blocks it splits as a whole (``models/<family>/
-    parallelize.py``); the four below serve every family's linears, embeddings and norms."""
+    parallelize.py``); the five below serve every family's linears, embeddings and norms."""
 
     keeps_bias = False  # whether the parallel module adds the original module's bias (else one is refused)
 
@@ -280,7 +282,16 @@ class SequenceParallelNorm(Style):
     """A norm is only swapped in sequence-parallel mode, where it sees a sequence shard and its gradient is summed."""
 
     def parallelize(self, module, group, mode, overlap):
-        return SequenceParallelRMSNorm(module.weight.shape[0], module.eps, group) if mode == REDUCE_SCATTER else None
+        return GradientSummedRMSNorm(module.weight.shape[0], module.eps, group) if mode == REDUCE_SCATTER else None
+
+
+@dataclass(frozen=True)
+class HeadNorm(Style):
+    """A norm over each head's features (Qwen3's q/k norm): its weight is replicated and every rank applies it to
+    its own heads, so its gradient is summed over TP in both modes."""
+
+    def parallelize(self, module, group, mode, overlap):
+        return GradientSummedRMSNorm(module.weight.shape[0], module.eps, group)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.ProcessGroup, mode: str,

@@ -30,7 +30,8 @@ def attended_keys(window: int | None, sequence_length: int) -> float:
 
 
 def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
-                  feed_forward: list[tuple[int, int]], windows: list[int | None] | None = None) -> ModelCosts:
+                  feed_forward: list[tuple[int, int]], windows: list[int | None] | None = None,
+                  head_norms: int = 0) -> ModelCosts:
     """Costs of a Llama-style decoder whose layer ``i`` has a feed-forward block of ``feed_forward[i]`` = (parameters,
     parameters each token uses): equal for a dense MLP, fewer for a mixture of experts, whose FLOPs count only
     the experts a token is routed to (and the router).
@@ -40,12 +41,13 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
     keys a query attends to: s / 2 on average with the causal mask, so 6 * hidden * s per token and layer, and fewer
     in a layer with a sliding window (``windows[i]``, None: none; ``attended_keys``). As in Megatron-LM's count,
     the LM head's matmul counts and the input-embedding lookup (a gather) does not: a tied matrix counts once, as the
-    LM head, and an untied embedding adds parameters but no FLOPs. The norms' weights and the q|k|v biases count
-    like weights (a negligible overcount of their multiplications and additions)."""
+    LM head, and an untied embedding adds parameters but no FLOPs. The norms' weights (``head_norms`` per layer
+    inside the attention: Qwen3's q/k norms) and the q|k|v biases count like weights (a negligible overcount of
+    their multiplications and additions)."""
     qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     attention = c.hidden_size * qkv_width + (qkv_width if c.attention_bias else 0)
     attention += c.num_attention_heads * c.head_dim * c.hidden_size
-    other = attention + 2 * c.hidden_size  # attention and the two norms
+    other = attention + 2 * c.hidden_size + head_norms  # attention and the norms
     lm_head = padded_vocab_size * c.hidden_size
     embeddings = lm_head * (1 if c.tie_word_embeddings else 2)
     parameters = sum(other + total for total, _ in feed_forward) + embeddings + c.hidden_size

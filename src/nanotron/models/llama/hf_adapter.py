@@ -62,6 +62,8 @@ def _rope_from_hf(hf: dict) -> dict:
 class LlamaHFAdapter:
     config_class = LlamaConfig
     hf_fields = {"llama": LLAMA_FIELDS}  # per config.json model_type
+    # Attention tensors of every layer mapped one to one, ``self_attn.<name>`` <-> ``attn.<name>`` (Qwen3's q/k norms)
+    attention_tensors: tuple[str, ...] = ()
 
     def _check_family(self, hf: dict) -> dict:
         """Config fields of the variant read from ``hf``, after refusing what nanotron does not build (beyond the
@@ -134,6 +136,7 @@ class LlamaHFAdapter:
                 tensors[f"{ours}attn.qkv_proj.{kind}"] = torch.cat(
                     [hf[f"{attn}q_proj.{kind}"], hf[f"{attn}k_proj.{kind}"], hf[f"{attn}v_proj.{kind}"]])
             tensors[f"{ours}attn.o_proj.weight"] = hf[attn + "o_proj.weight"]
+            tensors |= {f"{ours}attn.{name}": hf[attn + name] for name in self.attention_tensors}
             tensors |= self._mlp_from_hf(hf, prefix, ours, config, i)
         if not config.tie_word_embeddings:
             tensors["lm_head.weight"] = hf["lm_head.weight"]
@@ -154,6 +157,7 @@ class LlamaHFAdapter:
                 prefix + "input_layernorm.weight": read(ours + "input_layernorm.weight"),
                 prefix + "post_attention_layernorm.weight": read(ours + "post_attention_layernorm.weight"),
                 prefix + "self_attn.o_proj.weight": read(ours + "attn.o_proj.weight"),
+                **{f"{prefix}self_attn.{name}": read(f"{ours}attn.{name}") for name in self.attention_tensors},
             } | self._mlp_to_hf(read, prefix, ours, config, i)
         if not config.tie_word_embeddings:
             hf["lm_head.weight"] = read("lm_head.weight")

@@ -9,8 +9,8 @@ from nanotron.models.moe.costs import feed_forward_costs
 from nanotron.models.spec import ModelCosts
 
 
-def qwen2_costs(c: Qwen2Config, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+def qwen2_costs(c: Qwen2Config, padded_vocab_size: int, sequence_length: int, head_norms: int = 0) -> ModelCosts:
     """Llama-style decoder costs (``decoder_costs``) with each sliding layer's attention FLOPs counting at most its
-    window of keys per query."""
+    window of keys per query; ``head_norms``: the weights of each layer's norms inside its attention (Qwen3's)."""
     windows = [c.attention_window(i) for i in range(c.num_hidden_layers)]
-    return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward_costs(c), windows)
+    return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward_costs(c), windows, head_norms)

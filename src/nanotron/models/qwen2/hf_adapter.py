@@ -97,6 +97,27 @@ def _moe_config_from_hf(hf: dict) -> dict | None:
             "enable_shared_expert": True, "norm_topk_prob": hf.get("norm_topk_prob", False)}
 
 
+def layers_from_max_window_layers(hf: dict, layers: int) -> list[int]:
+    """The sliding layers of a Qwen2 or Qwen3 config.json without ``layer_types``: from ``max_window_layers`` on."""
+    first = hf.get("max_window_layers", 28)  # transformers' default
+    if not isinstance(first, int) or isinstance(first, bool):
+        raise CheckpointError(f"max_window_layers must be an integer (got {first!r})")
+    return list(range(first, layers))
+
+
+def windows_to_hf(config: Qwen2Config) -> dict:
+    """config.json's ``use_sliding_window``, ``sliding_window`` and ``layer_types`` of the model's layers."""
+    sliding = [config.attention_window(i) is not None for i in range(config.num_hidden_layers)]
+    return {"use_sliding_window": any(sliding), "sliding_window": config.sliding_window_size if any(sliding) else None,
+            "layer_types": [LAYER_TYPES[slides] for slides in sliding]}
+
+
+def first_of_sliding_layers(config: Qwen2Config) -> int:
+    """``max_window_layers``: the first layer from which every layer slides (``num_hidden_layers`` if none)."""
+    sliding = [config.attention_window(i) is not None for i in range(config.num_hidden_layers)]
+    return next((i for i in range(len(sliding)) if all(sliding[i:])), len(sliding))
+
+
 class Qwen2HFAdapter(LlamaHFAdapter):
     config_class = Qwen2Config
     hf_fields = {"qwen2": QWEN2_FIELDS, "smollm3": SMOLLM3_FIELDS, "qwen2_moe": QWEN2_MOE_FIELDS}
@@ -127,20 +148,14 @@ class Qwen2HFAdapter(LlamaHFAdapter):
             nope, interval = fields["nope_layers"] or [], fields["no_rope_layer"]
             sliding = [i for i in range(layers) if i in nope or (interval and (i + 1) % interval == 0)]
         else:
-            first = hf.get("max_window_layers", 28)  # transformers' default
-            if not isinstance(first, int) or isinstance(first, bool):
-                raise CheckpointError(f"max_window_layers must be an integer (got {first!r})")
-            sliding = list(range(first, layers))
+            sliding = layers_from_max_window_layers(hf, layers)
         return fields | {"sliding_window_size": window if sliding else None, "sliding_window_layers": sliding or None}
 
     def _family_to_hf(self, config: Qwen2Config) -> dict:
         layers = range(config.num_hidden_layers)
-        sliding = [config.attention_window(i) is not None for i in layers]
-        window = {"use_sliding_window": any(sliding),
-                  "sliding_window": config.sliding_window_size if any(sliding) else None,
-                  "layer_types": [LAYER_TYPES[slides] for slides in sliding]}
+        window = windows_to_hf(config)
         rope = [int(config.uses_rope(i)) for i in layers]
-        first_sliding = next((i for i in layers if all(sliding[i:])), config.num_hidden_layers)
+        first_sliding = first_of_sliding_layers(config)
         if config.moe_config is not None:
             return self._moe_to_hf(config, all(rope)) | {"max_window_layers": first_sliding, **window}
         if not config.attention_bias:
@@ -193,10 +208,11 @@ class Qwen2HFAdapter(LlamaHFAdapter):
         if moe is None or index not in moe.layers:
             return super()._mlp_to_hf(read, prefix, ours, config, index)
         mlp, shared = prefix + "mlp.", prefix + "mlp.shared_expert."
-        gate, up = read(ours + "mlp.shared_expert.gate_up_proj")[0].chunk(2)
-        return {mlp + "gate.weight": read(ours + "mlp.router.weight"),
-                shared + "gate_proj.weight": gate, shared + "up_proj.weight": up,
-                shared + "down_proj.weight": read(ours + "mlp.shared_expert.down_proj")[0],
-                mlp + "shared_expert_gate.weight": read(ours + "mlp.shared_expert_gate.weight"),
-                } | experts_to_hf(read(ours + "mlp.experts.gate_up_proj"), read(ours + "mlp.experts.down_proj"), mlp,
-                                  EXPERT_NAMES)
+        tensors = {mlp + "gate.weight": read(ours + "mlp.router.weight")} | experts_to_hf(
+            read(ours + "mlp.experts.gate_up_proj"), read(ours + "mlp.experts.down_proj"), mlp, EXPERT_NAMES)
+        if moe.shared_ffn is not None:
+            gate, up = read(ours + "mlp.shared_expert.gate_up_proj")[0].chunk(2)
+            tensors |= {shared + "gate_proj.weight": gate, shared + "up_proj.weight": up,
+                        shared + "down_proj.weight": read(ours + "mlp.shared_expert.down_proj")[0],
+                        mlp + "shared_expert_gate.weight": read(ours + "mlp.shared_expert_gate.weight")}
+        return tensors
