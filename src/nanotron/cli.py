@@ -242,13 +242,18 @@ def _schedule(args: argparse.Namespace) -> None:
     print(timeline.render())
 
 
+def _config_arguments(command: argparse.ArgumentParser, example: str | None = None) -> None:
+    """A command that reads a config: ``--config-file`` and its ``--override`` values."""
+    command.add_argument("--config-file", type=Path, required=True)
+    command.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                         help=f"change config values, e.g. {example}" if example else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nanotron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model from a YAML config (under torchrun for several ranks)")
-    train.add_argument("--config-file", type=Path, required=True)
-    train.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
-                       help="change config values, e.g. parallelism.tp=2 parallelism.tp_mode=REDUCE_SCATTER")
+    _config_arguments(train, "parallelism.tp=2 parallelism.tp_mode=REDUCE_SCATTER")
     train.set_defaults(run=_train)
     _add_data_commands(commands)
     _add_checkpoint_commands(commands)
@@ -344,8 +349,7 @@ def _add_run_commands(commands) -> None:
     doremi = commands.add_parser("doremi", help="DoReMi: train a proxy against a reference, average its weights")
     doremi_actions = doremi.add_subparsers(dest="action", required=True)
     proxy = doremi_actions.add_parser("train", help="train the proxy model (doremi.ref_model_resume_checkpoint_path)")
-    proxy.add_argument("--config-file", type=Path, required=True)
-    proxy.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE")
+    _config_arguments(proxy)
     proxy.set_defaults(run=_doremi_train)
     average = doremi_actions.add_parser("average", help="the proxy's time-averaged domain weights, as a YAML line")
     average.add_argument("--history", type=Path, required=True, help="<checkpoints_path>/domain_weights.jsonl")
@@ -355,18 +359,14 @@ def _add_run_commands(commands) -> None:
 
     memory = commands.add_parser("estimate-memory",
                                  help="estimate each pipeline stage's GPU memory per rank, and the largest micro-batch")
-    memory.add_argument("--config-file", type=Path, required=True)
-    memory.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="change config values, e.g. parallelism.pp=2 tokens.micro_batch_size=8")
+    _config_arguments(memory, "parallelism.pp=2 tokens.micro_batch_size=8")
     memory.add_argument("--gpu-memory-gb", type=positive, default=None,
                         help="memory of one GPU (default: this machine's GPU, else an H200's 150.1)")
     memory.set_defaults(run=_estimate_memory)
 
     estimate = commands.add_parser("estimate", help="predict the step time of layouts on a cluster and rank those "
                                                     "that fit (docs/planning.md)")
-    estimate.add_argument("--config-file", type=Path, required=True)
-    estimate.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
-                          help="change config values, e.g. tokens.sequence_length=8192")
+    _config_arguments(estimate, "tokens.sequence_length=8192")
     estimate.add_argument("--gpus", type=at_least(1), default=None, help="rank the layouts of this many GPUs")
     estimate.add_argument("--layout", default=None, metavar="dp=N,tp=N,...",
                           help="predict one layout (keys dp, tp, pp, cp, ep, zero, schedule, mbs; others 1)")
@@ -380,11 +380,10 @@ def _add_run_commands(commands) -> None:
                           help="sequences per step (default: the config's)")
     estimate.add_argument("--top", type=at_least(1), default=10, help="layouts shown")
     estimate.set_defaults(run=_estimate)
+
     schedule = commands.add_parser("schedule", help="print the pipeline schedule's timeline: every stage's forwards "
                                                     "and backwards per chunk and micro-batch, and its bubble")
-    schedule.add_argument("--config-file", type=Path, required=True)
-    schedule.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
-                          help="change config values, e.g. parallelism.pp=4 parallelism.pp_engine=zb_h1")
+    _config_arguments(schedule, "parallelism.pp=4 parallelism.pp_engine=zb_h1")
     schedule.set_defaults(run=_schedule)
 
 
