@@ -59,11 +59,11 @@ FULL: dict[str, Any] = {
         "expert_parallel_size": 2,
         "context_parallel_size": 1,
         "dp_shard": 2,
-        "pp_engine": "interleaved_1f1b",
-        "virtual_pipeline_size": 2,
+        "pp_engine": "afab",
+        "virtual_pipeline_size": 1,
         "tp_mode": "REDUCE_SCATTER",
         "tp_linear_async_communication": True,
-        "pp_stage_layers": [1, 1, 1, 1],
+        "pp_stage_layers": [1, 3],
         "pp_timeout_s": 30.0,
         "replica_check_interval": 7,
         "recompute": "selective",
@@ -248,8 +248,10 @@ def test_full_config_sets_every_optional_field_to_a_non_default_value():
         if value == default and key.rsplit(".", 1)[-1] not in SINGLE_VALUED
     ]
     # The DoReMi domain lists need one entry per folder of every stage, and these stages have 2, 1 and 1 domains;
-    # context parallelism composes neither with DoReMi nor with the experts' capacity this config sets.
-    assert left_at_default == ["parallelism.context_parallel_size", "doremi.domain_names", "doremi.domain_weights"]
+    # context parallelism composes neither with DoReMi nor with the experts' capacity this config sets, model chunks
+    # (virtual pipeline stages) not with the ZeRO-2 it sets.
+    assert left_at_default == ["parallelism.context_parallel_size", "parallelism.virtual_pipeline_size",
+                               "doremi.domain_names", "doremi.domain_weights"]
 
 
 def test_saved_yaml_lists_sections_in_schema_order(tmp_path):
