@@ -566,6 +566,11 @@ RULES = {
     "dtype is known": (_set("model.dtype", "float8"), ["model.dtype must be one of float32, bfloat16, float16, fp32"]),
     "init std is positive": (_set("model.init_method", {"std": 0.0}), ["model.init_method.std must be > 0"]),
     "zero stage is 0 to 3": (_set("optimizer.zero_stage", 4), ["optimizer.zero_stage must be 0", "(got 4)"]),
+    "ZeRO-2 and 3 run one model chunk per stage": (
+        _all(_set("optimizer.zero_stage", 2), _set("parallelism.dp", 2), _set("parallelism.pp", 2),
+             _set("parallelism.pp_engine", "zb_h1")),
+        ["optimizer.zero_stage 2 runs with parallelism.pp_engine afab or 1f1b, not zb_h1"],
+    ),
     "sequence fits the position embeddings under RoPE scaling": (
         _all(_set("tokens.sequence_length", 512), _set(f"{MC}.rope_scaling", {"rope_type": "linear", "factor": 2.0})),
         ["tokens.sequence_length (512)", f"{MC}.max_position_embeddings (256)", "raise max_position_embeddings"],
