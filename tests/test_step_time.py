@@ -46,15 +46,13 @@ def _count_step_collectives(config: dict) -> dict:
         return tensor.numel() * tensor.element_size()
 
     originals = {name: getattr(dist, name) for name in
-                 ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-                  "batch_isend_irecv")}
+                 ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "isend")}
     wrappers = {
         "all_reduce": lambda tensor, *a, group=None, **k: count("all-reduce", group, nbytes(tensor)),
         "all_gather_into_tensor": lambda out, inp, *a, group=None, **k: count("all-gather", group, nbytes(out)),
         "reduce_scatter_tensor": lambda out, inp, *a, group=None, **k: count("reduce-scatter", group, nbytes(inp)),
         "all_to_all_single": lambda out, inp, *a, group=None, **k: count("all-to-all", group, nbytes(inp)),
-        "batch_isend_irecv": lambda ops: [count("send/recv", op.group, nbytes(op.tensor)) for op in ops
-                                          if op.op is dist.isend],
+        "isend": lambda tensor, dst, group=None, *a, **k: count("send/recv", group, nbytes(tensor)),
     }
 
     def counting(name):

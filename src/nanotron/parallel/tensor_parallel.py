@@ -219,12 +219,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class GradientSummedRMSNorm(RMSNorm):
-    """RMSNorm whose weight, whole on every rank, is applied to this rank's part of the values (a sequence shard,
-    or its heads): the weight's gradient is summed over TP."""
+    """RMSNorm whose weight, whole on every rank, is applied to this rank's part of the values (``part``: a
+    ``"sequence"`` shard, or its ``"heads"``): the weight's gradient is summed over TP."""
 
-    def __init__(self, hidden_size: int, eps: float, group: dist.ProcessGroup):
+    def __init__(self, hidden_size: int, eps: float, group: dist.ProcessGroup, part: str):
         super().__init__(hidden_size, eps)
-        self.group = group
+        self.group, self.part = group, part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(self.weight, self.group) * rms_normalize(x, self.eps)
@@ -282,7 +282,9 @@ class SequenceParallelNorm(Style):
     """A norm is only swapped in sequence-parallel mode, where it sees a sequence shard and its gradient is summed."""
 
     def parallelize(self, module, group, mode, overlap):
-        return GradientSummedRMSNorm(module.weight.shape[0], module.eps, group) if mode == REDUCE_SCATTER else None
+        if mode != REDUCE_SCATTER:
+            return None
+        return GradientSummedRMSNorm(module.weight.shape[0], module.eps, group, "sequence")
 
 
 @dataclass(frozen=True)
@@ -291,7 +293,7 @@ class HeadNorm(Style):
     its own heads, so its gradient is summed over TP in both modes."""
 
     def parallelize(self, module, group, mode, overlap):
-        return GradientSummedRMSNorm(module.weight.shape[0], module.eps, group)
+        return GradientSummedRMSNorm(module.weight.shape[0], module.eps, group, "heads")
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.ProcessGroup, mode: str,

@@ -65,8 +65,8 @@ from nanotron.parallel.tensor_parallel import (
     REDUCE_SCATTER,
     ColumnParallelLinear,
     GradientSummedLinear,
+    GradientSummedRMSNorm,
     RowParallelLinear,
-    SequenceParallelRMSNorm,
     VocabParallelEmbedding,
 )
 from nanotron.planning.schedules import schedule_of
@@ -225,7 +225,7 @@ def _built_structure(model_config, options: BuildOptions, exclude, tp: int, ep: 
     )
 
 
-_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SequenceParallelRMSNorm,
+_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, GradientSummedRMSNorm,
            GradientSummedLinear)
 
 
@@ -294,8 +294,10 @@ def _module_collectives(module: nn.Module, config: Config, layout: Layout, overl
     tp = Group.TP.value
     if isinstance(getattr(module, "exchange", None), ExpertExchange):
         yield from _expert_exchange(config, layout)
-    if isinstance(module, (SequenceParallelRMSNorm, GradientSummedLinear)):
-        if layout.tp > 1 and (layout.sequence_parallel or not isinstance(module, SequenceParallelRMSNorm)):
+    if isinstance(module, (GradientSummedRMSNorm, GradientSummedLinear)):
+        # The structure is built sequence-parallel; a norm over sequence shards exists only in that mode.
+        sequence_norm = getattr(module, "part", None) == "sequence"
+        if layout.tp > 1 and (layout.sequence_parallel or not sequence_norm):
             weight = module.weight
             yield Collective(ALL_REDUCE, tp, weight.numel() * weight.element_size(), 1, "backward",
                              f"{type(module).__name__} weight gradient")
