@@ -102,6 +102,7 @@ class Schedule:
         return [chunk for chunk in range(self.chunks) if self.stage_of(chunk) == stage]
 
     def actions(self, stage: int) -> list[Action]:
+        """Stage ``stage``'s actions in the order it runs them: each schedule below defines its own."""
         raise NotImplementedError
 
     def timeline(self) -> Timeline:
