@@ -6,9 +6,13 @@ Each rank takes the caller's environment of the moment (the server's is that of 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import queue as queues
+import signal
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -32,6 +36,8 @@ def _worker(rank: int, world_size: int, port: int, environment: dict, call: byte
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), NANOTRON_DEVICE="cpu", OMP_NUM_THREADS="1",
     )
+    faulthandler.enable()  # a crash prints every thread's stack
+    faulthandler.register(signal.SIGUSR1)  # so does the parent's signal when the run hangs
     try:
         # Plain pickle copies tensors by value, both ways: shared-memory handles would die with this process, and
         # the fork server passes at most a few hundred of them to a rank ("too many fds").
@@ -56,9 +62,14 @@ def run_distributed(fn, world_size: int, timeout: float = 240, **kwargs) -> list
     for process in processes:
         process.start()
     results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=1)
+            except queues.Empty:
+                _check_alive(processes, results, deadline, timeout)
+                continue
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
@@ -68,6 +79,20 @@ def run_distributed(fn, world_size: int, timeout: float = 240, **kwargs) -> list
             if process.is_alive():
                 process.kill()
     return [results[rank] for rank in range(world_size)]
+
+
+def _check_alive(processes, results: dict, deadline: float, timeout: float) -> None:
+    """Fail at once when a rank died without reporting (its peers would wait for it forever), and at the deadline
+    with every live rank's stack printed to stderr."""
+    for rank, process in enumerate(processes):
+        if rank not in results and process.exitcode not in (None, 0):
+            raise AssertionError(f"rank {rank} died with exit code {process.exitcode} before reporting")
+    if time.monotonic() > deadline:
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(2)
+        raise AssertionError(f"the ranks did not finish in {timeout:.0f} s; their stacks are on stderr")
 
 
 def _each(function, calls: list[dict]) -> list:

@@ -193,8 +193,6 @@ def load_optimizer(checkpoint: Path, optimizer: MixedPrecisionAdamW, model: nn.M
         key = f"{kind}/{name}"
         if key not in reader.names():
             raise CheckpointError(f"optimizer state {key!r} is missing from {checkpoint}")
-        if kind == "master":  # rows the checkpoint lacks (other vocabulary padding) keep the loaded weights
-            out.copy_(params[name])
         _read_logical(reader, key, get_placement(params[name]), out, parallel_context, _vocab_rows(model, metadata))
 
     optimizer.load_bucket_states(read, metadata["optimizer_step"])

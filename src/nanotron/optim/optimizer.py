@@ -139,10 +139,14 @@ class MixedPrecisionAdamW:
     @torch.no_grad()
     def load_bucket_states(self, read: Callable[[str, str, torch.Tensor], None], step: int) -> None:
         """Fill masters and moments; ``read(name, kind, out)`` fills ``out`` (the parameter's local shape) in fp32,
-        which the moments' dtype then rounds. The weights become the masters."""
+        which the moments' dtype then rounds. The weights become the masters. Rows the checkpoint lacks (another
+        vocabulary padding) keep zero moments and, as masters, the loaded weights (this rank's shard of them: under
+        ZeRO-3 the rest is not held)."""
         for index, bucket in enumerate(self.buckets.buckets):
             for kind in STATE_KINDS:
                 whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.master_state[index].device)
+                if kind == "master":
+                    whole[bucket.shard] = bucket.shard_params
                 for name in bucket.names:
                     read(name, kind, whole[slice(*bucket.ranges[name])].view(bucket.shapes[name]))
                 if kind != "master":
