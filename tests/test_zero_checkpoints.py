@@ -61,9 +61,7 @@ def straight_runs(tiny_data, tmp_path_factory):
 
 ZERO3_DP2, ZERO3_DP4, HSDP = (2, 1, 1, 3, None), (4, 1, 1, 3, None), (4, 1, 1, 3, 2)
 ONE_PROCESS, ZERO1_DP2, TP2, PP2 = (1, 1, 1, 0, None), (2, 1, 1, 1, None), (1, 2, 1, 0, None), (1, 1, 2, 0, None)
-# The default tier keeps ZeRO-3 against one process (saved and loaded); the full tier every other pair. HSDP -> ZeRO-3
-# at dp 4 once failed and once did not finish in the default suite on two busy cores (cause not yet found): full tier
-# until it is.
+# The default tier keeps ZeRO-3 against one process (saved and loaded); the full tier every other pair.
 PAIRS = [
     (ZERO3_DP2, ONE_PROCESS),
     pytest.param(ONE_PROCESS, ZERO3_DP2, marks=pytest.mark.full_tier),
