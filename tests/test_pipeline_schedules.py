@@ -98,6 +98,21 @@ def test_pp4_with_8_micro_batches_idles_the_published_bubble_and_the_planner_say
         assert BUBBLE_UNITS[name] / work == pytest.approx((4 - 1) / (2 * 8))
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_the_planners_bubble_is_the_timelines(name):
+    """``idle_share`` (the closed form from 2 x pp micro-batches on, the timeline below) is every stage's idle time
+    over its work in the simulated timeline."""
+    for pp in range(2, 7):
+        for micro_batches in range(1, 4 * pp):
+            if list(schedule_problems(name, pp, VIRTUAL[name], micro_batches)):
+                continue
+            schedule = schedule_for(name, pp, VIRTUAL[name], micro_batches)
+            timeline = schedule.timeline()
+            for stage in range(pp):
+                assert schedule.idle_share() == pytest.approx(timeline.idle(stage) / timeline.busy(stage)), (
+                    pp, micro_batches, stage)
+
+
 def test_activations_held_per_stage():
     """In units of one chunk's activations for a micro-batch: 1F1B holds pp - s on stage s; ZB-H1 holds 1F1B's most
     (pp) on every stage; ZBV holds 2pp chunks, half a stage each: 1F1B's most again; interleaved 1F1B holds more."""

@@ -252,7 +252,7 @@ class Layout:
     @property
     def pipeline(self) -> Schedule:
         """The schedule of a step's ``accumulation`` micro-batches over the stages' chunks."""
-        return self.timeline().schedule
+        return schedule_for(self.schedule, self.pp, self.virtual, self.accumulation)
 
     def timeline(self, micro_batches: int | None = None) -> Timeline:
         """The schedule of ``micro_batches`` (by default the step's ``accumulation``), run on unit costs."""

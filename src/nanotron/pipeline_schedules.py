@@ -108,6 +108,22 @@ class Schedule:
     def timeline(self) -> Timeline:
         return simulate(self)
 
+    def idle_share(self) -> float:
+        """A stage's idle time in a step over its work, on unit costs (the planner's bubble). With at least 2 × pp
+        micro-batches it is the closed form the papers give: the fill and drain idle pp − 1 forwards and backwards
+        of one chunk (3 units each), or pp − 1 units where the weight gradients fill the rest (split backwards),
+        against 3 units per chunk and micro-batch of work: (pp − 1) / (v·m), a third of that split. Fewer
+        micro-batches fall short of the steady phase: the timeline is simulated (tests check both)."""
+        if self.micro_batches < 2 * self.pp:
+            timeline = self.timeline()
+            return max(map(timeline.idle, range(self.pp))) / timeline.busy(0)
+        return (self.pp - 1) / (self.virtual * self.micro_batches * (3 if self.splits_backward else 1))
+
+    @classmethod
+    def fewest_chunks(cls) -> int:
+        """The fewest model chunks per stage the schedule runs (``runs_chunks``)."""
+        return next(virtual for virtual in range(1, 3) if cls.runs_chunks(virtual))
+
 
 class AllForwardAllBackward(Schedule):
     name = "afab"

@@ -27,7 +27,7 @@ in the model dtype unless said):
 - **recomputation** (``full``, ``selective``) runs a layer's forward again in the backward, collectives included.
 - **pipeline**: a stage sends each micro-batch's activations forward and their gradient back
   (``micro_batch_size × sequence / cp / (tp with sequence parallelism) × hidden``), ``chunks`` times per
-  micro-batch with virtual stages (``schedules.py``).
+  micro-batch with virtual stages (``pipeline_schedules.py``).
 - **data parallelism** (``parallel/data_parallel.py``), once per step: each gradient bucket over its replicas (dense
   weights over dp × cp × ep, experts over dp × cp), all-reduced, or reduce-scattered from ZeRO-1 on, in the gradient
   dtype (fp32 with ``optimizer.accumulate_grad_in_fp32`` where gradients are summed); ZeRO-1 and 2 then all-gather
@@ -69,7 +69,6 @@ from nanotron.parallel.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from nanotron.planning.schedules import schedule_of
 
 ALL_REDUCE, REDUCE_SCATTER_KIND, ALL_GATHER, ALL_TO_ALL, SEND = (
     "all-reduce", "reduce-scatter", "all-gather", "all-to-all", "send/recv")
@@ -167,15 +166,15 @@ class _Structure:
 
 
 def with_layout(config: Config, layout: Layout) -> Config:
-    """``config`` split as ``layout``: its grid, token split and ZeRO stage, its pipeline engine where training runs
-    it; an explicit pipeline split kept only for its own number of stages."""
+    """``config`` split as ``layout``: its grid, token split, pipeline schedule and ZeRO stage; an explicit pipeline
+    split kept only for its own number of model chunks."""
     p = config.parallelism
-    engine = layout.pp_engine if layout.pp_engine in ("afab", "1f1b") else p.pp_engine
+    same_chunks = (layout.pp, layout.virtual) == (p.pp, p.virtual_pipeline_size)
     p = replace(p, dp=layout.dp, tp=layout.tp, pp=layout.pp, expert_parallel_size=layout.ep,
-                context_parallel_size=layout.cp, pp_engine=engine,
+                context_parallel_size=layout.cp, pp_engine=layout.pp_engine, virtual_pipeline_size=layout.virtual,
                 tp_mode="REDUCE_SCATTER" if layout.sequence_parallel else "ALL_REDUCE",
                 tp_linear_async_communication=layout.overlapped_linears,
-                pp_stage_layers=p.pp_stage_layers if layout.pp == p.pp else None)
+                pp_stage_layers=p.pp_stage_layers if same_chunks else None)
     t = replace(config.tokens, micro_batch_size=layout.micro_batch_size,
                 batch_accumulation_per_replica=layout.accumulation)
     optimizer = replace(config.optimizer, zero_stage=layout.zero_stage)
@@ -386,7 +385,7 @@ def _pipeline_messages(config: Config, layout: Layout, first: bool, last: bool) 
     model_config = config.model.model_config
     dtype = model_config.activation_dtype(config.model.torch_dtype())
     size = math.prod(layout.stage_activation_shape(model_config.hidden_size)) * dtype.itemsize
-    chunks = schedule_of(layout.schedule).chunks
+    chunks = layout.virtual
     messages = layout.accumulation * chunks
     sends = []
     if not last or chunks > 1:

@@ -3,10 +3,9 @@
 Enumerated: every dp × tp × pp × cp × ep of the GPU count with tp within a node and dividing the attention heads,
 pp at most the layers, cp only for families that split sequences (and sequences it cuts evenly), ep only for a
 mixture of experts (dividing its experts), sequence parallelism at tp > 1; ZeRO stages 0 to 3 (over replicas
-only) and, with several stages, the schedules of ``schedules.py``. The global batch stays the config's (or
-``global_batch``): a layout whose sample shards do not divide it is left out, the micro-batch shrinks where a
-shard reads fewer sequences than it. A schedule training does not run yet (other than ``parallelism.pp_engine``'s)
-is marked "planned"; its memory is the planner's for 1F1B.
+only) and, with several stages, the schedules of ``pipeline_schedules.py`` with the fewest model chunks each runs
+(2 for ``interleaved_1f1b`` and ``zbv``). The global batch stays the config's (or ``global_batch``): a layout whose
+sample shards do not divide it is left out, the micro-batch shrinks where a shard reads fewer sequences than it.
 
 Memory is checked with the memory planner (``memory.estimate_memory``), fastest layout first, until ``top`` fit;
 a layout whose weights and optimizer state alone exceed the GPU is dropped before.
@@ -21,9 +20,9 @@ from nanotron.config import Config, ConfigError
 from nanotron.layout import Group, Layout
 from nanotron.memory import GB, estimate_memory
 from nanotron.models.registry import spec_for_config
+from nanotron.pipeline_schedules import SCHEDULES
 from nanotron.planning.cluster import Cluster
 from nanotron.planning.collectives import with_layout
-from nanotron.planning.schedules import SCHEDULES, schedule_of
 from nanotron.planning.step_time import StepTime, predict
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "mbs")
@@ -33,15 +32,10 @@ LAYOUT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "schedule", "mbs")
 class Candidate:
     time: StepTime
     memory_gb: float  # the largest stage's device memory
-    planned: tuple[str, ...]  # what training does not run yet
 
     @property
     def layout(self) -> Layout:
         return self.time.layout
-
-
-def planned(layout: Layout) -> tuple[str, ...]:
-    return (layout.schedule,) if layout.pp > 1 and not schedule_of(layout.schedule).available else ()
 
 
 def parse_layout(text: str, config: Config, global_batch: int) -> Layout:
@@ -85,7 +79,8 @@ def _layout(config: Config, global_batch: int, dp: int, tp: int, pp: int, cp: in
     if per_shard % size:
         return None
     return replace(Layout.from_config(config), dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
-                   pp_engine=schedule, sequence_parallel=tp > 1, overlapped_linears=False, micro_batch_size=size,
+                   pp_engine=schedule, virtual=SCHEDULES[schedule].fewest_chunks() if pp > 1 else 1,
+                   sequence_parallel=tp > 1, overlapped_linears=False, micro_batch_size=size,
                    accumulation=per_shard // size)
 
 
@@ -96,9 +91,8 @@ def problems(config: Config, layout: Layout) -> Iterator[str]:
     if heads is not None and heads % layout.tp:
         yield f"tp={layout.tp} does not divide the {heads} attention heads"
     costs = spec_for_config(model_config).costs(model_config, model_config.vocab_size, layout.sequence_length)
-    chunks = layout.pp * schedule_of(layout.schedule).chunks
-    if chunks > len(costs.layer_flops):
-        yield f"pp={layout.pp} makes {chunks} model chunks, more than the {len(costs.layer_flops)} layers"
+    if layout.chunks > len(costs.layer_flops):
+        yield f"pp={layout.pp} makes {layout.chunks} model chunks, more than the {len(costs.layer_flops)} layers"
     if layout.cp > 1 and model_config.context_parallel_refusal() is not None:
         yield model_config.context_parallel_refusal()
     moe = model_config.moe
@@ -129,7 +123,7 @@ def candidate(config: Config, time: StepTime, gpu_memory_gb: float) -> Candidate
     """``time``'s layout with its memory per GPU (the largest stage's, as the memory planner estimates it)."""
     layout = time.layout
     estimate = estimate_memory(with_layout(config, layout), gpu_memory_gb)
-    return Candidate(time, max(stage.total for stage in estimate.stages) / GB, planned(layout))
+    return Candidate(time, max(stage.total for stage in estimate.stages) / GB)
 
 
 def ranked(config: Config, gpus: int, cluster: Cluster, top: int, global_batch: int) -> list[Candidate]:
@@ -163,7 +157,7 @@ def _state_bytes(config: Config, layout: Layout) -> float:
 def table(candidates: list[Candidate], description: str) -> str:
     """The ranking ``nanotron estimate`` prints."""
     header = ["#", "dp", "tp", "pp", "cp", "ep", "zero", "schedule", "mbs x acc", "step s", "compute",
-              "exposed comm", "bubble", "tokens/s/GPU", "memory GB", "note"]
+              "exposed comm", "bubble", "tokens/s/GPU", "memory GB"]
     rows = [header]
     for index, c in enumerate(candidates, 1):
         layout, time = c.layout, c.time
@@ -171,8 +165,7 @@ def table(candidates: list[Candidate], description: str) -> str:
                      str(layout.zero_stage), layout.schedule if layout.pp > 1 else "-",
                      f"{layout.micro_batch_size} x {layout.accumulation}", f"{time.step:.3f}",
                      f"{time.compute:.3f}", f"{time.communication:.3f}", f"{time.bubble:.3f}",
-                     f"{time.tokens_per_second_per_gpu:,.0f}", f"{c.memory_gb:.1f}",
-                     "planned: " + ", ".join(c.planned) if c.planned else ""])
+                     f"{time.tokens_per_second_per_gpu:,.0f}", f"{c.memory_gb:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [" | ".join(cell.rjust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-+-".join("-" * width for width in widths))

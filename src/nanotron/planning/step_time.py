@@ -12,12 +12,14 @@ Rules (docs/planning.md says why):
   group's share and whatever exceeds the attention's compute; the gradient reduction overlaps the last
   micro-batch's backward (two thirds of its compute) but for its last bucket; ZeRO's gather of updated shards, the
   tied copies' sum and the step's scalars are exposed.
-- **bubble**: the schedule's idle share (``schedules.py``) of the pipelined micro-batches.
+- **bubble**: the schedule's idle share (``Schedule.idle_share``, ``pipeline_schedules.py``) of the pipelined
+  micro-batches.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,6 @@ from nanotron.parallel.data_parallel import gradient_dtype
 from nanotron.planning.cluster import TB, Cluster
 from nanotron.planning.collectives import stage_parameters, step_collectives, with_layout
 from nanotron.planning.efficiency import Entry, effective_tflops
-from nanotron.planning.schedules import bubble
 
 HBM_EFFICIENCY = 0.85  # of the data sheet's bandwidth, reached by the update's multi-tensor kernels
 
@@ -60,7 +61,9 @@ def predict(config: Config, layout: Layout, cluster: Cluster, table: list[Entry]
     schedule's bubble, then the stage that finishes last after its last backward (``table``: the efficiency
     entries to choose from, by default ``efficiency.json``'s)."""
     options = BuildOptions.from_config(with_layout(config, layout))
-    stages = pipeline_stage_layers(config.model.model_config, options, layout.pp, layout.tp)
+    chunk_layers = pipeline_stage_layers(config.model.model_config, options, layout.chunks, layout.tp)
+    stages = [[index for chunk in layout.chunks_of(stage) for index in chunk_layers[chunk]]
+              for stage in range(layout.pp)]
     micro_batches = layout.accumulation
     compute, communication = max((_micro_batch(config, layout, cluster, stage, layers, table)
                                   for stage, layers in enumerate(stages)), key=sum)
@@ -68,12 +71,12 @@ def predict(config: Config, layout: Layout, cluster: Cluster, table: list[Entry]
     update, after = max(((update_seconds(config, layout, cluster, stage),
                           _after_backward(config, layout, cluster, stage, compute)) for stage in range(layout.pp)),
                         key=sum)
-    idle = pace * micro_batches * bubble(layout.schedule, layout.pp, micro_batches)
+    idle = pace * micro_batches * (layout.pipeline.idle_share() if layout.pp > 1 else 0.0)
     return StepTime(layout, compute * micro_batches + update, communication * micro_batches + after, idle,
                     layout.global_batch_size * layout.sequence_length)
 
 
-def hardware_flops(config: Config, layout: Layout, layers: range, head: bool) -> tuple[float, float]:
+def hardware_flops(config: Config, layout: Layout, layers: Sequence[int], head: bool) -> tuple[float, float]:
     """(all, attention) hardware FLOPs of one micro-batch on a rank holding ``layers`` (and the LM head): the
     family's training FLOPs per token with recomputation's extra forward, times the rank's tokens, over tp."""
     model_config = config.model.model_config
@@ -92,10 +95,11 @@ def hardware_flops(config: Config, layout: Layout, layers: range, head: bool) ->
     return per_token * scale, attention_per_token * scale
 
 
-def _micro_batch(config: Config, layout: Layout, cluster: Cluster, stage: int, layers: range,
+def _micro_batch(config: Config, layout: Layout, cluster: Cluster, stage: int, layers: Sequence[int],
                  table: list[Entry] | None) -> tuple[float, float]:
-    """(compute, exposed communication) of one micro-batch on a rank of ``stage``."""
-    flops, attention = hardware_flops(config, layout, layers, head=stage == layout.pp - 1)
+    """(compute, exposed communication) of one micro-batch on a rank of ``stage`` (holding ``layers``)."""
+    head = stage == layout.stage_of(layout.chunks - 1)
+    flops, attention = hardware_flops(config, layout, layers, head=head)
     speed = effective_tflops(config, layout, cluster.gpu, table) * TB
     collectives = [c for c in step_collectives(config, stage, layout) if c.phase in ("forward", "backward")]
     context = [c for c in collectives if c.group == Group.CP.value]
