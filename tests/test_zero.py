@@ -89,6 +89,14 @@ def test_zero_3_matches_one_process(reference, tiny_data, tmp_path, dp, tp, pp, 
     assert all(r["held_parameter_bytes"] == 0 for r in results)  # between steps only shards are held
 
 
+@pytest.mark.full_tier
+@pytest.mark.parametrize("zero", [1, 2])
+def test_hsdp_at_zero_1_and_2_matches_one_process(reference, tiny_data, tmp_path, zero):
+    """dp 4 as 2 shards x 2 replicas: the optimizer state (and at ZeRO-2 the gradients) sharded within each pair."""
+    config = zero_config(tiny_data, tmp_path / f"hsdp-zero{zero}", dp=4, zero=zero, dp_shard=2)
+    assert_matches_reference(reference, run_distributed(_run, 4, config=config), ("hsdp", zero))
+
+
 def _is_sharded(config: dict) -> dict:
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
@@ -212,8 +220,10 @@ COMPOSED = {
     "selective recompute": lambda c: {"parallelism": c["parallelism"] | {"recompute": "selective"}},
     "pointwise recompute": lambda c: {"parallelism": c["parallelism"] | {"recompute": "pointwise"}},
     "compiled layers": lambda c: {"model": c["model"] | {"compile": True}},
+    "tp 2, ALL_REDUCE": lambda c: {"parallelism": c["parallelism"] | {"tp": 2, "tp_mode": "ALL_REDUCE"}},
+    "pp 2, afab": lambda c: {"parallelism": c["parallelism"] | {"pp": 2, "pp_engine": "afab"}},
 }
-COMPOSED_RANKS = {"moe, ep 2": 4, "cp 2, qwen2, document masking": 4}
+COMPOSED_RANKS = {"moe, ep 2": 4, "cp 2, qwen2, document masking": 4, "tp 2, ALL_REDUCE": 4, "pp 2, afab": 4}
 REPRESENTATIVE = "moe, ep 2"
 
 
@@ -234,3 +244,25 @@ def test_zero_3_composes_with(tiny_data, tmp_path, feature):
         assert after["lm_loss"] == pytest.approx(before["lm_loss"], rel=tolerance), (feature, after["step"])
         assert after["grad_norm"] == pytest.approx(before["grad_norm"], rel=tolerance), (feature, after["step"])
     assert all(r["held_parameter_bytes"] == 0 for r in sharded)
+
+
+@pytest.mark.full_tier
+def test_zero_3_composes_with_doremi(tiny_data, doremi_domains, doremi_reference, tmp_path):
+    """DoReMi's proxy run at dp 2 (its reference model whole on each rank, the proxy sharded): ZeRO-3 as ZeRO-0,
+    domain weights included."""
+    from support.configs import doremi_config
+
+    calls = []
+    for zero in (0, 3):
+        config = doremi_config(tiny_data, doremi_domains, tmp_path / f"zero{zero}", dp=2, reference=doremi_reference)
+        config["optimizer"]["zero_stage"] = zero
+        calls.append({"config": config})
+    plain, sharded = run_distributed_each(_run, 2, calls)
+    (expected,), (got,) = [r["metrics"] for r in plain if r["metrics"]], [r["metrics"] for r in sharded if r["metrics"]]
+    assert_reference_trains(expected, len(expected))
+    timings = ("step_time_s", "tokens_per_sec", "tokens_per_sec_per_gpu", "tflops_per_gpu", "hardware_tflops_per_gpu",
+               "peak_memory_gb")
+    for before, after in zip(expected, got, strict=True):
+        assert before.keys() == after.keys()
+        for key in before.keys() - set(timings):
+            assert after[key] == pytest.approx(before[key], rel=1e-5, abs=1e-7), (key, after["step"])
