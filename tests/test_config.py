@@ -63,6 +63,7 @@ FULL: dict[str, Any] = {
         "virtual_pipeline_size": 1,
         "tp_mode": "REDUCE_SCATTER",
         "tp_linear_async_communication": True,
+        "tp_partial_sums_in_fp32": False,
         "pp_stage_layers": [1, 3],
         "pp_timeout_s": 30.0,
         "replica_check_interval": 7,
@@ -249,9 +250,9 @@ def test_full_config_sets_every_optional_field_to_a_non_default_value():
     ]
     # The DoReMi domain lists need one entry per folder of every stage, and these stages have 2, 1 and 1 domains;
     # context parallelism composes neither with DoReMi nor with the experts' capacity this config sets, model chunks
-    # (virtual pipeline stages) not with the ZeRO-2 it sets.
+    # (virtual pipeline stages) not with the ZeRO-2 it sets, TP sums in fp32 not with its FP8 linears.
     assert left_at_default == ["parallelism.context_parallel_size", "parallelism.virtual_pipeline_size",
-                               "doremi.domain_names", "doremi.domain_weights"]
+                               "parallelism.tp_partial_sums_in_fp32", "doremi.domain_names", "doremi.domain_weights"]
 
 
 def test_saved_yaml_lists_sections_in_schema_order(tmp_path):
@@ -555,6 +556,10 @@ RULES = {
     "async tp needs reduce-scatter": (
         _set("parallelism.tp_linear_async_communication", True),
         ["parallelism.tp_linear_async_communication", "parallelism.tp_mode: REDUCE_SCATTER"],
+    ),
+    "TP sums in fp32 are not FP8's": (
+        _all(_set("parallelism.tp_partial_sums_in_fp32", True), _set("fp8", {"enabled": True})),
+        ["parallelism.tp_partial_sums_in_fp32: true", "fp8.enabled", "disable one of them"],
     ),
     "every pipeline stage gets a layer": (
         _set("parallelism.pp", 8),

@@ -94,6 +94,7 @@ def test_pp4_with_8_micro_batches_idles_the_published_bubble_and_the_planner_say
     work = 8 * VIRTUAL[name] * 3  # every chunk's forward and backward of every micro-batch
     assert len(rows) == work + BUBBLE_UNITS[name]
     assert timeline.bubble == pytest.approx(sum(idle) / (4 * len(rows)))
+    assert layout.pipeline.idle_share() == BUBBLE_UNITS[name] / work  # the planner's bubble
     if name == "interleaved_1f1b":
         assert BUBBLE_UNITS[name] / work == pytest.approx((4 - 1) / (2 * 8))
 

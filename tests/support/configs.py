@@ -74,24 +74,29 @@ def folder_stage(folder: Path, workers: int = 0) -> dict:
             "data": {"seed": 3, "num_loading_workers": workers, "dataset": {"dataset_folder": [str(folder)]}}}
 
 
-def tp_config(tiny_data, tmp_path, name: str, tp: int, mode: str, overlap: bool = False) -> dict:
-    """8 heads / 4 kv heads so that tp=4 holds whole kv heads; everything splits evenly at tp 4."""
+def tp_config(tiny_data, tmp_path, name: str, tp: int, mode: str, overlap: bool = False,
+              fp32_sums: bool = False) -> dict:
+    """8 heads / 4 kv heads so that tp=4 holds whole kv heads; everything splits evenly at tp 4. ``overlap``:
+    ``tp_linear_async_communication``, ``fp32_sums``: ``tp_partial_sums_in_fp32``."""
     base = tiny_config_dict(tiny_data, tmp_path / name)
     model = base["model"]
     model["model_config"] = model["model_config"] | {"num_attention_heads": 8, "num_key_value_heads": 4,
                                                      "intermediate_size": 128}
     return tiny_config_dict(tiny_data, tmp_path / name, model=model,
-                            parallelism={"tp": tp, "tp_mode": mode, "tp_linear_async_communication": overlap},
+                            parallelism={"tp": tp, "tp_mode": mode, "tp_linear_async_communication": overlap,
+                                         "tp_partial_sums_in_fp32": fp32_sums},
                             tokens={"train_steps": parity_steps()})
 
 
 def grad_norm_config(tiny_data, folder: Path, *, seed: int, tp: int = 1, dtype: str = "bfloat16", fp8: bool = False,
                      tied: bool = True, accumulation: int = 2, mode: str = "REDUCE_SCATTER", lr: float = 3e-3,
-                     steps: int = 20) -> dict:
-    """The tiny Llama (clip 1.0, 4 warm-up steps) whose grad-norms the layouts are compared on, step by step."""
+                     steps: int = 20, fp32_sums: bool = False) -> dict:
+    """The tiny Llama (clip 1.0, 4 warm-up steps) whose grad-norms the layouts are compared on, step by step;
+    ``fp32_sums``: ``parallelism.tp_partial_sums_in_fp32``."""
     config = tiny_config_dict(tiny_data, folder, general={"project": "tests", "run": "tiny", "seed": seed},
                               tokens={"train_steps": steps, "batch_accumulation_per_replica": accumulation},
-                              parallelism={"tp": tp, "tp_mode": mode}, fp8={"enabled": fp8})
+                              parallelism={"tp": tp, "tp_mode": mode, "tp_partial_sums_in_fp32": fp32_sums},
+                              fp8={"enabled": fp8})
     config["model"]["dtype"] = dtype
     config["model"]["model_config"]["tie_word_embeddings"] = tied
     config["optimizer"]["learning_rate_scheduler"]["learning_rate"] = lr

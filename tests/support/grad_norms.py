@@ -118,14 +118,17 @@ def worst_ratio(reference: list[float], layout: list[float]) -> tuple[float, int
 
 
 def check_teacher_forced(cases: list[dict], tiny_data: dict, folder: Path, bands: dict[float, float],
-                         median_band: float, fp8: bool = False) -> None:
-    """Teacher-forced bf16 (with FP8 products if ``fp8``) at tp=2 against the trained tp=1 reference, per case:
-    every step's |tp2/tp1 - 1| below the band of its learning rate (``bands``: a spike step's) and the median step's
-    below ``median_band`` (a gradient wrong on one shard, even by 1%, moves every step)."""
+                         median_band: float, fp8: bool = False, fp32_sums: bool = False) -> list[float]:
+    """Teacher-forced bf16 (with FP8 products if ``fp8``; the TP partial sums in fp32 if ``fp32_sums``) at tp=2
+    against the trained tp=1 reference, per case: every step's |tp2/tp1 - 1| below the band of its learning rate
+    (``bands``: a spike step's) and the median step's below ``median_band`` (a gradient wrong on one shard, even by
+    1%, moves every step). Returns every case's largest deviation."""
     def config(case: dict, tp: int) -> dict:
-        return grad_norm_config(tiny_data, folder / f"{case_name(case)}-tp{tp}", tp=tp, fp8=fp8, **case)
+        return grad_norm_config(tiny_data, folder / f"{case_name(case)}-tp{tp}", tp=tp, fp8=fp8,
+                                fp32_sums=fp32_sums and tp > 1, **case)
 
     results = teacher_forced([(config(case, 1), config(case, 2)) for case in cases], 2, timeout=200 * len(cases))
+    worst = []
     for case, (metrics, forced) in zip(cases, results, strict=True):
         assert_reference_trains(metrics, GRAD_NORM_STEPS)
         norms = [record["grad_norm"] for record in metrics]
@@ -134,3 +137,5 @@ def check_teacher_forced(cases: list[dict], tiny_data: dict, folder: Path, bands
         deviations = [abs(b / a - 1) for a, b in zip(norms, forced, strict=True)]
         assert max(deviations) < bands[case["lr"]], (case, deviations)
         assert statistics.median(deviations) < median_band, (case, deviations)
+        worst.append(max(deviations))
+    return worst

@@ -27,6 +27,9 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _documents_vs_data_stages(cfg)
     yield from _context_parallelism(cfg)
     yield from _pipeline_schedule(cfg)
+    if cfg.parallelism.tp_partial_sums_in_fp32 and cfg.fp8 is not None and cfg.fp8.enabled:
+        yield ("parallelism.tp_partial_sums_in_fp32: true sums the products of bf16 and fp16 linears in fp32, but FP8 "
+               "linears (fp8.enabled) round theirs to their own output dtype: disable one of them")
 
 
 def _schedule_vs_run_length(cfg: Config) -> Iterator[str]:

@@ -41,6 +41,9 @@ class ParallelismArgs:
     virtual_pipeline_size: int = 1  # model chunks per pipeline stage (virtual stages; interleaved_1f1b, zbv: 2)
     tp_mode: TensorParallelMode = "ALL_REDUCE"
     tp_linear_async_communication: bool = False
+    # the partial sums the TP ranks add up (row-parallel outputs, column-parallel input gradients) made and summed in
+    # fp32, rounded once as at tp=1 (parallel/tensor_parallel.py); twice the bytes of those collectives
+    tp_partial_sums_in_fp32: bool = False
     pp_stage_layers: list[int] | None = None  # decoder layers per chunk, in model order; None: balanced by cost
     pp_timeout_s: float = 600.0  # a pipeline exchange waiting longer than this fails, naming the stage and step
     replica_check_interval: int | None = 100  # steps between weight checksums across data-parallel replicas

@@ -42,6 +42,7 @@ class BuildOptions:
     vocab_multiple: int = 1  # model.make_vocab_size_divisible_by
     tp_mode: str = ALL_REDUCE
     tp_overlap: bool = False  # parallelism.tp_linear_async_communication
+    tp_sums_in_fp32: bool = False  # parallelism.tp_partial_sums_in_fp32
     pp_stage_layers: list[int] | None = None
     sequence_length: int = 2048  # weighs attention in the pipeline split
     recompute: str = "none"  # parallelism.recompute: none | full | selective | pointwise
@@ -55,7 +56,8 @@ class BuildOptions:
             dtype=model.torch_dtype(), seed=config.general.seed,
             init_std=getattr(model.init_method, "std", model.model_config.initializer_range),
             vocab_multiple=model.make_vocab_size_divisible_by, tp_mode=p.tp_mode,
-            tp_overlap=p.tp_linear_async_communication, pp_stage_layers=p.pp_stage_layers,
+            tp_overlap=p.tp_linear_async_communication, tp_sums_in_fp32=p.tp_partial_sums_in_fp32,
+            pp_stage_layers=p.pp_stage_layers,
             sequence_length=config.tokens.sequence_length, recompute=p.recompute, compile=model.compile,
             attention_backend=model.attention_backend,
         )
@@ -130,7 +132,7 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
         model = spec.model_class(model_config, vocab)
         if tp > 1:
             apply_tensor_parallel(model, spec.tensor_parallel_plan(model_config), grid.group(Group.TP), options.tp_mode,
-                                  options.tp_overlap)
+                                  options.tp_overlap, options.tp_sums_in_fp32)
             model.tie_weights()
         if grid.size(Axis.EP) > 1:
             spec.expert_parallel(model, grid.group(Group.EP))

@@ -39,9 +39,58 @@ from nanotron.parallel.tp_collectives import (
     reduce_scatter_sequence,
     start_gather_sequence,
     start_reduce_scatter_sequence,
+    sum_partials,
 )
 
 ALL_REDUCE, REDUCE_SCATTER = "ALL_REDUCE", "REDUCE_SCATTER"
+
+
+def matmul_in_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (``a`` of any leading dims, ``b`` 2-D) with its products summed in fp32 and returned in fp32, unrounded
+    to the operands' dtype: cuBLAS's fp32 output on GPUs, fp32 operands elsewhere (the same exact products)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a.flatten(0, -2), b, out_dtype=torch.float32).unflatten(0, a.shape[:-1])
+    return a.float() @ b.float()
+
+
+class _LinearWithFP32Output(torch.autograd.Function):
+    """``x W^T`` in fp32 (a row-parallel linear's partial output, summed over TP before it is rounded); the backward
+    takes the gradient in the operands' dtype, whose values it holds exactly (it is the gradient of the rounded sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return matmul_in_fp32(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        return grad @ weight, grad.flatten(0, -2).t() @ x.flatten(0, -2)
+
+
+class _ColumnLinearSummingInFP32(torch.autograd.Function):
+    """Column-parallel linear whose input gradient (a partial sum on each rank) is computed and summed over TP in
+    fp32, then rounded once: the rounding tp=1 makes (``parallelism.tp_partial_sums_in_fp32``). It keeps the whole
+    input for the backward, as the plain path does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, mode: str) -> torch.Tensor:
+        ctx.group, ctx.scatter = group, mode == REDUCE_SCATTER
+        if ctx.scatter:
+            buffer, gathering = start_gather_sequence(x, group)
+            gathering.wait()
+            x = finish_gather_sequence(buffer, group)
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_input = sum_partials(matmul_in_fp32(grad, weight), ctx.group, ctx.scatter).to(x.dtype)
+        return grad_input, grad.flatten(0, -2).t() @ x.flatten(0, -2), None, None
 
 
 class _OverlappedSequenceColumnLinear(torch.autograd.Function):
@@ -53,8 +102,9 @@ class _OverlappedSequenceColumnLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup,
+                sum_in_fp32: bool) -> torch.Tensor:
+        ctx.group, ctx.sum_in_fp32 = group, sum_in_fp32
         ctx.save_for_backward(x_shard, weight)
         return F.linear(gather_sequence(x_shard, group), weight)
 
@@ -62,13 +112,13 @@ class _OverlappedSequenceColumnLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x_shard, weight = ctx.saved_tensors
         buffer, gathering = start_gather_sequence(x_shard, ctx.group)
-        grad_input = grad @ weight
+        grad_input = matmul_in_fp32(grad, weight) if ctx.sum_in_fp32 else grad @ weight
         gathering.wait()
         x = finish_gather_sequence(buffer, ctx.group)
         grad_x_shard, scattering = start_reduce_scatter_sequence(grad_input, ctx.group)
         grad_weight = grad.flatten(0, -2).t() @ x.flatten(0, -2)
         scattering.wait()
-        return grad_x_shard, grad_weight, None
+        return grad_x_shard.to(x_shard.dtype), grad_weight, None, None
 
 
 class _SumOverSharingRanks(torch.autograd.Function):
@@ -114,10 +164,18 @@ def _shared_rows(shard: Shard, logical_size: int,
 class _SplitLinear(nn.Module):
     """A linear whose features are split over the ranks of ``group`` along ``split_features`` (``"out"`` or
     ``"in"``); a matmul that scales its operands by their amax (FP8) maximises it over those ranks with
-    ``max_over_ranks``, so that each slice is scaled as the whole tensor."""
+    ``max_over_ranks``, so that each slice is scaled as the whole tensor. ``sum_in_fp32``
+    (``parallelism.tp_partial_sums_in_fp32``): the partial sums this layer's ranks add up (a row-parallel output, a
+    column-parallel input gradient) are computed and summed in fp32 and rounded once, as at tp=1; it applies to the
+    plain matmul only (``sums_in_fp32``)."""
 
     split_features: str
     group: dist.ProcessGroup
+    sum_in_fp32: bool = False
+
+    @property
+    def sums_in_fp32(self) -> bool:
+        return self.sum_in_fp32 and self.matmul is F.linear
 
     def max_over_ranks(self, amax: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
@@ -172,11 +230,14 @@ class ColumnParallelLinear(_SplitLinear):
         return x, self._shared(self.weight), self._shared(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._shared(self.weight), self._shared(self.bias)
         if self.overlap and self.matmul is F.linear:
-            weight, bias = self._shared(self.weight), self._shared(self.bias)
-            y = _OverlappedSequenceColumnLinear.apply(x, weight, self.group)
-            return y if bias is None else y + bias
-        return self.matmul(*self.operands(x))
+            y = _OverlappedSequenceColumnLinear.apply(x, weight, self.group, self.sum_in_fp32)
+        elif self.sums_in_fp32:
+            y = _ColumnLinearSummingInFP32.apply(x, weight, self.group, self.mode)
+        else:
+            return self.matmul(*self.operands(x))
+        return y if bias is None else y + bias
 
 
 class RowParallelLinear(_SplitLinear):
@@ -193,8 +254,9 @@ class RowParallelLinear(_SplitLinear):
         self.parameter_shards = {"weight": ((out_features, in_features), (Shard(Axis.TP, 1),))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight)
-        return reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
+        y = _LinearWithFP32Output.apply(x, self.weight) if self.sums_in_fp32 else self.matmul(x, self.weight)
+        y = reduce_scatter_sequence(y, self.group) if self.mode == REDUCE_SCATTER else reduce_from_tp(y, self.group)
+        return y.to(x.dtype) if self.sums_in_fp32 else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -297,12 +359,13 @@ class HeadNorm(Style):
 
 
 def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.ProcessGroup, mode: str,
-                          overlap: bool = False) -> None:
+                          overlap: bool = False, sum_in_fp32: bool = False) -> None:
     """Swap every module whose name matches a plan entry (exactly, or as a dotted suffix) for its parallel version.
 
     Call on the meta device, before materialisation. Column-parallel linears keep their bias (sharded like the
     weight's rows); other styles refuse one: a row-parallel bias would have to be added once, after the reduction.
-    ``overlap`` is ``parallelism.tp_linear_async_communication``.
+    ``overlap`` is ``parallelism.tp_linear_async_communication``, ``sum_in_fp32`` ``tp_partial_sums_in_fp32``
+    (``_SplitLinear``).
     """
     for name, module in list(model.named_modules()):
         style = next((s for key, s in plan.items() if name == key or name.endswith("." + key)), None)
@@ -312,6 +375,8 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, Style], group: dist.
             raise ValueError(f"tensor parallelism of {name} ({type(style).__name__}) with a bias is not supported: "
                              "only column-parallel layers may have one; remove the bias or leave the module unsharded")
         replacement = style.parallelize(module, group, mode, overlap)
+        if isinstance(replacement, _SplitLinear):
+            replacement.sum_in_fp32 = sum_in_fp32
         if replacement is not None:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)

@@ -62,6 +62,12 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch
     return out
 
 
+def sum_partials(x: torch.Tensor, group: dist.ProcessGroup, scatter: bool) -> torch.Tensor:
+    """The sum over TP of partial sums, outside autograd: reduce-scattered into this rank's sequence shard
+    (``scatter``) or all-reduced."""
+    return _reduce_scatter_sequence(x, group) if scatter else _all_reduce(x, group)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
