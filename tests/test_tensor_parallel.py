@@ -9,8 +9,8 @@ from support.configs import grad_norm_config, tp_config
 from support.distributed import run_distributed, run_distributed_each
 from support.grad_norms import (
     GRAD_NORM_CASES,
-    GRAD_NORM_STEPS,
     SPIKING_CASE,
+    assert_case_trains,
     assert_spikes,
     case_name,
     check_teacher_forced,
@@ -61,10 +61,11 @@ def test_heads_not_divisible_by_tp_is_rejected(tiny_data, tmp_path):
 #                                   lr 5e-4    lr 3e-3    median step
 #   free-running fp32               1.2e-7     4.9e-5
 #   teacher-forced bf16             7.6e-4     2.6e-2     1.9e-4
+#   teacher-forced bf16, TP sums    4.6e-4     2.6e-3             (parallelism.tp_partial_sums_in_fp32)
 #   teacher-forced bf16, FP8        6.5e-3     4.2e-2     7.8e-4   (tests/test_fp8.py)
 FP32_BOUNDS = {5e-4: 1e-5, 3e-3: 5e-4}
 BF16_FORCED_BANDS, BF16_FORCED_MEDIAN = {5e-4: 2e-3, 3e-3: 4e-2}, 1e-3
-FP32_SUMS_FORCED_BANDS, FP32_SUMS_FORCED_MEDIAN = {5e-4: 1e-2, 3e-3: 1e-2}, 1e-3
+FP32_SUMS_FORCED_BANDS, FP32_SUMS_FORCED_MEDIAN = {5e-4: 1e-3, 3e-3: 5e-3}, 1e-3
 
 
 @pytest.mark.parametrize("cases", GRAD_NORM_CASES)
@@ -80,11 +81,9 @@ def test_bf16_gradients_at_the_same_weights_have_the_same_norm_at_tp_2(cases, ti
 @pytest.mark.parametrize("cases", GRAD_NORM_CASES)
 def test_bf16_partial_sums_made_in_fp32_give_tp_1s_grad_norm_at_tp_2(cases, tiny_data, tmp_path):
     """Teacher-forced as above, with ``parallelism.tp_partial_sums_in_fp32``: each TP sum rounded once, as at tp=1,
-    leaves only the order of fp32 sums and of the rounding to bf16: every step within 1e-2 (the issue's bound),
-    the matrix's worst at lr 3e-3 20x below the default's."""
-    worst = check_teacher_forced(cases, tiny_data, tmp_path, FP32_SUMS_FORCED_BANDS, FP32_SUMS_FORCED_MEDIAN,
-                                 fp32_sums=True)
-    print("worst", worst)
+    leaves the order of fp32 sums: over the matrix every step within 2.6e-3 of tp=1 (the spiking case 3.2e-4), ten
+    times closer than the default at lr 3e-3 and inside the 1e-2 asked of bf16."""
+    check_teacher_forced(cases, tiny_data, tmp_path, FP32_SUMS_FORCED_BANDS, FP32_SUMS_FORCED_MEDIAN, fp32_sums=True)
 
 
 @pytest.mark.parametrize("cases", GRAD_NORM_CASES)
@@ -97,7 +96,7 @@ def test_fp32_grad_norms_at_tp_2_follow_tp_1_at_every_step(cases, tiny_data, tmp
                                              dtype="float32", **case)} for case in cases]
         runs[tp] = [ranks[0] for ranks in run_distributed_each(train_in_process, tp, calls, timeout=100 * len(calls))]
     for case, reference, layout in zip(cases, runs[1], runs[2], strict=True):
-        assert_reference_trains(reference, GRAD_NORM_STEPS)
+        assert_case_trains(case, reference)
         norms = [record["grad_norm"] for record in reference]
         if case == SPIKING_CASE:
             assert_spikes(norms)

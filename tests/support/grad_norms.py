@@ -35,6 +35,12 @@ def case_name(case: dict) -> str:
     return "-".join(str(value) for value in case.values())
 
 
+def assert_case_trains(case: dict, metrics: list[dict]) -> None:
+    """The case's reference learns: at lr 5e-4 the tiny Llama loses about 0.85 nat in 20 steps (measured), at 3e-3
+    over 2."""
+    assert_reference_trains(metrics, GRAD_NORM_STEPS, margin=0.5 if case["lr"] < 1e-3 else None)
+
+
 def assert_spikes(norms: list[float]) -> None:
     """``SPIKING_CASE``'s reference still meets its spikes: their norms are 1.3x both neighbours' or more."""
     for step in SPIKING_STEPS:
@@ -118,24 +124,23 @@ def worst_ratio(reference: list[float], layout: list[float]) -> tuple[float, int
 
 
 def check_teacher_forced(cases: list[dict], tiny_data: dict, folder: Path, bands: dict[float, float],
-                         median_band: float, fp8: bool = False, fp32_sums: bool = False) -> list[float]:
+                         median_band: float, fp8: bool = False, fp32_sums: bool = False) -> None:
     """Teacher-forced bf16 (with FP8 products if ``fp8``; the TP partial sums in fp32 if ``fp32_sums``) at tp=2
     against the trained tp=1 reference, per case: every step's |tp2/tp1 - 1| below the band of its learning rate
     (``bands``: a spike step's) and the median step's below ``median_band`` (a gradient wrong on one shard, even by
-    1%, moves every step). Returns every case's largest deviation."""
+    1%, moves every step)."""
     def config(case: dict, tp: int) -> dict:
         return grad_norm_config(tiny_data, folder / f"{case_name(case)}-tp{tp}", tp=tp, fp8=fp8,
                                 fp32_sums=fp32_sums and tp > 1, **case)
 
     results = teacher_forced([(config(case, 1), config(case, 2)) for case in cases], 2, timeout=200 * len(cases))
-    worst = []
+    outside = []
     for case, (metrics, forced) in zip(cases, results, strict=True):
-        assert_reference_trains(metrics, GRAD_NORM_STEPS)
+        assert_case_trains(case, metrics)
         norms = [record["grad_norm"] for record in metrics]
         if case == SPIKING_CASE:
             assert_spikes(norms)
         deviations = [abs(b / a - 1) for a, b in zip(norms, forced, strict=True)]
-        assert max(deviations) < bands[case["lr"]], (case, deviations)
-        assert statistics.median(deviations) < median_band, (case, deviations)
-        worst.append(max(deviations))
-    return worst
+        if max(deviations) >= bands[case["lr"]] or statistics.median(deviations) >= median_band:
+            outside.append((case, max(deviations), statistics.median(deviations)))
+    assert not outside, outside  # every case outside its band, with its largest and median deviation
