@@ -136,6 +136,36 @@ def test_every_conversation_is_one_document_once_per_epoch_and_overlong_ones_are
     assert not torch.equal(again, samples["tokens"])
 
 
+@pytest.mark.slow
+def test_a_saved_hugging_face_dataset_gives_the_samples_of_its_jsonl(chat, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [json.loads(line) for line in chat["data"].read_text().splitlines()]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "saved")
+    from_jsonl = _chat_dataset(chat, 128)
+    from_saved = _chat_dataset(chat | {"data": tmp_path / "saved"}, 128)
+    for key, tensor in from_jsonl.samples(range(40)).items():
+        assert torch.equal(from_saved.samples(range(40))[key], tensor), key
+    rows[3]["messages"][-1]["role"] = "bot"
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "bad")
+    from nanotron.data.documents import DataError
+
+    with pytest.raises(DataError, match=rf"the Hugging Face dataset {tmp_path / 'bad'}, split train, row 3: .*'bot'"):
+        _chat_dataset(chat | {"data": tmp_path / "bad"}, 128)
+
+
+def test_conversations_need_a_tokenizer_and_a_model_with_attention(tiny_data, tmp_path):
+    from nanotron.config import ConfigError, config_from_dict
+    from support.configs import MAMBA
+
+    config = sft_config(tiny_data, {"tokenizer": tmp_path, "data": tmp_path / "chat.jsonl"}, tmp_path / "run")
+    config["tokenizer"] = {"tokenizer_name_or_path": None}
+    config["model"]["model_config"] = MAMBA
+    with pytest.raises(ConfigError) as refused:
+        config_from_dict(config)
+    assert "set tokenizer.tokenizer_name_or_path" in str(refused.value)
+    assert "has no attention layers" in str(refused.value)
+
+
 def _first_step(config: dict) -> tuple[float, dict]:
     from nanotron.config import config_from_dict
     from nanotron.trainer import Trainer
