@@ -274,11 +274,11 @@ class _Reader:
         """Pick the member whose required keys `raw` has: `{std: ...}` is a RandomInit, `{path: ...}` a checkpoint;
         its other keys are then checked by that member (an unknown one gets its own line). Where several members have
         them (upstream's SFT datasets and pretraining's both need `hf_dataset_or_datasets`), the first that knows
-        every key of `raw` is picked, else the first."""
+        every key of `raw` is picked; where none does, the forms are named."""
         if isinstance(raw, dict):
             fitting = [cls for cls in choices if {f.name for f in fields(cls) if _is_required(f)} <= raw.keys()]
             if len(fitting) > 1:
-                fitting = [cls for cls in fitting if raw.keys() <= {f.name for f in fields(cls)}][:1] or fitting[:1]
+                fitting = [cls for cls in fitting if raw.keys() <= {f.name for f in fields(cls)}][:1] or fitting
             if len(fitting) == 1:
                 return self.dataclass(fitting[0], raw, key)
         return self._fail(key, " or ".join(_shape(cls) for cls in choices), raw)

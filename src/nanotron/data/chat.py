@@ -134,9 +134,9 @@ def _token_text(token: str | dict) -> str:
 
 def checked_messages(messages: Any, where: str) -> list[dict[str, str]]:
     """``messages`` as a conversation, or a DataError naming ``where`` (the file and row) and what is wrong."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: the messages are {type(messages).__name__ if messages else 'empty'}, not a list "
-                        "of {role, content} mappings")
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: the messages are a {type(messages).__name__}, not a list of {{role, content}} "
+                        "mappings")
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role is None:
