@@ -20,7 +20,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import torch
 
 from nanotron.data.chat import ChatTemplate, checked_messages, tokenized_conversation
 from nanotron.data.dataset import check_sequence_length, domain_name
-from nanotron.data.documents import DataError
+from nanotron.data.documents import DataError, iter_json_values
 from nanotron.data.hf_dataset import _load_splits
 from nanotron.data.permutation import permute
 from nanotron.data.tokenizer import _end_of_document_id, tokenizer_fingerprint
@@ -56,10 +55,7 @@ def read_conversations(dataset: str | Path, settings: ChatSettings) -> Iterator[
     """The raw ``messages`` of every conversation of ``dataset`` and where it stands (file and row), in order."""
     path, column = Path(dataset), settings.messages_column
     if path.suffix == ".jsonl" and path.is_file():
-        with path.open(encoding="utf-8") as file:
-            for number, line in enumerate(file, start=1):
-                if line.strip():
-                    yield _messages_of_line(line, column, f"{path}, line {number}")
+        yield from iter_json_values(path, column, "set messages_column_name to the key of the conversations")
         return
     for split, part in zip(settings.splits, _load_splits(dataset, settings.splits, settings.config_name)):
         if column not in part.column_names:
@@ -67,16 +63,6 @@ def read_conversations(dataset: str | Path, settings: ChatSettings) -> Iterator[
                             f"{', '.join(part.column_names)}); set messages_column_name to its conversations")
         for row, messages in enumerate(part.data.column(column).to_pylist()):
             yield messages, f"the Hugging Face dataset {dataset}, split {split}, row {row}"
-
-
-def _messages_of_line(line: str, column: str, where: str) -> tuple[object, str]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DataError(f"{where}: invalid JSON ({error.msg}); every line must be one JSON object") from None
-    if not isinstance(record, dict) or column not in record:
-        raise DataError(f"{where}: no {column!r} key; set messages_column_name to the key of the conversations")
-    return record[column], where
 
 
 def pack(lengths: np.ndarray, capacity: int, packing: bool = True) -> np.ndarray:
