@@ -62,7 +62,7 @@ def _tokenized(folder: Path, messages: list[dict], train_on: str, template: str 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved_in", ["chat_template.jinja", "tokenizer_config.json"])
+@pytest.mark.parametrize("saved_in", ["chat_template.jinja", "tokenizer_config.json", "generation blocks"])
 def test_trained_tokens_are_transformers_assistant_tokens(chat, tmp_path, saved_in):
     folder = chat["tokenizer"]
     if saved_in == "tokenizer_config.json":  # as transformers before 4.50 saved it
@@ -70,6 +70,9 @@ def test_trained_tokens_are_transformers_assistant_tokens(chat, tmp_path, saved_
         (folder / "chat_template.jinja").unlink()
         settings = json.loads((folder / saved_in).read_text())
         (folder / saved_in).write_text(json.dumps(settings | {"chat_template": CHATML}))
+    if saved_in == "generation blocks":  # as SmolLM3's template marks what the assistant writes
+        folder = Path(shutil.copytree(folder, tmp_path / "tokenizer"))
+        (folder / "chat_template.jinja").write_text(CHATML_WITH_GENERATION)
     hf = _transformers_tokenizer(chat["tokenizer"])
     rng = random.Random(1)
     for _ in range(8):

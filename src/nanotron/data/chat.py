@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -73,22 +74,43 @@ def _compiled(source: str):
     if source not in _TEMPLATES:
         try:
             from jinja2 import TemplateError as JinjaError
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
             raise TemplateError(f"rendering chat templates needs jinja2: {INSTALL_HINT}") from None
-
-        def raise_exception(message: str):
-            raise TemplateError(f"the chat template refuses the conversation: {message}")
-
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-        environment.globals["raise_exception"] = raise_exception
         try:
-            _TEMPLATES[source] = environment.from_string(source)
+            _TEMPLATES[source] = _environment().from_string(source)
         except JinjaError as error:
             raise TemplateError(f"the chat template does not compile: {error}") from None
     return _TEMPLATES[source]
+
+
+def _environment():
+    """transformers' sandbox for chat templates: its options, globals, ``tojson`` and ``{% generation %}`` blocks
+    (which mark what the assistant writes, rendered here as their body: the trained text is found as the module's
+    rules say, the same text where a template has them)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            line = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(line)
+
+        def _body(self, caller) -> str:
+            return caller()
+
+    def raise_exception(message: str):
+        raise TemplateError(f"the chat template refuses the conversation: {message}")
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[GenerationBlocks, loopcontrols])
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return environment
 
 
 def load_chat_template(tokenizer: str | Path, name: str | None = None) -> ChatTemplate:
