@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,17 @@ def test_a_built_in_template_renders_as_the_same_template_in_transformers(chat):
     messages = conversation(random.Random(2))
     ids, _ = _tokenized(chat["tokenizer"], messages, "assistant", template="chatml")
     assert ids.tolist() == hf.apply_chat_template(messages, chat_template=CHATML, return_dict=True)["input_ids"]
+
+
+@pytest.mark.slow
+def test_rendering_without_jinja2_is_one_error_naming_the_extra(chat, monkeypatch):
+    from nanotron.data import chat as chat_module
+    from nanotron.data.chat import TemplateError, load_chat_template
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    monkeypatch.setattr(chat_module, "_TEMPLATES", {})
+    with pytest.raises(TemplateError, match=r'needs jinja2: pip install -e "\.\[sft\]"'):
+        load_chat_template(chat["tokenizer"], "chatml").render(conversation(random.Random(0)))
 
 
 def test_packing_keeps_conversations_whole_and_in_order():
