@@ -3,6 +3,7 @@ tokens and template), a small chat set with a rule to learn, and the SFT configs
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -35,18 +36,28 @@ def save_chat_tokenizer(tokenizer_file: Path, folder: Path, template: str = CHAT
     return folder
 
 
-def answer(adjective: str, noun: str) -> str:
-    """What the assistant answers: a rule of the question's words for the model to learn."""
-    return f"the {adjective} {noun} {VERBS[(NOUNS.index(noun) + ADJECTIVES.index(adjective)) % len(VERBS)]}."
+# Questions no conversation of the chat set asks: a held-out task, whose answers follow the same rule.
+HELD_OUT = [(adjective, noun) for index, (adjective, noun) in enumerate(itertools.product(ADJECTIVES, NOUNS))
+            if index % 3 == 0]
+
+
+def verb(noun: str) -> str:
+    """What the noun does: the rule the model learns."""
+    return VERBS[NOUNS.index(noun) % len(VERBS)]
+
+
+def exchange(adjective: str, noun: str, verb_: str) -> list[dict[str, str]]:
+    """A question about the adjective and noun, and the answer that the noun does ``verb_``."""
+    return [{"role": "user", "content": f"the {adjective} {noun}"},
+            {"role": "assistant", "content": f"the {adjective} {noun} {verb_}."}]
 
 
 def conversation(rng: random.Random) -> list[dict[str, str]]:
-    """A conversation of one or two questions, with a system message now and then."""
+    """A conversation of one or two questions none of ``HELD_OUT``, with a system message now and then."""
     messages = [{"role": "system", "content": "the dog sees the cat."}] if rng.random() < 0.3 else []
     for _ in range(1 if rng.random() < 0.8 else 2):
-        adjective, noun = rng.choice(ADJECTIVES), rng.choice(NOUNS)
-        messages += [{"role": "user", "content": f"the {adjective} {noun}"},
-                     {"role": "assistant", "content": answer(adjective, noun)}]
+        adjective, noun = rng.choice([pair for pair in itertools.product(ADJECTIVES, NOUNS) if pair not in HELD_OUT])
+        messages += exchange(adjective, noun, verb(noun))
     return messages
 
 
