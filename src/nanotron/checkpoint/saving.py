@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ from nanotron.checkpoint.manager import (
 from nanotron.checkpoint.node_folders import NODE_RANKS, FolderRanks
 from nanotron.checkpoint.run_folder import PARTIAL_PREFIX, complete_checkpoints, prune, write_latest
 from nanotron.config import Config, save_config
+from nanotron.data.chat import TOKENIZER_CONFIG_FILE_NAME, checkpoint_tokenizer_config
 from nanotron.errors import CheckpointError
 from nanotron.files import fsync_path
 from nanotron.layout import Axis
@@ -251,6 +253,11 @@ def _complete(tmp: Path, final: Path, snapshot: Snapshot, files: dict[str, dict]
         (tmp / "tokenizer").mkdir()
         shutil.copy(tokenizer, tmp / "tokenizer" / "tokenizer.json")
         files["tokenizer/tokenizer.json"] = file_entry(tmp / "tokenizer" / "tokenizer.json")
+        settings = checkpoint_tokenizer_config(config)  # with the chat template a fine-tuning run renders with
+        if settings is not None:
+            saved = tmp / "tokenizer" / TOKENIZER_CONFIG_FILE_NAME
+            saved.write_text(json.dumps(settings, indent=2))
+            files[f"tokenizer/{TOKENIZER_CONFIG_FILE_NAME}"] = file_entry(saved)
     save_config(config, tmp / "config.yaml")
     for sub in tmp.iterdir():
         fsync_path(sub)

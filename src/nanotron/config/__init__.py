@@ -8,7 +8,15 @@ Users write YAML in nanotron's format (see docs/config.md); code reads it with `
 
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.config import Config, validate_config
-from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, HFDatasetArgs, TokenizerArgs, TokensArgs
+from nanotron.config.data import (
+    DataArgs,
+    DatasetArgs,
+    DatasetStageArgs,
+    HFDatasetArgs,
+    SFTDatasetArgs,
+    TokenizerArgs,
+    TokensArgs,
+)
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
 from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig
@@ -52,6 +60,7 @@ __all__ = [
     "ExistingCheckpointInit",
     "GeneralArgs",
     "HFDatasetArgs",
+    "SFTDatasetArgs",
     "LRSchedulerArgs",
     "LegacyKeyWarning",
     "LlaMoEConfig",

@@ -25,6 +25,7 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _doremi_vs_data_stages(cfg)
     yield from _model_vs_parallelism(cfg)
     yield from _documents_vs_data_stages(cfg)
+    yield from _conversations_vs_model(cfg)
     yield from _context_parallelism(cfg)
     yield from _pipeline_schedule(cfg)
     if cfg.parallelism.tp_partial_sums_in_fp32 and cfg.fp8 is not None and cfg.fp8.enabled:
@@ -100,6 +101,21 @@ def _documents_vs_data_stages(cfg: Config) -> Iterator[str]:
             yield (f"data_stages[{stage.name!r}].data.dataset.return_positions is false, but "
                    f"{MODEL_CONFIG_KEY}._use_doc_masking needs the positions of the documents in each sample: set "
                    "return_positions: true, or _use_doc_masking: false")
+
+
+def _conversations_vs_model(cfg: Config) -> Iterator[str]:
+    """Chat conversations (a stage with ``train_on``) are rendered and tokenized when the run starts, and packed as
+    documents that attention keeps apart."""
+    for stage in cfg.data_stages:
+        if getattr(stage.data.dataset, "train_on", None) is None:
+            continue
+        key = f"data_stages[{stage.name!r}].data.dataset"
+        if not cfg.tokenizer.tokenizer_name_or_path:
+            yield (f"{key} holds chat conversations, which are tokenized when the run starts: set "
+                   "tokenizer.tokenizer_name_or_path to the model's tokenizer")
+        if not cfg.model.model_config.attention:
+            yield (f"{key} holds chat conversations, packed as documents that attention keeps apart, but "
+                   f"{MODEL_CONFIG_KEY} has no attention layers; fine-tune a model with attention")
 
 
 def _context_parallelism(cfg: Config) -> Iterator[str]:

@@ -4,6 +4,7 @@ sections."""
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from nanotron.config.rules import at_least, positive
 
@@ -98,9 +99,42 @@ class HFDatasetArgs:
 
 
 @dataclass
+class SFTDatasetArgs:
+    """Chat conversations for supervised fine-tuning (upstream's ``SFTDatasetsArgs``, told from a pretraining
+    Hugging Face dataset by its own keys; ``data/sft.py``, docs/sft.md): a ``.jsonl`` file or a Hugging Face dataset
+    with a column of conversations, rendered with a chat template and packed into samples."""
+
+    hf_dataset_or_datasets: str  # a .jsonl file, a save_to_disk folder, a folder of data files or a Hub name
+    hf_dataset_splits: list[str] = field(default_factory=lambda: ["train"])  # concatenated in this order
+    hf_dataset_config_name: str | None = None
+    sft_dataloader: bool = True  # upstream's marker of an SFT dataset
+    debug_max_samples: int | None = None  # the first conversations only
+    messages_column_name: str = "messages"  # a list of {role, content} per row
+    chat_template: Literal["chatml"] | None = None  # null: the tokenizer's; or a built-in one by name
+    # The tokens the loss is trained on: every assistant turn's, the last assistant turn's, or every token
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    pack: bool = True  # several conversations per sample, each a document of its own
+
+    num_domains = 1
+
+    def problems(self, key: str) -> Iterator[str]:
+        if not self.hf_dataset_or_datasets:
+            yield f"{key}.hf_dataset_or_datasets must name a .jsonl file or a dataset of conversations"
+        if not self.sft_dataloader:
+            yield f"{key}.sft_dataloader is false; remove the SFT keys to train on text, or set it to true"
+        if not self.hf_dataset_splits:
+            yield f"{key}.hf_dataset_splits must name at least one split"
+        if self.debug_max_samples is not None:
+            yield from at_least(f"{key}.debug_max_samples", self.debug_max_samples, 1)
+        if not self.messages_column_name:
+            yield f"{key}.messages_column_name must not be empty"
+
+
+@dataclass
 class DataArgs:
-    # Token folders, a Hugging Face dataset, or None: synthetic tokens (upstream's dataset: null, for throughput)
-    dataset: DatasetArgs | HFDatasetArgs | None
+    # Token folders, a Hugging Face dataset, chat conversations, or None: synthetic tokens (upstream's dataset: null,
+    # for throughput)
+    dataset: DatasetArgs | HFDatasetArgs | SFTDatasetArgs | None
     seed: int = 42
     num_loading_workers: int = 1
 

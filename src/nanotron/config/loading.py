@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from nanotron.config.config import Config, validate_config
-from nanotron.config.data import DatasetArgs, HFDatasetArgs
+from nanotron.config.data import DatasetArgs, HFDatasetArgs, SFTDatasetArgs
 from nanotron.config.general import DEFAULT_RUN_NAME
 from nanotron.config.model import MISPLACED_KEYS, MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
 from nanotron.config.rules import (
@@ -272,9 +272,13 @@ class _Reader:
 
     def dataclass_union(self, choices: list[type], raw: Any, key: str) -> Any:
         """Pick the member whose required keys `raw` has: `{std: ...}` is a RandomInit, `{path: ...}` a checkpoint;
-        its other keys are then checked by that member (an unknown one gets its own line)."""
+        its other keys are then checked by that member (an unknown one gets its own line). Where several members have
+        them (upstream's SFT datasets and pretraining's both need `hf_dataset_or_datasets`), the first that knows
+        every key of `raw` is picked; where none does, the forms are named."""
         if isinstance(raw, dict):
             fitting = [cls for cls in choices if {f.name for f in fields(cls) if _is_required(f)} <= raw.keys()]
+            if len(fitting) > 1:
+                fitting = [cls for cls in fitting if raw.keys() <= {f.name for f in fields(cls)}][:1] or fitting
             if len(fitting) == 1:
                 return self.dataclass(fitting[0], raw, key)
         return self._fail(key, " or ".join(_shape(cls) for cls in choices), raw)
@@ -301,6 +305,7 @@ _FIELD_READERS = {
     (ModelArgs, "model_config"): _Reader.model_config,
     (DatasetArgs, "dataset_folder"): _Reader.one_or_list,
     (HFDatasetArgs, "hf_dataset_splits"): _Reader.one_or_list,
+    (SFTDatasetArgs, "hf_dataset_splits"): _Reader.one_or_list,
 }
 
 

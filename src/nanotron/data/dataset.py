@@ -280,6 +280,7 @@ class SampleSource(Protocol):
     tokenizer_fingerprints: list[str | None]
     # Whether ``samples`` also gives ``document_ends`` (bool, shaped like ``tokens``: True on the last token of every
     # document), the ends the source recorded, which document masking then reads instead of an end-of-document id.
+    # A source of conversations (``sft.py``) also gives ``trained`` (bool, like ``tokens``): the tokens the loss counts.
     records_document_ends: bool
 
     def samples(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...

@@ -67,29 +67,36 @@ def _iter_txt(path: Path, text_key: str) -> Iterator[str]:
 
 
 def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
+    for text, where in iter_json_values(path, text_key, "pass the key that holds the text with --text-key"):
+        if not isinstance(text, str):
+            raise DataError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
+        yield text
+
+
+def iter_json_values(path: Path, key: str, fix: str) -> Iterator[tuple[object, str]]:
+    """The value under ``key`` of every line of a JSON-lines file (blank lines skipped) and where it stands (the file
+    and line, for messages); a line that is not a JSON object holding ``key`` is a DataError naming it (``fix``: what
+    to do about a missing key)."""
     line_number = 0
     try:
         with path.open(encoding="utf-8") as file:
             for line_number, line in enumerate(file, start=1):
-                if not line.strip():
-                    continue
-                yield _text_of_json_line(line, text_key, f"{path}, line {line_number}")
+                if line.strip():
+                    where = f"{path}, line {line_number}"
+                    yield _json_value(line, key, where, fix), where
     except UnicodeDecodeError as error:
         raise DataError(f"{path}, after line {line_number}: not valid UTF-8 ({error.reason}); "
                         f"convert the file to UTF-8") from None
 
 
-def _text_of_json_line(line: str, text_key: str, where: str) -> str:
+def _json_value(line: str, key: str, where: str, fix: str) -> object:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{where}: invalid JSON ({error.msg}); every line must be one JSON object") from None
-    if not isinstance(record, dict) or text_key not in record:
-        raise DataError(f"{where}: no {text_key!r} key; pass the key that holds the text with --text-key")
-    text = record[text_key]
-    if not isinstance(text, str):
-        raise DataError(f"{where}: {text_key!r} holds a {type(text).__name__}, not a string")
-    return text
+    if not isinstance(record, dict) or key not in record:
+        raise DataError(f"{where}: no {key!r} key; {fix}")
+    return record[key]
 
 
 def _iter_parquet(path: Path, text_key: str) -> Iterator[str]:

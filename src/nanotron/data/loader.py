@@ -75,7 +75,8 @@ def packed_documents(ends: torch.Tensor) -> dict[str, torch.Tensor]:
 def _to_micro_batch(samples: dict[str, torch.Tensor], end_of_document: int | None) -> MicroBatch:
     """Inputs and next-token labels from windows of ``sequence_length + 1`` tokens; under document masking the
     documents packed in them too (``packed_documents``): where the samples carry the document ends their source
-    recorded (``SampleSource.records_document_ends``), else where the ``end_of_document`` id stands."""
+    recorded (``SampleSource.records_document_ends``), else where the ``end_of_document`` id stands. Samples that mark
+    the tokens trained on (``trained``, supervised fine-tuning's) count only those as targets."""
     tokens = samples["tokens"]
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     fields = {"label_mask": torch.ones_like(labels, dtype=torch.bool)}
@@ -83,6 +84,8 @@ def _to_micro_batch(samples: dict[str, torch.Tensor], end_of_document: int | Non
         fields |= packed_documents(samples["document_ends"][:, :-1])
     elif end_of_document is not None:
         fields |= packed_documents(input_ids == end_of_document)
+    if "trained" in samples:
+        fields["label_mask"] = fields["label_mask"] & samples["trained"][:, 1:]
     return MicroBatch(input_ids, labels, domain_ids=samples["domain_ids"], **fields)
 
 

@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nanotron.config import ConfigError, DatasetArgs, HFDatasetArgs
+from nanotron.config import ConfigError, DatasetArgs, HFDatasetArgs, SFTDatasetArgs
+from nanotron.data.chat import load_chat_template
 from nanotron.data.dataset import DataError, PretrainDataset, SampleSource
 from nanotron.data.datatrove_folder import DatatroveDataset, briefly, not_a_token_folder
 from nanotron.data.hf_dataset import HFDataset
 from nanotron.data.preprocess import METADATA_FILE_NAME
+from nanotron.data.sft import ChatDataset, ChatSettings
 from nanotron.data.synthetic import SyntheticDataset
-from nanotron.data.tokenizer import TokenizerError
+from nanotron.data.tokenizer import TokenizerError, load_tokenizer
 from nanotron.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -186,8 +188,23 @@ def hf_datasets(settings: HFDatasetArgs, context: SourceContext) -> HFDataset:
         rank_0_first=True)
 
 
+def chat_conversations(settings: SFTDatasetArgs, context: SourceContext) -> ChatDataset:
+    """Upstream's SFT datasets: conversations rendered with a chat template and packed (``data/sft.py``), on every
+    rank."""
+    def open_conversations() -> ChatDataset:
+        tokenizer = load_tokenizer(context.tokenizer)
+        chat = ChatSettings(load_chat_template(context.tokenizer, settings.chat_template), settings.train_on,
+                            settings.messages_column_name, settings.hf_dataset_splits, settings.hf_dataset_config_name,
+                            settings.debug_max_samples, settings.pack)
+        return ChatDataset(settings.hf_dataset_or_datasets, tokenizer, context.tokenizer, context.sequence_length,
+                           context.seed, chat)
+
+    return opened_together(context.ranks, open_conversations)
+
+
 SOURCES: dict[type, Callable[[Any, SourceContext], SampleSource]] = {
     type(None): synthetic_tokens,
     DatasetArgs: token_folders,
     HFDatasetArgs: hf_datasets,
+    SFTDatasetArgs: chat_conversations,
 }
