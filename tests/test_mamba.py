@@ -270,6 +270,7 @@ def _upstream_bounds(config: dict) -> dict[str, float]:
             "dt_proj.weight": dt_rank ** -0.5, "dt_proj.bias": 1 / math.sqrt(dt_rank), "d_state": d_state}
 
 
+@pytest.mark.slow
 def test_upstreams_mamba_init_is_its_formulas_at_every_layout(tiny_data, tmp_path):
     """Selected by upstream's keys; every uniform parameter fills its bound (max within 2%, std bound/sqrt(3)), A, D
     and the norms are exact, the embedding normal(0, initializer_range); tp 2 and pp 2 start from the same values."""

@@ -52,6 +52,7 @@ def _rms_at_init_and_after_training(config: dict) -> tuple[float, float]:
     return before, _hidden_rms(trainer.model, tokens)
 
 
+@pytest.mark.slow
 def test_coordinate_check_activations_keep_their_size_as_the_width_grows_4x(tiny_data, tmp_path):
     """With µP the layers' outputs keep their RMS (within 1.2x) from width 32 to 128, at initialisation and after 3
     AdamW steps; with the standard normal(0, 0.02) they grow with the width (1.25x at initialisation, 1.67x after
@@ -65,6 +66,7 @@ def test_coordinate_check_activations_keep_their_size_as_the_width_grows_4x(tiny
     assert ratios["standard"][1] > 1.5, ratios  # what the check would see without µP
 
 
+@pytest.mark.slow
 def test_initial_scales_are_the_spectral_formula_at_every_layout(tiny_data, tmp_path):
     """σ = 1/sqrt(fan_in) · min(1, sqrt(fan_out / fan_in)) for each linear matrix (q|k|v and gate|up as one
     matrix each, as upstream's fused layers), the embedding normal(0, 1), norms at one; tp 2 and pp 2 start from the
@@ -86,6 +88,7 @@ def test_initial_scales_are_the_spectral_formula_at_every_layout(tiny_data, tmp_
         assert all(torch.equal(other[name], weights[name]) for name in weights), layout
 
 
+@pytest.mark.slow
 def test_learning_rates_are_the_schedules_times_fan_out_over_fan_in(tiny_data, tmp_path):
     """Upstream's per-parameter rates: a matrix's AdamW step uses lr · fan_out / fan_in, the embedding and norms
     the schedule's; the buckets that hold them say so."""
