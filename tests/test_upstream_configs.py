@@ -80,7 +80,8 @@ def _substituted(name: str, tiny_data, data: dict[str, Path], run: Path) -> dict
             count = len(weights or ([folders] if isinstance(folders, str) else folders))
             dataset.update(dataset_folder=_domains_of(data["datatrove"], run, count),
                            dataset_weights=weights or dataset.get("dataset_weights"),
-                           tokenizer_name=str(tiny_data["tokenizer"]), vocab_size=384, token_size_in_bytes=2)
+                           tokenizer_name=str(tiny_data["tokenizer"].parent),  # the folder of the file datatrove names
+                           vocab_size=384, token_size_in_bytes=2)
         stage["data"]["num_loading_workers"] = 0
     if raw.get("doremi", {}).get("ref_model_resume_checkpoint_path"):
         raw["doremi"]["ref_model_resume_checkpoint_path"] = str(data["doremi_reference"])
