@@ -637,6 +637,27 @@ def test_a_hugging_face_dataset_per_domain_trains_with_its_domains(tiny_data, do
     assert all(loss > 0 for loss in records[-1]["domain_losses"].values())
 
 
+@pytest.mark.slow
+def test_a_pretokenized_dataset_trains_in_a_plain_stage_and_rows_too_short_are_one_line(tiny_data, doremi_domains,
+                                                                                         tmp_path, monkeypatch):
+    """Rows of SEQUENCE_LENGTH + 1 ids train at that sequence length; at a longer one the run stops before its first
+    step with one line naming the dataset and the key."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+    def config(run: str, sequence_length: int) -> Path:
+        written = tiny_config_dict(tiny_data, tmp_path / run, tokens={"train_steps": 2,
+                                                                      "sequence_length": sequence_length})
+        written["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(doremi_domains / "Github")}
+        return write_config(tmp_path / f"{run}.yaml", written)
+
+    assert cli("train", "--config-file", config("run", SEQUENCE_LENGTH)).code == 0
+    assert [record["step"] for record in metrics(tmp_path / "run")] == [1, 2]
+    assert_user_error(cli("train", "--config-file", config("longer", 2 * SEQUENCE_LENGTH)),
+                      f"the Hugging Face dataset {doremi_domains / 'Github'} holds rows of {SEQUENCE_LENGTH + 1} "
+                      "token ids", f"set tokens.sequence_length to {SEQUENCE_LENGTH} or lower")
+    assert not (tmp_path / "longer").exists() or not any((tmp_path / "longer").iterdir())
+
+
 def test_a_null_dataset_trains_on_synthetic_tokens(tiny_data, tmp_path):
     run = tmp_path / "run"
     config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})

@@ -91,14 +91,20 @@ def test_initial_scales_are_the_spectral_formula_at_every_layout(tiny_data, tmp_
 @pytest.mark.slow
 def test_learning_rates_are_the_schedules_times_fan_out_over_fan_in(tiny_data, tmp_path):
     """Upstream's per-parameter rates: a matrix's AdamW step uses lr · fan_out / fan_in, the embedding and norms
-    the schedule's; the buckets that hold them say so."""
+    the schedule's."""
     from nanotron.trainer import Trainer
 
-    trainer = Trainer(config_from_dict(_config(tiny_data, tmp_path, 64, MUP)))
-    scales = {name: trainer.buckets.bucket_of[name].lr_scale for name in trainer.params}
-    assert scales["layers.0.attn.qkv_proj.weight"] == 3.0 and scales["layers.0.mlp.down_proj.weight"] == 0.25
-    assert scales["lm_head.weight"] == 384 / 64 and scales["embed_tokens.weight"] == 1.0
-    assert scales["layers.0.input_layernorm.weight"] == 1.0
+    config = _config(tiny_data, tmp_path, 64, MUP, steps=1)
+    config["optimizer"].update(weight_decay=0.0, clip_grad=None)
+    config["optimizer"]["learning_rate_scheduler"]["lr_decay_style"] = "constant"
+    trainer = Trainer(config_from_dict(config))
+    before = {name: param.detach().clone() for name, param in trainer.params.items()}
+    trainer.train()
+    expected = {"layers.0.attn.qkv_proj.weight": 3.0, "layers.0.mlp.down_proj.weight": 0.25,
+                "lm_head.weight": 384 / 64, "embed_tokens.weight": 1.0, "layers.0.input_layernorm.weight": 1.0}
+    for name, scale in expected.items():  # AdamW's first step moves every weight by lr · its scale (or less)
+        step = (trainer.params[name].detach() - before[name]).abs().max().item()
+        assert step == pytest.approx(5e-3 * scale, rel=1e-3), name
 
 
 @pytest.mark.parametrize("init, family, fragment", [
