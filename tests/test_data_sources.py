@@ -29,7 +29,7 @@ from nanotron.data.preprocess import preprocess
 from nanotron.data.synthetic import SyntheticDataset
 from nanotron.data.tokenizer import eos_token_id, load_tokenizer, train_tokenizer
 from support.configs import tiny_config_dict, write_config
-from support.corpus import corpus_documents, datatrove_folder, write_corpus
+from support.corpus import corpus_documents, datatrove_folder, pretokenized_domains, write_corpus
 from support.runs import Outcome, assert_user_error, cli, metrics, train_on_ranks, train_through_cli
 
 SEQUENCE_LENGTH = 16
@@ -468,6 +468,63 @@ def test_hf_null_texts_among_others_are_empty_documents_counted_in_a_warning(tin
     assert _tokens(folder) == _tokens(tokenize_hf_dataset(with_empty, tiny_data["tokenizer"], cache_folder=hf_cache))
 
 
+@pytest.fixture(scope="module")
+def doremi_domains(tiny_data, tmp_path_factory) -> Path:
+    """Two domains tokenized into rows of SEQUENCE_LENGTH + 1 int32 ids with their domain_ids, each saved by
+    save_to_disk in a folder of its name: upstream's DoReMi datasets."""
+    documents = corpus_documents(tiny_data["corpus"])
+    return pretokenized_domains(tmp_path_factory.mktemp("doremi") / "the_pile",
+                                {"Pile-CC": documents[::2], "Github": documents[1::2]}, tiny_data["tokenizer"],
+                                SEQUENCE_LENGTH)
+
+
+def test_a_pretokenized_dataset_is_read_row_by_row_as_upstreams_doremi_reads_it(tiny_data, doremi_domains,
+                                                                                 hf_cache):
+    """No tokenizer, no cache: every sample is one row, each row a sample once per epoch."""
+    import datasets
+
+    from nanotron.data.hf_dataset import HFDataset
+
+    names = ["Pile-CC", "Github"]
+    rows = [datasets.load_from_disk(doremi_domains / name)["input_ids"] for name in names]
+    dataset = HFDataset({str(doremi_domains / name): 1.0 for name in names}, tiny_data["tokenizer"],
+                        SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+    assert dataset.domain_names == names and dataset.num_windows == [len(domain) for domain in rows]
+    assert dataset.tokenizer_fingerprints == [None, None] and not hf_cache.exists()
+    batch = dataset.samples(range(2 * min(dataset.num_windows)))  # within one epoch of each domain
+    seen = Counter(zip(batch["domain_ids"].tolist(), map(tuple, batch["tokens"].tolist())))
+    every_row = {(domain, tuple(row)) for domain, domain_rows in enumerate(rows) for row in domain_rows}
+    assert set(seen) <= every_row and max(seen.values()) == 1
+    smaller = int(np.argmin(dataset.num_windows))
+    assert {tokens for domain, tokens in seen if domain == smaller} == set(map(tuple, rows[smaller]))
+
+
+def test_pretokenized_rows_of_several_lengths_are_documents_of_one_stream(tiny_data, hf_cache, tmp_path):
+    """Any integer type; the documents follow each other as written and are cut like tokenized text."""
+    datasets = pytest.importorskip("datasets", reason=_DATASETS_REASON)
+    from nanotron.data.hf_dataset import HFDataset
+
+    documents = [list(range(start, start + length)) for start, length in ((1, 7), (50, 30), (100, 12))]
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("uint16"))})
+    datasets.Dataset.from_dict({"input_ids": documents}, features=features).save_to_disk(tmp_path / "documents")
+    dataset = HFDataset(tmp_path / "documents", tiny_data["tokenizer"], 8, SEED, cache_folder=hf_cache)
+    stream = [token for document in documents for token in document]
+    assert dataset.num_windows == [(len(stream) - 9) // 8 + 1] and dataset.vocab_size == max(stream) + 1
+    windows = {tuple(stream[start:start + 9]) for start in range(0, len(stream) - 8, 8)}
+    assert {tuple(tokens) for tokens in dataset.samples(range(dataset.num_windows[0]))["tokens"].tolist()} == windows
+
+
+def test_pretokenized_rows_shorter_than_a_sample_are_one_line_naming_the_sequence_length(tiny_data, doremi_domains,
+                                                                                          hf_cache):
+    from nanotron.data.hf_dataset import HFDataset
+
+    with pytest.raises(DataError) as error:
+        HFDataset(doremi_domains / "Github", tiny_data["tokenizer"], 2 * SEQUENCE_LENGTH, SEED, cache_folder=hf_cache)
+    _one_line(error, f"the Hugging Face dataset {doremi_domains / 'Github'} holds rows of {SEQUENCE_LENGTH + 1} token "
+                     f"ids (input_ids), each one sample, shorter than tokens.sequence_length + 1 "
+                     f"({2 * SEQUENCE_LENGTH + 1}); set tokens.sequence_length to {SEQUENCE_LENGTH} or lower")
+
+
 def test_a_missing_datasets_library_is_named_with_its_extra(tiny_data, monkeypatch, tmp_path):
     from nanotron.data.hf_dataset import HFDataset
 
@@ -578,6 +635,27 @@ def test_a_hugging_face_dataset_per_domain_trains_with_its_domains(tiny_data, do
     assert [record["step"] for record in records] == [1, 2]
     assert set(records[0]["domain_losses"]) == {"Wikipedia (en)", "Github"}, records[0]
     assert all(loss > 0 for loss in records[-1]["domain_losses"].values())
+
+
+@pytest.mark.slow
+def test_a_pretokenized_dataset_trains_in_a_plain_stage_and_rows_too_short_are_one_line(tiny_data, doremi_domains,
+                                                                                         tmp_path, monkeypatch):
+    """Rows of SEQUENCE_LENGTH + 1 ids train at that sequence length; at a longer one the run stops before its first
+    step with one line naming the dataset and the key."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+    def config(run: str, sequence_length: int) -> Path:
+        written = tiny_config_dict(tiny_data, tmp_path / run, tokens={"train_steps": 2,
+                                                                      "sequence_length": sequence_length})
+        written["data_stages"][0]["data"]["dataset"] = {"hf_dataset_or_datasets": str(doremi_domains / "Github")}
+        return write_config(tmp_path / f"{run}.yaml", written)
+
+    assert cli("train", "--config-file", config("run", SEQUENCE_LENGTH)).code == 0
+    assert [record["step"] for record in metrics(tmp_path / "run")] == [1, 2]
+    assert_user_error(cli("train", "--config-file", config("longer", 2 * SEQUENCE_LENGTH)),
+                      f"the Hugging Face dataset {doremi_domains / 'Github'} holds rows of {SEQUENCE_LENGTH + 1} "
+                      "token ids", f"set tokens.sequence_length to {SEQUENCE_LENGTH} or lower")
+    assert not (tmp_path / "longer").exists() or not any((tmp_path / "longer").iterdir())
 
 
 def test_a_null_dataset_trains_on_synthetic_tokens(tiny_data, tmp_path):

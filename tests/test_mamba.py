@@ -5,6 +5,7 @@ and bad input."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from support.configs import MAMBA, tiny_config_dict, write_config
 from support.distributed import run_distributed, run_distributed_each
 from support.hf import PROMPTS
 from support.kernels import fresh_python, run_with_triton_interpreter
-from support.parity import assemble, assert_reference_trains, parity_run
+from support.parity import assemble, assert_reference_trains, initial_weights, parity_run
 from support.runs import assert_user_error, cli
 from support.tiers import parity_steps
 
@@ -251,6 +252,46 @@ def test_a_tiny_mamba_learns_from_yaml(tiny_data, tmp_path):
     (facts,) = run_distributed(_train, 1, config=bf16)
     assert facts["fp32"] == (torch.float32, torch.float32, torch.bfloat16)
     assert {"layers.0.mixer.A_log", "layers.0.mixer.D"} <= set(facts["no_decay"])
+
+
+UPSTREAM_INIT = {"initializer_range": 0.02, "rescale_prenorm_residual": True, "n_residuals_per_layer": 1}
+
+
+def _upstream_bounds(config: dict) -> dict[str, float]:
+    """Upstream's Mamba initialisation (examples/mamba/mamba.py, ``init_model_randomly`` at its main branch),
+    transcribed: the bound of every uniform parameter, by its name in a layer."""
+    model, ssm = config["model"]["model_config"], config["model"]["model_config"].get("ssm_cfg", {})
+    d_model, layers, d_inner = model["d_model"], model["num_hidden_layers"], 2 * model["d_model"]
+    dt_rank, d_conv, d_state = -(-d_model // 16), ssm.get("d_conv", 4), ssm.get("d_state", 16)
+    kaiming = lambda fan_in: math.sqrt(6 / ((1 + 5) * fan_in))  # noqa: E731 kaiming_uniform_(a=sqrt(5))
+    return {"in_proj.weight": kaiming(d_model), "x_proj.weight": kaiming(d_inner),
+            "out_proj.weight": kaiming(d_inner) / math.sqrt(UPSTREAM_INIT["n_residuals_per_layer"] * layers),
+            "conv1d.weight": kaiming(d_conv), "conv1d.bias": 1 / math.sqrt(d_conv),
+            "dt_proj.weight": dt_rank ** -0.5, "dt_proj.bias": 1 / math.sqrt(dt_rank), "d_state": d_state}
+
+
+@pytest.mark.slow
+def test_upstreams_mamba_init_is_its_formulas_at_every_layout(tiny_data, tmp_path):
+    """Selected by upstream's keys; every uniform parameter fills its bound (max within 2%, std bound/sqrt(3)), A, D
+    and the norms are exact, the embedding normal(0, initializer_range); tp 2 and pp 2 start from the same values."""
+    config = mamba_config(tiny_data, tmp_path / "run")
+    config["model"]["init_method"] = dict(UPSTREAM_INIT)
+    weights, bounds = initial_weights(config), _upstream_bounds(config)
+    for part in ("in_proj.weight", "x_proj.weight", "out_proj.weight", "conv1d.weight", "conv1d.bias",
+                 "dt_proj.weight", "dt_proj.bias"):
+        values = weights[f"layers.1.mixer.{part}"]
+        assert values.abs().max().item() == pytest.approx(bounds[part], rel=0.02), part
+        assert values.std().item() == pytest.approx(bounds[part] / math.sqrt(3), rel=0.1), part
+    log_a = torch.log(torch.arange(1, bounds["d_state"] + 1, dtype=torch.float32))
+    assert torch.equal(weights["layers.0.mixer.A_log"], log_a.expand_as(weights["layers.0.mixer.A_log"]))
+    assert torch.equal(weights["layers.0.mixer.D"], torch.ones_like(weights["layers.0.mixer.D"]))
+    assert torch.equal(weights["norm.weight"], torch.ones_like(weights["norm.weight"]))
+    assert weights["embed_tokens.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    for layout in ({"tp": 2}, {"pp": 2}):
+        other = initial_weights(config, **layout)
+        assert all(torch.equal(other[name], weights[name]) for name in weights), layout
+    config["model"]["init_method"] = {"std": 0.02}  # the reference initialisation keeps its own name
+    assert initial_weights(config)["layers.1.mixer.in_proj.weight"].std().item() == pytest.approx(0.02, rel=0.05)
 
 
 @pytest.mark.parametrize("change, fragments", [

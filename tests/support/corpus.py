@@ -53,3 +53,24 @@ def without_id_ranges(metadata: dict) -> dict:
     """``metadata`` as a version of ``nanotron preprocess`` that recorded no id range would have written it."""
     return metadata | {"shards": [{key: value for key, value in shard.items()
                                    if key not in ("min_token_id", "max_token_id")} for shard in metadata["shards"]]}
+
+
+def pretokenized_domains(folder: Path, domains: dict[str, list[str]], tokenizer: Path, sequence_length: int,
+                         dtype: str = "int32") -> Path:
+    """Each domain's documents tokenized (each followed by its end-of-document id), cut into rows of
+    ``sequence_length + 1`` ids and saved by ``datasets``' ``save_to_disk`` under ``folder/<domain name>`` with its
+    ``domain_ids``: the layout and columns of upstream's DoReMi datasets (examples/doremi)."""
+    datasets = pytest.importorskip("datasets", reason='save_to_disk writes them; pip install -e ".[data]"')
+    from nanotron.data.tokenizer import eos_token_id, load_tokenizer
+
+    datasets.disable_progress_bars()
+    loaded = load_tokenizer(tokenizer)
+    end, width = eos_token_id(loaded), sequence_length + 1
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value(dtype)),
+                                  "domain_ids": datasets.Value("int64")})
+    for index, (name, documents) in enumerate(domains.items()):
+        ids = [token for text in documents for token in loaded.encode(text).ids + [end]]
+        rows = [ids[start:start + width] for start in range(0, len(ids) - width + 1, width)]
+        datasets.Dataset.from_dict({"input_ids": rows, "domain_ids": [index] * len(rows)},
+                                   features=features).save_to_disk(folder / name)
+    return folder

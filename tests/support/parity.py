@@ -124,3 +124,26 @@ def check_against_reference(reference: dict, results: list[dict], tp: int, varia
     for expected, got in zip(reference["metrics"], results[0]["metrics"], strict=True):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), got["step"]
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]
+
+
+def initial_weights(config: dict, **parallelism: int) -> dict[str, torch.Tensor]:
+    """The logical initial tensors of ``config``'s model at the layout ``parallelism`` (tp, pp, dp, ...), assembled
+    from every rank's part, each rank built and initialised in this process without process groups
+    (``GridPosition``), as training builds it."""
+    from nanotron.config import config_from_dict
+    from nanotron.layout import Layout
+    from nanotron.models.build import BuildOptions, build_stage, parameter_initializer
+    from nanotron.parallel.context import GridPosition
+    from nanotron.parallel.placement import logical_parameters
+
+    cfg = config_from_dict(config | {"parallelism": config["parallelism"] | parallelism})
+    layout, options = Layout.from_config(cfg), BuildOptions.from_config(cfg)
+    results = []
+    for rank in range(layout.world_size):
+        grid = GridPosition(layout, layout.coordinates(rank))
+        model = build_stage(cfg.model.model_config, grid, options, device=torch.device("cpu"))
+        params = logical_parameters(model)
+        parameter_initializer(cfg.model.model_config, grid, options)(params)
+        tensors = {name: param.detach().float() for name, param in params.items()}
+        results.append({"weights": logical_pieces(tensors, params, grid.coordinates, grid.sizes)})
+    return assemble(results, "weights")

@@ -34,7 +34,14 @@ from nanotron.config.loading import (
     save_config,
 )
 from nanotron.config.mamba import MambaConfig, MambaSSMArgs
-from nanotron.config.model import MODEL_CONFIG_CLASSES, ExistingCheckpointInit, ModelArgs, RandomInit
+from nanotron.config.model import (
+    MODEL_CONFIG_CLASSES,
+    ExistingCheckpointInit,
+    MambaInit,
+    ModelArgs,
+    RandomInit,
+    SpectralMupInit,
+)
 from nanotron.config.moe import LlaMoEConfig
 from nanotron.config.optimizer import LRSchedulerArgs, OptimizerArgs
 from nanotron.config.parallelism import ParallelismArgs
@@ -65,6 +72,7 @@ __all__ = [
     "LegacyKeyWarning",
     "LlaMoEConfig",
     "MambaConfig",
+    "MambaInit",
     "MambaSSMArgs",
     "LlamaConfig",
     "LoggingArgs",
@@ -77,6 +85,7 @@ __all__ = [
     "Qwen3MoEConfig",
     "RandomInit",
     "RunLengthWarning",
+    "SpectralMupInit",
     "TokenizerArgs",
     "TokensArgs",
     "WandbArgs",

@@ -21,7 +21,7 @@ import yaml
 from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DatasetArgs, HFDatasetArgs, SFTDatasetArgs
 from nanotron.config.general import DEFAULT_RUN_NAME
-from nanotron.config.model import MISPLACED_KEYS, MODEL_CONFIG_CLASSES, ModelArgs, RandomInit
+from nanotron.config.model import MISPLACED_KEYS, MODEL_CONFIG_CLASSES, ExistingCheckpointInit, ModelArgs
 from nanotron.config.rules import (
     ConfigError,
     canonical,
@@ -353,7 +353,7 @@ def _context_at_least_the_sequences(cfg: Config) -> None:
     model_config, sequence_length = cfg.model.model_config, cfg.tokens.sequence_length
     limit = getattr(model_config, "max_position_embeddings", None)
     if (limit is None or sequence_length <= limit or getattr(model_config, "rope_scaling", None) is not None
-            or not isinstance(cfg.model.init_method, RandomInit)):
+            or isinstance(cfg.model.init_method, ExistingCheckpointInit)):
         return
     warnings.warn(f"model.model_config.max_position_embeddings ({limit}) is below tokens.sequence_length "
                   f"({sequence_length}): the model is trained on {sequence_length} positions and records "

@@ -41,9 +41,27 @@ class ExistingCheckpointInit:
 
 
 @dataclass
+class MambaInit:
+    """Upstream's Mamba initialisation (``models/mamba/model.py``: ``upstream_mamba_init_rule``), chosen by its keys;
+    ``{std}`` is the reference one."""
+
+    initializer_range: float
+    rescale_prenorm_residual: bool
+    n_residuals_per_layer: int
+
+
+@dataclass
+class SpectralMupInit:
+    """Upstream's spectral µP (``models/mup.py``): initial scales, learning rates and the attention scale that follow
+    each matrix's shape, so that hyper-parameters tuned at one width hold at another."""
+
+    use_mup: bool
+
+
+@dataclass
 class ModelArgs:
     model_config: LlamaConfig | MambaConfig  # or LlamaConfig's subclasses LlaMoEConfig, Qwen2Config, Qwen3Config
-    init_method: RandomInit | ExistingCheckpointInit
+    init_method: RandomInit | ExistingCheckpointInit | MambaInit | SpectralMupInit
     dtype: DType = "bfloat16"
     make_vocab_size_divisible_by: int = 1
     ddp_bucket_cap_mb: int = 25
@@ -54,6 +72,23 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         canonical_spellings(self)
+
+    def _init_method_problems(self) -> Iterator[str]:
+        init, family = self.init_method, self.model_config
+        if isinstance(init, MambaInit):
+            if not isinstance(family, MambaConfig):
+                yield ("model.init_method: {initializer_range, rescale_prenorm_residual, n_residuals_per_layer} is "
+                       "upstream's Mamba initialisation, and model_config is not a Mamba model; write "
+                       "init_method: {std: <number>}")
+            yield from positive("model.init_method.initializer_range", init.initializer_range)
+            yield from at_least("model.init_method.n_residuals_per_layer", init.n_residuals_per_layer, 1)
+        if isinstance(init, SpectralMupInit):
+            if init.use_mup is not True:
+                yield ("model.init_method.use_mup: false is not an initialisation; remove the key and write "
+                       "init_method: {std: <number>}, or set use_mup: true")
+            elif isinstance(family, MambaConfig) or family.moe is not None:
+                yield ("model.init_method.use_mup: spectral µP covers dense attention models (Llama, Qwen2, Qwen3), "
+                       "as upstream's does; write init_method: {std: <number>} for this model")
 
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
@@ -66,6 +101,7 @@ class ModelArgs:
         yield from at_least("model.loss_chunk_tokens", self.loss_chunk_tokens, 0)
         if isinstance(self.init_method, RandomInit):
             yield from positive("model.init_method.std", self.init_method.std)
+        yield from self._init_method_problems()
         yield from self.model_config.problems(MODEL_CONFIG_KEY)
         if self.attention_backend == "fa4" and not self.model_config.attention:
             yield "model.attention_backend: fa4 needs a family with attention, Mamba has none; remove the key"

@@ -109,7 +109,6 @@ FEATURES: dict[str, Feature] = {
         "set alltoall (the same results as upstream's allgather: tokens travel to their experts by all-to-all)"),
 }
 
-_MAMBA_INIT_KEYS = {"initializer_range", "rescale_prenorm_residual", "n_residuals_per_layer"}
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 V04_DATA_STAGE_NAME = "main"
 # AdamW's settings inside upstream main's ``optimizer_factory``: our flat ``optimizer`` fields of the same names.
@@ -354,30 +353,16 @@ def other_spellings(dotted: str) -> tuple[str, ...]:
 
 
 def _init_method(raw: dict, found: Translation) -> None:
-    """``scaling_method: NUM_LAYERS`` is our random init; spectral µP and Mamba's own init are refused. A refused
-    form is replaced by ``{std}``, so that the reader does not add a second line about the same mapping."""
+    """``scaling_method: NUM_LAYERS`` is our random init; ``use_mup`` (spectral µP) and Mamba's own keys are init
+    methods of their own (``config/model.py``), read as written."""
     init = _section(raw, "model.init_method")
-    if init is None:
+    if init is None or "scaling_method" not in init:
         return
-    if "use_mup" in init:
-        found.problems.append(f"model.init_method.use_mup ({_yaml(init.pop('use_mup'))}): spectral µP "
-                              "initialisation is not available yet; write init_method: {std: <number>}")
-        init.setdefault("std", 1.0)
-    if "scaling_method" in init:
-        method = init.pop("scaling_method")
-        if method != "NUM_LAYERS":
-            found.problems.append(
-                f"model.init_method.scaling_method ({method}): only NUM_LAYERS is available (residual output "
-                "projections at std / sqrt(2 * num_hidden_layers)); write NUM_LAYERS or remove it")
-    if _MAMBA_INIT_KEYS & init.keys() and "std" not in init:
+    method = init.pop("scaling_method")
+    if method != "NUM_LAYERS":
         found.problems.append(
-            "model.init_method: upstream's Mamba initialisation {initializer_range, rescale_prenorm_residual, "
-            "n_residuals_per_layer} (PyTorch's kaiming-uniform linear layers) is not available; write "
-            "init_method: {std: <initializer_range>}: normal(0, std) matrices, out_proj at std / "
-            "sqrt(num_hidden_layers) as with rescale_prenorm_residual and n_residuals_per_layer 1")
-        init["std"] = init.get("initializer_range", 0.02)
-        for key in _MAMBA_INIT_KEYS & init.keys():
-            del init[key]
+            f"model.init_method.scaling_method ({method}): only NUM_LAYERS is available (residual output "
+            "projections at std / sqrt(2 * num_hidden_layers)); write NUM_LAYERS or remove it")
 
 
 def _model_config(raw: dict, found: Translation) -> None:

@@ -384,19 +384,22 @@ class PretrainDataset(BlendedDataset):
     tokens with stride ``sequence_length``, neighbours sharing one token.
 
     ``weights`` defaults to the folders' token counts. Domain ids are positions in ``folders``; ``sources`` are what
-    they were made from, if not themselves (``BlendedDataset``).
+    they were made from, if not themselves (``BlendedDataset``). A folder may be given opened, as a stream of the
+    same attributes as ``TokenShards`` (a pre-tokenized dataset's ``ArrowTokens``, which records no tokenizer).
     """
 
-    def __init__(self, folders: Sequence[Path], weights: Sequence[float] | None, sequence_length: int, seed: int,
-                 sources: Sequence[str | Path] | None = None):
-        folders = folder_list(folders)
+    def __init__(self, folders: Sequence[Path | ConcatenatedArrays], weights: Sequence[float] | None,
+                 sequence_length: int, seed: int, sources: Sequence[str | Path] | None = None):
         check_sequence_length(sequence_length)
-        shards = [TokenShards(folder) for folder in folders]
+        listed = [folders] if isinstance(folders, (str, Path)) else list(folders)
+        shards = [folder if isinstance(folder, ConcatenatedArrays) else TokenShards(Path(folder))
+                  for folder in listed or folder_list(listed)]
         self.vocab_size = max(folder.vocab_size for folder in shards)
-        self.eos_token_id = shards[0].eos_token_id  # one tokenizer (checked below), so one end-of-document id
+        # one tokenizer (checked below), so one end-of-document id
+        self.eos_token_id = next((folder.eos_token_id for folder in shards if folder.eos_token_id is not None), None)
         self.tokenizer_fingerprints = [folder.tokenizer_fingerprint for folder in shards]
         self.tokenizer_names = [folder.tokenizer_name for folder in shards]
-        if len(set(self.tokenizer_fingerprints)) > 1:
+        if len(set(self.tokenizer_fingerprints) - {None}) > 1:
             raise DataError("the folders of dataset_folder were tokenized with different tokenizers ("
                             + ", ".join(f"{folder.folder}: {folder.tokenizer_fingerprint[:12]}" for folder in shards)
                             + "); preprocess them all with the same tokenizer")

@@ -13,6 +13,9 @@ cut when read: one cache serves every sequence length. Samples are then those of
 (``dataset.PretrainDataset``): windows of ``sequence_length + 1`` tokens sharing one token with their neighbours, as
 upstream cuts Hugging Face datasets too, an exact resume and the same global batch at any layout.
 
+A dataset of token ids (an ``input_ids`` column and no text column) is read as it is, without a tokenizer
+(``pretokenized.py``: rows of one length are samples, as upstream's DoReMi datasets are read).
+
 ``datasets`` is the optional extra ``data``; without it, using a Hugging Face dataset is one error naming it.
 """
 
@@ -28,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from nanotron.data.dataset import DataError, PretrainDataset
+from nanotron.data.dataset import DataError, PretrainDataset, TokenShards
 from nanotron.data.preprocess import FORMAT_VERSION, METADATA_FILE_NAME, _BatchEncoder, write_token_folder
+from nanotron.data.pretokenized import ArrowTokens, is_pretokenized
 from nanotron.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 __all__ = ["HFDataset", "tokenize_hf_dataset"]
@@ -170,13 +174,26 @@ def tokenize_hf_dataset(dataset: str | Path, tokenizer: str | Path, *, splits: s
     ``overwrite_cache`` tokenizes again even if the folder exists. Processes that build the same folder at once all
     succeed (the first to finish provides it), but run it on one process first to tokenize only once.
     """
-    datasets = _datasets_library()
+    splits = _split_list(dataset, splits)
+    return _tokenized_folder(dataset, _load_splits(dataset, splits, config_name), tokenizer, splits=splits,
+                             text_column=text_column, config_name=config_name, num_proc=num_proc,
+                             cache_folder=cache_folder, overwrite_cache=overwrite_cache)
+
+
+def _split_list(dataset: str | Path, splits: str | Sequence[str]) -> list[str]:
     splits = [splits] if isinstance(splits, str) else list(splits)
     if not splits:
         raise DataError(f"hf_dataset_splits is empty for {dataset}; name at least one split, e.g. train")
+    return splits
+
+
+def _tokenized_folder(dataset: str | Path, parts: list, tokenizer: str | Path, *, splits: list[str], text_column: str,
+                      config_name: str | None, num_proc: int, cache_folder: str | Path | None,
+                      overwrite_cache: bool) -> Path:
+    """``tokenize_hf_dataset`` of the loaded splits ``parts``."""
+    datasets = _datasets_library()
     if num_proc < 1:
         raise DataError(f"dataset_processing_num_proc_per_process must be at least 1, got {num_proc}")
-    parts = _load_splits(dataset, splits, config_name)
     _checked_text_column(dataset, splits, parts, text_column)
     fingerprint = tokenizer_fingerprint(load_tokenizer(tokenizer))
     cache_root = Path(cache_folder) if cache_folder is not None else Path(datasets.config.HF_DATASETS_CACHE) / (
@@ -217,7 +234,8 @@ def _token_batches(tokenized) -> Iterator[tuple[np.ndarray, np.ndarray]]:
 class HFDataset(PretrainDataset):
     """The sample stream of one Hugging Face dataset, or of several blended by weight (``{name: weight}``, upstream's
     ``hf_dataset_or_datasets`` mapping), each tokenized once into a cached preprocessed folder
-    (``tokenize_hf_dataset``, whose keyword arguments it takes) and read as ``PretrainDataset`` reads folders."""
+    (``tokenize_hf_dataset``, whose keyword arguments it takes) and read as ``PretrainDataset`` reads folders, or
+    read as it is where it holds token ids (``pretokenized.py``)."""
 
     def __init__(self, datasets: str | Path | Mapping[str, float], tokenizer: str | Path, sequence_length: int,
                  seed: int, *, splits: str | Sequence[str] = "train", text_column: str = "text",
@@ -233,7 +251,18 @@ class HFDataset(PretrainDataset):
         else:
             names, weights = [datasets], None
         self.dataset_names = [str(name) for name in names]
-        folders = [tokenize_hf_dataset(name, tokenizer, splits=splits, text_column=text_column,
-                                       config_name=config_name, num_proc=num_proc, cache_folder=cache_folder,
-                                       overwrite_cache=overwrite_cache) for name in names]
-        super().__init__(folders, weights, sequence_length, seed, sources=self.dataset_names)
+        streams = [_token_stream(name, tokenizer, sequence_length, splits=_split_list(name, splits),
+                                 text_column=text_column, config_name=config_name, num_proc=num_proc,
+                                 cache_folder=cache_folder, overwrite_cache=overwrite_cache) for name in names]
+        super().__init__(streams, weights, sequence_length, seed, sources=self.dataset_names)
+
+
+def _token_stream(dataset: str | Path, tokenizer: str | Path, sequence_length: int, *, splits: list[str],
+                  config_name: str | None, **tokenizing) -> ArrowTokens | TokenShards:
+    """The tokens of ``dataset``'s ``splits``: its ids as they are where it holds token ids, else its text tokenized
+    into the cache (``tokenizing``: ``_tokenized_folder``'s settings)."""
+    parts = _load_splits(dataset, splits, config_name)
+    if is_pretokenized(parts, tokenizing["text_column"]):
+        return ArrowTokens(dataset, parts, sequence_length)
+    return TokenShards(_tokenized_folder(dataset, parts, tokenizer, splits=splits, config_name=config_name,
+                                         **tokenizing))

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.run_folder import resolve_checkpoint
-from nanotron.config import Config, ConfigError, DatasetStageArgs, DoReMiArgs, load_config
+from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, DoReMiArgs, HFDatasetArgs, load_config
 from nanotron.data.batch import MicroBatch
 from nanotron.data.dataset import unique_domain_names
 from nanotron.errors import CheckpointError
@@ -81,20 +81,33 @@ def _masks_documents(spec: ModelSpec) -> bool:
     return "document_ids" in inspect.signature(spec.model_class.forward).parameters
 
 
-_DOMAIN_NAMING = "named by doremi.domain_names, else by the folders of data_stages[0].data.dataset.dataset_folder"
+_DOMAIN_NAMING = ("named by doremi.domain_names, else by the folders of data_stages[0].data.dataset.dataset_folder "
+                  "or its hf_dataset_or_datasets")
 
 
 def domain_names(config: Config) -> list[str]:
-    """The names of a DoReMi run's domains, which key its weights: ``doremi.domain_names``, else the names of the
-    folders of its data stage (``unique_domain_names``); two domains given the same name are refused."""
-    doremi, folders = config.doremi, config.data_stages[0].data.dataset.dataset_folder
+    """The names of a DoReMi run's domains, which key its weights: ``doremi.domain_names``, else the names of what
+    its data stage reads, folders or Hugging Face datasets (``unique_domain_names``); two domains given the same
+    name are refused."""
+    doremi = config.doremi
     names = list(doremi.domain_names) if doremi is not None and doremi.domain_names is not None else (
-        unique_domain_names(folders))
+        unique_domain_names(_domain_sources(config.data_stages[0].data.dataset)))
     repeated = [name for name, count in Counter(names).items() if count > 1]
     if repeated:
         raise ConfigError(f"DoReMi keys its weights by domain name, and {', '.join(map(repr, repeated))} names "
                           f"several domains ({_DOMAIN_NAMING}); give each its own name in doremi.domain_names")
     return names
+
+
+def _domain_sources(dataset: DatasetArgs | HFDatasetArgs | None) -> list[str | Path]:
+    """What each domain of a data stage is read from: its folders, or its Hugging Face datasets."""
+    if isinstance(dataset, HFDatasetArgs):
+        datasets = dataset.hf_dataset_or_datasets
+        return list(datasets) if isinstance(datasets, dict) else [datasets]
+    if dataset is None:
+        raise ConfigError("DoReMi's proxy reads its domains from data_stages[0].data.dataset, which is null "
+                          "(synthetic tokens); give it the domains' folders or Hugging Face datasets")
+    return dataset.dataset_folder
 
 
 def saved_weights(checkpoint: Path, metadata: dict, names: list[str]) -> list[float] | None:
@@ -184,7 +197,7 @@ class DoReMiProxy(DomainMixture):
     def sampling_weights(self, stage: DatasetStageArgs, weights: list[float] | None) -> list[float]:
         """Uniform over the domains unless ``dataset_weights`` say otherwise: ``doremi.domain_weights`` are the
         proxy's starting loss weights, not its sampling mixture."""
-        return weights or [1.0] * stage.data.num_domains
+        return weights or [1.0] * len(self.names)
 
     def step_terms(self) -> list[ExcessLoss]:
         return [ExcessLoss(len(self.names))]

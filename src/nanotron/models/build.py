@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from nanotron.config import Config
+from nanotron.config import Config, SpectralMupInit
 from nanotron.layout import Axis, Group
 from nanotron.models.init import init_parameters
+from nanotron.models.mup import learning_rate_scales, spectral_init_rule
 from nanotron.models.registry import spec_for_config
-from nanotron.models.spec import CausalLM
+from nanotron.models.spec import CausalLM, Initializer
 from nanotron.nn.flash_attention import use_flash_attention
 from nanotron.nn.recompute import compile_layer, recompute_in_backward
 from nanotron.parallel.context import GridPosition, ParallelContext
@@ -48,6 +50,7 @@ class BuildOptions:
     recompute: str = "none"  # parallelism.recompute: none | full | selective | pointwise
     compile: bool = False
     attention_backend: str = "auto"  # model.attention_backend: auto | torch | fa4
+    init_method: Any = None  # model.init_method: another initialisation than normal(0, init_std) (µP, Mamba's)
 
     @classmethod
     def from_config(cls, config: Config) -> BuildOptions:
@@ -59,7 +62,7 @@ class BuildOptions:
             tp_overlap=p.tp_linear_async_communication, tp_sums_in_fp32=p.tp_partial_sums_in_fp32,
             pp_stage_layers=p.pp_stage_layers,
             sequence_length=config.tokens.sequence_length, recompute=p.recompute, compile=model.compile,
-            attention_backend=model.attention_backend,
+            attention_backend=model.attention_backend, init_method=model.init_method,
         )
 
 
@@ -188,10 +191,30 @@ def parameter_initializer(model_config, grid: ParallelContext | GridPosition,
                           options: BuildOptions) -> Callable[[dict[str, torch.Tensor]], None]:
     """The function that gives parameters (by logical name) their initial values at ``grid``'s coordinates: the
     family's rule, seeded by the run's seed and each name."""
-    spec = spec_for_config(model_config)
+    rule = initial_value_rule(model_config, options)
 
     def initialize(params: dict[str, torch.Tensor]) -> None:
-        init_parameters(params, options.seed, lambda name: spec.init_rule(name, model_config, options.init_std),
-                        grid.coordinates, grid.sizes)
+        init_parameters(params, options.seed, rule, grid.coordinates, grid.sizes)
 
     return initialize
+
+
+def initial_value_rule(model_config, options: BuildOptions) -> Callable[[str], Initializer]:
+    """Each parameter's initializer by logical name, as ``model.init_method`` selects it: spectral µP
+    (``models/mup.py``), an initialisation of the family's own (``ModelSpec.init_rules``), or the family's rule at
+    ``init_std``."""
+    spec, method = spec_for_config(model_config), options.init_method
+    if isinstance(method, SpectralMupInit):
+        return spectral_init_rule(model_config, spec)
+    own = spec.init_rules.get(type(method))
+    if own is not None:
+        return lambda name: own(name, model_config, method)
+    return lambda name: spec.init_rule(name, model_config, options.init_std)
+
+
+def parameter_lr_scales(model_config, options: BuildOptions) -> dict[str, float] | None:
+    """Each parameter's learning rate over the schedule's (by logical name), where ``model.init_method`` sets them
+    (spectral µP); None: the schedule's for all."""
+    if isinstance(options.init_method, SpectralMupInit):
+        return learning_rate_scales(model_config, spec_for_config(model_config))
+    return None

@@ -28,6 +28,10 @@ def normal(std: float) -> Initializer:
     return lambda tensor, generator: tensor.normal_(0.0, std, generator=generator)
 
 
+def uniform(bound: float) -> Initializer:
+    return lambda tensor, generator: tensor.uniform_(-bound, bound, generator=generator)
+
+
 def constant(value: float) -> Initializer:
     return lambda tensor, generator: tensor.fill_(value)
 

@@ -12,7 +12,7 @@ so adding a family means adding its files and one registry entry.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -193,3 +193,6 @@ class ModelSpec:
     # memory planner's model of the family, checked against measured peaks; it raises ConfigError for a setting it
     # does not model. None: the planner refuses the family.
     layer_activations: LayerActivations | None = None
+    # The family's other initialisations, by the class of ``model.init_method`` that selects each: (logical name,
+    # config, init method) -> initializer (Mamba: upstream's own, ``MambaInit``)
+    init_rules: dict[type, Callable[[str, Any, Any], Initializer]] = field(default_factory=dict)

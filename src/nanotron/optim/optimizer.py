@@ -67,13 +67,14 @@ class MixedPrecisionAdamW:
         the model's weights get the new masters (all-gathered over data-parallel ranks under ZeRO-1)."""
         self.step_count += 1
         a = self.args
-        hyper = {decay: AdamWHyperparameters.at_step(self.step_count, lr, a.adam_beta1, a.adam_beta2, a.adam_eps,
-                                                     a.weight_decay if decay else 0.0, grad_multiplier, self.device)
-                 for decay in (True, False)}
+        hyper = {(decay, scale): AdamWHyperparameters.at_step(
+                     self.step_count, lr * scale, a.adam_beta1, a.adam_beta2, a.adam_eps,
+                     a.weight_decay if decay else 0.0, grad_multiplier, self.device)
+                 for decay, scale in {(bucket.weight_decay, bucket.lr_scale) for bucket in self.buckets.buckets}}
         for index, bucket in enumerate(self.buckets.buckets):
             update = self._updates[self.remainders[index]]
             for grad, master, exp_avg, exp_avg_sq, weights in self._shard_pieces(index):
-                update(master, grad, exp_avg, exp_avg_sq, weights, hyper[bucket.weight_decay])
+                update(master, grad, exp_avg, exp_avg_sq, weights, hyper[bucket.weight_decay, bucket.lr_scale])
         self.buckets.all_gather_params()
 
     def _shard_pieces(self, index: int) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -166,18 +167,20 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, 
                     replicas: dict[tuple[Axis, ...], dist.ProcessGroup | None] | None = None,
                     units: dict[str, str] | None = None,
                     initialize: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                    lr_scales: dict[str, float] | None = None,
                     ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
     """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
     ``groups`` (gradient axes -> process group, ``ParallelContext.shard_groups``; under HSDP the ranks of one shard
     group, each shard's ``replicas`` then summed) and the optimizer over their shards; ``single_micro_batch``: every
     step has one micro-batch per replica. ZeRO-3: ``units`` (parameter name -> unit) cut the buckets, and
-    ``initialize`` gives the parameters their values a bucket at a time (``GradientBuckets.fill``)."""
+    ``initialize`` gives the parameters their values a bucket at a time (``GradientBuckets.fill``). ``lr_scales``
+    multiply the learning rate of the parameters they name (spectral µP)."""
     exclude = args.weight_decay_exclude_named_params
     no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
     zero = ZeroSettings(args.zero_stage, replicas, units, args.grad_reduce_in_bf16)
     buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups, zero,
                               single_micro_batch=single_micro_batch,
-                              persistent_buffers=args.persistent_gradient_buffers)
+                              persistent_buffers=args.persistent_gradient_buffers, lr_scales=lr_scales)
     if initialize is not None:
         buckets.fill(initialize)
     return buckets, MixedPrecisionAdamW(buckets, args)

@@ -109,6 +109,7 @@ class Bucket:
     shard: slice  # the part this rank reduces and optimizes (all of it without ZeRO)
     shard_params: torch.Tensor  # this rank's shard of the parameters (a view of ``params`` but under ZeRO-3)
     unit: str = ""  # ZeRO-3: the unit its parameters belong to (gathered and released together)
+    lr_scale: float = 1.0  # its parameters' learning rate over the schedule's (spectral µP: fan_out / fan_in)
     sharded_grads: bool = False  # ZeRO-2/3: each micro-batch's gradients reduce-scattered into ``shard_grads``
     sharded_params: bool = False  # ZeRO-3: ``params`` has storage only while gathered
     replicas: dist.ProcessGroup | None = None  # HSDP: the replicas of this rank's shard
@@ -162,9 +163,10 @@ class GradientBuckets:
 
     A bucket only holds parameters that share a reduction group (their gradient axes: dense weights over dp × cp ×
     ep, expert weights over dp × cp), a dtype (an fp32 parameter among bf16 ones keeps its precision), a weight-decay
-    setting and, under ZeRO-3, a unit. ``groups`` maps gradient axes to the process group a bucket is reduced (and
-    sharded) over (``ParallelContext.shard_groups``). ``single_micro_batch`` promises one gradient per parameter and
-    step (``batch_accumulation_per_replica`` 1), which lets buckets that are not reduced keep their gradients in the
+    setting, a learning-rate scale (``lr_scales``, by name; 1 by default) and, under ZeRO-3, a unit. ``groups`` maps
+    gradient axes to the process group a bucket is reduced (and sharded) over (``ParallelContext.shard_groups``).
+    ``single_micro_batch`` promises one gradient per parameter and step (``batch_accumulation_per_replica`` 1), which
+    lets buckets that are not reduced keep their gradients in the
     parameter's dtype (``gradient_dtype``), and hold large ones as autograd produced them, without a buffer, unless
     ``persistent_buffers`` (``holds_autograd_gradient``); a second gradient in a step then is an error rather than a
     sum in lower precision. A parameter without storage (a placeholder of ``build_model(initialize=False)``) gets its
@@ -174,7 +176,7 @@ class GradientBuckets:
     def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], accumulate_in_fp32: bool,
                  bucket_bytes: int, groups: dict[tuple[Axis, ...], dist.ProcessGroup],
                  zero: ZeroSettings = ZeroSettings(), single_micro_batch: bool = False,
-                 persistent_buffers: bool = False):
+                 persistent_buffers: bool = False, lr_scales: dict[str, float] | None = None):
         self.params = params
         self.settings = zero
         self.single_micro_batch = single_micro_batch
@@ -186,16 +188,20 @@ class GradientBuckets:
         self.on_reduced: Callable[[Bucket], None] | None = None  # ZeRO-3: told of each bucket a backward reduced
         self.after_update: Callable[[], None] | None = None  # ZeRO-3: told when the shards changed
 
-        units = zero.units or {}
+        units, lr_scales = zero.units or {}, lr_scales or {}
         for decay in (True, False):
-            by_kind: dict[tuple[str, tuple[Axis, ...], torch.dtype], list[str]] = {}
+            by_kind: dict[tuple[str, tuple[Axis, ...], torch.dtype, float], list[str]] = {}
             for name in reversed(params):
                 if (name not in no_decay) == decay:
-                    kind = (units.get(name, ""), get_placement(params[name]).gradient_axes, params[name].dtype)
+                    kind = (units.get(name, ""), get_placement(params[name]).gradient_axes, params[name].dtype,
+                            lr_scales.get(name, 1.0))
                     by_kind.setdefault(kind, []).append(name)
-            for (unit, axes, dtype), names in by_kind.items():
+            for (unit, axes, dtype, lr_scale), names in by_kind.items():
+                count = len(self.buckets)
                 self._add_buckets(names, unit, axes, dtype, decay, groups[axes], accumulate_in_fp32, bucket_bytes,
                                   persistent_buffers)
+                for bucket in self.buckets[count:]:
+                    bucket.lr_scale = lr_scale
         for name, param in params.items():
             param.register_post_accumulate_grad_hook(self._hook(name))
 

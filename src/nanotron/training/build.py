@@ -28,7 +28,13 @@ from nanotron.data.tokenizer import (
 )
 from nanotron.layout import Axis
 from nanotron.memory import memory_summary
-from nanotron.models.build import BuildOptions, ModuleConverter, build_model, parameter_initializer
+from nanotron.models.build import (
+    BuildOptions,
+    ModuleConverter,
+    build_model,
+    parameter_initializer,
+    parameter_lr_scales,
+)
 from nanotron.models.spec import CausalLM
 from nanotron.optim.optimizer import MixedPrecisionAdamW, build_optimizer
 from nanotron.parallel.context import ParallelContext
@@ -191,6 +197,7 @@ def trained_model(config: Config, pc: ParallelContext, converters: Sequence[Modu
         replicas={axes: replicas for axes, (_, replicas) in shards.items()},
         units=parameter_units(model) if sharded else None,
         initialize=parameter_initializer(model_config, pc, options) if sharded else None,
+        lr_scales=parameter_lr_scales(model_config, options),
     )
     units = ShardedUnits(model, buckets) if any(bucket.sharded_params for bucket in buckets.buckets) else None
     return TrainedModel(model, buckets, optimizer, units)

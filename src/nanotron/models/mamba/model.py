@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanotron.config import MambaConfig
-from nanotron.models.init import constant, normal
+from nanotron.config import MambaConfig, MambaInit
+from nanotron.models.init import constant, normal, uniform
 from nanotron.models.spec import Initializer, tie_embeddings
 from nanotron.nn.causal_conv1d import CausalConv1d
 from nanotron.nn.linear import Linear
@@ -132,17 +132,14 @@ class MambaForCausalLM(nn.Module):
 
 
 def mamba_init_rule(name: str, config: MambaConfig, std: float) -> Initializer:
-    """The reference initialisation: S4D-real A (``A_log[c, n] = log(n + 1)``), D = 1, dt_proj's bias the inverse
-    softplus of a log-uniform step in [dt_min, dt_max] (floored at dt_init_floor), dt_proj's weight uniform (or
-    constant) at ``dt_rank^-0.5 · dt_scale``, out_proj scaled by 1/sqrt(num_layers) like a residual output, norms
-    at one, other biases at zero, other matrices normal(0, std)."""
+    """The reference initialisation (``init_method: {std}``): S4D-real A (``A_log[c, n] = log(n + 1)``), D = 1,
+    dt_proj's bias the inverse softplus of a log-uniform step in [dt_min, dt_max] (floored at dt_init_floor),
+    dt_proj's weight uniform (or constant) at ``dt_rank^-0.5 · dt_scale``, out_proj scaled by 1/sqrt(num_layers)
+    like a residual output, norms at one, other biases at zero, other matrices normal(0, std)."""
     ssm = config.ssm_cfg
-    if name.endswith("norm.weight"):
-        return constant(1.0)
-    if name.endswith("A_log"):
-        return lambda t, g: t.copy_(torch.log(torch.arange(1, t.shape[1] + 1, dtype=t.dtype)).expand_as(t))
-    if name.endswith(".D"):
-        return constant(1.0)
+    state_space = _state_space_rule(name, config)
+    if state_space is not None:
+        return state_space
     if name.endswith("dt_proj.bias"):
         def dt_bias(t: torch.Tensor, g: torch.Generator) -> None:
             low, high = math.log(ssm.dt_min), math.log(ssm.dt_max)
@@ -150,14 +147,47 @@ def mamba_init_rule(name: str, config: MambaConfig, std: float) -> Initializer:
             dt = dt.clamp(min=ssm.dt_init_floor)
             t.copy_(dt + torch.log(-torch.expm1(-dt)))
         return dt_bias
-    if name.endswith("dt_proj.weight"):
-        bound = config.dt_rank ** -0.5 * ssm.dt_scale
-        if ssm.dt_init == "constant":
-            return constant(bound)
-        return lambda t, g: t.uniform_(-bound, bound, generator=g)
     if name.endswith(".bias"):
         return constant(0.0)
     if name.endswith("out_proj.weight"):
         return normal(std / config.num_hidden_layers ** 0.5)
     return normal(std)
 
+
+def upstream_mamba_init_rule(name: str, config: MambaConfig, init: MambaInit) -> Initializer:
+    """Upstream nanotron's Mamba initialisation (``init_method: {initializer_range, rescale_prenorm_residual,
+    n_residuals_per_layer}``, examples/mamba at its main branch), on the logical tensors: the projections and the
+    convolution PyTorch's default kaiming-uniform, ``U(±1/sqrt(fan_in))``, out_proj then divided by
+    ``sqrt(n_residuals_per_layer · num_layers)`` with ``rescale_prenorm_residual``; the convolution's and dt_proj's
+    biases ``U(±1/sqrt(fan_in))``; the embedding normal(0, initializer_range); A, D, dt_proj's weight and the norms
+    as in the reference initialisation."""
+    state_space = _state_space_rule(name, config)
+    if state_space is not None:
+        return state_space
+    if name.endswith("embed_tokens.weight"):
+        return normal(init.initializer_range)
+    if name.endswith("conv1d.bias"):
+        return uniform(config.ssm_cfg.d_conv ** -0.5)
+    if name.endswith("dt_proj.bias"):
+        return uniform(config.dt_rank ** -0.5)
+    if name.endswith(".bias"):
+        return constant(0.0)
+    scale = 1.0
+    if name.endswith("out_proj.weight") and init.rescale_prenorm_residual:
+        scale = (init.n_residuals_per_layer * config.num_hidden_layers) ** -0.5
+    return lambda t, g: t.uniform_(-1.0, 1.0, generator=g).mul_(scale * math.prod(t.shape[1:]) ** -0.5)
+
+
+def _state_space_rule(name: str, config: MambaConfig) -> Initializer | None:
+    """What both initialisations give the norms, A, D and dt_proj's weight (None for the other parameters)."""
+    ssm = config.ssm_cfg
+    if name.endswith("norm.weight"):
+        return constant(1.0)
+    if name.endswith("A_log"):
+        return lambda t, g: t.copy_(torch.log(torch.arange(1, t.shape[1] + 1, dtype=t.dtype)).expand_as(t))
+    if name.endswith(".D"):
+        return constant(1.0)
+    if name.endswith("dt_proj.weight"):
+        bound = config.dt_rank ** -0.5 * ssm.dt_scale
+        return constant(bound) if ssm.dt_init == "constant" else uniform(bound)
+    return None
