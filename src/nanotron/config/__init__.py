@@ -9,6 +9,7 @@ Users write YAML in nanotron's format (see docs/config.md); code reads it with `
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, HFDatasetArgs, TokenizerArgs, TokensArgs
+from nanotron.config.evals import EvalsArgs, EvalTaskArgs
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
 from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig
@@ -48,6 +49,8 @@ __all__ = [
     "DatasetStageArgs",
     "DoReMiArgs",
     "DuplicateKeyWarning",
+    "EvalTaskArgs",
+    "EvalsArgs",
     "FP8Args",
     "ExistingCheckpointInit",
     "GeneralArgs",
