@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from nanotron.config import EvalTaskArgs
+from nanotron.data.dataset import DataError
 from nanotron.data.tokenizer import eos_token_id, load_tokenizer
 from nanotron.generation.scoring import choice_metrics
 from nanotron.generation.tasks import TaskRows, fewshot_context, read_examples, task_rows
-from support.configs import short_config, write_config
+from support.configs import moe_config, short_config, write_config
 from support.runs import assert_user_error, cli, metrics, train_in_process, train_on_ranks, train_through_cli
-from support.tasks import evals_section, task_examples, transformers_log_likelihoods, write_task
+from support.tasks import evals_section, lm_eval_scores, task_examples, transformers_log_likelihoods, write_task
 
 STEPS, INTERVAL, SAVED = 5, 2, 3  # evaluations after steps 2, 4 and 5 (the last); a checkpoint at 3 to resume from
 
@@ -59,7 +60,7 @@ def eval_fields(record: dict) -> dict:
 # --- task files ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+@pytest.mark.parametrize("kind", ["parquet", pytest.param("save_to_disk", marks=pytest.mark.slow)])
 def test_parquet_and_saved_datasets_read_as_the_jsonl_file(task, tmp_path, kind):
     examples = task_examples()
     lighteval = [{"query": e["context"], "choices": e["choices"], "gold_index": [e["gold"]]} for e in examples]
@@ -119,6 +120,17 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("problem", list(BAD_FILES))
+def test_a_bad_row_is_refused_naming_the_file_and_row(tmp_path, problem):
+    text, message = BAD_FILES[problem]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    with pytest.raises(DataError) as refused:
+        read_examples(bad)
+    assert f"{bad} {message}" in str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("problem", list(BAD_FILES))
 def test_a_bad_task_file_is_one_error_line_naming_the_file_and_row(evaluated, tmp_path, problem):
     text, message = BAD_FILES[problem]
     bad = tmp_path / "bad.jsonl"
@@ -138,6 +150,7 @@ def test_a_task_folder_that_does_not_exist_stops_training_before_it_starts(tiny_
 # --- the same numbers everywhere -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nanotron_eval_on_a_checkpoint_gives_the_loop_s_numbers(evaluated, task, tiny_data, tmp_path):
     output = tmp_path / "eval.json"
     outcome = cli("eval", "--ckpt-path", evaluated["run"] / "5", "--tasks", task, "--num-fewshot", 1,
@@ -154,6 +167,7 @@ def test_nanotron_eval_on_a_checkpoint_gives_the_loop_s_numbers(evaluated, task,
     assert standalone["tokenized"]["loss"] == pytest.approx(in_loop["tokenized"]["loss"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_the_exported_model_scored_by_transformers_gives_the_same_numbers(evaluated, task, tiny_data, tmp_path):
     pytest.importorskip("transformers")
     outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", evaluated["run"] / "5", "--save-path", tmp_path / "hf")
@@ -168,27 +182,48 @@ def test_the_exported_model_scored_by_transformers_gives_the_same_numbers(evalua
                           rtol=0, atol=1e-4)
 
 
-LAYOUTS = {  # parallelism, accumulation (the global batch of 8 stays)
-    "pp2": ({"pp": 2}, 2),
-    "tp2": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, 2),
-    "dp2": ({"dp": 2}, 1),
-    "cp2": ({"context_parallel_size": 2}, 2),
-    "tp2_pp2": ({"tp": 2, "pp": 2}, 2),
+@pytest.mark.full_tier
+def test_lm_eval_harness_scores_the_exported_model_as_nanotron_eval_does(evaluated, task, tmp_path):
+    """Zero-shot (lm-eval-harness draws its few-shot examples otherwise); where lm-eval is installed."""
+    pytest.importorskip("lm_eval")
+    outcome = cli("convert", "nanotron-to-hf", "--ckpt-path", evaluated["run"] / "5", "--save-path", tmp_path / "hf")
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    output = tmp_path / "eval.json"
+    outcome = cli("eval", "--ckpt-path", evaluated["run"] / "5", "--tasks", task, "--sequence-length", 32,
+                  "--output", output)
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    ours, theirs = json.loads(output.read_text())["animals"], lm_eval_scores(tmp_path / "hf", task, tmp_path / "lm")
+    assert ours["acc"] == theirs["acc"] and ours["acc_norm"] == theirs["acc_norm"]
+    assert torch.allclose(torch.tensor(ours["loglikelihoods"]), torch.tensor(theirs["loglikelihoods"]), rtol=0,
+                          atol=1e-4)
+
+
+LAYOUTS = {  # parallelism, accumulation (the global batch of 8 stays), ZeRO stage
+    "pp2": ({"pp": 2}, 2, 0),
+    "tp2": ({"tp": 2, "tp_mode": "REDUCE_SCATTER"}, 2, 0),
+    "dp2": ({"dp": 2}, 1, 0),
+    "cp2": ({"context_parallel_size": 2}, 2, 0),
+    "tp2_pp2": ({"tp": 2, "pp": 2}, 2, 0),
+    "dp2_zero3": ({"dp": 2}, 1, 3),
 }
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "pp2" else [pytest.mark.full_tier])
-                                    for name in LAYOUTS])
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow if name == "pp2"
+                                                  else pytest.mark.full_tier) for name in LAYOUTS])
 def test_every_layout_scores_as_one_process(evaluated, tiny_data, task, tmp_path, layout):
-    """The first evaluation (after step 2) of the one-process run, at another layout."""
-    parallelism, accumulation = LAYOUTS[layout]
-    config = evals_config(tiny_data, tmp_path / layout, task, steps=INTERVAL)
+    """The first evaluation (after step 2) of the one-process run, at another layout; the step after it trains as
+    the one-process run's did."""
+    parallelism, accumulation, zero = LAYOUTS[layout]
+    config = evals_config(tiny_data, tmp_path / layout, task, steps=INTERVAL + 1)
     config["parallelism"] |= parallelism
     config["tokens"]["batch_accumulation_per_replica"] = accumulation
+    config["optimizer"]["zero_stage"] = zero
     ranks = 1
     for size in parallelism.values():
         ranks *= size if isinstance(size, int) else 1
-    train_on_ranks(config, ranks)
+    after = INTERVAL + 1  # the step trained after the evaluation
+    losses = {record["step"]: record["lm_loss"] for record in train_on_ranks(config, ranks)}
+    assert losses[after] == pytest.approx(metrics(evaluated["run"])[after - 1]["lm_loss"], rel=1e-5)
     scored, reference = details(tmp_path / layout, INTERVAL), details(evaluated["run"], INTERVAL)
     assert scored["animals"]["acc"] == reference["animals"]["acc"]
     assert scored["animals"]["acc_norm"] == reference["animals"]["acc_norm"]
@@ -197,9 +232,25 @@ def test_every_layout_scores_as_one_process(evaluated, tiny_data, task, tmp_path
     assert scored["tokenized"]["loss"] == pytest.approx(reference["tokenized"]["loss"], abs=1e-5)
 
 
+@pytest.mark.full_tier
+def test_expert_parallel_ranks_score_as_one_process(tiny_data, task, tmp_path):
+    scored = {}
+    for ep in (1, 2):
+        config = moe_config(tiny_data, tmp_path / f"ep{ep}", ep=ep)
+        config["tokens"]["train_steps"] = 1
+        config["evals"] = evals_section(task, tiny_data["tokenized"], num_fewshot=1)
+        train_on_ranks(config, ep) if ep > 1 else train_in_process(config)
+        scored[ep] = details(tmp_path / f"ep{ep}", 1)
+    assert scored[1]["animals"]["acc"] == scored[2]["animals"]["acc"]
+    assert torch.allclose(torch.tensor(scored[2]["animals"]["loglikelihoods"]),
+                          torch.tensor(scored[1]["animals"]["loglikelihoods"]), rtol=0, atol=1e-5)
+    assert scored[2]["tokenized"]["loss"] == pytest.approx(scored[1]["tokenized"]["loss"], abs=1e-5)
+
+
 # --- in the training loop --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_records_at_the_interval_and_the_end_in_metrics_and_tensorboard(evaluated):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -218,6 +269,7 @@ def test_records_at_the_interval_and_the_end_in_metrics_and_tensorboard(evaluate
                                                    for s in (2, 4, 5)]
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_eval_schedule(evaluated, tmp_path):
     config = copy.deepcopy(evaluated["config"])
     config["checkpoints"] |= {"checkpoints_path": str(tmp_path / "resumed"),
@@ -232,6 +284,19 @@ def test_a_resume_keeps_the_eval_schedule(evaluated, tmp_path):
             assert value == pytest.approx(original[step][key], abs=1e-6), (step, key)
 
 
+@pytest.mark.slow
+def test_a_run_trains_the_same_with_evaluations_between_its_steps(tiny_data, task, tmp_path):
+    """FP8's delayed scaling records the amaxes of every forward for the next step's scales: an evaluation's must
+    not count."""
+    fp8 = {"enabled": True, "recipe": "delayed", "amax_history_length": 4}
+    losses = {}
+    for name, evals in (("evaluated", evals_section(task, interval=1)), ("plain", None)):
+        config = short_config(tiny_data, tmp_path / name, 3, fp8=fp8, evals=evals)
+        losses[name] = [record["lm_loss"] for record in train_in_process(config)]
+    assert losses["evaluated"] == losses["plain"]
+
+
+@pytest.mark.slow
 def test_an_evaluation_that_fails_is_logged_once_and_training_goes_on(tiny_data, task, tmp_path, monkeypatch):
     import nanotron.training.evals as evals
 

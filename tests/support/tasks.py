@@ -64,3 +64,40 @@ def transformers_log_likelihoods(hf: Path, rows) -> list[float]:
             picked = log_probs.gather(-1, targets[:, None])[:, 0]
             scores.append(picked[len(targets) - row.scored:].sum().item())
     return scores
+
+
+LM_EVAL_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def lm_eval_scores(hf: Path, task: Path, folder: Path) -> dict:
+    """lm-eval-harness's ``hf`` model on the jsonl ``task`` (a local task of its YAML format, zero-shot): acc,
+    acc_norm and every example's choice log-likelihoods."""
+    import transformers
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"local_{task.stem}"
+    (folder / f"{name}.yaml").write_text(LM_EVAL_TASK.format(name=name, path=task))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf / "tokenizer.json"),
+                                                     eos_token="<|endoftext|>")
+    model = HFLM(pretrained=str(hf), tokenizer=tokenizer, batch_size=4, dtype="float32", device="cpu")
+    out = simple_evaluate(model=model, tasks=[name], num_fewshot=0, log_samples=True,
+                          task_manager=TaskManager(include_path=str(folder)))
+    samples = sorted(out["samples"][name], key=lambda sample: sample["doc_id"])
+    return {"acc": out["results"][name]["acc,none"], "acc_norm": out["results"][name]["acc_norm,none"],
+            "loglikelihoods": [[response[0][0] for response in sample["resps"]] for sample in samples]}

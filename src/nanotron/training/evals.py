@@ -8,16 +8,20 @@ data-parallel ranks share the rows. The numbers are those of ``nanotron eval --t
 checkpoint at the same sequence length.
 
 The tasks and folders are read and tokenized when the run is built, so that a bad file stops the run before the
-model exists; an evaluation that fails later is logged (once per message) and training goes on. The results go into
-the step's record (``eval/<name>/<metric>`` fields, and ``eval_time_s``, which the step's time and throughput leave
-out) and, with every example's choice log-likelihoods, into ``<checkpoints_path>/evals/<step>.json``.
+model exists; an evaluation that fails later is logged (once per message) and training goes on. An evaluation
+leaves the model as it found it, buffers included (``buffers_kept``), so a run trains the same with or without one.
+The results go into the step's record (``eval/<name>/<metric>`` fields, and ``eval_time_s``, which the step's time
+and throughput leave out) and, with every example's choice log-likelihoods, into
+``<checkpoints_path>/evals/<step>.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +42,19 @@ EVAL_TIME = "eval_time_s"
 SCALAR_METRICS = ("acc", "acc_norm", "loss", "perplexity")  # what the step record and the trackers get
 
 
+@contextlib.contextmanager
+def buffers_kept(model: CausalLM) -> Iterator[None]:
+    """The model's buffers as they were before: what a forward records in them (FP8's amaxes and range counts of the
+    step) belongs to the training steps, never to an evaluation between them."""
+    saved = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 class InLoopEvals:
     """The run's evaluations: read and tokenized at construction (before the model is built), run by ``run``."""
 
@@ -54,12 +71,14 @@ class InLoopEvals:
                                HFDatasetOptions(), pc) if self.args.held_out else []
         self.held_out = held_out_rows(self.args.held_out, sources, sequence_length, self.args.held_out_max_windows)
         check_distinct_names(self.tasks, self.held_out, "an evals.held_out folder")
+        self.model: CausalLM | None = None
         self.row_sums: RowSums | None = None
         self.reported: set[str] = set()  # the failures logged so far
 
     def start(self, model: CausalLM) -> None:
         """Score with ``model``, this rank's stage of the model being trained."""
         pc, config = self.pc, self.config
+        self.model = model
         transforms = []
         if pc.size(Axis.CP) > 1:
             transforms.append(ContextParallelBatches(pc.coord(Axis.CP), pc.size(Axis.CP),
@@ -79,8 +98,9 @@ class InLoopEvals:
         start = time.perf_counter()
         tokens = self.config.tokens
         try:
-            results = evaluation_results(self.tasks, self.held_out, self.row_sums, self.pc, tokens.micro_batch_size,
-                                         tokens.sequence_length)
+            with buffers_kept(self.model):
+                results = evaluation_results(self.tasks, self.held_out, self.row_sums, self.pc,
+                                             tokens.micro_batch_size, tokens.sequence_length)
         except Exception as error:  # noqa: BLE001 - an evaluation never stops the run it watches
             message = f"{type(error).__name__}: {error}".splitlines()[0]
             if message not in self.reported:
