@@ -285,15 +285,27 @@ def test_a_resume_keeps_the_eval_schedule(evaluated, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_trains_the_same_with_evaluations_between_its_steps(tiny_data, task, tmp_path):
+def test_evaluations_between_steps_change_neither_the_training_nor_its_step_times(tiny_data, task, tmp_path,
+                                                                                   monkeypatch):
     """FP8's delayed scaling records the amaxes of every forward for the next step's scales: an evaluation's must
-    not count."""
+    not count. Each evaluation here takes 1000 s more on the clock: its time, not the steps'."""
+    import time
+
+    import nanotron.training.evals as evals
+
+    clock, skipped, scored = time.perf_counter, [0.0], evals.evaluation_results
+
+    def slow(*args, **kwargs):
+        skipped[0] += 1000.0
+        return scored(*args, **kwargs)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + skipped[0])
+    monkeypatch.setattr(evals, "evaluation_results", slow)
     fp8 = {"enabled": True, "recipe": "delayed", "amax_history_length": 4}
-    losses = {}
-    for name, evals in (("evaluated", evals_section(task, interval=1)), ("plain", None)):
-        config = short_config(tiny_data, tmp_path / name, 3, fp8=fp8, evals=evals)
-        losses[name] = [record["lm_loss"] for record in train_in_process(config)]
-    assert losses["evaluated"] == losses["plain"]
+    runs = {name: train_in_process(short_config(tiny_data, tmp_path / name, 3, fp8=fp8, evals=section))
+            for name, section in (("evaluated", evals_section(task, interval=1)), ("plain", None))}
+    assert [r["lm_loss"] for r in runs["evaluated"]] == [r["lm_loss"] for r in runs["plain"]]
+    assert all(r["eval_time_s"] >= 1000 and r["step_time_s"] < 100 for r in runs["evaluated"])
 
 
 @pytest.mark.slow
