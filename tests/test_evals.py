@@ -53,6 +53,17 @@ def details(run: Path, step: int) -> dict:
     return json.loads((run / "evals" / f"{step}.json").read_text())
 
 
+def assert_same_scores(scored: dict, reference: dict, atol: float) -> None:
+    """The same accuracies of the task, its log-likelihoods and (where both have it) the held-out loss within
+    ``atol``."""
+    task, expected = scored["animals"], reference["animals"]
+    assert (task["acc"], task["acc_norm"]) == (expected["acc"], expected["acc_norm"])
+    assert torch.allclose(torch.tensor(task["loglikelihoods"]), torch.tensor(expected["loglikelihoods"]), rtol=0,
+                          atol=atol)
+    if "tokenized" in scored and "tokenized" in reference:
+        assert scored["tokenized"]["loss"] == pytest.approx(reference["tokenized"]["loss"], abs=atol)
+
+
 def eval_fields(record: dict) -> dict:
     return {key: value for key, value in record.items() if key.startswith("eval/")}
 
@@ -160,11 +171,7 @@ def test_nanotron_eval_on_a_checkpoint_gives_the_loop_s_numbers(evaluated, task,
     assert "animals: acc " in outcome.stdout
     standalone, in_loop = json.loads(output.read_text()), details(evaluated["run"], 5)
     assert standalone.keys() == in_loop.keys() == {"animals", "tokenized"}
-    assert standalone["animals"]["acc"] == in_loop["animals"]["acc"]
-    assert standalone["animals"]["acc_norm"] == in_loop["animals"]["acc_norm"]
-    assert torch.allclose(torch.tensor(standalone["animals"]["loglikelihoods"]),
-                          torch.tensor(in_loop["animals"]["loglikelihoods"]), rtol=0, atol=1e-6)
-    assert standalone["tokenized"]["loss"] == pytest.approx(in_loop["tokenized"]["loss"], rel=1e-9)
+    assert_same_scores(standalone, in_loop, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -176,10 +183,7 @@ def test_the_exported_model_scored_by_transformers_gives_the_same_numbers(evalua
     rows = task_rows(EvalTaskArgs(task, num_fewshot=1), tokenizer, 32, eos_token_id(tokenizer))
     from_hf = choice_metrics(rows, torch.tensor(transformers_log_likelihoods(tmp_path / "hf", rows.rows),
                                                 dtype=torch.float64))
-    in_loop = details(evaluated["run"], 5)["animals"]
-    assert from_hf["acc"] == in_loop["acc"] and from_hf["acc_norm"] == in_loop["acc_norm"]
-    assert torch.allclose(torch.tensor(from_hf["loglikelihoods"]), torch.tensor(in_loop["loglikelihoods"]),
-                          rtol=0, atol=1e-4)
+    assert_same_scores({"animals": from_hf}, details(evaluated["run"], 5), atol=1e-4)
 
 
 @pytest.mark.full_tier
@@ -192,10 +196,8 @@ def test_lm_eval_harness_scores_the_exported_model_as_nanotron_eval_does(evaluat
     outcome = cli("eval", "--ckpt-path", evaluated["run"] / "5", "--tasks", task, "--sequence-length", 32,
                   "--output", output)
     assert outcome.code == 0, outcome.stderr[-3000:]
-    ours, theirs = json.loads(output.read_text())["animals"], lm_eval_scores(tmp_path / "hf", task, tmp_path / "lm")
-    assert ours["acc"] == theirs["acc"] and ours["acc_norm"] == theirs["acc_norm"]
-    assert torch.allclose(torch.tensor(ours["loglikelihoods"]), torch.tensor(theirs["loglikelihoods"]), rtol=0,
-                          atol=1e-4)
+    theirs = lm_eval_scores(tmp_path / "hf", task, tmp_path / "lm")
+    assert_same_scores({"animals": theirs}, json.loads(output.read_text()), atol=1e-4)
 
 
 LAYOUTS = {  # parallelism, accumulation (the global batch of 8 stays), ZeRO stage
@@ -224,12 +226,7 @@ def test_every_layout_scores_as_one_process(evaluated, tiny_data, task, tmp_path
     after = INTERVAL + 1  # the step trained after the evaluation
     losses = {record["step"]: record["lm_loss"] for record in train_on_ranks(config, ranks)}
     assert losses[after] == pytest.approx(metrics(evaluated["run"])[after - 1]["lm_loss"], rel=1e-5)
-    scored, reference = details(tmp_path / layout, INTERVAL), details(evaluated["run"], INTERVAL)
-    assert scored["animals"]["acc"] == reference["animals"]["acc"]
-    assert scored["animals"]["acc_norm"] == reference["animals"]["acc_norm"]
-    assert torch.allclose(torch.tensor(scored["animals"]["loglikelihoods"]),
-                          torch.tensor(reference["animals"]["loglikelihoods"]), rtol=0, atol=1e-5)
-    assert scored["tokenized"]["loss"] == pytest.approx(reference["tokenized"]["loss"], abs=1e-5)
+    assert_same_scores(details(tmp_path / layout, INTERVAL), details(evaluated["run"], INTERVAL), atol=1e-5)
 
 
 @pytest.mark.full_tier
@@ -241,10 +238,7 @@ def test_expert_parallel_ranks_score_as_one_process(tiny_data, task, tmp_path):
         config["evals"] = evals_section(task, tiny_data["tokenized"], num_fewshot=1)
         train_on_ranks(config, ep) if ep > 1 else train_in_process(config)
         scored[ep] = details(tmp_path / f"ep{ep}", 1)
-    assert scored[1]["animals"]["acc"] == scored[2]["animals"]["acc"]
-    assert torch.allclose(torch.tensor(scored[2]["animals"]["loglikelihoods"]),
-                          torch.tensor(scored[1]["animals"]["loglikelihoods"]), rtol=0, atol=1e-5)
-    assert scored[2]["tokenized"]["loss"] == pytest.approx(scored[1]["tokenized"]["loss"], abs=1e-5)
+    assert_same_scores(scored[2], scored[1], atol=1e-5)
 
 
 # --- in the training loop --------------------------------------------------------------------------------------
