@@ -310,7 +310,7 @@ def _add_checkpoint_commands(commands) -> None:
                             help="multiple-choice tasks: jsonl or parquet files, folders of them, save_to_disk "
                                  "folders (named by their stem)")
     evaluation.add_argument("--num-fewshot", type=at_least(0), default=0, help="solved examples before each question")
-    evaluation.add_argument("--fewshot-seed", type=int, default=1234)
+    evaluation.add_argument("--fewshot-seed", type=at_least(0), default=1234)
     evaluation.add_argument("--max-samples", type=at_least(1), default=None, help="the first examples of each task")
     evaluation.add_argument("--max-tokens", type=at_least(1), default=None, help="a token budget per task")
     evaluation.add_argument("--data", type=Path, nargs="+", default=[],
