@@ -108,6 +108,7 @@ OUT_OF_RANGE = [  # the command's required options, the bad option and value, wh
     (("eval", "--ckpt-path", NOWHERE, "--data", NOWHERE), ("--sequence-length", "0"), "at least 1"),
     (("eval", "--ckpt-path", NOWHERE, "--data", NOWHERE), ("--batch-size", "-2"), "at least 1"),
     (("eval", "--ckpt-path", NOWHERE, "--data", NOWHERE), ("--pp", "two"), "expected a whole number"),
+    (("eval", "--ckpt-path", NOWHERE, "--tasks", NOWHERE), ("--num-fewshot", "-1"), "at least 0"),
     (("preprocess", "--input", NOWHERE, "--tokenizer", NOWHERE, "--output-folder", "out"), ("--num-workers", "0"),
      "at least 1"),
     (("train-tokenizer", "--input", NOWHERE, "--output", "out"), ("--vocab-size", "100"), "at least 257"),

@@ -173,6 +173,10 @@ FULL: dict[str, Any] = {
                "step_size": 0.5, "smoothing_param": 0.01},
     "fp8": {"enabled": True, "recipe": "rowwise", "amax_history_length": 8, "gradient_format": "e4m3",
             "exclude_modules": ["o_proj$"], "log_out_of_range": True},
+    "evals": {"eval_interval": 50, "tasks": [{"path": "evals/arc", "name": "arc", "num_fewshot": 5, "fewshot_seed": 7,
+                                              "max_samples": 100, "max_tokens": 100000, "target_delimiter": ":",
+                                              "fewshot_delimiter": "\n"}],
+              "held_out": ["data/valid"], "held_out_max_windows": 16},
 }
 # Fields with a single valid value, which FULL therefore leaves at the default.
 SINGLE_VALUED = {"is_llama_config", "is_llamoe_config", "checkpoints_path_is_shared_file_system"}
@@ -653,6 +657,15 @@ RULES = {
         _set("logging.iteration_step_info_interval", 0),
         ["logging.iteration_step_info_interval must be >= 1"],
     ),
+    "evals have something to score": (_set("evals", {"eval_interval": 10}), ["evals has no tasks and no held_out"]),
+    "eval interval is positive": (_set("evals", {"eval_interval": 0, "held_out": ["valid"]}),
+                                  ["evals.eval_interval must be >= 1"]),
+    "eval tasks have distinct names": (
+        _set("evals", {"tasks": [{"path": "a/arc.jsonl"}, {"path": "b/arc.parquet"}]}),
+        ["evals.tasks: two tasks are named 'arc'"],
+    ),
+    "eval budgets are positive": (_set("evals", {"tasks": [{"path": "arc", "max_tokens": 0}]}),
+                                  ["evals.tasks[0].max_tokens must be >= 1"]),
 }
 
 

@@ -112,6 +112,17 @@ def test_mixture_of_experts_runs_add_their_routing_panels(tmp_path):
     check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, expert load, balancing loss
 
 
+def test_evaluations_in_the_loop_get_a_panel_per_metric(tmp_path):
+    run = write_run(tmp_path / "evaluated")
+    records = [json.loads(line) for line in run.read_text().splitlines()]
+    for record in records[9::10]:  # evaluated every 10 steps: records between have no eval fields
+        record |= {"eval/arc/acc": 0.25 + record["step"] / 100, "eval/arc/acc_norm": 0.3, "eval_time_s": 1.5}
+    run.write_text("".join(json.dumps(record) + "\n" for record in records))
+    output = tmp_path / "evals.png"
+    assert run_cli("--metrics", str(run), "--output", str(output)) == 0
+    check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, arc's acc and acc_norm
+
+
 @pytest.mark.slow
 def test_domain_weights_get_a_panel_of_their_own(tmp_path):
     run = write_run(tmp_path / "proxy", domains=["code", "prose"])

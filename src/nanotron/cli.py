@@ -121,22 +121,32 @@ def _sampling(args: argparse.Namespace) -> SamplingArgs:
 def _evaluate(args: argparse.Namespace) -> None:
     import json
 
+    from nanotron.config import ConfigError, EvalTaskArgs
     from nanotron.files import atomic_write_text
     from nanotron.generation.evaluate import HFDatasetOptions, evaluate
     from nanotron.generation.generate import check_checkpoint_layout
     from nanotron.layout import Layout
     from nanotron.parallel.context import ParallelContext
 
+    if not args.data and not args.tasks:
+        raise ConfigError("nothing to evaluate: give --data (held-out loss per source), --tasks (multiple-choice "
+                          "tasks), or both")
+    tasks = [EvalTaskArgs(path, num_fewshot=args.num_fewshot, fewshot_seed=args.fewshot_seed,
+                          max_samples=args.max_samples, max_tokens=args.max_tokens) for path in args.tasks]
     check_checkpoint_layout(args.ckpt_path, args.tp, sequence_length=args.sequence_length,
                             sequence_key="--sequence-length")
     pc = ParallelContext(Layout(tp=args.tp, pp=args.pp))
     try:
         results = evaluate(args.ckpt_path, args.data, pc, args.sequence_length, args.max_windows, args.batch_size,
-                           HFDatasetOptions(tuple(args.hf_dataset_splits), args.text_column_name))
+                           HFDatasetOptions(tuple(args.hf_dataset_splits), args.text_column_name), tasks)
         if pc.rank == 0:
             for name, result in results.items():
-                print(f"{name}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
-                      f"{result['tokens']:,} tokens")
+                if "acc" in result:
+                    print(f"{name}: acc {result['acc']:.4f} | acc_norm {result['acc_norm']:.4f} | "
+                          f"{result['examples']:,} examples")
+                else:
+                    print(f"{name}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
+                          f"{result['tokens']:,} tokens")
             if args.output:
                 atomic_write_text(args.output, json.dumps(results, indent=2))
     finally:
@@ -291,11 +301,19 @@ def _add_checkpoint_commands(commands) -> None:
     gen.set_defaults(run=_generate)
 
     evaluation = commands.add_parser(
-        "eval", help="held-out loss and perplexity per data source",
+        "eval", help="held-out loss and perplexity per data source, accuracy on multiple-choice tasks",
         description="Held-out loss and perplexity per data source, under plain causal attention over each window "
-                    "(also for a checkpoint trained with _use_doc_masking: true): comparable with transformers'.")
+                    "(also for a checkpoint trained with _use_doc_masking: true): comparable with transformers'; "
+                    "accuracy on local multiple-choice tasks, as the evals section scores them (docs/evals.md).")
     evaluation.add_argument("--ckpt-path", type=Path, required=True, help="a checkpoint, or a run folder (latest.txt)")
-    evaluation.add_argument("--data", type=Path, nargs="+", required=True,
+    evaluation.add_argument("--tasks", type=Path, nargs="+", default=[],
+                            help="multiple-choice tasks: jsonl or parquet files, folders of them, save_to_disk "
+                                 "folders (named by their stem)")
+    evaluation.add_argument("--num-fewshot", type=at_least(0), default=0, help="solved examples before each question")
+    evaluation.add_argument("--fewshot-seed", type=at_least(0), default=1234)
+    evaluation.add_argument("--max-samples", type=at_least(1), default=None, help="the first examples of each task")
+    evaluation.add_argument("--max-tokens", type=at_least(1), default=None, help="a token budget per task")
+    evaluation.add_argument("--data", type=Path, nargs="+", default=[],
                             help="one source per domain, of any kind training reads: preprocessed or datatrove "
                                  "folders, Hugging Face datasets (save_to_disk folders, folders of data files, Hub "
                                  "names)")

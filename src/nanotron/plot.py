@@ -1,11 +1,11 @@
 """Training curves from ``metrics.jsonl`` files: ``nanotron plot``.
 
 One image, one panel per metric over steps (loss, learning rate, gradient norm, throughput, MFU, a mixture of experts'
-expert load and load-balancing loss, and per-domain losses and domain weights when the records carry them), several runs
-on the same axes so they can be compared at a glance. The image's format follows the output's extension, one of
-``IMAGE_SUFFIXES``. matplotlib is an optional extra (``pip install -e ".[plot]"``):
-training never needs it, so it is imported only here, and only its object-oriented API with the Agg canvas is used,
-which needs no display and changes no global backend.
+expert load and load-balancing loss, per-domain losses and domain weights, and each metric of the evaluations in the
+loop, ``eval/<name>/<metric>``, when the records carry them), several runs on the same axes so they can be compared
+at a glance. The image's format follows the output's extension, one of ``IMAGE_SUFFIXES``. matplotlib is an optional
+extra (``pip install -e ".[plot]"``): training never needs it, so it is imported only here, and only its
+object-oriented API with the Agg canvas is used, which needs no display and changes no global backend.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ PANELS = [
     ("moe_max_expert_load", "MoE: busiest expert / even share"),
     ("moe_load_balancing_loss", "MoE load-balancing loss"),
 ]
+EVAL_PREFIX = "eval/"  # the fields of evaluations in the loop (``training/evals.py``): one panel each
 # Records holding one value per domain (multi-folder runs, DoReMi): one curve per domain.
 DOMAIN_PANELS = [("domain_losses", "loss per domain"), ("domain_weights", "domain weights")]
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg")  # what matplotlib writes with no other library
@@ -109,6 +110,8 @@ def plot_runs(paths: list[Path], output: Path, smooth: int | None = None, names:
         raise PlotError('nanotron plot needs matplotlib: pip install -e ".[plot]"') from None
 
     panels = [(key, title) for key, title in PANELS if any(key in r for rs in runs.values() for r in rs)]
+    evaluated = sorted({key for rs in runs.values() for r in rs for key in r if key.startswith(EVAL_PREFIX)})
+    panels += [(key, "eval: " + key.removeprefix(EVAL_PREFIX)) for key in evaluated]
     per_domain = [(key, title) for key, title in DOMAIN_PANELS
                   if any(isinstance(r.get(key), dict) for rs in runs.values() for r in rs)]
     count = len(panels) + len(per_domain)

@@ -46,6 +46,7 @@ from nanotron.preemption import StopRequests
 from nanotron.random import seed_everything
 from nanotron.training.build import document_ends, load_data, log_summary, profiler, trained_model
 from nanotron.training.checkpointing import RunCheckpoints
+from nanotron.training.evals import EVAL_TIME, InLoopEvals
 from nanotron.training.hooks import Run
 from nanotron.training.objective import LOSS
 from nanotron.training.step import StepProgram
@@ -81,6 +82,7 @@ class Trainer:
 
         self.checkpoints = RunCheckpoints(config, self.pc)
         self.datasets, self.tokenizer_fingerprint = load_data(config, self.pc, self.features)
+        self.evals = InLoopEvals(config, self.pc) if config.evals is not None else None  # read before the model
         # Per stage; None: no document masking, or samples that carry their documents' ends.
         self.document_ends = document_ends(config, self.datasets)
         model_config = config.model.model_config
@@ -89,6 +91,8 @@ class Trainer:
         converters = (*converters, *(c for feature in self.features for c in feature.converters(self.pc.device)))
         self.model, self.buckets, self.optimizer, self.sharded_units = trained_model(config, self.pc, converters)
         self.params = logical_parameters(self.model)
+        if self.evals is not None:
+            self.evals.start(self.model)
         self.grad_norm = GlobalGradNorm(self.buckets, self.pc)
         # FLOPs per token over whole causal sequences; under document masking the step log counts each step's pairs
         self.costs = spec_for_config(model_config).costs(model_config, self.model.padded_vocab_size,
@@ -189,19 +193,24 @@ class Trainer:
         (read, judged, logged) once the next one is queued, or at once where it is saved, stopped at or the last."""
         config, train_steps = self.config, self.config.tokens.train_steps
         loader, loader_stage = None, None
-        start_step, start_time = self.progress.step, time.perf_counter()
-        window = {"start": start_time, "steps": 0}  # the steps finished since the last logged one
+        start_step = self.progress.step
+        # since the first step and the last logged one (the steps finished since), evaluations' time left out
+        window = {"run": time.perf_counter(), "start": time.perf_counter(), "steps": 0}
         pending: PendingStep | None = None
 
-        def finish(done: PendingStep) -> None:
+        def finish(done: PendingStep, evaluation: dict | None = None) -> None:
             result = self.finish_step(done)
             self.step_log.count(result)
             window["steps"] += 1
-            if done.step % config.logging.iteration_step_info_interval == 0 or done.step == train_steps:
+            if evaluation:
+                window["run"] += evaluation[EVAL_TIME]
+                window["start"] += evaluation[EVAL_TIME]
+            if (done.step % config.logging.iteration_step_info_interval == 0 or done.step == train_steps
+                    or evaluation):
                 now = time.perf_counter()
                 self.step_log.write(result, done.step, self.progress.consumed_tokens,
                                     (now - window["start"]) / window["steps"],
-                                    (now - start_time) / (done.step - start_step))
+                                    (now - window["run"]) / (done.step - start_step), evaluation or {})
                 window.update(start=now, steps=0)
 
         for step in range(self.progress.step + 1, train_steps + 1):
@@ -232,8 +241,9 @@ class Trainer:
                 step == train_steps and config.checkpoints.save_final_state
             )
             stopping = stop.agreed(self.pc.host_group)
-            if saved or stopping or step == train_steps:
-                finish(pending)
+            evaluation = self.evals.run(step) if self.evals is not None and self.evals.due(step) else None
+            if saved or stopping or step == train_steps or evaluation is not None:
+                finish(pending, evaluation)
                 pending = None
             if saved:
                 self.save()

@@ -17,6 +17,7 @@ from nanotron.config.data import (
     TokenizerArgs,
     TokensArgs,
 )
+from nanotron.config.evals import EvalsArgs, EvalTaskArgs
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
 from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig
@@ -63,6 +64,8 @@ __all__ = [
     "DatasetStageArgs",
     "DoReMiArgs",
     "DuplicateKeyWarning",
+    "EvalTaskArgs",
+    "EvalsArgs",
     "FP8Args",
     "ExistingCheckpointInit",
     "GeneralArgs",

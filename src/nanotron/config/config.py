@@ -7,6 +7,7 @@ from pathlib import Path
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.cross_section import cross_section_problems
 from nanotron.config.data import DatasetStageArgs, TokenizerArgs, TokensArgs, data_stages_problems
+from nanotron.config.evals import EvalsArgs
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import GeneralArgs, LoggingArgs, ProfilerArgs
 from nanotron.config.model import ModelArgs
@@ -32,6 +33,7 @@ class Config:
     profiler: ProfilerArgs | None = None
     doremi: DoReMiArgs | None = None
     fp8: FP8Args | None = None
+    evals: EvalsArgs | None = None
 
     def __post_init__(self) -> None:
         self.data_stages = sorted(self.data_stages, key=lambda stage: stage.start_training_step)
@@ -77,6 +79,7 @@ def validate_config(cfg: Config, world_size: int | None = None, machine_problems
         *cfg.logging.problems(),
         *(cfg.doremi.problems() if cfg.doremi is not None else ()),
         *(cfg.fp8.problems() if cfg.fp8 is not None else ()),
+        *(cfg.evals.problems() if cfg.evals is not None else ()),
         *cross_section_problems(cfg),
     ]
     if world_size is not None:

@@ -41,7 +41,8 @@ IGNORED_KEYS: dict[str, str] = {
     "tokens.val_check_interval": _NO_VALIDATION,
     "tokens.limit_val_batches": _NO_VALIDATION,
     "tokens.limit_test_batches": _NO_VALIDATION,
-    "lighteval": "the trainer launches no evaluations; run `nanotron eval` on saved checkpoints",
+    "lighteval": "the trainer launches no lighteval jobs; the evals section runs local tasks in the loop "
+                 "(docs/evals.md)",
     "s3_upload": "checkpoints are not uploaded; they stay in checkpoints.checkpoints_path",
     "parallelism.tp_recompute_allgather": "the column-parallel layers of tp_mode REDUCE_SCATTER keep their input "
                                           "shard and re-gather it in the backward; memory and traffic only, the "

@@ -1,4 +1,5 @@
-"""Held-out loss and perplexity of a checkpoint, per data source (domain), at any tp/pp layout.
+"""Held-out loss and perplexity of a checkpoint, per data source (domain), and its multiple-choice tasks'
+accuracies (``tasks.py``, ``scoring.py``), at any tp/pp layout: ``nanotron eval``.
 
 A source is any data training reads: a preprocessed folder (``metadata.json``), a datatrove folder (``*.ds`` files),
 or a Hugging Face dataset (a ``save_to_disk`` folder, a folder of data files, or a Hub name), tokenized with the
@@ -17,27 +18,23 @@ with document masking (``_use_doc_masking: true``) the loss is still the plain c
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
 from nanotron.checkpoint.integrity import read_metadata
 from nanotron.checkpoint.manager import checkpoint_model, first_problem
 from nanotron.checkpoint.run_folder import resolve_checkpoint
-from nanotron.config import ConfigError
+from nanotron.config import ConfigError, EvalTaskArgs
 from nanotron.data.dataset import DataError, TokenShards, TokenStream, unique_domain_names
 from nanotron.data.datatrove_folder import DatatroveTokens
 from nanotron.data.hf_dataset import tokenize_hf_dataset
 from nanotron.data.sources import DATATROVE, PREPROCESSED, Ranks, folder_kind, opened_together
-from nanotron.generation.generate import checkpoint_tokenizer, forward_logits, load_model
-from nanotron.layout import Axis, Group
+from nanotron.data.tokenizer import eos_token_id
+from nanotron.generation.generate import checkpoint_tokenizer, load_checkpoint_tokenizer, load_model
+from nanotron.generation.scoring import evaluation_results, stage_row_sums, window_rows
+from nanotron.generation.tasks import Row, TaskRows, task_rows
 from nanotron.parallel.context import ParallelContext
-from nanotron.parallel.cross_entropy import vocab_parallel_token_losses
 
 
 @dataclass(frozen=True)
@@ -112,11 +109,28 @@ def evaluation_windows(sources: Sequence[Source], sequence_length: int, max_wind
     return windows
 
 
-@torch.no_grad()
+def held_out_rows(data: Sequence[Path], sources: Sequence[Source], sequence_length: int,
+                  max_windows: int) -> dict[str, list[Row]]:
+    """The evaluation windows of every source as rows, by domain name."""
+    names = unique_domain_names(data, [source.stream.name for source in sources])
+    windows = evaluation_windows(sources, sequence_length, max_windows)
+    return {name: window_rows(source.stream.read, starts, sequence_length)
+            for source, starts, name in zip(sources, windows, names)}
+
+
+def check_distinct_names(tasks: Sequence[TaskRows], held_out: dict[str, list[Row]], source: str) -> None:
+    """Tasks and held-out sources share the results' names: one name for two of them is refused."""
+    clash = sorted({task.name for task in tasks} & set(held_out))
+    if clash:
+        raise ConfigError(f"{clash[0]!r} names both a task and {source}; give the task another name")
+
+
 def evaluate(ckpt_path: Path, data: Sequence[Path], parallel_context: ParallelContext, sequence_length: int,
-             max_windows: int, batch_size: int, hf: HFDatasetOptions = HFDatasetOptions()) -> dict[str, dict]:
-    """Loss, perplexity and target tokens of the checkpoint on each source of ``data``, by domain name. The sources
-    are opened, and refused, before the model is loaded."""
+             max_windows: int, batch_size: int, hf: HFDatasetOptions = HFDatasetOptions(),
+             tasks: Sequence[EvalTaskArgs] = ()) -> dict[str, dict]:
+    """Loss, perplexity and target tokens of the checkpoint on each source of ``data``, by domain name, and the
+    metrics of each multiple-choice task (``generation/scoring.py``), by task name. The sources and tasks are
+    opened, and refused, before the model is loaded."""
     pc = parallel_context
     if min(sequence_length, max_windows, batch_size) < 1:
         raise ConfigError(f"--sequence-length ({sequence_length}), --max-windows ({max_windows}) and --batch-size "
@@ -124,22 +138,10 @@ def evaluate(ckpt_path: Path, data: Sequence[Path], parallel_context: ParallelCo
     checkpoint = resolve_checkpoint(Path(ckpt_path))
     _, model_config = checkpoint_model(checkpoint, read_metadata(checkpoint))
     sources = open_sources(data, model_config.vocab_size, lambda: checkpoint_tokenizer(checkpoint), hf, pc)
-    names = unique_domain_names(data, [source.stream.name for source in sources])
-    windows = evaluation_windows(sources, sequence_length, max_windows)
+    held_out = held_out_rows(data, sources, sequence_length, max_windows)
+    tokenizer = load_checkpoint_tokenizer(checkpoint) if tasks else None
+    task_sets = [task_rows(task, tokenizer, sequence_length, eos_token_id(tokenizer)) for task in tasks]
+    check_distinct_names(task_sets, held_out, "a --data source")
     model, _ = load_model(checkpoint, pc)
-    results = {}
-    for source, starts, name in zip(sources, windows, names):
-        total, count = torch.zeros((), dtype=torch.float64, device=pc.device), 0
-        for first in range(0, len(starts), batch_size):
-            rows = [source.stream.read(start, sequence_length + 1) for start in starts[first:first + batch_size]]
-            tokens = torch.as_tensor(np.stack(rows), device=pc.device)
-            logits = forward_logits(model, pc, tokens[:, :-1], None, None, None, last_only=False, gather=False)
-            if pc.is_last_stage:
-                total += vocab_parallel_token_losses(logits, tokens[:, 1:], pc.group(Group.TP),
-                                                     model.config.vocab_size).double().sum()
-            count += tokens[:, 1:].numel()
-        if pc.size(Axis.PP) > 1:
-            dist.broadcast(total, src=pc.members(Group.PP)[-1], group=pc.group(Group.PP))
-        loss = total.item() / count
-        results[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
-    return results
+    row_sums = stage_row_sums(model, pc, (batch_size, sequence_length, model.config.hidden_size))
+    return evaluation_results(task_sets, held_out, row_sums, pc, batch_size, sequence_length)

@@ -99,9 +99,9 @@ class StepLog:
                 self.costs.masked_flops_per_token(tokens, attention, self.recompute))
 
     def write(self, result: StepResult, step: int, consumed_tokens: int, step_seconds: float,
-              mean_step_seconds: float) -> None:
+              mean_step_seconds: float, evaluation: dict | None = None) -> None:
         """Step ``step``, which took ``step_seconds`` (``mean_step_seconds`` on average since the run started); the
-        domains' losses where the data has several."""
+        domains' losses where the data has several; the fields of an evaluation after it (``training/evals.py``)."""
         flops_per_token, hardware_flops_per_token = self._flops_per_token()
         per_domain = result.domain_losses is not None
         if self.pc.rank != 0:  # rank 0 logs at logging.log_level
@@ -130,7 +130,7 @@ class StepLog:
             record["domain_losses"] = result.domain_losses
         if result.skipped:
             record["skipped_update"] = True
-        record |= result.model_metrics
+        record |= result.model_metrics | (evaluation or {})
         eta = mean_step_seconds * (config.tokens.train_steps - step)
         mfu = f"{100 * record['mfu']:.1f}%" if "mfu" in record else "n/a"
         hardware = f" (hw {hardware_tflops:.2f})" if self.recompute != "none" else ""
