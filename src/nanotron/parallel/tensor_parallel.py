@@ -118,6 +118,7 @@ class _SplitLinear(nn.Module):
 
     split_features: str
     group: dist.ProcessGroup
+    matrix_parameters = ("weight",)  # a matrix of the model (Muon orthogonalises those of the decoder)
 
     def max_over_ranks(self, amax: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)

@@ -26,10 +26,11 @@ from nanotron.data.tokenizer import (
     model_token_ids,
     tokenizer_fingerprint,
 )
-from nanotron.layout import Axis
+from nanotron.layout import Axis, Group
 from nanotron.memory import memory_summary
 from nanotron.models.build import BuildOptions, ModuleConverter, build_model, parameter_initializer
 from nanotron.models.spec import CausalLM
+from nanotron.optim.muon import muon_parameters
 from nanotron.optim.optimizer import MixedPrecisionAdamW, build_optimizer
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.data_parallel import GradientBuckets
@@ -191,6 +192,8 @@ def trained_model(config: Config, pc: ParallelContext, converters: Sequence[Modu
         replicas={axes: replicas for axes, (_, replicas) in shards.items()},
         units=parameter_units(model) if sharded else None,
         initialize=parameter_initializer(model_config, pc, options) if sharded else None,
+        matrices=muon_parameters(model, config.optimizer.muon_named_params) if config.optimizer.name == "muon"
+        else frozenset(), tp_group=pc.group(Group.TP),
     )
     units = ShardedUnits(model, buckets) if any(bucket.sharded_params for bucket in buckets.buckets) else None
     return TrainedModel(model, buckets, optimizer, units)
