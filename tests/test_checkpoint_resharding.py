@@ -14,6 +14,8 @@ from support.tiers import full_tier
 SAVED_AT, STEPS = (6, 16) if full_tier() else (3, 6)
 WARMUP = 3
 Layout = tuple[int, int, int, int]  # dp, tp, pp, zero_stage
+# Muon's update at AdamW's rate (RMS matching) drops the loss a little slower over the first steps.
+LEARNING_RATES = {"adamw": 3e-3, "muon": 6e-3}
 
 
 def config_for(tiny_data, folder, layout: Layout, resume_from=None, optimizer: str = "adamw") -> dict:
@@ -26,7 +28,8 @@ def config_for(tiny_data, folder, layout: Layout, resume_from=None, optimizer: s
         parallelism={"dp": dp, "tp": tp, "pp": pp, "tp_mode": "REDUCE_SCATTER"},
         tokens={"train_steps": STEPS, "micro_batch_size": 4 // dp, "batch_accumulation_per_replica": 2},
         optimizer=base["optimizer"] | {"zero_stage": zero, "name": optimizer, "learning_rate_scheduler": {
-            "learning_rate": 3e-3, "lr_warmup_steps": WARMUP, "lr_decay_steps": STEPS - WARMUP, "min_decay_lr": 3e-4}},
+            "learning_rate": LEARNING_RATES[optimizer], "lr_warmup_steps": WARMUP, "lr_decay_steps": STEPS - WARMUP,
+            "min_decay_lr": 3e-4}},
         checkpoints={"checkpoint_interval": SAVED_AT, "resume_checkpoint_path": resume_from, "save_final_state": False},
     )
 
@@ -71,7 +74,7 @@ PAIRS = [
 # Muon's momentum is resharded like Adam's moments; its update needs whole matrices, gathered at any layout: one
 # pair in the default tier (one process's state into ZeRO-1 shards that cut across matrices).
 MUON_PAIRS = [
-    pytest.param((1, 1, 1, 0), (2, 1, 1, 1), "muon"),
+    pytest.param((1, 1, 1, 0), (2, 1, 1, 1), "muon", marks=pytest.mark.slow),
     pytest.param((1, 1, 1, 0), (1, 2, 1, 0), "muon", marks=pytest.mark.full_tier),
     pytest.param((2, 2, 2, 1), (1, 1, 1, 0), "muon", marks=pytest.mark.full_tier),
     pytest.param((2, 1, 1, 3), (1, 1, 2, 0), "muon", marks=pytest.mark.full_tier),

@@ -15,7 +15,7 @@ from nanotron.parallel import data_parallel
 from nanotron.parallel.placement import annotate_placements
 from support.configs import moe_config, tiny_config_dict, write_config
 from support.distributed import run_distributed
-from support.parity import assemble, assert_reference_trains, logical_pieces
+from support.parity import assert_matches_reference, assert_reference_trains, logical_pieces
 from support.runs import assert_user_error, cli, trainer_metrics
 from support.tiers import full_tier
 
@@ -155,17 +155,6 @@ def _train(config: dict) -> dict:
     return {"metrics": trainer_metrics(trainer), "weights": weights, "muon": muon}
 
 
-def assert_matches(reference: dict, results: list[dict], what) -> None:
-    """Loss and grad-norm within 1e-5 of one process at every step, the final weights within 1e-5 (absolute)."""
-    (metrics,) = [r["metrics"] for r in results if r["metrics"]]
-    for expected, got in zip(reference["metrics"], metrics, strict=True):
-        assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=1e-5), (what, got["step"])
-        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (what, got["step"])
-    expected_weights = assemble([reference], "weights")
-    for name, weight in assemble(results, "weights").items():
-        torch.testing.assert_close(weight, expected_weights[name], rtol=0, atol=1e-5, msg=f"{what}: {name}")
-
-
 @pytest.fixture(scope="module")
 def llama_reference(tiny_data, tmp_path_factory):
     (result,) = run_distributed(_train, 1, config=muon_config(tiny_data, tmp_path_factory.mktemp("ref") / "run"))
@@ -173,6 +162,7 @@ def llama_reference(tiny_data, tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_muon_takes_the_decoder_matrices_and_the_reference_trains(llama_reference):
     """Embeddings (tied with the head), norms: AdamW; every attention and MLP matrix of the 4 layers: Muon."""
     assert llama_reference["muon"] == {f"layers.{i}.{m}.weight" for i in range(4)
@@ -180,7 +170,7 @@ def test_muon_takes_the_decoder_matrices_and_the_reference_trains(llama_referenc
 
 
 LLAMA_LAYOUTS = [
-    pytest.param({"dp": 2, "tp": 2, "zero": 1}, id="dp2-zero1-tp2"),
+    pytest.param({"dp": 2, "tp": 2, "zero": 1}, id="dp2-zero1-tp2", marks=pytest.mark.slow),
     pytest.param({"tp": 2}, id="tp2-reduce-scatter", marks=pytest.mark.full_tier),
     pytest.param({"tp": 2, "tp_mode": "ALL_REDUCE"}, id="tp2-all-reduce", marks=pytest.mark.full_tier),
     pytest.param({"tp": 4}, id="tp4-kv-heads-replicated", marks=pytest.mark.full_tier),
@@ -194,7 +184,7 @@ LLAMA_LAYOUTS = [
 def test_muon_at_a_layout_matches_one_process(llama_reference, tiny_data, tmp_path, layout):
     config = muon_config(tiny_data, tmp_path / "run", **layout)
     ranks = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    assert_matches(llama_reference, run_distributed(_train, ranks, timeout=600, config=config), layout)
+    assert_matches_reference(llama_reference, run_distributed(_train, ranks, timeout=600, config=config), layout)
 
 
 @pytest.fixture(scope="module")
@@ -218,9 +208,10 @@ def test_muon_takes_each_experts_matrices_and_leaves_the_router_to_adamw(moe_ref
 def test_muon_on_experts_at_a_layout_matches_one_process(moe_reference, tiny_data, tmp_path, layout):
     config = muon_config(tiny_data, tmp_path / "run", moe=True, **layout)
     ranks = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("ep", 1)
-    assert_matches(moe_reference, run_distributed(_train, ranks, timeout=600, config=config), layout)
+    assert_matches_reference(moe_reference, run_distributed(_train, ranks, timeout=600, config=config), layout)
 
 
+@pytest.mark.slow
 def test_a_non_matrix_forced_into_muon_is_one_line_naming_the_key(tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "run")
     config["optimizer"] |= {"name": "muon", "muon_named_params": [r"_proj\.weight$", r"layernorm"]}

@@ -52,6 +52,7 @@ def test_resume_with_the_same_model_shape_still_works(base, tmp_path):
     assert [record["step"] for record in metrics(tmp_path / "run")] == [3]
 
 
+@pytest.mark.slow
 def test_resume_with_another_optimizer_is_refused_by_name_unless_its_state_starts_fresh(base, tmp_path):
     """The checkpoint holds AdamW's moments: Muon cannot take them. Without optimizer state the switch is allowed."""
     config = resume_config(base, tmp_path / "run")
