@@ -157,7 +157,8 @@ def _train(config: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def llama_reference(tiny_data, tmp_path_factory):
-    (result,) = run_distributed(_train, 1, config=muon_config(tiny_data, tmp_path_factory.mktemp("ref") / "run"))
+    config = muon_config(tiny_data, tmp_path_factory.mktemp("ref") / "run")
+    (result,) = run_distributed(_train, 1, timeout=600, config=config)
     assert_reference_trains(result["metrics"], STEPS)
     return result
 
@@ -190,7 +191,7 @@ def test_muon_at_a_layout_matches_one_process(llama_reference, tiny_data, tmp_pa
 @pytest.fixture(scope="module")
 def moe_reference(tiny_data, tmp_path_factory):
     config = muon_config(tiny_data, tmp_path_factory.mktemp("moe") / "run", moe=True)
-    (result,) = run_distributed(_train, 1, config=config)
+    (result,) = run_distributed(_train, 1, timeout=600, config=config)
     assert_reference_trains(result["metrics"], STEPS)
     return result
 
