@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.config import LRSchedulerArgs, OptimizerArgs
+from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_
 from nanotron.optim.newton_schulz import QUINTIC, UNIT_BAND, newton_schulz
 from nanotron.optim.optimizer import build_optimizer
 from nanotron.parallel import data_parallel
@@ -99,8 +100,8 @@ def test_muon_update_is_the_plain_single_matrix_update_and_adamw_takes_the_rest(
     buckets, optimizer = build_optimizer(params, args, bucket_mb=1.0, groups={("dp", "cp", "ep"): group},
                                          single_micro_batch=held, matrices={"w"}, tp_group=group)
     assert (buckets.bucket_of["w"].grads is None) == held
-    norm_reference = torch.optim.AdamW([nn.Parameter(start["norm"].clone())], lr=1e-2, betas=(0.9, 0.95),
-                                       eps=1e-8, weight_decay=0.0)
+    # The norm takes AdamW (``adamw_update_``, which test_optimizer.py holds against torch.optim.AdamW).
+    norm, norm_moments = start["norm"].clone(), (torch.zeros(16), torch.zeros(16))
     weight, momentum = start["w"].clone(), torch.zeros(16, 24)
     factor = 0.2 * 24**0.5 if scale == "rms_matching" else 1.0
     for step in range(3):
@@ -112,10 +113,10 @@ def test_muon_update_is_the_plain_single_matrix_update_and_adamw_takes_the_rest(
         momentum = 0.9 * momentum + grads["w"]
         direction = grads["w"] + 0.9 * momentum if nesterov else momentum
         weight = weight * (1 - 1e-2 * 0.1) - 1e-2 * factor * _exact_iteration(direction, 5).float()
-        norm_reference.param_groups[0]["params"][0].grad = grads["norm"]
-        norm_reference.step()
+        hyper = AdamWHyperparameters.at_step(step + 1, 1e-2, 0.9, 0.95, 1e-8, 0.0, None, torch.device("cpu"))
+        adamw_update_(norm, grads["norm"], *norm_moments, torch.empty(16), hyper)
         assert _largest_difference(params["w"], weight) < 1e-6, step + 1
-    assert _largest_difference(params["norm"], norm_reference.param_groups[0]["params"][0]) < 1e-6
+    assert _largest_difference(params["norm"], norm) < 1e-6
     assert optimizer.state_kinds(buckets.buckets.index(buckets.bucket_of["w"])) == ("momentum", "master")
 
 
