@@ -70,9 +70,10 @@ def test_newton_schulz_in_fp32_is_the_float64_iteration_and_orthogonalises_stack
     assert _largest_difference(newton_schulz(stack, 5, dtype=torch.float64), exact) < 1e-12
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def group():
-    """A one-rank gloo group in this process (the optimizer reduces over a data-parallel group)."""
+    """A one-rank gloo group in this process for one test (the optimizer reduces over a data-parallel group; the
+    training tests of this module start their own)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()
