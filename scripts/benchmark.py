@@ -25,6 +25,11 @@ prints its rows; ``scripts/benchmark_table.py`` writes the performance tables fr
 
     python scripts/benchmark.py --data ... --name fp8-torchao --override fp8.enabled=true \
       --versus-override fp8.enabled=false --torchao tensorwise
+
+``--muon`` trains the preset with Muon and then with AdamW, on the same batches in the same call (records
+``nanotron-muon`` and ``nanotron-adamw``): the step-time overhead of Muon's Newton-Schulz and its gathers.
+
+    python scripts/benchmark.py --data ... --preset llama1b --no-peers --muon --name muon-llama1b
 """
 
 from __future__ import annotations
@@ -243,7 +248,7 @@ def run_nanotron(args, preset: str, overrides: list[str]) -> tuple[dict, list]:
     fp8 = config.fp8.recipe if precision(config) == "fp8" else None
     return result | memory | counted | {"preset": preset, "overrides": overrides, "precision": precision(config),
                                         "fp8_recipe": fp8, "adam_moments": adam_moments(config),
-                                        "masters": masters(config),
+                                        "masters": masters(config), "optimizer": config.optimizer.name,
                                         "attention": "fa4" if getattr(trainer.model, "flash_attention", False)
                                         else "torch",
                                         "parameters": trainer.num_parameters,
@@ -459,6 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--activations", type=Path,
                         help="also write what the forward keeps for the backward, by allocation size, here")
     parser.add_argument("--override", nargs="*", default=[], help="nanotron config overrides (section.key=value)")
+    parser.add_argument("--muon", action="store_true",
+                        help="train nanotron with Muon (optimizer.name=muon) and, in the same call, with AdamW on the "
+                             "same batches (--versus-override optimizer.name=adamw): Muon's step-time overhead")
     parser.add_argument("--save-to", type=Path, help="also time checkpoint saves (foreground, background) into here")
     parser.add_argument("--name", help="the record's name: benchmarks/results/<date>-<gpu>-<name>.json (default: "
                                        "the preset)")
@@ -467,6 +475,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--commit", help="the measured code's commit, for a copy of the tree without git metadata")
     args = parser.parse_args(argv)
     args.peer = [] if args.no_peers else list(dict.fromkeys(args.peer))
+    if args.muon:
+        args.override = [*args.override, "optimizer.name=muon"]
+        args.versus_override = [*args.versus_override, "optimizer.name=adamw"]
     return args
 
 

@@ -69,8 +69,9 @@ def nanotron_names(first: dict, second: dict | None) -> tuple[str, str | None]:
     moments' dtype when they compare those (``nanotron-bf16-moments`` / ``nanotron-fp32-moments``; runs recorded
     without ``adam_moments`` had fp32 moments); by how they hold the masters (``nanotron-remainders-masters`` /
     ``nanotron-fp32-masters``); by their attention kernels (``nanotron-fa4-attention`` /
-    ``nanotron-torch-attention``; runs recorded without ``attention`` ran torch's); else the second run is named for
-    its preset (``--versus``), or ``nanotron-versus`` when only other overrides differ."""
+    ``nanotron-torch-attention``; runs recorded without ``attention`` ran torch's); by their optimizer
+    (``nanotron-muon`` / ``nanotron-adamw``; runs recorded without ``optimizer`` ran AdamW); else the second run is
+    named for its preset (``--versus``), or ``nanotron-versus`` when only other overrides differ."""
     if second is None:
         return "nanotron", None
     if first["precision"] != second["precision"]:
@@ -84,6 +85,9 @@ def nanotron_names(first: dict, second: dict | None) -> tuple[str, str | None]:
     attention = [run.get("attention", "torch") for run in (first, second)]
     if attention[0] != attention[1]:
         return f"nanotron-{attention[0]}-attention", f"nanotron-{attention[1]}-attention"
+    optimizers = [run.get("optimizer", "adamw") for run in (first, second)]
+    if optimizers[0] != optimizers[1]:
+        return f"nanotron-{optimizers[0]}", f"nanotron-{optimizers[1]}"
     if first["preset"] != second["preset"]:
         return "nanotron", f"nanotron-{second['preset']}"
     return "nanotron", "nanotron-versus"

@@ -164,6 +164,14 @@ def test_the_qwen3_presets_build_valid_configs_of_their_size(preset, parameters,
     assert (costs.flops_per_token - sum(costs.attention_flops)) / 6 == pytest.approx(used, rel=5e-3)
 
 
+@pytest.mark.parametrize("preset", ["llama1b", "mixtral"])
+def test_muon_trains_the_preset_with_muon_then_with_adamw_in_one_call(preset, tmp_path):
+    args = benchmark.parse_args(["--data", str(tmp_path), "--preset", preset, "--no-peers", "--muon"])
+    first = benchmark.nanotron_config(args, preset, args.override)
+    second = benchmark.nanotron_config(args, preset, args.override + args.versus_override)
+    assert (first.optimizer.name, second.optimizer.name) == ("muon", "adamw")
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--preset", "mixtral", "--peer", "torchtitan"], "--peer torchtitan trains torchtitan's Llama 3 only; mixtral"),
     (["--preset", "mamba130m"], "mamba130m has no --peer hf here; use --peer mamba-ssm"),
@@ -196,6 +204,7 @@ def test_system_names_of_nanotron_runs():
     assert benchmark_record.nanotron_names(bf16, dict(bf16)) == ("nanotron", "nanotron-versus")
     assert benchmark_record.nanotron_names(bf16 | {"attention": "fa4"}, bf16) == ("nanotron-fa4-attention",
                                                                                    "nanotron-torch-attention")
+    assert benchmark_record.nanotron_names(bf16 | {"optimizer": "muon"}, bf16) == ("nanotron-muon", "nanotron-adamw")
 
 
 def test_recorded_command_names_the_launcher_and_the_settings_that_matter():

@@ -132,6 +132,14 @@ FULL: dict[str, Any] = {
         "torch_adam_is_fused": False,
         "skip_bad_steps": 2,
         "loss_spike_factor": 3.0,
+        "name": "muon",
+        "muon_momentum": 0.9,
+        "muon_nesterov": False,
+        "muon_ns_steps": 6,
+        "muon_ns_coefficients": [3.0, -3.2, 1.2],
+        "muon_update_scale": "original",
+        "muon_weight_decay": 0.05,
+        "muon_named_params": [r"^layers\..*_proj\.weight$"],
     },
     "tokens": {"sequence_length": 128, "train_steps": 100, "micro_batch_size": 2, "batch_accumulation_per_replica": 4},
     "data_stages": [
@@ -561,6 +569,10 @@ RULES = {
         _set("parallelism.tp_linear_async_communication", True),
         ["parallelism.tp_linear_async_communication", "parallelism.tp_mode: REDUCE_SCATTER"],
     ),
+    "spectral µP is AdamW's": (
+        _all(_set("model.init_method", {"use_mup": True}), _set("optimizer.name", "muon")),
+        ["model.init_method.use_mup: true", "optimizer.name: muon", "keep one of them"],
+    ),
     "TP sums in fp32 are not FP8's": (
         _all(_set("parallelism.tp_partial_sums_in_fp32", True), _set("fp8", {"enabled": True})),
         ["parallelism.tp_partial_sums_in_fp32: true", "fp8.enabled", "disable one of them"],
@@ -653,6 +665,14 @@ RULES = {
     "log level is known": (_set("logging.log_level", "verbose"), ["logging.log_level must be one of debug, info"]),
     "fp8 history has a step": (_set("fp8", {"enabled": True, "recipe": "delayed", "amax_history_length": 0}),
                                ["fp8.amax_history_length must be at least 1, got 0"]),
+    "muon takes at least one newton-schulz step": (
+        _all(_set("optimizer.name", "muon"), _set("optimizer.muon_ns_steps", 0)),
+        ["optimizer.muon_ns_steps must be >= 1"],
+    ),
+    "muon settings need muon": (
+        _set("optimizer.muon_momentum", 0.9),
+        ["optimizer.muon_momentum is a setting of Muon but optimizer.name is adamw", "optimizer.name: muon"],
+    ),
     "log interval is positive": (
         _set("logging.iteration_step_info_interval", 0),
         ["logging.iteration_step_info_interval must be >= 1"],

@@ -52,6 +52,20 @@ def test_resume_with_the_same_model_shape_still_works(base, tmp_path):
     assert [record["step"] for record in metrics(tmp_path / "run")] == [3]
 
 
+@pytest.mark.slow
+def test_resume_with_another_optimizer_is_refused_by_name_unless_its_state_starts_fresh(base, tmp_path):
+    """The checkpoint holds AdamW's moments: Muon cannot take them. Without optimizer state the switch is allowed."""
+    config = resume_config(base, tmp_path / "run")
+    config["optimizer"]["name"] = "muon"
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    assert_user_error(outcome, "optimizer.optimizer_factory.name is muon", "holds the state of adamw",
+                      "checkpoints.load_optimizer: false")
+    assert not (tmp_path / "run" / "latest.txt").exists()
+    config["checkpoints"]["load_optimizer"] = False
+    train_through_cli(config, tmp_path / "fresh.yaml")
+    assert checkpoint_json(tmp_path / "run")["optimizer"] == "muon"
+
+
 # --- across a data-stage boundary -----------------------------------------------------------------------------------
 
 STEPS, SECOND_STAGE_START = 10, 6

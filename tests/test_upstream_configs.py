@@ -241,7 +241,7 @@ def test_a_null_optimizer_factory_is_no_factory():
 
 @pytest.mark.parametrize("key, fix", [
     ("zero_stage", "zero_stage is a setting of the optimizer section; write it as optimizer.zero_stage"),
-    ("momentum", "momentum is not a setting of AdamW; remove it"),
+    ("momentum", "momentum is not a setting of AdamW or Muon; remove it"),
 ])
 def test_a_key_inside_optimizer_factory_that_is_not_adamws_is_refused_naming_its_place(key, fix):
     raw = _upstream("main/config_tiny_llama.yaml")
@@ -255,8 +255,26 @@ def test_a_key_inside_optimizer_factory_that_is_not_adamws_is_refused_naming_its
 def test_another_optimizer_is_refused_by_name():
     raw = _upstream("main/config_tiny_llama.yaml")
     raw["optimizer"]["optimizer_factory"] = {"name": "sgd"}
-    with pytest.raises(ConfigError, match=r"optimizer_factory.name \(sgd\): only AdamW is available"):
+    with pytest.raises(ConfigError, match=r"optimizer_factory.name \(sgd\): the optimizers are adamW and muon"):
         _loaded(raw)
+
+
+def test_optimizer_factory_selects_muon_with_its_settings_and_adamws_for_the_rest():
+    raw = _upstream("main/config_tiny_llama.yaml")
+    raw["optimizer"]["optimizer_factory"].update(name="muon", muon_momentum=0.9, muon_ns_steps=4, adam_beta1=0.8)
+    optimizer = _loaded(raw).optimizer
+    assert (optimizer.name, optimizer.muon_momentum, optimizer.muon_ns_steps, optimizer.adam_beta1) == (
+        "muon", 0.9, 4, 0.8)
+
+
+def test_flat_and_factory_optimizer_names_that_disagree_are_one_line():
+    raw = _upstream("main/config_tiny_llama.yaml")
+    raw["optimizer"]["optimizer_factory"]["name"] = "muon"
+    raw["optimizer"]["name"] = "adamw"
+    with pytest.raises(ConfigError) as info:
+        _loaded(raw)
+    assert info.value.problems == ["optimizer.name (adamw) and optimizer.optimizer_factory.name (muon) disagree; "
+                                   "keep one of them, or set both with --override optimizer.name=<value>"]
 
 
 def test_dataset_folder_mapping_is_folders_and_weights():

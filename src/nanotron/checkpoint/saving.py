@@ -155,7 +155,7 @@ def take_snapshot(config: Config, model: CausalLM, optimizer: MixedPrecisionAdam
         consumed_tokens=progress.consumed_tokens,
         layout=parallel_context.layout.to_dict(),
         model=model_metadata(model.config, model.padded_vocab_size, config.model.dtype),
-        tokenizer_fingerprint=tokenizer_fingerprint, files={},
+        tokenizer_fingerprint=tokenizer_fingerprint, files={}, optimizer=config.optimizer.name,
         **(extra_entries or {}),
         **({NODE_RANKS: list(folder.ranks)} if not folder.shared else {}),
     )

@@ -28,6 +28,9 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     yield from _conversations_vs_model(cfg)
     yield from _context_parallelism(cfg)
     yield from _pipeline_schedule(cfg)
+    if getattr(cfg.model.init_method, "use_mup", False) and cfg.optimizer.name == "muon":
+        yield ("model.init_method.use_mup: true sets each matrix's AdamW learning rate (spectral µP), but "
+               "optimizer.name: muon scales its own updates; keep one of them")
     if cfg.parallelism.tp_partial_sums_in_fp32 and cfg.fp8 is not None and cfg.fp8.enabled:
         yield ("parallelism.tp_partial_sums_in_fp32: true sums the products of bf16 and fp16 linears in fp32, but FP8 "
                "linears (fp8.enabled) round theirs to their own output dtype: disable one of them")

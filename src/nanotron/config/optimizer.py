@@ -1,8 +1,8 @@
-"""The ``optimizer`` section: AdamW, ZeRO, clipping, bad-step handling, and the learning-rate schedule."""
+"""The ``optimizer`` section: AdamW or Muon, ZeRO, clipping, bad-step handling, and the learning-rate schedule."""
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Annotated, Literal
 
 from nanotron.config.rules import Spellings, at_least, positive
@@ -11,6 +11,13 @@ LR_KEY = "optimizer.learning_rate_scheduler"
 ZERO_STAGES = (0, 1, 2, 3)
 MomentsDType = Annotated[Literal["float32", "bfloat16"],
                          Spellings(fold=str.lower, aliases={"fp32": "float32", "bf16": "bfloat16"})]
+OptimizerName = Annotated[Literal["adamw", "muon"], Spellings(fold=str.lower)]
+# Muon's update scale (``optim/muon.py``): Moonlight's RMS matching, 0.2 * sqrt(max(rows, columns)), gives the update
+# the RMS of AdamW's so that AdamW's learning rate and weight decay carry over; the original, sqrt(max(1, rows /
+# columns)), needs a learning rate of its own (about 0.02).
+MuonUpdateScale = Literal["rms_matching", "original"]
+# Keller Jordan's quintic Newton-Schulz coefficients (``optim/newton_schulz.py``).
+MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
 # The largest Adam beta that bf16 moments take: bf16 keeps 8 significant bits (a relative spacing of 2^-7 = 0.0078),
 # so ``beta * m + (1 - beta) * x`` with a smaller ``1 - beta`` can round back to ``m`` (at 0.999, always does).
 BF16_MOMENTS_MAX_BETA = 0.99
@@ -60,8 +67,42 @@ class OptimizerArgs:
     torch_adam_is_fused: bool = True
     skip_bad_steps: int = 0  # bad steps in a row whose update is skipped before the run stops (0: stop at the first)
     loss_spike_factor: float | None = None  # a loss above this times the recent mean counts as a bad step
+    # ``adamw``, or ``muon``: orthogonalised momentum for the decoder's matrices, AdamW (the adam_* settings) for the
+    # rest (embeddings, LM head, norms, biases, routers); upstream's ``optimizer_factory.name``.
+    name: OptimizerName = "adamw"
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: list(MUON_QUINTIC))
+    muon_update_scale: MuonUpdateScale = "rms_matching"
+    muon_weight_decay: float | None = None  # None: optimizer.weight_decay
+    muon_named_params: list[str] | None = None  # regexes of the matrices Muon takes; None: the decoder's matrices
+
+    def muon_problems(self) -> Iterator[str]:
+        """Muon's settings; they are refused when another optimizer is chosen, where they would do nothing."""
+        changed = [f.name for f in fields(self) if f.name.startswith("muon_")
+                   and getattr(self, f.name) != (f.default_factory() if f.default is MISSING else f.default)]
+        if self.name != "muon":
+            if changed:
+                yield (f"optimizer.{changed[0]} is a setting of Muon but optimizer.name is {self.name}; set "
+                       "optimizer.name: muon (optimizer_factory.name: muon) or remove it")
+            return
+        if not 0 <= self.muon_momentum < 1:
+            yield f"optimizer.muon_momentum must be in [0, 1) (got {self.muon_momentum})"
+        yield from at_least("optimizer.muon_ns_steps", self.muon_ns_steps, 1)
+        if len(self.muon_ns_coefficients) != 3:
+            yield (f"optimizer.muon_ns_coefficients must be the three coefficients (a, b, c) of the quintic "
+                   f"a x + b x^3 + c x^5 (got {self.muon_ns_coefficients}); the default is {list(MUON_QUINTIC)}")
+        if self.muon_weight_decay is not None:
+            yield from at_least("optimizer.muon_weight_decay", self.muon_weight_decay, 0)
+        for i, pattern in enumerate(self.muon_named_params or []):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                yield f"optimizer.muon_named_params[{i}] ({pattern!r}) is not a valid regex: {e}"
 
     def problems(self) -> Iterator[str]:
+        yield from self.muon_problems()
         if self.zero_stage not in ZERO_STAGES:
             yield (f"optimizer.zero_stage must be 0 (off), 1 (optimizer state sharded over dp), 2 (and gradients) or "
                    f"3 (and weights) (got {self.zero_stage})")

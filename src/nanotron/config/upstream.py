@@ -115,8 +115,11 @@ V04_DATA_STAGE_NAME = "main"
 # AdamW's settings inside upstream main's ``optimizer_factory``: our flat ``optimizer`` fields of the same names.
 ADAMW_FACTORY_FIELDS = ("adam_eps", "adam_beta1", "adam_beta2", "torch_adam_is_fused")
 _OPTIMIZER_FIELDS = {f.name for f in fields(OptimizerArgs)}
+# Muon's settings inside the factory (ours: upstream has no Muon), beside AdamW's for the parameters Muon leaves.
+MUON_FACTORY_FIELDS = tuple(name for name in _OPTIMIZER_FIELDS if name.startswith("muon_"))
+FACTORY_FIELDS = ("name", *ADAMW_FACTORY_FIELDS, *sorted(MUON_FACTORY_FIELDS))
 # Keys naming one setting in two ways (upstream's current and older spelling, or ours and upstream's).
-_SPELLINGS = (*((f"optimizer.{key}", f"optimizer.optimizer_factory.{key}") for key in ADAMW_FACTORY_FIELDS),
+_SPELLINGS = (*((f"optimizer.{key}", f"optimizer.optimizer_factory.{key}") for key in FACTORY_FIELDS),
               (f"{MODEL_CONFIG}.rope_interleaved", f"{MODEL_CONFIG}.interleaved_rotary"))
 
 
@@ -249,9 +252,11 @@ def _stage_sequence_lengths(raw: dict) -> None:
 
 def _optimizer_factory(raw: dict, found: Translation) -> None:
     """Upstream main's ``optimizer_factory: {name: adamW, adam_*, torch_adam_is_fused}`` selects AdamW with its
-    settings, our flat ``adam_*`` fields; ``null`` is no factory. Older files give the flat fields, some both: they
-    must be the same values as read (``1e-8`` and ``1.0e-8`` agree). Another key inside the factory is refused, an
-    optimizer-section field (``zero_stage``) with the place it belongs, as upstream's strict reader refuses it."""
+    settings, our flat ``name`` and ``adam_*`` fields (``name: muon`` with ``muon_*`` selects Muon, and the ``adam_*``
+    settings then serve the parameters Muon leaves); ``null`` is no factory. Older files give the flat fields, some
+    both: they must be the same values as read (``1e-8`` and ``1.0e-8`` agree). Another key inside the factory is
+    refused, an optimizer-section field (``zero_stage``) with the place it belongs, as upstream's strict reader
+    refuses it."""
     optimizer = _section(raw, "optimizer")
     if optimizer is None or "optimizer_factory" not in optimizer:
         return
@@ -263,17 +268,17 @@ def _optimizer_factory(raw: dict, found: Translation) -> None:
                               f"{', '.join(ADAMW_FACTORY_FIELDS)}}} or null (got {_yaml(factory)})")
         return
     factory = dict(factory)
-    name = factory.pop("name", "adamW")
-    if not (isinstance(name, str) and name.lower() == "adamw"):
-        found.problems.append(f"optimizer.optimizer_factory.name ({name}): only AdamW is available (name: adamW)")
+    name = factory.get("name", "adamW")
+    if not (isinstance(name, str) and name.lower() in ("adamw", "muon")):
+        found.problems.append(f"optimizer.optimizer_factory.name ({name}): the optimizers are adamW and muon")
         return
     for key, value in factory.items():
         inside = f"optimizer.optimizer_factory.{key}"
-        if key not in ADAMW_FACTORY_FIELDS:
+        if key not in FACTORY_FIELDS:
             where = (f"a setting of the optimizer section; write it as optimizer.{key}" if key in _OPTIMIZER_FIELDS
-                     else "not a setting of AdamW; remove it")
-            found.problems.append(f"{inside} is misplaced: optimizer_factory holds name and AdamW's "
-                                  f"{', '.join(ADAMW_FACTORY_FIELDS)}, and {key} is {where}")
+                     else "not a setting of AdamW or Muon; remove it")
+            found.problems.append(f"{inside} is misplaced: optimizer_factory holds name, AdamW's "
+                                  f"{', '.join(ADAMW_FACTORY_FIELDS)} and Muon's muon_*, and {key} is {where}")
         elif key in optimizer and not _same_setting(optimizer[key], value):
             found.problems.append(f"optimizer.{key} ({_yaml(optimizer[key])}) and {inside} ({_yaml(value)}) "
                                   f"disagree; keep one of them, or set both with --override optimizer.{key}=<value>")
@@ -293,7 +298,10 @@ def _same_setting(a: Any, b: Any) -> bool:
         return value
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
-    return read(a) == read(b)
+    a, b = read(a), read(b)
+    if isinstance(a, str) and isinstance(b, str):  # names: ``adamW`` and ``adamw`` are one optimizer
+        return a.lower() == b.lower()
+    return a == b
 
 
 def _recompute(raw: dict, found: Translation) -> None:

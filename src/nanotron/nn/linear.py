@@ -17,6 +17,7 @@ class Linear(nn.Linear):
     reads back from ``output_chunks`` (a tensor-parallel replacement reports its local widths there)."""
 
     matmul = staticmethod(F.linear)  # (input, weight, bias) -> output; a converter may set another per instance
+    matrix_parameters = ("weight",)  # a matrix of the model (Muon orthogonalises those of the decoder)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, chunks: tuple[int, ...] | None = None):
         super().__init__(in_features, out_features, bias=bias)

@@ -20,7 +20,7 @@ moments whatever their dtype in training, so a run resumes with either setting.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,16 +66,21 @@ class MixedPrecisionAdamW:
         """One AdamW update of this rank's shards, with the gradients multiplied by ``grad_multiplier`` (clipping);
         the model's weights get the new masters (all-gathered over data-parallel ranks under ZeRO-1)."""
         self.step_count += 1
+        self._adamw_step(lr, grad_multiplier, range(len(self.buckets.buckets)))
+        self.buckets.all_gather_params()
+
+    def _adamw_step(self, lr: float, grad_multiplier: torch.Tensor | None, indices: Iterable[int]) -> None:
+        """The AdamW update of the shards of buckets ``indices``."""
         a = self.args
         hyper = {(decay, scale): AdamWHyperparameters.at_step(
                      self.step_count, lr * scale, a.adam_beta1, a.adam_beta2, a.adam_eps,
                      a.weight_decay if decay else 0.0, grad_multiplier, self.device)
                  for decay, scale in {(bucket.weight_decay, bucket.lr_scale) for bucket in self.buckets.buckets}}
-        for index, bucket in enumerate(self.buckets.buckets):
+        for index in indices:
+            bucket = self.buckets.buckets[index]
             update = self._updates[self.remainders[index]]
             for grad, master, exp_avg, exp_avg_sq, weights in self._shard_pieces(index):
                 update(master, grad, exp_avg, exp_avg_sq, weights, hyper[bucket.weight_decay, bucket.lr_scale])
-        self.buckets.all_gather_params()
 
     def _shard_pieces(self, index: int) -> Iterator[tuple[torch.Tensor, ...]]:
         """(gradient, master state, moments, weights) of bucket ``index``'s shard, flat: the whole shard where the
@@ -106,10 +111,15 @@ class MixedPrecisionAdamW:
         return self.master_state[index]
 
     def local_state_numel(self) -> int:
-        """Elements of optimizer state held by this rank (masters and both moments)."""
-        return sum(m.numel() for m in self.master_state) * 3
+        """Elements of optimizer state held by this rank (masters and moments)."""
+        return sum(self.master_state[index].numel() if kind == "master" else self._shard_state(index, kind).numel()
+                   for index in range(len(self.buckets.buckets)) for kind in self.state_kinds(index))
 
     # --- checkpointing -------------------------------------------------------------------------------------------
+
+    def state_kinds(self, index: int) -> tuple[str, ...]:
+        """The kinds of state bucket ``index`` keeps per parameter (names in checkpoints: ``<kind>/<parameter>``)."""
+        return STATE_KINDS
 
     def _shard_state(self, index: int, kind: str) -> torch.Tensor:
         if kind == "master":
@@ -123,10 +133,9 @@ class MixedPrecisionAdamW:
         are upcast, a bucket at a time.
         """
         buckets = self.buckets
-        kinds = STATE_KINDS if self.step_count else ("master",)
         for index, bucket in enumerate(buckets.buckets):
             full = {}
-            for kind in kinds:
+            for kind in self.state_kinds(index) if self.step_count else ("master",):
                 shard = self._shard_state(index, kind)
                 if bucket.sharded:
                     whole = torch.empty(bucket.numel, dtype=shard.dtype, device=shard.device)
@@ -144,7 +153,7 @@ class MixedPrecisionAdamW:
         vocabulary padding) keep zero moments and, as masters, the loaded weights (this rank's shard of them: under
         ZeRO-3 the rest is not held)."""
         for index, bucket in enumerate(self.buckets.buckets):
-            for kind in STATE_KINDS:
+            for kind in self.state_kinds(index):
                 whole = torch.zeros(bucket.numel, dtype=torch.float32, device=self.master_state[index].device)
                 if kind == "master":
                     whole[bucket.shard] = bucket.shard_params
@@ -168,19 +177,26 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, 
                     units: dict[str, str] | None = None,
                     initialize: Callable[[dict[str, torch.Tensor]], None] | None = None,
                     lr_scales: dict[str, float] | None = None,
+                    matrices: set[str] = frozenset(), tp_group: dist.ProcessGroup | None = None,
                     ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
     """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
     ``groups`` (gradient axes -> process group, ``ParallelContext.shard_groups``; under HSDP the ranks of one shard
     group, each shard's ``replicas`` then summed) and the optimizer over their shards; ``single_micro_batch``: every
     step has one micro-batch per replica. ZeRO-3: ``units`` (parameter name -> unit) cut the buckets, and
     ``initialize`` gives the parameters their values a bucket at a time (``GradientBuckets.fill``). ``lr_scales``
-    multiply the learning rate of the parameters they name (spectral µP)."""
+    multiply the learning rate of the parameters they name (spectral µP). With ``optimizer.name: muon``, Muon takes
+    the ``matrices`` (``optim/muon.py``), made whole over ``tp_group``."""
+    from nanotron.optim.muon import MixedPrecisionMuon  # Muon builds on this module's AdamW
+
     exclude = args.weight_decay_exclude_named_params
     no_decay = {n for n, p in params.items() if no_weight_decay(n, p, exclude, declared_no_decay)}
     zero = ZeroSettings(args.zero_stage, replicas, units, args.grad_reduce_in_bf16)
     buckets = GradientBuckets(params, no_decay, args.accumulate_grad_in_fp32, int(bucket_mb * 2**20), groups, zero,
                               single_micro_batch=single_micro_batch,
-                              persistent_buffers=args.persistent_gradient_buffers, lr_scales=lr_scales)
+                              persistent_buffers=args.persistent_gradient_buffers, lr_scales=lr_scales,
+                              orthogonalised=matrices)
     if initialize is not None:
         buckets.fill(initialize)
+    if args.name == "muon":
+        return buckets, MixedPrecisionMuon(buckets, args, tp_group)
     return buckets, MixedPrecisionAdamW(buckets, args)

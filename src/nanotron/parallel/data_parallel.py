@@ -110,6 +110,7 @@ class Bucket:
     shard_params: torch.Tensor  # this rank's shard of the parameters (a view of ``params`` but under ZeRO-3)
     unit: str = ""  # ZeRO-3: the unit its parameters belong to (gathered and released together)
     lr_scale: float = 1.0  # its parameters' learning rate over the schedule's (spectral µP: fan_out / fan_in)
+    orthogonalised: bool = False  # its parameters take Muon's update of whole matrices (``optim/muon.py``)
     sharded_grads: bool = False  # ZeRO-2/3: each micro-batch's gradients reduce-scattered into ``shard_grads``
     sharded_params: bool = False  # ZeRO-3: ``params`` has storage only while gathered
     replicas: dist.ProcessGroup | None = None  # HSDP: the replicas of this rank's shard
@@ -170,14 +171,16 @@ class GradientBuckets:
     parameter's dtype (``gradient_dtype``), and hold large ones as autograd produced them, without a buffer, unless
     ``persistent_buffers`` (``holds_autograd_gradient``); a second gradient in a step then is an error rather than a
     sum in lower precision. A parameter without storage (a placeholder of ``build_model(initialize=False)``) gets its
-    values from ``fill``.
+    values from ``fill``. The ``orthogonalised`` parameters (Muon's) are kept out of the other parameters' buckets.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], no_decay: set[str], accumulate_in_fp32: bool,
                  bucket_bytes: int, groups: dict[tuple[Axis, ...], dist.ProcessGroup],
                  zero: ZeroSettings = ZeroSettings(), single_micro_batch: bool = False,
-                 persistent_buffers: bool = False, lr_scales: dict[str, float] | None = None):
+                 persistent_buffers: bool = False, lr_scales: dict[str, float] | None = None,
+                 orthogonalised: set[str] = frozenset()):
         self.params = params
+        self.orthogonalised = orthogonalised
         self.settings = zero
         self.single_micro_batch = single_micro_batch
         self.final_micro_batch = False
@@ -190,13 +193,13 @@ class GradientBuckets:
 
         units, lr_scales = zero.units or {}, lr_scales or {}
         for decay in (True, False):
-            by_kind: dict[tuple[str, tuple[Axis, ...], torch.dtype, float], list[str]] = {}
+            by_kind: dict[tuple[str, tuple[Axis, ...], torch.dtype, float, bool], list[str]] = {}
             for name in reversed(params):
                 if (name not in no_decay) == decay:
                     kind = (units.get(name, ""), get_placement(params[name]).gradient_axes, params[name].dtype,
-                            lr_scales.get(name, 1.0))
+                            lr_scales.get(name, 1.0), name in orthogonalised)
                     by_kind.setdefault(kind, []).append(name)
-            for (unit, axes, dtype, lr_scale), names in by_kind.items():
+            for (unit, axes, dtype, lr_scale, _), names in by_kind.items():
                 count = len(self.buckets)
                 self._add_buckets(names, unit, axes, dtype, decay, groups[axes], accumulate_in_fp32, bucket_bytes,
                                   persistent_buffers)
@@ -254,7 +257,8 @@ class GradientBuckets:
             grads=torch.zeros(numel, dtype=grad_dtype, device=device) if buffered and not sharded_grads else None,
             params=params, group=group, group_size=size, axes=axes, sharded=sharded, shard=shard,
             shard_params=torch.empty(per_rank, dtype=first.dtype, device=device) if sharded_params else params[shard],
-            unit=unit, sharded_grads=sharded_grads, sharded_params=sharded_params, replicas=replicas,
+            unit=unit, orthogonalised=names[0] in self.orthogonalised, sharded_grads=sharded_grads,
+            sharded_params=sharded_params, replicas=replicas,
             counted=replicas is None or dist.get_rank(replicas) == 0,
             shard_grads=torch.zeros(per_rank, dtype=grad_dtype, device=device) if sharded_grads else None,
         )

@@ -172,6 +172,7 @@ class _SplitLinear(nn.Module):
     split_features: str
     group: dist.ProcessGroup
     sum_in_fp32: bool = False
+    matrix_parameters = ("weight",)  # a matrix of the model (Muon orthogonalises those of the decoder)
 
     @property
     def sums_in_fp32(self) -> bool:

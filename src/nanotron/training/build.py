@@ -26,7 +26,7 @@ from nanotron.data.tokenizer import (
     model_token_ids,
     tokenizer_fingerprint,
 )
-from nanotron.layout import Axis
+from nanotron.layout import Axis, Group
 from nanotron.memory import memory_summary
 from nanotron.models.build import (
     BuildOptions,
@@ -36,6 +36,7 @@ from nanotron.models.build import (
     parameter_lr_scales,
 )
 from nanotron.models.spec import CausalLM
+from nanotron.optim.muon import muon_parameters
 from nanotron.optim.optimizer import MixedPrecisionAdamW, build_optimizer
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.data_parallel import GradientBuckets
@@ -198,6 +199,8 @@ def trained_model(config: Config, pc: ParallelContext, converters: Sequence[Modu
         units=parameter_units(model) if sharded else None,
         initialize=parameter_initializer(model_config, pc, options) if sharded else None,
         lr_scales=parameter_lr_scales(model_config, options),
+        matrices=muon_parameters(model, config.optimizer.muon_named_params) if config.optimizer.name == "muon"
+        else frozenset(), tp_group=pc.group(Group.TP),
     )
     units = ShardedUnits(model, buckets) if any(bucket.sharded_params for bucket in buckets.buckets) else None
     return TrainedModel(model, buckets, optimizer, units)

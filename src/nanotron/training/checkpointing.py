@@ -127,6 +127,7 @@ class RunCheckpoints:
             )
         self._check_same_tokenizer(checkpoint, metadata.get("tokenizer_fingerprint"), datasets)
         if self.resume_from is not None:
+            self._check_same_optimizer(checkpoint, metadata)
             position = resumed_data_position(checkpoint, metadata, self.config, self.data_stages)
             for note in position.notes if self.pc.rank == 0 else ():
                 logger.warning(note)
@@ -136,6 +137,16 @@ class RunCheckpoints:
             if self.resume_from is not None:
                 feature.load_state_dict(checkpoint, metadata)
         return checkpoint, metadata
+
+    def _check_same_optimizer(self, checkpoint: Path, metadata: dict) -> None:
+        """The optimizer state of a checkpoint is that of its optimizer: resuming it with another is refused, unless
+        the state starts fresh (``checkpoints.load_optimizer: false``). Checkpoints that name none are AdamW's."""
+        saved, now = metadata.get("optimizer", "adamw"), self.config.optimizer.name
+        if saved != now and metadata["optimizer_step"] > 0 and self.config.checkpoints.load_optimizer:
+            raise ConfigError(
+                f"optimizer.optimizer_factory.name is {now} but {checkpoint} holds the state of {saved}; resume with "
+                f"optimizer.optimizer_factory.name: {saved}, or set checkpoints.load_optimizer: false to switch to "
+                f"{now} with fresh optimizer state (the weights, schedule and data position are kept)")
 
     def _check_same_tokenizer(self, checkpoint: Path, trained_with: str | None,
                               datasets: dict[str, SampleSource]) -> None:

@@ -146,6 +146,7 @@ class GroupedExperts(nn.Module):
     """
 
     grouped_mm: bool | None = None  # None: grouped GEMMs where they are supported
+    matrix_parameters = ("gate_up_proj", "down_proj")  # stacks of matrices, one per expert (Muon: each on its own)
     expert_matmul = None  # (input, weight) -> output for one expert; None: F.linear, or the grouped GEMMs
 
     def __init__(self, num_experts: int, hidden_size: int, ffn: int, activation: HiddenAct = "silu"):
