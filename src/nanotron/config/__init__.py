@@ -1,6 +1,6 @@
 """The typed training config: one module per section (its dataclasses and, beside their fields, their rules), one
-per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`, `qwen3.py`), the rules between sections
-(`cross_section.py`), the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving
+per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`, `qwen3.py`, `deepseek_v3.py`), the rules between
+sections (`cross_section.py`), the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving
 (`loading.py`).
 
 Users write YAML in nanotron's format (see docs/config.md); code reads it with `load_config` and gets a `Config`.
@@ -9,6 +9,7 @@ Users write YAML in nanotron's format (see docs/config.md); code reads it with `
 from nanotron.config.checkpoints import CheckpointsArgs
 from nanotron.config.config import Config, validate_config
 from nanotron.config.data import DataArgs, DatasetArgs, DatasetStageArgs, HFDatasetArgs, TokenizerArgs, TokensArgs
+from nanotron.config.deepseek_v3 import DeepseekV3Config
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
 from nanotron.config.llama import ROPE_SCALING_KEYS, LlamaConfig
@@ -46,6 +47,7 @@ __all__ = [
     "DataArgs",
     "DatasetArgs",
     "DatasetStageArgs",
+    "DeepseekV3Config",
     "DoReMiArgs",
     "DuplicateKeyWarning",
     "FP8Args",

@@ -1,0 +1,287 @@
+"""The DeepSeek-V3 family (``is_deepseek_v3_config``) against transformers' DeepseekV3ForCausalLM (logits at tp 1
+and 2 and ep 2, greedy generation, conversion both ways, sizes checked against the stored tensors), its routing
+against transformers' router, its costs, layouts against one process (tp in both modes, pp, dp, cp, ep, ep x tp)
+with the balancing bias equal everywhere, an exact resume of the bias, and every rule of the config named in one
+line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.configs import tiny_config_dict, write_config
+from support.distributed import run_distributed_each
+from support.hf import (
+    PROMPTS,
+    away_from_initial_values,
+    convert_altered,
+    export_back_exactly,
+    nanotron_outputs,
+    one_process_outputs,
+    transformers_outputs,
+)
+from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.runs import assert_user_error, cli
+from support.tiers import parity_steps
+
+# 4 heads whose queries and keys are 12 features without RoPE and 8 with it, values of 10: no size is
+# hidden_size / num_attention_heads; 8 experts in 4 groups, the first layer dense
+SHAPE = dict(vocab_size=112, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=4, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, kv_lora_rank=16,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+             first_k_dense_replace=1, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             initializer_range=0.1)
+YARN = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+VARIANTS = {
+    # a query latent, YaRN with DeepSeek's mscale, interleaved rotary rows, two shared experts, raw top-k weights
+    "latent-query-yarn": {"q_lora_rank": 24, "rope_parameters": YARN, "n_shared_experts": 2,
+                          "norm_topk_prob": False},
+    # one query projection, plain RoPE in halves, tied embeddings, renormalised weights
+    "direct-query": {"q_lora_rank": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+                     "rope_interleave": False, "tie_word_embeddings": True, "routed_scaling_factor": 1.5},
+}
+NEW_TOKENS = 12
+
+
+def _save_random(folder: Path, changes: dict) -> Path:
+    """A random transformers model with norms away from one and balancing biases away from zero."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = away_from_initial_values(transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**SHAPE | changes)))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["latent-query-yarn",
+                                        pytest.param("direct-query", marks=pytest.mark.full_tier)])
+def converted(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = _save_random(root / "hf", VARIANTS[request.param])
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", root / "nanotron")
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    return {"name": request.param, "hf": hf, "ckpt": root / "nanotron", "root": root}
+
+
+def test_logits_and_greedy_generation_match_transformers(converted):
+    """Prompts of different lengths (left padding), with and without the KV cache; the balancing biases (which
+    choose the experts) are read."""
+    from safetensors.torch import load_file
+
+    from nanotron.models.moe.model import MoEFeedForward
+
+    ours = one_process_outputs(converted["ckpt"], PROMPTS, NEW_TOKENS)
+    theirs = transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
+    layers = ours["layers"]
+    assert [i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEFeedForward)] == [1, 2]
+    stored = load_file(converted["hf"] / "model.safetensors")
+    assert torch.equal(layers[2].mlp.expert_bias, stored["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
+    assert ours["cached"] == ours["uncached"] == theirs["greedy"]
+
+
+@pytest.mark.slow  # the quick tier compares one process with transformers above
+def test_logits_match_transformers_at_tp2_and_ep2(converted):
+    """tp=2 splits the heads (each rank decompresses its own from the replicated latents) and the experts' widths;
+    ep=2 splits the experts."""
+    theirs = transformers_outputs(converted["hf"], PROMPTS, 48)
+    layouts = [{"tp": 2}, {"ep": 2}]
+    for layout, ranks in zip(layouts, run_distributed_each(nanotron_outputs, 2, [
+            {"ckpt": str(converted["ckpt"]), "pp": 1, "tp": 1} | layout for layout in layouts]), strict=True):
+        for rank in ranks:
+            assert (rank["logits"] - theirs["logits"]).abs().max() < 1e-4, layout
+            assert rank["cached"] == rank["uncached"] == theirs["greedy"], layout
+
+
+def test_conversion_back_is_exact(converted):
+    before, after, exported = export_back_exactly(converted["hf"], converted["ckpt"], converted["root"] / "back",
+                                                  PROMPTS[0])
+    assert any(name.endswith("mlp.gate.e_score_correction_bias") for name in exported)
+    keys = ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim",
+            "qk_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "rope_interleave",
+            "tie_word_embeddings"]
+    assert {key: getattr(after, key) for key in keys} == {key: getattr(before, key) for key in keys}
+
+
+def test_checkpoint_records_the_deepseek_v3_type(converted):
+    model = json.loads((converted["ckpt"] / "checkpoint.json").read_text())["model"]
+    assert model["type"] == "deepseek_v3" and model["config"]["qk_rope_head_dim"] == 8
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory) -> Path:
+    return _save_random(tmp_path_factory.mktemp("stored"), VARIANTS["latent-query-yarn"])
+
+
+@pytest.mark.parametrize("config_changes, drop, fragment", [
+    ({"kv_lora_rank": 8}, None, "'layers.0.attn.kv_a_layernorm.weight' is (16,) in the weights but (8,) in the model"),
+    ({"first_k_dense_replace": 2}, None, "'model.layers.1.mlp.gate_proj.weight', which the weights lack"),
+    ({}, "layers.1.mlp.gate.e_score_correction_bias", "'model.layers.1.mlp.gate.e_score_correction_bias', which "
+                                                      "the weights lack"),
+    ({"qk_head_dim": 24}, None, "qk_head_dim (24) must equal qk_nope_head_dim + qk_rope_head_dim = 20"),
+    ({"num_key_value_heads": 128}, None, "num_key_value_heads (128) must equal num_attention_heads = 4"),
+    ({"attention_bias": True}, None, "attention_bias True is not supported"),
+], ids=["latent-rank", "fewer-moe-layers", "no-bias", "qk-head-dim", "kv-heads", "attention-bias"])
+def test_declared_sizes_are_checked_against_the_stored_tensors(stored, tmp_path, config_changes, drop, fragment):
+    """A config.json whose shapes or derived keys disagree with the weights (or weights without a balancing bias) is
+    refused in one line before anything is written."""
+    outcome = convert_altered(stored, tmp_path, config_changes, drop)
+    assert_user_error(outcome, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+# --- routing, costs ---------------------------------------------------------------------------------------------
+
+def test_routing_chooses_and_weighs_the_experts_as_transformers_router():
+    """Sigmoid scores plus the bias choose within the best groups; the scores alone weigh, renormalised or not,
+    times the scaling factor."""
+    transformers = pytest.importorskip("transformers")
+    from nanotron.models.moe.model import Selection, choose_experts
+
+    torch.manual_seed(0)
+    for normalize in (True, False):
+        config = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
+                                               topk_group=2, norm_topk_prob=normalize, routed_scaling_factor=2.5)
+        router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+        torch.nn.init.normal_(router.weight)
+        router.e_score_correction_bias.normal_(0.0, 0.5)
+        hidden = torch.randn(64, 16)
+        logits, weights, experts = router(hidden)
+        selection = Selection(router.e_score_correction_bias, 4, 2, 2.5)
+        _, ours, our_weights = choose_experts(logits.view(1, 64, 16), 3, normalize, selection)
+        mine, theirs = ours[0].sort(-1), experts.sort(-1)
+        assert torch.equal(mine.values, theirs.values)
+        torch.testing.assert_close(our_weights[0].gather(-1, mine.indices), weights.gather(-1, theirs.indices))
+
+
+def test_costs_count_every_parameter_and_the_experts_a_token_uses():
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.registry import spec_for_config
+
+    for q_lora_rank in (None, 24):
+        config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+                                  qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8,
+                                  n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4,
+                                  topk_group=2, first_k_dense_replace=1)
+        spec = spec_for_config(config)
+        with torch.device("meta"):
+            model = spec.model_class(config, 64)
+        costs = spec.costs(config, 64, 16)
+        assert costs.parameters == sum(param.numel() for param in model.parameters())
+    used = 2 * 3 * 32 * 16 + 32 * 8 + 3 * 32 * 32  # k experts, the router, the shared experts (no gate)
+    assert costs.layer_flops[1] - costs.layer_flops[0] == 6 * (used - 3 * 32 * 48)
+    assert costs.attention_pair_flops[0] == 6 * 4 * (20 + 10)  # q.k over 20 features, values of 10, per head
+
+
+# --- training, and layouts against one process ------------------------------------------------------------------
+
+GLOBAL_BATCH = 16
+STEPS = parity_steps(short=10)
+# 3 layers (a pipeline split [1, 2]), the first dense; 8 experts in 4 groups with a shared expert; YaRN; a bias
+# fast enough to change the routing within the steps
+TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 64,
+        "tie_word_embeddings": True, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 1, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01,
+        "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def _training_config(tiny_data, run: Path, *, tp: int = 1, mode: str = "REDUCE_SCATTER", pp: int = 1, dp: int = 1,
+                     cp: int = 1, ep: int = 1) -> dict:
+    base = tiny_config_dict(tiny_data, run)
+    parallelism = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "expert_parallel_size": ep,
+                   "tp_mode": mode}
+    if pp > 1:
+        parallelism["pp_stage_layers"] = [1, 2]
+    return tiny_config_dict(
+        tiny_data, run, model=base["model"] | {"model_config": dict(TINY)}, parallelism=parallelism,
+        tokens={"train_steps": STEPS, "micro_batch_size": 4,
+                "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep * cp)},
+        checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> dict:
+    """One process: first-step gradients, the curves every layout must give and the balancing biases at the end."""
+    (result,) = run_distributed_each(first_step_then_train, 1, [
+        {"config": _training_config(tiny_data, tmp_path_factory.mktemp("reference"))}])[0]
+    return result
+
+
+def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layouts: dict[str, dict]) -> None:
+    """Each layout's first-step gradients as the reference's, its losses and grad-norms within 1e-5 of the
+    reference's over every step, and its balancing biases those of the reference on every rank; the reference
+    trains and its biases moved."""
+    assert_reference_trains(reference["metrics"], STEPS)
+    biases = reference["buffers"]
+    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    assert all(bias.abs().sum() > 0 for bias in biases.values())
+    calls = [{"config": _training_config(tiny_data, tmp_path / name, **layout)} for name, layout in layouts.items()]
+    expected = assemble([reference], "grads")
+    for name, ranks in zip(layouts, run_distributed_each(first_step_then_train, world, calls), strict=True):
+        got = assemble(ranks, "grads")
+        assert set(got) == set(expected), name
+        for tensor, grad in expected.items():
+            torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
+        curve = next(rank["metrics"] for rank in ranks if rank["metrics"])
+        for ref, other in zip(reference["metrics"], curve, strict=True):
+            for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss"):
+                assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["step"], key)
+        for rank in ranks:
+            for tensor, bias in rank["buffers"].items():
+                assert torch.equal(bias, biases[tensor]), (name, tensor)
+
+
+@pytest.mark.slow
+def test_tp2_in_sequence_parallel_mode_matches_one_process(reference, tiny_data, tmp_path):
+    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"tp2_rs": {"tp": 2}})
+
+
+@pytest.mark.full_tier
+def test_tp2_all_reduce_pp2_dp2_and_cp2_match_one_process(reference, tiny_data, tmp_path):
+    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {
+        "tp2_ar": {"tp": 2, "mode": "ALL_REDUCE"}, "pp2": {"pp": 2}, "dp2": {"dp": 2}, "cp2": {"cp": 2}})
+
+
+@pytest.mark.full_tier
+def test_expert_parallel_and_expert_parallel_times_tensor_parallel_match_one_process(reference, tiny_data,
+                                                                                     tmp_path):
+    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"ep2": {"ep": 2}})
+    _assert_layouts_match(reference, tiny_data, tmp_path, 4, {"ep2_tp2": {"ep": 2, "tp": 2}})
+
+
+# --- rules ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_changes, parallelism, fragments", [
+    ({"qk_rope_head_dim": 7}, {}, ("model.model_config.qk_rope_head_dim (7) must be even",)),
+    ({"kv_lora_rank": 0}, {}, ("model.model_config.kv_lora_rank must be >= 1",)),
+    ({"topk_group": 5}, {}, ("model.model_config.topk_group (5) must be in [1, model.model_config.n_group] = [1, 4]",)),
+    ({"n_group": 3}, {}, ("model.model_config.n_group (3) must divide model.model_config.n_routed_experts (8)",)),
+    ({"num_experts_per_tok": 5}, {}, ("num_experts_per_tok (5) must be in [1, topk_group * n_routed_experts / "
+                                      "n_group] = [1, 4]",)),
+    ({}, {"expert_parallel_size": 3}, ("n_routed_experts (8) must be divisible", "expert_parallel_size (3)")),
+    ({"first_k_dense_replace": 3}, {}, ("first_k_dense_replace (3) must be in [0, model.model_config."
+                                        "num_hidden_layers)",)),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, {}, ("rope_scaling misses original_max_position_"
+                                                                  "embeddings",)),
+], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys"])
+def test_bad_config_is_one_error_line_naming_the_key(tiny_data, tmp_path, model_changes, parallelism, fragments):
+    config = _training_config(tiny_data, tmp_path / "run")
+    config["model"]["model_config"] |= model_changes
+    config["parallelism"] |= parallelism
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    assert_user_error(outcome, *fragments)
+    assert not (tmp_path / "run").exists()
