@@ -7,11 +7,14 @@ line."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from support import ROOT
 from support.configs import tiny_config_dict, write_config
 from support.distributed import run_distributed_each
 from support.hf import (
@@ -261,6 +264,69 @@ def test_expert_parallel_and_expert_parallel_times_tensor_parallel_match_one_pro
                                                                                      tmp_path):
     _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"ep2": {"ep": 2}})
     _assert_layouts_match(reference, tiny_data, tmp_path, 4, {"ep2_tp2": {"ep": 2, "tp": 2}})
+
+
+def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
+    """The balancing biases of a run's latest checkpoint, as stored."""
+    from nanotron.checkpoint.logical_tensors import LogicalTensorReader
+
+    reader = LogicalTensorReader(run / (run / "latest.txt").read_text().strip() / "model")
+    biases = {}
+    for name in sorted(name for name in reader.names() if name.endswith("expert_bias")):
+        biases[name] = torch.empty(reader.logical_shape(name))
+        reader.read_into(name, (slice(0, biases[name].shape[0]),), biases[name])
+    return biases
+
+
+def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tmp_path):
+    """3 steps, then 3 more from its checkpoint, give the 6 steps of a straight run: losses, grad-norms, expert loads
+    and the biases, which every step moves by exactly bias_update_speed per expert (or not at all)."""
+    from support.runs import metrics, train_through_cli
+
+    def config(run: str, steps: int) -> dict:
+        config = _training_config(tiny_data, tmp_path / run)
+        config["tokens"] |= {"train_steps": steps, "batch_accumulation_per_replica": 1}
+        config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 5}
+        config["checkpoints"] |= {"resume_checkpoint_path": "auto", "save_final_state": True}
+        return config
+
+    train_through_cli(config("straight", 6), tmp_path / "straight.yaml")
+    train_through_cli(config("resumed", 3), tmp_path / "first.yaml")
+    halfway = _stored_biases(tmp_path / "resumed")
+    train_through_cli(config("resumed", 6), tmp_path / "second.yaml")
+    keys = ("step", "lm_loss", "grad_norm", "moe_expert_load")
+    expected, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [[m[key] for key in keys] for m in got] == [[m[key] for key in keys] for m in expected]
+    straight, resumed = _stored_biases(tmp_path / "straight"), _stored_biases(tmp_path / "resumed")
+    assert set(straight) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    for name, bias in straight.items():
+        assert torch.equal(resumed[name], bias) and not torch.equal(halfway[name], bias), name
+        steps = bias / TINY["bias_update_speed"]
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 6, name
+
+
+# --- the example config -----------------------------------------------------------------------------------------
+
+def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_path):
+    """examples/config_tiny_deepseek_v3.yaml with the quickstart's paths swapped for the test corpus's, 2 steps, its
+    own parallelism (ep 2)."""
+    from nanotron.config import load_config, save_config
+    from support.runs import train_on_ranks
+
+    example = ROOT / "examples" / "config_tiny_deepseek_v3.yaml"
+    config = load_config(example)  # the strict loader: unknown or duplicate keys would fail here
+    save_config(config, tmp_path / "saved.yaml")
+    assert load_config(tmp_path / "saved.yaml") == config
+    raw = yaml.safe_load(example.read_text())
+    raw["checkpoints"]["checkpoints_path"] = str(tmp_path / "run")
+    raw["tokenizer"]["tokenizer_name_or_path"] = str(tiny_data["tokenizer"])
+    raw["data_stages"][0]["data"]["dataset"]["dataset_folder"] = str(tiny_data["tokenized"])
+    raw["model"]["model_config"]["vocab_size"] = 384
+    raw["tokens"]["train_steps"] = 2
+    raw["logging"]["iteration_step_info_interval"] = 1
+    records = train_on_ranks(raw, config.parallelism.world_size)
+    assert [record["step"] for record in records] == [1, 2]
+    assert all(math.isfinite(record["lm_loss"]) and record["moe_load_balancing_loss"] > 0 for record in records)
 
 
 # --- rules ------------------------------------------------------------------------------------------------------
