@@ -343,7 +343,9 @@ def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_pat
                                         "num_hidden_layers)",)),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, {}, ("rope_scaling misses original_max_position_"
                                                                   "embeddings",)),
-], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys"])
+    ({"num_nextn_predict_layers": 1}, {}, ("num_nextn_predict_layers (1) must be 0: multi-token prediction is not "
+                                           "built yet",)),
+], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys", "mtp"])
 def test_bad_config_is_one_error_line_naming_the_key(tiny_data, tmp_path, model_changes, parallelism, fragments):
     config = _training_config(tiny_data, tmp_path / "run")
     config["model"]["model_config"] |= model_changes

@@ -16,6 +16,7 @@ Llama's fields (vocabulary, hidden size, layers, heads, RoPE theta and scaling, 
   (renormalised with ``norm_topk_prob``) times ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts
   (one gated MLP of ``n_shared_experts * moe_intermediate_size``, ungated) that every token visits. The earlier layers
   have a dense MLP of ``intermediate_size``;
+- ``num_nextn_predict_layers``, DeepSeek-V3's multi-token prediction modules, must be 0: they are not built yet;
 - training only: ``bias_update_speed``, the step of the auxiliary-loss-free balancing bias (after every optimizer
   step, ``bias += bias_update_speed * sign(mean load - load)`` from the step's global expert load; 0: frozen), and
   ``aux_loss_alpha``, the weight of the sequence-wise balance loss (0: none).
@@ -56,6 +57,7 @@ class DeepseekV3Config(LlamaConfig):
     rope_interleave: bool = True  # the rotary features rotate adjacent pairs (DeepSeek's layout); false: halves
     bias_update_speed: float = 0.001  # DeepSeek-V3's gamma; 0: the balancing bias stays as it is
     aux_loss_alpha: float = 0.0001  # the sequence-wise balance loss's weight (DeepSeek-V3's alpha); 0: none
+    num_nextn_predict_layers: int = 0  # multi-token prediction modules: not built yet, must be 0
     _use_doc_masking: bool = False  # attention stays inside each document packed in a sample (nn/attention.py)
 
     resume_may_change: ClassVar[frozenset[str]] = LlamaConfig.resume_may_change | {
@@ -107,6 +109,9 @@ class DeepseekV3Config(LlamaConfig):
         yield from at_least(f"{k}bias_update_speed", self.bias_update_speed, 0)
         yield from at_least(f"{k}aux_loss_alpha", self.aux_loss_alpha, 0)
         yield from self._routing_problems(k)
+        if self.num_nextn_predict_layers != 0:
+            yield (f"{k}num_nextn_predict_layers ({self.num_nextn_predict_layers}) must be 0: multi-token prediction "
+                   "is not built yet; remove the key")
         if self.num_hidden_layers >= 1 and not 0 <= self.first_k_dense_replace < self.num_hidden_layers:
             yield (f"{k}first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, {k}num_hidden_layers) "
                    f"= [0, {self.num_hidden_layers}): at least the last layer is a mixture of experts")
