@@ -165,6 +165,28 @@ def test_routing_chooses_and_weighs_the_experts_as_transformers_router():
         torch.testing.assert_close(our_weights[0].gather(-1, mine.indices), weights.gather(-1, theirs.indices))
 
 
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(0.707, 1.0), (0, 0)], ids=["deepseek-mscale", "no-mscale"])
+def test_yarn_tables_and_softmax_scale_are_those_of_transformers(mscale, mscale_all_dim):
+    """YaRN's blended frequencies and attention factor in the cos/sin tables, and DeepSeek's softmax scale."""
+    transformers = pytest.importorskip("transformers")
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.deepseek_v3.model import softmax_scale_factor
+    from nanotron.nn.rotary import RotaryEmbedding
+
+    yarn = YARN | {"mscale": mscale, "mscale_all_dim": mscale_all_dim}
+    theirs = transformers.DeepseekV3Config(**SHAPE | {"rope_parameters": dict(yarn)})
+    rotary = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(theirs)
+    positions = torch.arange(100)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    scaling = {key: value for key, value in yarn.items() if key != "rope_theta"}
+    ours = RotaryEmbedding(8, 5000.0, scaling)(positions)
+    torch.testing.assert_close(ours, (cos[0], sin[0]), rtol=1e-6, atol=1e-6)
+    config = DeepseekV3Config(qk_nope_head_dim=12, qk_rope_head_dim=8, rope_scaling=scaling)
+    attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(theirs, 0)
+    assert softmax_scale_factor(config) * 20 ** -0.5 == pytest.approx(attention.scaling, rel=1e-12)
+    assert (softmax_scale_factor(config) == 1.0) == (mscale_all_dim == 0)
+
+
 def test_costs_count_every_parameter_and_the_experts_a_token_uses():
     from nanotron.config import DeepseekV3Config
     from nanotron.models.registry import spec_for_config
