@@ -55,6 +55,10 @@ def _rope_from_hf(hf: dict) -> dict:
     if not isinstance(rope_type, str) or rope_type not in ROPE_SCALING_KEYS:
         raise CheckpointError(f"rope type {rope_type!r} (RoPE scaling) is not supported; supported: default, "
                               f"{', '.join(ROPE_SCALING_KEYS)}")
+    if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate") is False):
+        raise CheckpointError("YaRN with attention_factor or truncate: false is not supported; nanotron computes the "
+                              "attention factor from factor, mscale and mscale_all_dim and truncates, as transformers' "
+                              "defaults do")
     # transformers' own default for a llama3 config that leaves the pretraining context out, and YaRN's for the keys
     # a yarn config may leave out (an mscale of 0 is none, as transformers reads it)
     defaults = YARN_DEFAULTS if rope_type == "yarn" else {}
