@@ -73,6 +73,7 @@ def converted(request, tmp_path_factory):
     return {"name": request.param, "hf": hf, "ckpt": root / "nanotron", "root": root}
 
 
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_logits_and_greedy_generation_match_transformers(converted):
     """Prompts of different lengths (left padding), with and without the KV cache; the balancing biases (which
     choose the experts) are read."""
@@ -103,6 +104,7 @@ def test_logits_match_transformers_at_tp2_and_ep2(converted):
             assert rank["cached"] == rank["uncached"] == theirs["greedy"], layout
 
 
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_conversion_back_is_exact(converted):
     before, after, exported = export_back_exactly(converted["hf"], converted["ckpt"], converted["root"] / "back",
                                                   PROMPTS[0])
@@ -114,6 +116,7 @@ def test_conversion_back_is_exact(converted):
     assert {key: getattr(after, key) for key in keys} == {key: getattr(before, key) for key in keys}
 
 
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_checkpoint_records_the_deepseek_v3_type(converted):
     model = json.loads((converted["ckpt"] / "checkpoint.json").read_text())["model"]
     assert model["type"] == "deepseek_v3" and model["config"]["qk_rope_head_dim"] == 8
@@ -124,6 +127,7 @@ def stored(tmp_path_factory) -> Path:
     return _save_random(tmp_path_factory.mktemp("stored"), VARIANTS["latent-query-yarn"])
 
 
+@pytest.mark.slow  # the quick tier has the block-level comparisons
 @pytest.mark.parametrize("config_changes, drop, fragment", [
     ({"kv_lora_rank": 8}, None, "'layers.0.attn.kv_a_layernorm.weight' is (16,) in the weights but (8,) in the model"),
     ({"first_k_dense_replace": 2}, None, "'model.layers.1.mlp.gate_proj.weight', which the weights lack"),
@@ -165,6 +169,35 @@ def test_routing_chooses_and_weighs_the_experts_as_transformers_router():
         torch.testing.assert_close(our_weights[0].gather(-1, mine.indices), weights.gather(-1, theirs.indices))
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_latent_attention_is_transformers_attention(variant):
+    """One MLA block with transformers' weights (norms away from one) on a causal sequence: the same output."""
+    transformers = pytest.importorskip("transformers")
+    from nanotron.config import DeepseekV3Config, model_config_from_dict
+    from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+    from nanotron.models.registry import check_model_config
+
+    modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
+    hf_config = transformers.DeepseekV3Config(**SHAPE | VARIANTS[variant])
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = away_from_initial_values(modeling.DeepseekV3Attention(hf_config, 0)).eval()
+    config = model_config_from_dict(DeepseekV3Config, DeepseekV3HFAdapter().config_fields_from_hf(
+        hf_config.to_dict()))
+    check_model_config(config, 1, "config.json")
+    model = DeepseekV3ForCausalLM(config, 112)
+    ours = model.layers["0"].attn
+    ours.load_state_dict({name: tensor for name, tensor in theirs.state_dict().items()})
+    hidden = torch.randn(2, 9, 64)
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        expected, _ = theirs(hidden, modeling.DeepseekV3RotaryEmbedding(hf_config)(hidden, positions), causal)
+        got = ours(hidden, model.rotary(torch.arange(9)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mscale, mscale_all_dim", [(0.707, 1.0), (0, 0)], ids=["deepseek-mscale", "no-mscale"])
 def test_yarn_tables_and_softmax_scale_are_those_of_transformers(mscale, mscale_all_dim):
     """YaRN's blended frequencies and attention factor in the cos/sin tables, and DeepSeek's softmax scale."""
@@ -185,6 +218,27 @@ def test_yarn_tables_and_softmax_scale_are_those_of_transformers(mscale, mscale_
     attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(theirs, 0)
     assert softmax_scale_factor(config) * 20 ** -0.5 == pytest.approx(attention.scaling, rel=1e-12)
     assert (softmax_scale_factor(config) == 1.0) == (mscale_all_dim == 0)
+
+
+def test_each_step_moves_the_bias_towards_balance_by_its_speed_unless_skipped():
+    """bias += speed * sign(mean load - load) per MoE layer, from the step's summed loads (rows by MoE layer)."""
+    from nanotron.config import DeepseekV3Config
+    from nanotron.features.expert_balance import ExpertBalance
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+    from nanotron.training.hooks import Run
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16, n_routed_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, bias_update_speed=0.25)
+    model = DeepseekV3ForCausalLM(config, 64)
+    feature = ExpertBalance(config.moe)
+    feature.start(Run(model, None, None, None, Path()))
+    loads = torch.tensor([[3.0, 1.0, 2.0, 2.0], [0.0, 0.0, 0.0, 8.0]], dtype=torch.float64)
+    feature.after_step(1, {"moe_tokens_per_expert": loads}, skipped=False)
+    feature.after_step(2, {"moe_tokens_per_expert": loads * 5}, skipped=True)
+    assert torch.equal(model.layers["1"].mlp.expert_bias, torch.tensor([-0.25, 0.25, 0.0, 0.0]))
+    assert torch.equal(model.layers["2"].mlp.expert_bias, torch.tensor([0.25, 0.25, 0.25, -0.25]))
 
 
 def test_costs_count_every_parameter_and_the_experts_a_token_uses():
@@ -299,6 +353,7 @@ def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
     return biases
 
 
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tmp_path):
     """2 steps, then 2 more from its checkpoint, give the 4 steps of a straight run: losses, grad-norms, expert loads
     and the biases, which every step moves by exactly bias_update_speed per expert (or not at all)."""
@@ -328,6 +383,7 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
 
 # --- the example config -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_path):
     """examples/config_tiny_deepseek_v3.yaml with the quickstart's paths swapped for the test corpus's, 2 steps, its
     own parallelism (ep 2)."""
