@@ -329,16 +329,12 @@ def test_tp2_in_sequence_parallel_mode_matches_one_process(reference, tiny_data,
 
 
 @pytest.mark.full_tier
-def test_tp2_all_reduce_pp2_dp2_and_cp2_match_one_process(reference, tiny_data, tmp_path):
-    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {
-        "tp2_ar": {"tp": 2, "mode": "ALL_REDUCE"}, "pp2": {"pp": 2}, "dp2": {"dp": 2}, "cp2": {"cp": 2}})
-
-
-@pytest.mark.full_tier
-def test_expert_parallel_and_expert_parallel_times_tensor_parallel_match_one_process(reference, tiny_data,
-                                                                                     tmp_path):
-    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"ep2": {"ep": 2}})
-    _assert_layouts_match(reference, tiny_data, tmp_path, 4, {"ep2_tp2": {"ep": 2, "tp": 2}})
+@pytest.mark.parametrize("world, layout", [
+    (2, {"tp": 2, "mode": "ALL_REDUCE"}), (2, {"pp": 2}), (2, {"dp": 2}), (2, {"cp": 2}), (2, {"ep": 2}),
+    (4, {"ep": 2, "tp": 2}),
+], ids=["tp2_ar", "pp2", "dp2", "cp2", "ep2", "ep2_tp2"])
+def test_each_layout_matches_one_process(reference, tiny_data, tmp_path, world, layout):
+    _assert_layouts_match(reference, tiny_data, tmp_path, world, {"layout": layout})
 
 
 def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
