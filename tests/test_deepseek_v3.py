@@ -287,7 +287,7 @@ def _training_config(tiny_data, run: Path, *, tp: int = 1, mode: str = "REDUCE_S
     return tiny_config_dict(
         tiny_data, run, model=base["model"] | {"model_config": dict(TINY)}, parallelism=parallelism,
         tokens={"train_steps": STEPS, "micro_batch_size": 4,
-                "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep * cp)},
+                "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep)},
         checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
 
 
