@@ -264,7 +264,8 @@ def test_every_field_of_transformers_configs_is_read_ignored_or_refused():
 
     tables = {model_type: fields for spec in MODEL_SPECS.values() for model_type, fields in
               spec.hf_adapter.hf_fields.items()}
-    assert set(tables) == {"llama", "qwen2", "smollm3", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "mamba"}
+    assert set(tables) == {"llama", "qwen2", "smollm3", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "mamba",
+                           "deepseek_v3"}
     for model_type, fields in tables.items():
         config_class = transformers.CONFIG_MAPPING[model_type]
         declared = set(inspect.signature(config_class.__init__).parameters) | set(config_class().to_dict())

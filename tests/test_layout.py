@@ -67,10 +67,10 @@ def test_no_family_is_named_outside_its_package_and_the_registry():
     config what the family supports."""
     family_names = ("LlamaConfig", "LlaMoEConfig", "MambaConfig", "Qwen2Config", "Qwen2MoEConfig", "Qwen3Config",
                     "Qwen3MoEConfig", "LlamaForCausalLM", "LlaMoEForCausalLM", "MambaForCausalLM", "Qwen2ForCausalLM",
-                    "Qwen3ForCausalLM", "MoEFeedForward", "MambaMixer")
-    allowed = {PACKAGE / "models" / family for family in ("llama", "moe", "mamba", "qwen2", "qwen3")}
-    allowed_files = {PACKAGE / "config" / f"{name}.py"
-                     for name in ("llama", "moe", "mamba", "qwen2", "qwen2_moe", "qwen3", "model", "__init__")}
+                    "Qwen3ForCausalLM", "MoEFeedForward", "MambaMixer", "DeepseekV3Config", "DeepseekV3ForCausalLM")
+    allowed = {PACKAGE / "models" / family for family in ("llama", "moe", "mamba", "qwen2", "qwen3", "deepseek_v3")}
+    allowed_files = {PACKAGE / "config" / f"{name}.py" for name in ("llama", "moe", "mamba", "qwen2", "qwen2_moe",
+                                                                     "qwen3", "deepseek_v3", "model", "__init__")}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path in allowed_files or any(folder in path.parents for folder in allowed):

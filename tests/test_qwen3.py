@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from support import ROOT
 from support.configs import tiny_config_dict, write_config
@@ -26,7 +25,7 @@ from support.hf import (
     transformers_outputs,
 )
 from support.parity import assemble, assert_reference_trains, first_step_then_train
-from support.runs import assert_user_error, cli, train_on_ranks
+from support.runs import assert_user_error, cli, train_example
 from support.tiers import parity_steps
 
 # head_dim 24 is not hidden_size / num_attention_heads = 16: the head size is decoupled
@@ -300,19 +299,7 @@ EXAMPLES = {"dense": ROOT / "examples" / "config_tiny_qwen3.yaml",
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_the_examples_train_on_the_quickstart_data_as_written(name, tiny_data, tmp_path):
     """Each file with the quickstart's paths swapped for the test corpus's, 2 steps, its own parallelism."""
-    from nanotron.config import load_config, save_config
-
-    config = load_config(EXAMPLES[name])  # the strict loader: unknown or duplicate keys would fail here
-    save_config(config, tmp_path / "saved.yaml")
-    assert load_config(tmp_path / "saved.yaml") == config
-    raw = yaml.safe_load(EXAMPLES[name].read_text())
-    raw["checkpoints"]["checkpoints_path"] = str(tmp_path / "run")
-    raw["tokenizer"]["tokenizer_name_or_path"] = str(tiny_data["tokenizer"])
-    raw["data_stages"][0]["data"]["dataset"]["dataset_folder"] = str(tiny_data["tokenized"])
-    raw["model"]["model_config"]["vocab_size"] = 384
-    raw["tokens"]["train_steps"] = 2
-    raw["logging"]["iteration_step_info_interval"] = 1
-    records = train_on_ranks(raw, config.parallelism.world_size)
+    records = train_example(EXAMPLES[name], tiny_data, tmp_path)
     assert [record["step"] for record in records] == [1, 2]
     assert all(math.isfinite(record["lm_loss"]) for record in records)
     assert all((record.get("moe_z_loss", 0) > 0) == (name == "moe") for record in records)

@@ -263,8 +263,8 @@ def test_training_refuses_a_tp_that_splits_kv_heads_once_per_launch(smollm2_like
 
 
 @pytest.mark.parametrize("scaling, fragments", [
-    ({"rope_type": "yarn", "factor": 4.0}, ["model.model_config.rope_scaling.rope_type must be one of linear, llama3",
-                                            "'yarn'"]),
+    ({"rope_type": "dynamic", "factor": 4.0}, ["model.model_config.rope_scaling.rope_type must be one of linear, "
+                                               "llama3, yarn", "'dynamic'"]),
     ({k: v for k, v in LLAMA3.items() if k != "factor"}, ["model.model_config.rope_scaling misses factor",
                                                           "rope_type llama3 takes exactly the keys"]),
     ({"factor": 2.0}, ["model.model_config.rope_scaling.rope_type must be one of", "None"]),
@@ -288,8 +288,9 @@ def test_conversion_refuses_unsupported_rope(tmp_path):
     from nanotron.checkpoint.hf import hf_to_nanotron
     from nanotron.errors import CheckpointError
 
-    cases = {"yarn": (hf_config("Llama").to_dict() | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-                      "rope type 'yarn' (RoPE scaling) is not supported; supported: default, linear, llama3")}
+    cases = {"dynamic": (hf_config("Llama").to_dict() | {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+                         "rope type 'dynamic' (RoPE scaling) is not supported; supported: default, linear, llama3, "
+                         "yarn")}
     for name, (raw, message) in cases.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(raw))
@@ -358,7 +359,7 @@ DAMAGES = [
     (LLAMAS, "head_dim-disagrees", _set(head_dim=32), "head_dim (32) must equal"),
     (LLAMAS, "intermediate-disagrees", _set(intermediate_size=128), "in the weights but"),
     (LLAMAS, "hidden-disagrees", _set(hidden_size=128, head_dim=None), "in the weights but"),
-    (LLAMAS, "unknown-rope-type", _set(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "'yarn'"),
+    (LLAMAS, "unknown-rope-type", _set(rope_parameters={"rope_type": "dynamic", "factor": 4.0}), "'dynamic'"),
     (LLAMAS, "rope-not-a-mapping", _set(rope_parameters="linear"), "rope_scaling: expected a mapping"),
     (LLAMAS, "rope-factor-below-one", _set(rope_parameters={"rope_type": "linear", "factor": 0.5}),
      "rope_scaling.factor must be a number >= 1"),

@@ -74,8 +74,11 @@ def parity_run(config: dict) -> dict:
 
 def first_step_then_train(config: dict) -> dict:
     """Loss and gradient pieces of the first step (no update), then the config's training steps, without the
-    logits and weights of ``parity_run``. The process group stays for the next call of the same spawn."""
+    logits and weights of ``parity_run``, and the persistent buffers this rank holds at the end (state that training
+    moves besides the weights: DeepSeek-V3's balancing bias). The process group stays for the next call of the same
+    spawn."""
     from nanotron.config import config_from_dict
+    from nanotron.parallel.placement import logical_buffers
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
@@ -83,7 +86,8 @@ def first_step_then_train(config: dict) -> dict:
     trainer.buckets.zero()
     trainer.train()
     return {"loss": loss.item(), "grads": grads, "metrics": trainer_metrics(trainer),
-            "sharded": trainer.buckets.buckets[0].sharded}
+            "sharded": trainer.buckets.buckets[0].sharded,
+            "buffers": {name: buffer.clone() for name, buffer in logical_buffers(trainer.model).items()}}
 
 
 def assemble(results: list[dict], key: str) -> dict[str, torch.Tensor]:

@@ -165,3 +165,23 @@ def train_fp8_model(config: dict) -> dict:
     histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
     return {"converted": converted, "experts": experts, "counters": counters, "records": trainer_metrics(trainer),
             "histories": histories}
+
+
+def train_example(example: Path, tiny_data: dict, folder: Path, steps: int = 2) -> list[dict]:
+    """An example config as written (checked by the strict loader, saved and read back equal), with the quickstart's
+    paths swapped for the test corpus's and ``steps`` steps, trained at its own parallelism; rank 0's records."""
+    import yaml
+
+    from nanotron.config import load_config, save_config
+
+    config = load_config(example)  # the strict loader: unknown or duplicate keys would fail here
+    save_config(config, folder / "saved.yaml")
+    assert load_config(folder / "saved.yaml") == config
+    raw = yaml.safe_load(example.read_text())
+    raw["checkpoints"]["checkpoints_path"] = str(folder / "run")
+    raw["tokenizer"]["tokenizer_name_or_path"] = str(tiny_data["tokenizer"])
+    raw["data_stages"][0]["data"]["dataset"]["dataset_folder"] = str(tiny_data["tokenized"])
+    raw["model"]["model_config"]["vocab_size"] = 384
+    raw["tokens"]["train_steps"] = steps
+    raw["logging"]["iteration_step_info_interval"] = 1
+    return train_on_ranks(raw, config.parallelism.world_size)

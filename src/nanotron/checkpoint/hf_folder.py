@@ -164,7 +164,10 @@ def check_weights_fit(spec: ModelSpec, config, stored: dict[str, torch.Tensor], 
                               f"the weights hold {sum(t.numel() for t in stored.values()):,} values")
     with torch.device("meta"):
         model = spec.model_class(config, config.vocab_size)
-    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    # its parameters and persistent buffers (DeepSeek-V3's balancing bias), which the checkpoint stores alike
+    state = model.state_dict(keep_vars=True)
+    expected = {name: tuple(tensor.shape) for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                if name in state}
     found = {name: tuple(tensor.shape) for name, tensor in mapped.items()}
     wrong = [name for name in sorted(expected.keys() | found.keys()) if expected.get(name) != found.get(name)]
     if wrong:

@@ -1,6 +1,6 @@
 """The typed training config: one module per section (its dataclasses and, beside their fields, their rules), one
-per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`, `qwen3.py`), the rules between sections
-(`cross_section.py`), the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving
+per model family (`llama.py`, `moe.py`, `mamba.py`, `qwen2.py`, `qwen3.py`, `deepseek_v3.py`), the rules between
+sections (`cross_section.py`), the whole `Config` with `validate_config` (`config.py`), and YAML loading and saving
 (`loading.py`).
 
 Users write YAML in nanotron's format (see docs/config.md); code reads it with `load_config` and gets a `Config`.
@@ -17,6 +17,7 @@ from nanotron.config.data import (
     TokenizerArgs,
     TokensArgs,
 )
+from nanotron.config.deepseek_v3 import DeepseekV3Config
 from nanotron.config.evals import EvalsArgs, EvalTaskArgs
 from nanotron.config.features import DoReMiArgs, FP8Args
 from nanotron.config.general import DEFAULT_RUN_NAME, GeneralArgs, LoggingArgs, ProfilerArgs, WandbArgs
@@ -62,6 +63,7 @@ __all__ = [
     "DataArgs",
     "DatasetArgs",
     "DatasetStageArgs",
+    "DeepseekV3Config",
     "DoReMiArgs",
     "DuplicateKeyWarning",
     "EvalTaskArgs",

@@ -13,10 +13,13 @@ from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
 
 # The RoPE scaling types of `LlamaConfig.rope_scaling` and the keys each needs besides `rope_type`, named as in
 # Hugging Face's config.json: `linear` divides every frequency by `factor` (position interpolation); `llama3`
-# (Llama 3.1+) divides only the low frequencies, leaves the high ones and blends the band between them.
+# (Llama 3.1+) divides only the low frequencies, leaves the high ones and blends the band between them; `yarn`
+# (DeepSeek-V3) blends them between the `beta_fast` and `beta_slow` rotations and scales the rotated features by
+# YaRN's mscale (`mscale`, `mscale_all_dim`: 0 where the model's config.json has none; `nn/rotary.py`).
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
 }
 # The activations of the gated MLP, ``down(act(gate(x)) * up(x))``, named as transformers' ``hidden_act``: ``silu``
 # (SwiGLU), ``gelu`` (exact, erf), ``gelu_pytorch_tanh`` (tanh approximation) and ``relu``.
@@ -151,13 +154,26 @@ def rope_scaling_problems(scaling: dict, key: str) -> Iterator[str]:
                if isinstance(value, (int, float)) and not isinstance(value, bool)}
     if not numbers.get("factor", 0) >= 1:
         yield f"{key}.factor must be a number >= 1 (got {scaling['factor']!r}): the context grows by this factor"
+    if rope_type == "yarn":
+        yield from _yarn_problems(scaling, numbers, key)
     if rope_type == "llama3":
         low, high = numbers.get("low_freq_factor", 0), numbers.get("high_freq_factor", 0)
         if not 0 < low < high:
             yield (f"{key}.low_freq_factor ({scaling['low_freq_factor']!r}) and high_freq_factor "
                    f"({scaling['high_freq_factor']!r}) must be numbers with 0 < low_freq_factor < high_freq_factor "
                    "(Llama 3.1: 1.0 and 4.0)")
+    if rope_type in ("llama3", "yarn"):
         original = scaling["original_max_position_embeddings"]
         if not (isinstance(original, int) and not isinstance(original, bool) and original >= 1):
             yield (f"{key}.original_max_position_embeddings must be an integer >= 1 (got {original!r}): the "
-                   "context length the model was pretrained with (Llama 3.1: 8192)")
+                   "context length the model was pretrained with (Llama 3.1: 8192, DeepSeek-V3: 4096)")
+
+
+def _yarn_problems(scaling: dict, numbers: dict, key: str) -> Iterator[str]:
+    fast, slow = numbers.get("beta_fast", 0), numbers.get("beta_slow", 0)
+    if not 0 < slow < fast:
+        yield (f"{key}.beta_fast ({scaling['beta_fast']!r}) and beta_slow ({scaling['beta_slow']!r}) must be numbers "
+               "with 0 < beta_slow < beta_fast (YaRN's and DeepSeek-V3's: 32 and 1)")
+    for name in ("mscale", "mscale_all_dim"):
+        if not numbers.get(name, -1) >= 0:
+            yield f"{key}.{name} must be a number >= 0 (got {scaling[name]!r}); 0: the model has none"

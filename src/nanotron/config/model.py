@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import torch
 
+from nanotron.config.deepseek_v3 import DeepseekV3Config
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.mamba import MambaConfig
 from nanotron.config.moe import LlaMoEConfig
@@ -17,7 +18,7 @@ from nanotron.config.rules import MODEL_CONFIG_KEY, Spellings, at_least, canonic
 # `model.model_config` is chosen by the `is_<name>_config: true` marker it contains; add new architectures here.
 MODEL_CONFIG_CLASSES: dict[str, type] = {"is_llama_config": LlamaConfig, "is_llamoe_config": LlaMoEConfig,
                                          "is_mamba_config": MambaConfig, "is_qwen2_config": Qwen2Config,
-                                         "is_qwen3_config": Qwen3Config}
+                                         "is_qwen3_config": Qwen3Config, "is_deepseek_v3_config": DeepseekV3Config}
 # Keys of another family's config that a config class lacks, and what the loader's error says about them.
 MISPLACED_KEYS: dict[type, tuple[frozenset[str], str]] = {
     LlamaConfig: (frozenset(f.name for f in fields(LlaMoEConfig)) - {f.name for f in fields(LlamaConfig)},
@@ -60,7 +61,8 @@ class SpectralMupInit:
 
 @dataclass
 class ModelArgs:
-    model_config: LlamaConfig | MambaConfig  # or LlamaConfig's subclasses LlaMoEConfig, Qwen2Config, Qwen3Config
+    # or LlamaConfig's subclasses LlaMoEConfig, Qwen2Config, Qwen3Config, DeepseekV3Config
+    model_config: LlamaConfig | MambaConfig
     init_method: RandomInit | ExistingCheckpointInit | MambaInit | SpectralMupInit
     dtype: DType = "bfloat16"
     make_vocab_size_divisible_by: int = 1

@@ -3,7 +3,7 @@
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from nanotron.config.llama import LlamaConfig
 from nanotron.config.rules import MODEL_CONFIG_KEY, at_least, positive, prefix
@@ -24,6 +24,16 @@ class MoESettings:
     layers: tuple[int, ...]  # the indices of the layers whose feed-forward block is a mixture of experts
     shared_ffn: int | None  # the width of the shared expert every token visits (Qwen2's), None: no shared expert
     num_experts_key: str  # where the config writes num_experts, for error messages
+    # DeepSeek-V3's routing (``sigmoid``): per-token sigmoid scores plus a per-expert balancing bias choose the
+    # experts (the bias for the choice only) within the ``topk_group`` best of ``n_group`` expert groups, and the
+    # chosen scores (renormalised with ``normalize_topk``) times ``routed_scaling_factor`` weigh them; the bias moves
+    # by ``bias_update_speed`` after every step (``features/expert_balance.py``). ``softmax``: Mixtral's and Qwen's.
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True  # Qwen2's sigmoid gate on the shared expert; DeepSeek-V3's has none
+    bias_update_speed: float = 0.0
 
 
 @dataclass

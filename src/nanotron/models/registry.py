@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from nanotron.config import ConfigError, model_config_problems
 from nanotron.errors import CheckpointError
+from nanotron.models.deepseek_v3 import DEEPSEEK_V3
 from nanotron.models.llama import LLAMA
 from nanotron.models.mamba import MAMBA
 from nanotron.models.moe import LLAMOE
@@ -16,7 +17,8 @@ from nanotron.models.qwen2 import QWEN2
 from nanotron.models.qwen3 import QWEN3
 from nanotron.models.spec import ModelSpec
 
-MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA, QWEN2, QWEN3)}
+MODEL_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (LLAMA, LLAMOE, MAMBA, QWEN2, QWEN3,
+                                                                 DEEPSEEK_V3)}
 
 
 def spec_named(name: str, source: object) -> ModelSpec:

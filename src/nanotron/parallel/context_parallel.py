@@ -180,15 +180,16 @@ class _Exchange:
 
 
 class _LaunchGathers(torch.autograd.Function):
-    """Forward: launch the all-gather of every group's keys and values (one tensor each) and return the local
-    tensors launched, which link each group's ``_AwaitGather`` to ``k`` and ``v``. Backward: it runs once every
-    group's ``_AwaitGather`` has launched its reduce-scatter; it waits for them and returns the keys' and values'
-    gradients."""
+    """Forward: launch the all-gather of every group's keys and values (one tensor each, side by side on the feature
+    dimension: keys and values may differ in size, as DeepSeek-V3's) and return the local tensors launched, which
+    link each group's ``_AwaitGather`` to ``k`` and ``v``. Backward: it runs once every group's ``_AwaitGather`` has
+    launched its reduce-scatter; it waits for them and returns the keys' and values' gradients."""
 
     @staticmethod
     def forward(ctx, k, v, exchange, kv_sizes):
-        ctx.exchange = exchange
-        launched = [torch.cat([k_g, v_g]) for k_g, v_g in zip(k.split(kv_sizes, dim=1), v.split(kv_sizes, dim=1))]
+        ctx.exchange, ctx.widths = exchange, [k.shape[-1], v.shape[-1]]
+        launched = [torch.cat([k_g, v_g], dim=-1)
+                    for k_g, v_g in zip(k.split(kv_sizes, dim=1), v.split(kv_sizes, dim=1))]
         exchange.gathers = [_start_gather(kv_g, exchange.group) for kv_g in launched]
         return tuple(launched)
 
@@ -196,7 +197,7 @@ class _LaunchGathers(torch.autograd.Function):
     def backward(ctx, *grads):
         for work in ctx.exchange.reduce_scatters:
             work.wait()
-        grad_k, grad_v = zip(*(grad.chunk(2) for grad in grads))
+        grad_k, grad_v = zip(*(grad.split(ctx.widths, dim=-1) for grad in grads))
         return torch.cat(grad_k, dim=1), torch.cat(grad_v, dim=1), None, None
 
 
@@ -236,14 +237,14 @@ def overlapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     backward differentiating a per-group graph of its own would recompute the layer once per group (and selective
     recomputation refuses a second backward of a region). Eager inside a compiled layer (flex attention keeps its own
     compiled kernel): async collectives do not trace; ``ContextParallelAttention`` excludes it from compilation."""
-    kv_sizes = head_groups(k.shape[1])
+    kv_sizes, widths = head_groups(k.shape[1]), [k.shape[-1], v.shape[-1]]
     if len(kv_sizes) == 1:  # nothing to overlap
-        k, v = gather_sequence_chunks(torch.cat([k, v]), group).chunk(2)
+        k, v = gather_sequence_chunks(torch.cat([k, v], dim=-1), group).split(widths, dim=-1)
         return attend(q, k, v, mask)
     exchange = _Exchange(group)
     launched = _LaunchGathers.apply(k, v, exchange, kv_sizes)
     q_per_kv = q.shape[1] // k.shape[1]
-    outs = [attend(q_g, *_AwaitGather.apply(kv_g, exchange, index).chunk(2), mask)
+    outs = [attend(q_g, *_AwaitGather.apply(kv_g, exchange, index).split(widths, dim=-1), mask)
             for index, (q_g, kv_g) in enumerate(zip(q.split([n * q_per_kv for n in kv_sizes], dim=1), launched))]
     return torch.cat(outs, dim=1)
 

@@ -31,7 +31,7 @@ def attended_keys(window: int | None, sequence_length: int) -> float:
 
 def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
                   feed_forward: list[tuple[int, int]], windows: list[int | None] | None = None,
-                  head_norms: int = 0) -> ModelCosts:
+                  head_norms: int = 0, attention: tuple[int, float] | None = None) -> ModelCosts:
     """Costs of a Llama-style decoder whose layer ``i`` has a feed-forward block of ``feed_forward[i]`` = (parameters,
     parameters each token uses): equal for a dense MLP, fewer for a mixture of experts, whose FLOPs count only
     the experts a token is routed to (and the router).
@@ -43,25 +43,28 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
     the LM head's matmul counts and the input-embedding lookup (a gather) does not: a tied matrix counts once, as the
     LM head, and an untied embedding adds parameters but no FLOPs. The norms' weights (``head_norms`` per layer
     inside the attention: Qwen3's q/k norms) and the q|k|v biases count like weights (a negligible overcount of
-    their multiplications and additions)."""
-    qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-    attention = c.hidden_size * qkv_width + (qkv_width if c.attention_bias else 0)
-    attention += c.num_attention_heads * c.head_dim * c.hidden_size
-    other = attention + 2 * c.hidden_size + head_norms  # attention and the norms
+    their multiplications and additions). ``attention``: another attention block's (weights, training FLOPs per
+    (query, key) pair) than grouped-query attention's (DeepSeek-V3's latent attention)."""
+    if attention is None:
+        qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        weights = c.hidden_size * qkv_width + (qkv_width if c.attention_bias else 0)
+        attention = (weights + c.num_attention_heads * c.head_dim * c.hidden_size, 12.0 * c.hidden_size)
+    attention_weights, pair_flops = attention
+    other = attention_weights + 2 * c.hidden_size + head_norms  # attention and the norms
     lm_head = padded_vocab_size * c.hidden_size
     embeddings = lm_head * (1 if c.tie_word_embeddings else 2)
     parameters = sum(other + total for total, _ in feed_forward) + embeddings + c.hidden_size
     active = sum(other + used for _, used in feed_forward) + c.hidden_size + lm_head  # not the lookup
     windows = windows if windows is not None else [None] * c.num_hidden_layers
-    attention_flops = [12.0 * c.hidden_size * attended_keys(window, sequence_length) for window in windows]
+    attention_flops = [pair_flops * attended_keys(window, sequence_length) for window in windows]
     return ModelCosts(
         parameters=parameters,
-        layer_flops=tuple(6.0 * (other + used) + attention
-                          for (_, used), attention in zip(feed_forward, attention_flops, strict=True)),
+        layer_flops=tuple(6.0 * (other + used) + flops
+                          for (_, used), flops in zip(feed_forward, attention_flops, strict=True)),
         head_flops=6.0 * lm_head,
         flops_per_token=6.0 * active + sum(attention_flops),
         attention_flops=tuple(attention_flops),
-        attention_pair_flops=(12.0 * c.hidden_size,) * c.num_hidden_layers,
+        attention_pair_flops=(pair_flops,) * c.num_hidden_layers,
         attention_windows=tuple(windows),
     )
 

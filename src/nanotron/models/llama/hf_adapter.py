@@ -34,6 +34,9 @@ LLAMA_FIELDS: dict[str, Field] = DECODER_FIELDS | {
 }
 
 
+YARN_DEFAULTS = {"beta_fast": 32, "beta_slow": 1, "mscale": 0, "mscale_all_dim": 0}
+
+
 def _first(token_id):
     return token_id[0] if isinstance(token_id, list) and token_id else token_id
 
@@ -52,8 +55,15 @@ def _rope_from_hf(hf: dict) -> dict:
     if not isinstance(rope_type, str) or rope_type not in ROPE_SCALING_KEYS:
         raise CheckpointError(f"rope type {rope_type!r} (RoPE scaling) is not supported; supported: default, "
                               f"{', '.join(ROPE_SCALING_KEYS)}")
-    # transformers' own default for a llama3 config that leaves the pretraining context out
-    rope = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **rope}
+    if rope_type == "yarn" and (rope.get("attention_factor") is not None or rope.get("truncate") is False):
+        raise CheckpointError("YaRN with attention_factor or truncate: false is not supported; nanotron computes the "
+                              "attention factor from factor, mscale and mscale_all_dim and truncates, as transformers' "
+                              "defaults do")
+    # transformers' own default for a llama3 config that leaves the pretraining context out, and YaRN's for the keys
+    # a yarn config may leave out (an mscale of 0 is none, as transformers reads it)
+    defaults = YARN_DEFAULTS if rope_type == "yarn" else {}
+    rope = {"original_max_position_embeddings": hf.get("max_position_embeddings"), **defaults,
+            **{key: value for key, value in rope.items() if value is not None}}
     return {"rope_theta": theta,
             "rope_scaling": {"rope_type": rope_type, **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type]
                                                         if key in rope}}}

@@ -17,8 +17,8 @@ from nanotron.models.spec import ActivationShape, ModelCosts
 
 def feed_forward_costs(c: LlamaConfig) -> list[tuple[int, int]]:
     """(parameters, parameters each token uses) of every layer's feed-forward block (``decoder_costs``): a dense
-    SwiGLU of ``intermediate_size``, or the router, all experts and the shared expert with its gate, of which a token
-    uses the router, its ``k`` experts and the shared expert."""
+    SwiGLU of ``intermediate_size``, or the router, all experts and the shared expert (with its gate, where it has
+    one), of which a token uses the router, its ``k`` experts and the shared expert."""
     dense = 3 * c.hidden_size * c.intermediate_size
     s = c.moe
     if s is None:
@@ -26,7 +26,7 @@ def feed_forward_costs(c: LlamaConfig) -> list[tuple[int, int]]:
     expert = 3 * c.hidden_size * s.ffn
     always = c.hidden_size * s.num_experts  # the router
     if s.shared_ffn is not None:
-        always += 3 * c.hidden_size * s.shared_ffn + c.hidden_size
+        always += 3 * c.hidden_size * s.shared_ffn + (c.hidden_size if s.shared_expert_gated else 0)
     mixture = (s.num_experts * expert + always, s.top_k * expert + always)
     return [mixture if i in s.layers else (dense, dense) for i in range(c.num_hidden_layers)]
 

@@ -8,7 +8,9 @@ A block's forward:
    probabilities, renormalised to sum to one unless ``moe_normalize_topk`` is off). With a capacity factor, an
    expert takes at most ``ceil(factor * tokens * k / E)`` assignments of the micro-batch; first choices go before
    second choices and earlier tokens before later ones, so the same batch always drops the same assignments.
-   Without one (the default) no token is dropped.
+   Without one (the default) no token is dropped. DeepSeek-V3's routing (``scoring: sigmoid`` in the settings)
+   chooses by sigmoid scores plus the block's ``expert_bias`` within the best expert groups instead, and weighs by
+   the chosen scores (``Selection``, ``choose_experts``).
 2. **permute**: assignments are sorted by expert (a stable sort on the device: no host sync), so each expert's
    tokens are one contiguous block and the experts run as grouped GEMMs (``GroupedExperts``).
 3. **combine**: the outputs go back to assignment order and each token sums its rows, times their weights;
@@ -74,18 +76,50 @@ class RouterRecord:
     dropped: torch.Tensor  # assignments dropped by the capacity limit
 
 
+@dataclass(frozen=True)
+class Selection:
+    """DeepSeek-V3's choice of experts: sigmoid scores plus ``bias`` [E] (for the choice only), within the
+    ``topk_group`` groups (of ``n_group`` consecutive experts) whose two best biased scores sum highest; the chosen
+    experts weigh by their scores times ``scale``."""
+
+    bias: torch.Tensor
+    n_group: int
+    topk_group: int
+    scale: float
+
+
+def choose_experts(logits: torch.Tensor, top_k: int, normalize: bool, selection: Selection | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's router probabilities (what the balance loss averages: the softmax, or the sigmoid scores
+    normalised to sum to one), its ``top_k`` experts and their combine weights (renormalised with ``normalize``)."""
+    if selection is None:
+        probs = logits.softmax(-1)
+        top_probs, top_experts = probs.topk(top_k, dim=-1)
+    else:
+        scores = logits.sigmoid()
+        probs = scores / scores.sum(-1, keepdim=True)
+        biased = scores + selection.bias
+        grouped = biased.unflatten(-1, (selection.n_group, -1))
+        best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(selection.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(grouped[..., 0]).scatter_(-1, best_groups, 1.0).bool()
+        biased = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).flatten(-2)
+        top_experts = biased.topk(top_k, dim=-1).indices
+        top_probs = scores.gather(-1, top_experts)
+    weights = top_probs / top_probs.sum(-1, keepdim=True) if normalize else top_probs
+    return probs, top_experts, weights if selection is None else weights * selection.scale
+
+
 def route(logits: torch.Tensor, top_k: int, normalize: bool, capacity_factor: float | None,
-          sequence_sum: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums) -> tuple[Routing, RouterRecord]:
+          sequence_sum: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums,
+          selection: Selection | None = None) -> tuple[Routing, RouterRecord]:
     """Top-k routing of ``logits`` [sequences, positions, E] (fp32), and the record of its auxiliary terms.
 
     ``sequence_sum`` turns per-sequence sums over these positions into the whole sequences' (the default: these
-    positions are the whole sequences)."""
+    positions are the whole sequences); ``selection``: DeepSeek-V3's sigmoid routing (None: softmax)."""
     sequences, positions, experts = logits.shape
-    probs = logits.softmax(-1)
-    top_probs, top_experts = probs.topk(top_k, dim=-1)
-    weights = top_probs / top_probs.sum(-1, keepdim=True) if normalize else top_probs
+    probs, top_experts, weights = choose_experts(logits, top_k, normalize, selection)
 
-    chosen = torch.zeros_like(probs).scatter_add_(-1, top_experts, torch.ones_like(top_probs))  # [S, P, E] 0/1
+    chosen = torch.zeros_like(probs).scatter_add_(-1, top_experts, torch.ones_like(weights))  # [S, P, E] 0/1
     selections = sequence_sum(chosen.sum(1))  # [S, E] of the whole sequences; counts, no gradient
     length = selections.sum(-1, keepdim=True) / top_k  # [S, 1] tokens of each whole sequence
     share = selections / (length * top_k)  # f_e per sequence
@@ -249,7 +283,13 @@ class MoEFeedForward(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if s.shared_ffn is not None:
             self.shared_expert = GroupedExperts(1, config.hidden_size, s.shared_ffn, config.hidden_act)
-            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+            if s.shared_expert_gated:
+                self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
+        # sigmoid routing's balancing bias: fp32 state without gradient, moved by each step's expert load
+        # (features/expert_balance.py)
+        self.register_buffer("expert_bias", None)
+        if s.scoring == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(s.num_experts, dtype=torch.float32))
         self.exchange = run_experts
         self.sequence_sum = SequenceSum()
         self.auxiliary_share = 1.0
@@ -260,7 +300,10 @@ class MoEFeedForward(nn.Module):
         sequences, positions, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         logits = self.router(tokens).float().view(sequences, positions, -1)
-        routing, self.record = route(logits, s.top_k, s.normalize_topk, s.capacity_factor, self.sequence_sum)
+        selection = None if self.expert_bias is None else Selection(self.expert_bias, s.n_group, s.topk_group,
+                                                                     s.routed_scaling_factor)
+        routing, self.record = route(logits, s.top_k, s.normalize_topk, s.capacity_factor, self.sequence_sum,
+                                     selection)
 
         # Assignment rows in token order (each token's k copies side by side when nothing is dropped), then the
         # permutation that groups them by expert; the combine applies the inverse permutation and sums per token.
@@ -281,8 +324,10 @@ class MoEFeedForward(nn.Module):
             out = torch.zeros_like(tokens).index_add_(0, routing.token_index, weighted)
         if self.shared_expert is not None:
             every_token = torch.full((1,), tokens.shape[0], device=x.device)
-            gate = torch.sigmoid(self.shared_expert_gate(tokens))
-            out = out + gate * self.shared_expert(tokens, every_token)
+            shared = self.shared_expert(tokens, every_token)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            out = out + shared
         return out.view_as(x)
 
 

@@ -64,6 +64,7 @@ class TensorParallelMoE(MoEFeedForward):
         self.experts = ShardedExperts.resharded(block.experts, tp=tp)
         if block.shared_expert is not None:
             self.shared_expert = ShardedExperts.resharded(block.shared_expert, tp=tp)
+        if block.shared_expert_gate is not None:
             self.shared_expert_gate = GradientSummedLinear(block.shared_expert_gate.in_features, 1, group)
         self.auxiliary_share = 1.0 / tp
 

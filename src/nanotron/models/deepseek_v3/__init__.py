@@ -1,0 +1,33 @@
+"""DeepSeek-V3 (``is_deepseek_v3_config``; ``DeepseekV3ForCausalLM`` in transformers): Llama's decoder with
+multi-head latent attention and, from ``first_k_dense_replace`` on, LlaMoE's mixture-of-experts blocks with
+DeepSeek's routing (sigmoid scores, the auxiliary-loss-free balancing bias, expert groups, shared experts).
+
+``model.py`` is the pure model, ``parallelize.py`` its tensor-parallel plan (heads split, latents replicated),
+``costs.py`` its parameters and FLOPs, ``hf_adapter.py`` the Hugging Face mapping; ``DEEPSEEK_V3`` ties them together
+for the registry. The balancing bias moves after every step by the step's expert load
+(``features/expert_balance.py``).
+"""
+
+from nanotron.config.deepseek_v3 import DeepseekV3Config
+from nanotron.models.deepseek_v3.costs import deepseek_v3_costs
+from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
+from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nanotron.models.deepseek_v3.parallelize import deepseek_v3_plan
+from nanotron.models.llama.model import KVCache
+from nanotron.models.moe import apply_expert_parallel, router_terms
+from nanotron.models.moe.model import moe_init_rule
+from nanotron.models.spec import ModelSpec
+
+DEEPSEEK_V3 = ModelSpec(
+    name="deepseek_v3",
+    config_class=DeepseekV3Config,
+    model_class=DeepseekV3ForCausalLM,
+    tensor_parallel_plan=deepseek_v3_plan,
+    costs=deepseek_v3_costs,
+    init_rule=moe_init_rule,  # the latents' norms start at one like every layernorm
+    hf_adapter=DeepseekV3HFAdapter(),
+    inference_cache=KVCache,  # the decompressed keys and values
+    step_terms=router_terms,
+    expert_parallel=apply_expert_parallel,
+    # layer_activations: the memory planner does not model latent attention yet, and refuses the family
+)

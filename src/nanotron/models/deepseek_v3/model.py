@@ -1,0 +1,127 @@
+"""DeepSeek-V3: Llama's decoder with multi-head latent attention (MLA) in every layer and, from
+``first_k_dense_replace`` on, LlaMoE's mixture-of-experts block with DeepSeek's routing (sigmoid scores, the
+balancing bias, expert groups, shared experts: ``models/moe``).
+
+MLA (``LatentAttention``), per token:
+
+- queries: ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` through a ``q_lora_rank`` latent, or ``q_proj(x)`` without one;
+  each head's query is ``qk_nope_head_dim`` features without RoPE, then ``qk_rope_head_dim`` with it;
+- keys and values: ``kv_a_proj_with_mqa(x)`` is a ``kv_lora_rank`` latent and one key of ``qk_rope_head_dim`` that
+  every head shares; ``kv_b_proj(kv_a_layernorm(latent))`` gives each head its key's no-RoPE part and its value
+  (``v_head_dim``);
+- the RoPE parts are rotated (the tables of ``qk_rope_head_dim``, YaRN-scaled where the config says so), each head's
+  key is its no-RoPE part beside the shared rotated key, and attention runs through the attention core (so every
+  backend, document masking and context parallelism apply) with the softmax scale ``qk_head_dim^-1/2`` times
+  YaRN's ``mscale(factor, mscale_all_dim)^2`` (the queries are multiplied by the second factor, the kernels apply
+  the first).
+
+Weights keep transformers' layout (each head's rows side by side in ``q_b_proj`` and ``kv_b_proj``); with
+``rope_interleave`` the rotary features rotate adjacent pairs (DeepSeek's layout; transformers computes it the same
+way, the even features then the odd ones rotated as halves), else the two halves. The shared
+key passes through ``shared_key``, a seam that tensor parallelism fills with its collective (every rank's heads use
+the one key). Generation caches the decompressed keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanotron.config.deepseek_v3 import DeepseekV3Config
+from nanotron.models.llama.model import KVCache, LlamaForCausalLM, LlamaMLP
+from nanotron.models.moe.model import MoEFeedForward
+from nanotron.nn.attention import AttentionCore, BlockMask
+from nanotron.nn.linear import Linear
+from nanotron.nn.rmsnorm import RMSNorm
+from nanotron.nn.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
+
+LATENT_NORM_EPS = 1e-6  # the latents' RMSNorms take DeepSeek's (and transformers') default, not rms_norm_eps
+
+
+def softmax_scale_factor(config: DeepseekV3Config) -> float:
+    """What DeepSeek multiplies the softmax scale ``qk_head_dim^-1/2`` by: YaRN's mscale for ``mscale_all_dim``,
+    squared (1 without YaRN or without that key)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn" or not scaling["mscale_all_dim"]:
+        return 1.0
+    return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
+class SharedKey(nn.Module):
+    """The rotary key every head shares, as it is on one process; tensor parallelism swaps this seam for the module
+    that makes it the whole sequence's and sums its gradient over the ranks' heads."""
+
+    def forward(self, key: torch.Tensor) -> torch.Tensor:
+        return key
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (see the module's docstring); heads are counted from the query projection's
+    (possibly sharded) width, so tensor parallelism may split them."""
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.head_dim, self.kv_lora_rank, self.window = self.nope + self.rope, config.kv_lora_rank, None
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        if config.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * self.head_dim, bias=False)
+        else:
+            self.q_a_proj = Linear(hidden, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(config.q_lora_rank, heads * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.shared_key = SharedKey()
+        self.core = AttentionCore()
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=False)
+        self.query_scale, self.interleaved = softmax_scale_factor(config), config.rope_interleave
+
+    def queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.q_proj is not None:
+            return self.q_proj(hidden_states)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+
+    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor | BlockMask | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """As ``LlamaAttention.forward``: ``rotary`` holds the tables of ``qk_rope_head_dim``."""
+        q = self.queries(hidden_states)
+        batch, seq, _ = q.shape
+        heads = q.shape[-1] // self.head_dim
+        q_nope, q_rope = q.view(batch, seq, heads, self.head_dim).transpose(1, 2).split([self.nope, self.rope], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, heads, self.nope + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], -1)
+        k_rope = self.shared_key(k_rope).unsqueeze(1)  # [batch, 1, seq, rope]
+        cos, sin = (table[..., :seq, :].to(q.dtype) for table in rotary)
+        if self.interleaved:  # adjacent features pair up: the even ones, then the odd ones, rotate as halves
+            q_rope, k_rope = (torch.cat([x[..., 0::2], x[..., 1::2]], -1) for x in (q_rope, k_rope))
+        q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], -1)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        k = torch.cat([k_nope, apply_rotary(k_rope, cos, sin).expand(-1, heads, -1, -1)], -1)
+        v = v.contiguous()
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+        out = self.core(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * self.v_dim))
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """Llama with ``LatentAttention`` in every layer, rotary tables of ``qk_rope_head_dim``, and DeepSeek's
+    mixture-of-experts blocks from ``first_k_dense_replace`` on."""
+
+    def __init__(self, config: DeepseekV3Config, padded_vocab_size: int):
+        super().__init__(config, padded_vocab_size)
+        self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling)
+
+    @staticmethod
+    def attention(config: DeepseekV3Config, index: int) -> LatentAttention:
+        return LatentAttention(config)
+
+    @staticmethod
+    def feed_forward(config: DeepseekV3Config, index: int) -> nn.Module:
+        return MoEFeedForward(config) if config.is_moe_layer(index) else LlamaMLP(config)
+

@@ -1,0 +1,414 @@
+"""The DeepSeek-V3 family (``is_deepseek_v3_config``) against transformers' DeepseekV3ForCausalLM (logits at tp 1
+and 2 and ep 2, greedy generation, conversion both ways, sizes checked against the stored tensors), its routing
+against transformers' router, its costs, layouts against one process (tp in both modes, pp, dp, cp, ep, ep x tp)
+with the balancing bias equal everywhere, an exact resume of the bias, and every rule of the config named in one
+line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import ROOT
+from support.configs import tiny_config_dict, write_config
+from support.distributed import run_distributed_each
+from support.hf import (
+    PROMPTS,
+    away_from_initial_values,
+    convert_altered,
+    export_back_exactly,
+    nanotron_outputs,
+    one_process_outputs,
+    transformers_outputs,
+)
+from support.parity import assemble, assert_reference_trains, first_step_then_train
+from support.runs import assert_user_error, cli, train_example
+from support.tiers import parity_steps
+
+# 4 heads whose queries and keys are 12 features without RoPE and 8 with it, values of 10: no size is
+# hidden_size / num_attention_heads; 8 experts in 4 groups, the first layer dense
+SHAPE = dict(vocab_size=112, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=4, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, kv_lora_rank=16,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+             first_k_dense_replace=1, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             initializer_range=0.1)
+YARN = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}
+VARIANTS = {
+    # a query latent, YaRN with DeepSeek's mscale, interleaved rotary rows, two shared experts, raw top-k weights
+    "latent-query-yarn": {"q_lora_rank": 24, "rope_parameters": YARN, "n_shared_experts": 2,
+                          "norm_topk_prob": False},
+    # one query projection, plain RoPE in halves, tied embeddings, renormalised weights
+    "direct-query": {"q_lora_rank": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+                     "rope_interleave": False, "tie_word_embeddings": True, "routed_scaling_factor": 1.5},
+}
+NEW_TOKENS = 12
+
+
+def _save_random(folder: Path, changes: dict) -> Path:
+    """A random transformers model with norms away from one and balancing biases away from zero."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = away_from_initial_values(transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**SHAPE | changes)))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["latent-query-yarn",
+                                        pytest.param("direct-query", marks=pytest.mark.full_tier)])
+def converted(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = _save_random(root / "hf", VARIANTS[request.param])
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", root / "nanotron")
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    return {"name": request.param, "hf": hf, "ckpt": root / "nanotron", "root": root}
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_logits_and_greedy_generation_match_transformers(converted):
+    """Prompts of different lengths (left padding), with and without the KV cache; the balancing biases (which
+    choose the experts) are read."""
+    from safetensors.torch import load_file
+
+    from nanotron.models.moe.model import MoEFeedForward
+
+    ours = one_process_outputs(converted["ckpt"], PROMPTS, NEW_TOKENS)
+    theirs = transformers_outputs(converted["hf"], PROMPTS, NEW_TOKENS)
+    layers = ours["layers"]
+    assert [i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEFeedForward)] == [1, 2]
+    stored = load_file(converted["hf"] / "model.safetensors")
+    assert torch.equal(layers[2].mlp.expert_bias, stored["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
+    assert ours["cached"] == ours["uncached"] == theirs["greedy"]
+
+
+@pytest.mark.slow  # the quick tier compares one process with transformers above
+def test_logits_match_transformers_at_tp2_and_ep2(converted):
+    """tp=2 splits the heads (each rank decompresses its own from the replicated latents) and the experts' widths;
+    ep=2 splits the experts."""
+    theirs = transformers_outputs(converted["hf"], PROMPTS, 48)
+    layouts = [{"tp": 2}, {"ep": 2}]
+    for layout, ranks in zip(layouts, run_distributed_each(nanotron_outputs, 2, [
+            {"ckpt": str(converted["ckpt"]), "pp": 1, "tp": 1} | layout for layout in layouts]), strict=True):
+        for rank in ranks:
+            assert (rank["logits"] - theirs["logits"]).abs().max() < 1e-4, layout
+            assert rank["cached"] == rank["uncached"] == theirs["greedy"], layout
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_conversion_back_is_exact(converted):
+    before, after, exported = export_back_exactly(converted["hf"], converted["ckpt"], converted["root"] / "back",
+                                                  PROMPTS[0])
+    assert any(name.endswith("mlp.gate.e_score_correction_bias") for name in exported)
+    keys = ["q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "head_dim",
+            "qk_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace", "rope_interleave",
+            "tie_word_embeddings"]
+    assert {key: getattr(after, key) for key in keys} == {key: getattr(before, key) for key in keys}
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_checkpoint_records_the_deepseek_v3_type(converted):
+    model = json.loads((converted["ckpt"] / "checkpoint.json").read_text())["model"]
+    assert model["type"] == "deepseek_v3" and model["config"]["qk_rope_head_dim"] == 8
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory) -> Path:
+    return _save_random(tmp_path_factory.mktemp("stored"), VARIANTS["latent-query-yarn"])
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons
+@pytest.mark.parametrize("config_changes, drop, fragment", [
+    ({"kv_lora_rank": 8}, None, "'layers.0.attn.kv_a_layernorm.weight' is (16,) in the weights but (8,) in the model"),
+    ({"first_k_dense_replace": 2}, None, "'model.layers.1.mlp.gate_proj.weight', which the weights lack"),
+    ({}, "layers.1.mlp.gate.e_score_correction_bias", "'model.layers.1.mlp.gate.e_score_correction_bias', which "
+                                                      "the weights lack"),
+    ({"qk_head_dim": 24}, None, "qk_head_dim (24) must equal qk_nope_head_dim + qk_rope_head_dim = 20"),
+    ({"num_key_value_heads": 128}, None, "num_key_value_heads (128) must equal num_attention_heads = 4"),
+    ({"attention_bias": True}, None, "attention_bias True is not supported"),
+], ids=["latent-rank", "fewer-moe-layers", "no-bias", "qk-head-dim", "kv-heads", "attention-bias"])
+def test_declared_sizes_are_checked_against_the_stored_tensors(stored, tmp_path, config_changes, drop, fragment):
+    """A config.json whose shapes or derived keys disagree with the weights (or weights without a balancing bias) is
+    refused in one line before anything is written."""
+    outcome = convert_altered(stored, tmp_path, config_changes, drop)
+    assert_user_error(outcome, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+# --- routing, costs ---------------------------------------------------------------------------------------------
+
+def test_routing_chooses_and_weighs_the_experts_as_transformers_router():
+    """Sigmoid scores plus the bias choose within the best groups; the scores alone weigh, renormalised or not,
+    times the scaling factor."""
+    transformers = pytest.importorskip("transformers")
+    from nanotron.models.moe.model import Selection, choose_experts
+
+    torch.manual_seed(0)
+    for normalize in (True, False):
+        config = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
+                                               topk_group=2, norm_topk_prob=normalize, routed_scaling_factor=2.5)
+        router = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(config)
+        torch.nn.init.normal_(router.weight)
+        router.e_score_correction_bias.normal_(0.0, 0.5)
+        hidden = torch.randn(64, 16)
+        logits, weights, experts = router(hidden)
+        selection = Selection(router.e_score_correction_bias, 4, 2, 2.5)
+        _, ours, our_weights = choose_experts(logits.view(1, 64, 16), 3, normalize, selection)
+        mine, theirs = ours[0].sort(-1), experts.sort(-1)
+        assert torch.equal(mine.values, theirs.values)
+        torch.testing.assert_close(our_weights[0].gather(-1, mine.indices), weights.gather(-1, theirs.indices))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_latent_attention_is_transformers_attention(variant):
+    """One MLA block with transformers' weights (norms away from one) on a causal sequence: the same output."""
+    transformers = pytest.importorskip("transformers")
+    from nanotron.config import DeepseekV3Config, model_config_from_dict
+    from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+    from nanotron.models.registry import check_model_config
+
+    modeling = transformers.models.deepseek_v3.modeling_deepseek_v3
+    hf_config = transformers.DeepseekV3Config(**SHAPE | VARIANTS[variant])
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = away_from_initial_values(modeling.DeepseekV3Attention(hf_config, 0)).eval()
+    config = model_config_from_dict(DeepseekV3Config, DeepseekV3HFAdapter().config_fields_from_hf(
+        hf_config.to_dict()))
+    check_model_config(config, 1, "config.json")
+    model = DeepseekV3ForCausalLM(config, 112)
+    ours = model.layers["0"].attn
+    ours.load_state_dict({name: tensor for name, tensor in theirs.state_dict().items()})
+    hidden = torch.randn(2, 9, 64)
+    causal = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+    positions = torch.arange(9)[None]
+    with torch.no_grad():
+        expected, _ = theirs(hidden, modeling.DeepseekV3RotaryEmbedding(hf_config)(hidden, positions), causal)
+        got = ours(hidden, model.rotary(torch.arange(9)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mscale, mscale_all_dim", [(0.707, 1.0), (0, 0)], ids=["deepseek-mscale", "no-mscale"])
+def test_yarn_tables_and_softmax_scale_are_those_of_transformers(mscale, mscale_all_dim):
+    """YaRN's blended frequencies and attention factor in the cos/sin tables, and DeepSeek's softmax scale."""
+    transformers = pytest.importorskip("transformers")
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.deepseek_v3.model import softmax_scale_factor
+    from nanotron.nn.rotary import RotaryEmbedding
+
+    yarn = YARN | {"mscale": mscale, "mscale_all_dim": mscale_all_dim}
+    theirs = transformers.DeepseekV3Config(**SHAPE | {"rope_parameters": dict(yarn)})
+    rotary = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(theirs)
+    positions = torch.arange(100)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    scaling = {key: value for key, value in yarn.items() if key != "rope_theta"}
+    ours = RotaryEmbedding(8, 5000.0, scaling)(positions)
+    torch.testing.assert_close(ours, (cos[0], sin[0]), rtol=1e-6, atol=1e-6)
+    config = DeepseekV3Config(qk_nope_head_dim=12, qk_rope_head_dim=8, rope_scaling=scaling)
+    attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(theirs, 0)
+    assert softmax_scale_factor(config) * 20 ** -0.5 == pytest.approx(attention.scaling, rel=1e-12)
+    assert (softmax_scale_factor(config) == 1.0) == (mscale_all_dim == 0)
+
+
+def test_each_step_moves_the_bias_towards_balance_by_its_speed_unless_skipped():
+    """bias += speed * sign(mean load - load) per MoE layer, from the step's summed loads (rows by MoE layer)."""
+    from nanotron.config import DeepseekV3Config
+    from nanotron.features.expert_balance import ExpertBalance
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+    from nanotron.training.hooks import Run
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                              num_attention_heads=4, q_lora_rank=None, kv_lora_rank=16, n_routed_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, bias_update_speed=0.25)
+    model = DeepseekV3ForCausalLM(config, 64)
+    feature = ExpertBalance(config.moe)
+    feature.start(Run(model, None, None, None, Path()))
+    loads = torch.tensor([[3.0, 1.0, 2.0, 2.0], [0.0, 0.0, 0.0, 8.0]], dtype=torch.float64)
+    feature.after_step(1, {"moe_tokens_per_expert": loads}, skipped=False)
+    feature.after_step(2, {"moe_tokens_per_expert": loads * 5}, skipped=True)
+    assert torch.equal(model.layers["1"].mlp.expert_bias, torch.tensor([-0.25, 0.25, 0.0, 0.0]))
+    assert torch.equal(model.layers["2"].mlp.expert_bias, torch.tensor([0.25, 0.25, 0.25, -0.25]))
+
+
+def test_costs_count_every_parameter_and_the_experts_a_token_uses():
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.registry import spec_for_config
+
+    for q_lora_rank in (None, 24):
+        config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16,
+                                  qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8,
+                                  n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4,
+                                  topk_group=2, first_k_dense_replace=1)
+        spec = spec_for_config(config)
+        with torch.device("meta"):
+            model = spec.model_class(config, 64)
+        costs = spec.costs(config, 64, 16)
+        assert costs.parameters == sum(param.numel() for param in model.parameters())
+    used = 2 * 3 * 32 * 16 + 32 * 8 + 3 * 32 * 32  # k experts, the router, the shared experts (no gate)
+    assert costs.layer_flops[1] - costs.layer_flops[0] == 6 * (used - 3 * 32 * 48)
+    assert costs.attention_pair_flops[0] == 6 * 4 * (20 + 10)  # q.k over 20 features, values of 10, per head
+
+
+# --- training, and layouts against one process ------------------------------------------------------------------
+
+GLOBAL_BATCH = 16
+STEPS = parity_steps(short=10)
+# 3 layers (a pipeline split [1, 2]), the first dense; 8 experts in 4 groups with a shared expert; YaRN; a bias
+# fast enough to change the routing within the steps
+TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 64,
+        "tie_word_embeddings": True, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
+        "first_k_dense_replace": 1, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01,
+        "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def _training_config(tiny_data, run: Path, *, tp: int = 1, mode: str = "REDUCE_SCATTER", pp: int = 1, dp: int = 1,
+                     cp: int = 1, ep: int = 1) -> dict:
+    base = tiny_config_dict(tiny_data, run)
+    parallelism = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "expert_parallel_size": ep,
+                   "tp_mode": mode}
+    if pp > 1:
+        parallelism["pp_stage_layers"] = [1, 2]
+    return tiny_config_dict(
+        tiny_data, run, model=base["model"] | {"model_config": dict(TINY)}, parallelism=parallelism,
+        tokens={"train_steps": STEPS, "micro_batch_size": 4,
+                "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep)},
+        checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> dict:
+    """One process: first-step gradients, the curves every layout must give and the balancing biases at the end."""
+    (result,) = run_distributed_each(first_step_then_train, 1, [
+        {"config": _training_config(tiny_data, tmp_path_factory.mktemp("reference"))}])[0]
+    return result
+
+
+def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layouts: dict[str, dict]) -> None:
+    """Each layout's first-step gradients as the reference's, its losses and grad-norms within 1e-5 of the
+    reference's over every step, and its balancing biases those of the reference on every rank; the reference
+    trains and its biases moved."""
+    assert_reference_trains(reference["metrics"], STEPS)
+    biases = reference["buffers"]
+    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    assert all(bias.abs().sum() > 0 for bias in biases.values())
+    calls = [{"config": _training_config(tiny_data, tmp_path / name, **layout)} for name, layout in layouts.items()]
+    expected = assemble([reference], "grads")
+    for name, ranks in zip(layouts, run_distributed_each(first_step_then_train, world, calls), strict=True):
+        got = assemble(ranks, "grads")
+        assert set(got) == set(expected), name
+        for tensor, grad in expected.items():
+            torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
+        curve = next(rank["metrics"] for rank in ranks if rank["metrics"])
+        for ref, other in zip(reference["metrics"], curve, strict=True):
+            for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss"):
+                assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["step"], key)
+        for rank in ranks:
+            for tensor, bias in rank["buffers"].items():
+                assert torch.equal(bias, biases[tensor]), (name, tensor)
+
+
+@pytest.mark.slow
+def test_tp2_in_sequence_parallel_mode_matches_one_process(reference, tiny_data, tmp_path):
+    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"tp2_rs": {"tp": 2}})
+
+
+@pytest.mark.full_tier
+@pytest.mark.parametrize("world, layout", [
+    (2, {"tp": 2, "mode": "ALL_REDUCE"}), (2, {"pp": 2}), (2, {"dp": 2}), (2, {"cp": 2}), (2, {"ep": 2}),
+    (4, {"ep": 2, "tp": 2}),
+], ids=["tp2_ar", "pp2", "dp2", "cp2", "ep2", "ep2_tp2"])
+def test_each_layout_matches_one_process(reference, tiny_data, tmp_path, world, layout):
+    _assert_layouts_match(reference, tiny_data, tmp_path, world, {"layout": layout})
+
+
+def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
+    """The balancing biases of a run's latest checkpoint, as stored."""
+    from nanotron.checkpoint.logical_tensors import LogicalTensorReader
+
+    reader = LogicalTensorReader(run / (run / "latest.txt").read_text().strip() / "model")
+    biases = {}
+    for name in sorted(name for name in reader.names() if name.endswith("expert_bias")):
+        biases[name] = torch.empty(reader.logical_shape(name))
+        reader.read_into(name, (slice(0, biases[name].shape[0]),), biases[name])
+    return biases
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tmp_path):
+    """2 steps, then 2 more from its checkpoint, give the 4 steps of a straight run: losses, grad-norms, expert loads
+    and the biases, which every step moves by exactly bias_update_speed per expert (or not at all)."""
+    from support.runs import metrics, train_through_cli
+
+    def config(run: str, steps: int) -> dict:
+        config = _training_config(tiny_data, tmp_path / run)
+        config["tokens"] |= {"train_steps": steps, "batch_accumulation_per_replica": 1}
+        config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
+        config["checkpoints"] |= {"resume_checkpoint_path": "auto", "save_final_state": True}
+        return config
+
+    train_through_cli(config("straight", 4), tmp_path / "straight.yaml")
+    train_through_cli(config("resumed", 2), tmp_path / "first.yaml")
+    halfway = _stored_biases(tmp_path / "resumed")
+    train_through_cli(config("resumed", 4), tmp_path / "second.yaml")
+    keys = ("step", "lm_loss", "grad_norm", "moe_expert_load")
+    expected, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [[m[key] for key in keys] for m in got] == [[m[key] for key in keys] for m in expected]
+    straight, resumed = _stored_biases(tmp_path / "straight"), _stored_biases(tmp_path / "resumed")
+    assert set(straight) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    for name, bias in straight.items():
+        assert torch.equal(resumed[name], bias) and not torch.equal(halfway[name], bias), name
+        steps = bias / TINY["bias_update_speed"]
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4, name
+
+
+# --- the example config -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_path):
+    """examples/config_tiny_deepseek_v3.yaml with the quickstart's paths swapped for the test corpus's, 2 steps, its
+    own parallelism (ep 2)."""
+    records = train_example(ROOT / "examples" / "config_tiny_deepseek_v3.yaml", tiny_data, tmp_path)
+    assert [record["step"] for record in records] == [1, 2]
+    assert all(math.isfinite(record["lm_loss"]) and record["moe_load_balancing_loss"] > 0 for record in records)
+
+
+# --- rules ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_changes, parallelism, fragments", [
+    ({"qk_rope_head_dim": 7}, {}, ("model.model_config.qk_rope_head_dim (7) must be even",)),
+    ({"kv_lora_rank": 0}, {}, ("model.model_config.kv_lora_rank must be >= 1",)),
+    ({"topk_group": 5}, {}, ("model.model_config.topk_group (5) must be in [1, model.model_config.n_group] = [1, 4]",)),
+    ({"n_group": 3}, {}, ("model.model_config.n_group (3) must divide model.model_config.n_routed_experts (8)",)),
+    ({"num_experts_per_tok": 5}, {}, ("num_experts_per_tok (5) must be in [1, topk_group * n_routed_experts / "
+                                      "n_group] = [1, 4]",)),
+    ({}, {"expert_parallel_size": 3}, ("n_routed_experts (8) must be divisible", "expert_parallel_size (3)")),
+    ({"first_k_dense_replace": 3}, {}, ("first_k_dense_replace (3) must be in [0, model.model_config."
+                                        "num_hidden_layers)",)),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, {}, ("rope_scaling misses original_max_position_"
+                                                                  "embeddings",)),
+    ({"num_nextn_predict_layers": 1}, {}, ("num_nextn_predict_layers (1) must be 0: multi-token prediction is not "
+                                           "built yet",)),
+], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys", "mtp"])
+def test_bad_config_is_one_error_line_naming_the_key(tiny_data, tmp_path, model_changes, parallelism, fragments):
+    config = _training_config(tiny_data, tmp_path / "run")
+    config["model"]["model_config"] |= model_changes
+    config["parallelism"] |= parallelism
+    outcome = cli("train", "--config-file", write_config(tmp_path / "config.yaml", config))
+    assert_user_error(outcome, *fragments)
+    assert not (tmp_path / "run").exists()
