@@ -430,7 +430,8 @@ def test_model_config_without_a_marker_lists_the_supported_markers():
     d["model"]["model_config"]["is_llama_config"] = False
     with pytest.raises(ConfigError, match=r"model\.model_config: .*one of 'is_llama_config: true', "
                                           r"'is_llamoe_config: true', 'is_mamba_config: true', "
-                                          r"'is_qwen2_config: true', 'is_qwen3_config: true' \(found none\)"):
+                                          r"'is_qwen2_config: true', 'is_qwen3_config: true', "
+                                          r"'is_deepseek_v3_config: true' \(found none\)"):
         config_from_dict(d)
 
 
