@@ -132,6 +132,7 @@ def runs(tiny_data, tmp_path_factory):
     return dict(zip(keys, results)) | {"checkpoints": {m: saved_state(p / str(SAVED_AT)) for m, p in straight.items()}}
 
 
+@pytest.mark.full_tier
 def test_a_bf16_model_with_bf16_moments_trains_close_to_fp32_moments(runs):
     bf16, fp32 = runs["bfloat16",], runs["float32",]
     assert bf16["dtypes"] == {torch.bfloat16} and fp32["dtypes"] == {torch.float32}

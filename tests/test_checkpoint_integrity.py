@@ -247,7 +247,8 @@ def test_a_file_list_naming_a_device_or_a_pipe_is_refused_instead_of_hanging(run
 
 # --- a full disk during a save ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("full", [_on_a_full_filesystem, _with_a_file_size_limit],
+@pytest.mark.parametrize("full", [_on_a_full_filesystem, pytest.param(_with_a_file_size_limit,
+                                                                     marks=pytest.mark.full_tier)],
                          ids=["full-filesystem", "file-size-limit"])
 @pytest.mark.slow
 def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_run_resumes(run, tiny_data, tmp_path,

@@ -187,7 +187,7 @@ def test_cp_sits_between_tp_and_dp_in_the_grid():
 SAVED_AT, STEPS = 3, 6
 
 
-@pytest.mark.parametrize("source, target", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("source, target", [(2, 1), pytest.param(1, 2, marks=pytest.mark.full_tier)])
 def test_resume_at_another_cp_size_continues_the_run(tiny_data, tmp_path, source, target):
     straight_folder = tmp_path / "straight"
     straight = train_on_ranks(cp_config(

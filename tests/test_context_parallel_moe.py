@@ -34,6 +34,7 @@ LAYOUTS = {"cp2_dp2": {"cp": 2, "dp": 2}, "cp2_ep2": {"cp": 2, "ep": 2}}
 ROUTER_METRICS = ("moe_load_balancing_loss", "moe_z_loss", "moe_max_expert_load")
 
 
+@pytest.mark.full_tier
 def test_router_losses_train_under_cp_as_on_one_rank(tiny_data, tmp_path):
     """One process, then cp2 x dp2 and cp2 x ep2 in one 4-rank spawn: the first step's loss and the gradient of
     every tensor (the router's included), then every step's loss, grad-norm and router statistics, within 1e-5."""

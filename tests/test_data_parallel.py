@@ -64,8 +64,10 @@ def reference(tiny_data, tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), *(pytest.param(*layout, marks=pytest.mark.slow)
-                                                  for layout in [(2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)])])
+# dp alone and the 8-rank grid in the default tier; the pairs in the full tier.
+@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow),
+                                        *(pytest.param(*layout, marks=pytest.mark.full_tier)
+                                          for layout in [(2, 2, 1), (2, 1, 2), (1, 2, 2)])])
 def test_layout_matches_single_process_with_zero_0_and_1(reference, tiny_data, tmp_path, dp, tp, pp):
     calls = [{"config": layout_config(tiny_data, tmp_path, f"zero{zero}", dp, tp, pp, zero)} for zero in (0, 1)]
     runs = dict(enumerate(run_distributed_each(_run, dp * tp * pp, calls)))

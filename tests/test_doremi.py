@@ -227,7 +227,7 @@ def _doremi_loss_is_compiled(config: dict) -> dict:
             "weighted": torch.allclose(eager, by_hand, rtol=1e-5)}
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_the_doremi_loss_is_compiled_when_the_model_is(tiny_data, doremi_domains, doremi_reference, tmp_path):
     config = doremi_config(tiny_data, doremi_domains, tmp_path / "proxy", reference=doremi_reference, steps=1)
     config["model"]["compile"] = True
@@ -290,8 +290,9 @@ def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reorder
 
 @pytest.mark.parametrize("written, change, fragments", [
     ("by-name", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
-    ("by-name", {"folders": 2}, ("gone: rivers",)),
-    ("as-a-list-before", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers")),
+    pytest.param("by-name", {"folders": 2}, ("gone: rivers",), marks=pytest.mark.full_tier),
+    pytest.param("as-a-list-before", {"domain_names": ["animals", "colours", "lakes"]}, ("new: lakes", "gone: rivers"),
+                 marks=pytest.mark.full_tier),
 ], ids=["renamed", "removed", "renamed-as-a-list-before"])
 @pytest.mark.slow
 def test_resuming_domain_weights_onto_other_domains_is_refused(

@@ -171,7 +171,7 @@ def test_rowwise_fp8_with_an_fp32_model_runs_on_gpus_that_refuse_an_fp32_output(
         torch.testing.assert_close(gpu, emulated, rtol=2 ** -7, atol=1e-5)  # one bf16 step: the scales multiply
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeypatch):
     """Under torch.compile an expert's token count is symbolic; a product that tested it for ``torch._scaled_mm``'s
     alignment would guard the graph on it, and every new pattern of aligned and unaligned experts would compile
@@ -293,7 +293,7 @@ def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tm
         assert all(0 <= r["fp8_flushed"] < 0.5 for r in run["records"])
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_data, tmp_path):
     """model.compile on the CPU (the layers and the loss, as on GPUs): the buffers FP8 writes in the forward and the
     backward (amax histories, range counts) come out as in eager mode, and so do the losses."""
@@ -451,7 +451,7 @@ def test_tensor_parallel_fp8_linears_scale_their_slices_as_the_whole_tensors():
             assert max(differences.values()) < bound, (recipe, differences)
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_fp8_grad_norms_at_tp_2_follow_tp_1_as_closely_as_bf16_does(tiny_data, tmp_path):
     """The tiny Llama in bf16 at tp=2 (REDUCE_SCATTER) against tp=1, with FP8 and without: FP8's grad-norm curves
     may differ more than bf16's, since FP8's coarse rounding amplifies the reduction-order differences (measured:
@@ -485,7 +485,7 @@ def test_fp8_grad_norms_at_tp_2_follow_tp_1_as_closely_as_bf16_does(tiny_data, t
 FP8_FORCED_BANDS, FP8_FORCED_MEDIAN = {5e-4: 1e-2, 3e-3: 6e-2}, 2e-3
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 @pytest.mark.parametrize("cases", GRAD_NORM_CASES)
 def test_fp8_gradients_at_the_same_weights_have_the_same_norm_at_tp_2(cases, tiny_data, tmp_path):
     """Teacher-forced, as the bf16 test of tests/test_tensor_parallel.py: with FP8 products (tensorwise, emulated)
@@ -495,7 +495,7 @@ def test_fp8_gradients_at_the_same_weights_have_the_same_norm_at_tp_2(cases, tin
     check_teacher_forced(cases, tiny_data, tmp_path, FP8_FORCED_BANDS, FP8_FORCED_MEDIAN, fp8=True)
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny_data, tmp_path):
     """pp=2 (1F1B) × dp=2 with ZeRO-1 trains in FP8 like one process accumulating the same two micro-batches: each
     micro-batch is cast with the same scales in both (its own amax on the first step, then the histories, whose

@@ -35,6 +35,7 @@ def test_the_long_context_example_is_what_the_readme_says():
     assert model.max_position_embeddings >= config.tokens.sequence_length
 
 
+@pytest.mark.full_tier
 @pytest.mark.slow  # context parallelism with document masking trains in the quick tier in test_context_parallel.py
 def test_the_long_context_example_trains_on_two_context_parallel_ranks(tiny_data, tmp_path):
     run = tmp_path / "run"
