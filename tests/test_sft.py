@@ -314,41 +314,37 @@ def test_the_sft_example_is_a_packed_assistant_only_stage():
     assert dataset["train_on"] == "assistant" and dataset["pack"] and dataset["chat_template"] == "chatml"
 
 
-def _held_out_accuracy(checkpoint: Path, tokenizer: Path) -> float:
-    """The share of ``HELD_OUT`` questions whose right answer the checkpoint finds likelier than the other verbs'
-    (the summed log-probabilities of the answer's trained tokens); chance is 1 / len(VERBS)."""
-    from nanotron.generation.generate import forward_logits, load_model
-    from nanotron.layout import Layout
-    from nanotron.parallel.context import ParallelContext
+def _held_out_task(path: Path, tokenizer: Path) -> Path:
+    """``HELD_OUT``'s questions as a multiple-choice task of the in-loop evals (docs/evals.md): the conversation
+    rendered up to the assistant's turn, and its answer with each verb; chance is 1 / len(VERBS)."""
+    from nanotron.data.chat import load_chat_template
 
-    pc = ParallelContext(Layout())
-    model, _ = load_model(checkpoint, pc)
-    right = 0
-    for adjective, noun in HELD_OUT:
-        scores = []
-        for candidate in VERBS:
-            ids, trained = _tokenized(tokenizer, exchange(adjective, noun, candidate), "assistant", "chatml")
-            ids = torch.from_numpy(ids)[None]
-            with torch.no_grad():
-                logits = forward_logits(model, pc, ids, None, None, None, last_only=False)[0, :-1].float()
-            log_probs = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-            scores.append(float(log_probs[torch.from_numpy(trained[1:])].sum()))
-        right += VERBS[int(np.argmax(scores))] == verb(noun)
-    return right / len(HELD_OUT)
+    template = load_chat_template(tokenizer)
+    with path.open("w") as file:
+        for adjective, noun in HELD_OUT:
+            context = template.render(exchange(adjective, noun, "")[:1], add_generation_prompt=True)
+            choices = [template.render(exchange(adjective, noun, candidate))[len(context):] for candidate in VERBS]
+            file.write(json.dumps({"context": context, "choices": choices, "gold": VERBS.index(verb(noun))}) + "\n")
+    return path
 
 
 @pytest.mark.full_tier
 def test_the_sft_example_trains_as_written_and_answers_held_out_questions(chat, tmp_path):
+    """The example, with an eval of questions it never trained on: after 60 steps the run's own in-loop eval scores
+    them well above chance."""
     raw = _example()
     raw["checkpoints"]["checkpoints_path"] = str(tmp_path / "run")
     raw["tokenizer"]["tokenizer_name_or_path"] = str(chat["tokenizer"])
     raw["data_stages"][0]["data"]["dataset"]["hf_dataset_or_datasets"] = str(chat["data"])
     raw["tokens"]["train_steps"] = 60
     raw["logging"]["iteration_step_info_interval"] = 1
+    task = _held_out_task(tmp_path / "held_out.jsonl", chat["tokenizer"])
+    raw["evals"] = {"tasks": [{"path": str(task), "name": "held_out", "target_delimiter": ""}]}
     train_through_cli(raw, tmp_path / "config.yaml")
-    losses = [m["lm_loss"] for m in metrics(tmp_path / "run")]
+    records = metrics(tmp_path / "run")
+    losses = [m["lm_loss"] for m in records]
     assert len(losses) == 60 and losses[-1] < losses[0] - 1.0, losses
-    accuracy = _held_out_accuracy(tmp_path / "run", chat["tokenizer"])
+    accuracy = records[-1]["eval/held_out/acc"]
     assert accuracy > 1 / len(VERBS) + 0.25, accuracy  # chance: 1/3
 
 
