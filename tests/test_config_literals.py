@@ -26,13 +26,15 @@ FREE_TEXT = {
     "general.project", "general.run", "tokenizer.tokenizer_name_or_path", "tokenizer.tokenizer_revision",
     "optimizer.weight_decay_exclude_named_params", "data_stages[0].name", "logging.wandb.project",
     "logging.wandb.entity", "logging.wandb.name", "doremi.domain_names", "fp8.exclude_modules",
+    "optimizer.muon_named_params", "evals.tasks[0].name", "evals.tasks[0].target_delimiter",
+    "evals.tasks[0].fewshot_delimiter",
 }
 EXPECTED_LITERALS = {
     "parallelism.pp_engine", "parallelism.tp_mode", "model.dtype", "model.model_config.hidden_act",
     "model.model_config.ssm_cfg.dt_init", "optimizer.learning_rate_scheduler.lr_warmup_style",
     "optimizer.learning_rate_scheduler.lr_decay_style", "logging.log_level", "logging.log_level_replica",
     "logging.wandb.mode", "fp8.recipe", "fp8.gradient_format", "parallelism.recompute",
-    "optimizer.adam_moments_dtype", "model.attention_backend",
+    "optimizer.adam_moments_dtype", "model.attention_backend", "optimizer.name", "optimizer.muon_update_scale",
 }
 
 
