@@ -64,8 +64,8 @@ def reference(tiny_data, tmp_path_factory):
     return result
 
 
-# dp alone and the 8-rank grid in the default tier; the pairs in the full tier.
-@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow),
+# dp alone in the default tier (the 3D grid is also the resharding tests' source); the rest in the full tier.
+@pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), pytest.param(2, 2, 2, marks=pytest.mark.full_tier),
                                         *(pytest.param(*layout, marks=pytest.mark.full_tier)
                                           for layout in [(2, 2, 1), (2, 1, 2), (1, 2, 2)])])
 def test_layout_matches_single_process_with_zero_0_and_1(reference, tiny_data, tmp_path, dp, tp, pp):

@@ -234,7 +234,7 @@ def _train_counting_grouped_products(config: dict) -> dict:
         fp8_grouped.fp8_grouped_mm = real
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_a_tiny_mixture_trains_with_grouped_fp8_experts_next_to_its_twin(tiny_data, tmp_path):
     """The tiny LlaMoE with ``fp8.recipe: rowwise``: its experts run the grouped products (two MoE layers, six
     grouped products each per micro-batch), it learns, and its loss stays within 2% of the non-FP8 twin's; with its

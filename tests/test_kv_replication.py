@@ -47,7 +47,7 @@ def test_replicated_kv_heads_match_one_process(tiny_data, tmp_path, tp, kv_heads
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), got["step"]  # kv counted once
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_a_tp4_checkpoint_of_2_kv_heads_resumes_at_tp1_and_exports(tiny_data, tmp_path):
     from safetensors.torch import load_file
 

@@ -158,8 +158,8 @@ def test_registry_finds_llama_by_name_config_and_hf_model_type():
         assert spec_named(name, "here") is spec_for_hf_model_type(hf_type, "x")
     with pytest.raises(CheckpointError, match="holds a 'rwkv' model, which this version cannot build"):
         spec_named("rwkv", "ckpt/5")
-    with pytest.raises(CheckpointError, match="describes a 'gpt2' model; supported model_type values: llama, mamba, "
-                                              "mixtral, qwen2"):
+    with pytest.raises(CheckpointError, match="describes a 'gpt2' model; supported model_type values: deepseek_v3, "
+                                              "llama, mamba, mixtral, qwen2"):
         spec_for_hf_model_type("gpt2", "hf/config.json")
 
 

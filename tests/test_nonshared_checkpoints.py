@@ -87,7 +87,9 @@ def _check_node_folders(nodes: list[Path], step: int) -> None:
 
 
 @pytest.mark.parametrize("parallelism", [
-    {"dp": 2},  # every tensor is replicated: node 1's copies have their unique copy on node 0
+    # Every tensor replicated: node 1's copies have their unique copy on node 0. The default tier resumes node
+    # folders in test_node_folders_resume_whatever_order_the_nodes_join_in.
+    pytest.param({"dp": 2}, marks=pytest.mark.full_tier),
     # Tied embeddings, a copy on each stage, one per node; norms replicated over tensor-parallel ranks. The box
     # choice for these is covered in every tier by test_each_folder_gets_every_box_its_ranks_hold_once.
     pytest.param({"pp": 2}, marks=pytest.mark.full_tier),

@@ -98,7 +98,7 @@ def logging_rank(results: list[dict]) -> dict:
 
 @pytest.mark.parametrize("world, layouts", [
     (2, [(2, 1, "afab"), (2, 1, "1f1b")]),
-    pytest.param(4, [(4, 1, "afab"), (4, 1, "1f1b"), (2, 2, "1f1b")], marks=pytest.mark.slow),
+    pytest.param(4, [(4, 1, "afab"), (4, 1, "1f1b"), (2, 2, "1f1b")], marks=pytest.mark.full_tier),
 ])
 def test_pipeline_matches_single_process(reference, tiny_data, tmp_path, world, layouts):
     # batch_accumulation_per_replica is 2: with pp=4, 1F1B runs fewer micro-batches than stages.

@@ -176,7 +176,7 @@ def test_an_exception_in_a_step_ends_the_run_at_once_with_its_traceback(tiny_dat
 
 
 @pytest.mark.parametrize("launch, signum", [("python", signal.SIGTERM),
-                                            pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.slow)])
+                                            pytest.param("torchrun", signal.SIGUSR1, marks=pytest.mark.full_tier)])
 def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, tmp_path, launch, signum):
     run, log = tmp_path / "run", tmp_path / "train.log"
     parallelism = {"dp": 2} if launch == "torchrun" else {}

@@ -262,7 +262,7 @@ def test_tp2_all_reduce_pp2_dp2_and_cp2_match_one_process(references, tiny_data,
         "tp2_ar": {"tp": 2, "mode": "ALL_REDUCE"}, "pp2": {"pp": 2}, "dp2": {"dp": 2}, "cp2": {"cp": 2}})
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_expert_parallel_times_tensor_parallel_matches_one_process(references, tiny_data, tmp_path):
     _assert_layouts_match(references["moe"], tiny_data, tmp_path, 4, {"ep2_tp2": {"ep": 2, "tp": 2}})
 

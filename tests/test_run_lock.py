@@ -62,7 +62,7 @@ def _stop(process: subprocess.Popen, launch: str, log: Path) -> None:
         pytest.fail("the run did not stop on SIGTERM:\n" + log.read_text()[-6000:])
 
 
-@pytest.mark.parametrize("launch", ["python", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("launch", ["python", pytest.param("torchrun", marks=pytest.mark.full_tier)])
 def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_command_starts(
         tiny_data, tmp_path, launch):
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"

@@ -36,7 +36,7 @@ def reference(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize("tp, variants", [
     (2, [("ALL_REDUCE", False, False), ("REDUCE_SCATTER", False, False), ("REDUCE_SCATTER", True, False),
          ("ALL_REDUCE", False, True), ("REDUCE_SCATTER", False, True), ("REDUCE_SCATTER", True, True)]),
-    pytest.param(4, [("ALL_REDUCE", False, False), ("REDUCE_SCATTER", False, False)], marks=pytest.mark.slow),
+    pytest.param(4, [("ALL_REDUCE", False, False), ("REDUCE_SCATTER", False, False)], marks=pytest.mark.full_tier),
 ])
 def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, variants):
     calls = [{"config": tp_config(tiny_data, tmp_path, "-".join(map(str, variant)), tp, *variant)}

@@ -41,7 +41,7 @@ def _schedule(train_steps: int) -> dict:
                                         "min_decay_lr": 3e-4}, "weight_decay": 0.01}
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full_tier)])
 def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
     model = tiny_config_dict(tiny_data, tmp_path)["model"] | {"dtype": dtype}
     straight = tiny_config_dict(tiny_data, tmp_path / "straight", model=model, optimizer=_schedule(12),

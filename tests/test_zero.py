@@ -211,7 +211,7 @@ COMPOSED = {
     "pp 2, afab": lambda c: {"parallelism": c["parallelism"] | {"pp": 2, "pp_engine": "afab"}},
 }
 COMPOSED_RANKS = {"moe, ep 2": 4, "cp 2, qwen2, document masking": 4, "tp 2, ALL_REDUCE": 4, "pp 2, afab": 4}
-REPRESENTATIVE = "moe, ep 2"
+REPRESENTATIVE = "selective recompute"
 
 
 @pytest.mark.parametrize("feature", [feature if feature == REPRESENTATIVE else

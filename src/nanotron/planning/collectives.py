@@ -189,7 +189,7 @@ def _structure(config: Config, layout: Layout) -> _Structure:
     options = replace(BuildOptions.from_config(config), tp_mode=REDUCE_SCATTER if layout.tp > 1 else "ALL_REDUCE",
                       tp_overlap=False, pp_stage_layers=None)
     exclude = config.optimizer.weight_decay_exclude_named_params
-    key = (repr(config.model.model_config), options, repr(exclude), layout.tp, layout.ep)
+    key = (repr(config.model.model_config), repr(options), repr(exclude), layout.tp, layout.ep)
     if key not in _STRUCTURES:
         _STRUCTURES[key] = _built_structure(config.model.model_config, options, exclude, layout.tp, layout.ep)
     return _STRUCTURES[key]
