@@ -32,6 +32,7 @@ from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm, rms_normalize
 from nanotron.parallel.placement import Shard
 from nanotron.parallel.tp_collectives import (
+    all_gather_sequence,
     copy_to_tp,
     finish_gather_sequence,
     gather_sequence,
@@ -80,9 +81,7 @@ class _ColumnLinearSummingInFP32(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, mode: str) -> torch.Tensor:
         ctx.group, ctx.scatter = group, mode == REDUCE_SCATTER
         if ctx.scatter:
-            buffer, gathering = start_gather_sequence(x, group)
-            gathering.wait()
-            x = finish_gather_sequence(buffer, group)
+            x = all_gather_sequence(x, group)
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 

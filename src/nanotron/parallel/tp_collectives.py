@@ -50,7 +50,8 @@ def start_reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> 
     return out, dist.reduce_scatter_tensor(out, chunks, group=group, async_op=True)
 
 
-def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sequence shards of every rank, gathered along the sequence, outside autograd."""
     buffer, work = start_gather_sequence(x, group)
     work.wait()
     return finish_gather_sequence(buffer, group)
@@ -95,7 +96,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_sequence(x, group)
+        return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -110,7 +111,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group), None
+        return all_gather_sequence(grad, ctx.group), None
 
 
 def _single(group: dist.ProcessGroup) -> bool:
