@@ -145,6 +145,45 @@ def test_declared_sizes_are_checked_against_the_stored_tensors(stored, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+# --- generation: the latent cache ----------------------------------------------------------------------------------
+
+def _small_model(**changes):
+    """A DeepSeek-V3 of SHAPE's sizes (fp32) in this process, its weights normal(0, 0.1)."""
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+    keys = {key: value for key, value in SHAPE.items() if key not in ("num_key_value_heads", "pad_token_id")}
+    config = DeepseekV3Config(**keys | {"q_lora_rank": 24, "n_shared_experts": 1} | changes)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config, config.vocab_size)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    return model.eval()
+
+
+def test_the_generation_cache_holds_the_latents_and_gives_the_uncached_logits():
+    """Each layer's cache holds, per position, the normed kv latent and the rotated shared key (kv_lora_rank +
+    qk_rope_head_dim values: 24 here, against the 4 heads' decompressed keys and values, 4 * (20 + 10) = 120); a
+    prompt then one token at a time through the cache gives the logits of the whole sequence at once."""
+    from nanotron.models.registry import spec_for_config
+
+    model = _small_model()
+    ids = torch.randint(3, 112, (2, 9), generator=torch.Generator().manual_seed(0))
+    caches = {index: spec_for_config(model.config).inference_cache() for index in model.layers}
+    with torch.no_grad():
+        whole = model(input_ids=ids)
+        steps = [model(input_ids=ids[:, :6], caches=caches)]
+        for position in range(6, 9):
+            steps.append(model(input_ids=ids[:, position:position + 1], caches=caches,
+                               position_ids=torch.full((2, 1), position)))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    for cache in caches.values():
+        assert cache.length == 9
+        assert cache.latent.shape == (2, 9, SHAPE["kv_lora_rank"])
+        assert cache.rotary_key.shape == (2, 9, SHAPE["qk_rope_head_dim"])
+        assert sum(tensor.numel() for tensor in vars(cache).values()) == 2 * 9 * (16 + 8)
+
+
 # --- routing, costs ---------------------------------------------------------------------------------------------
 
 def test_routing_chooses_and_weighs_the_experts_as_transformers_router():

@@ -19,7 +19,11 @@ Weights keep transformers' layout (each head's rows side by side in ``q_b_proj``
 ``rope_interleave`` the rotary features rotate adjacent pairs (DeepSeek's layout; transformers computes it the same
 way, the even features then the odd ones rotated as halves), else the two halves. The shared
 key passes through ``shared_key``, a seam that tensor parallelism fills with its collective (every rank's heads use
-the one key). Generation caches the decompressed keys and values.
+the one key).
+
+Generation caches what MLA compresses (``LatentCache``): per position the kv latent after its norm and the rotated
+shared key, ``kv_lora_rank + qk_rope_head_dim`` values, not every head's decompressed key and value
+(``heads * (qk_head_dim + v_head_dim)``); each step decompresses the cached latents through ``kv_b_proj``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 
 from nanotron.config.deepseek_v3 import DeepseekV3Config
-from nanotron.models.llama.model import KVCache, LlamaForCausalLM, LlamaMLP
+from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP
 from nanotron.models.moe.model import MoEFeedForward
 from nanotron.nn.attention import AttentionCore, BlockMask
 from nanotron.nn.linear import Linear
@@ -45,6 +49,29 @@ def softmax_scale_factor(config: DeepseekV3Config) -> float:
     if scaling is None or scaling["rope_type"] != "yarn" or not scaling["mscale_all_dim"]:
         return 1.0
     return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
+class LatentCache:
+    """MLA's inference cache for one layer: per position seen so far, the kv latent after ``kv_a_layernorm``
+    [batch, positions, kv_lora_rank] and the rotated key every head shares [batch, positions, qk_rope_head_dim].
+    Every head's key and value are decompressed from them at each step, so the cache is the size of the latents
+    whatever the heads (on every tensor-parallel rank: the latents are replicated)."""
+
+    def __init__(self):
+        self.latent: torch.Tensor | None = None
+        self.rotary_key: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """The positions held."""
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def append(self, latent: torch.Tensor, rotary_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new positions' latents and rotated keys after those held; returns every position's."""
+        if self.latent is not None:
+            latent, rotary_key = torch.cat([self.latent, latent], dim=1), torch.cat([self.rotary_key, rotary_key], 1)
+        self.latent, self.rotary_key = latent, rotary_key
+        return latent, rotary_key
 
 
 class SharedKey(nn.Module):
@@ -85,27 +112,28 @@ class LatentAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | BlockMask | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """As ``LlamaAttention.forward``: ``rotary`` holds the tables of ``qk_rope_head_dim``."""
+                mask: torch.Tensor | BlockMask | None = None, kv_cache: LatentCache | None = None) -> torch.Tensor:
+        """As ``LlamaAttention.forward``: ``rotary`` holds the tables of ``qk_rope_head_dim``, and ``kv_cache`` the
+        latents and rotated shared keys of earlier positions."""
         q = self.queries(hidden_states)
         batch, seq, _ = q.shape
         heads = q.shape[-1] // self.head_dim
         q_nope, q_rope = q.view(batch, seq, heads, self.head_dim).transpose(1, 2).split([self.nope, self.rope], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, heads, self.nope + self.v_dim)
-        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], -1)
-        k_rope = self.shared_key(k_rope).unsqueeze(1)  # [batch, 1, seq, rope]
+        latent, k_rope = self.kv_a_layernorm(latent), self.shared_key(k_rope)  # k_rope: [batch, seq, rope]
         cos, sin = (table[..., :seq, :].to(q.dtype) for table in rotary)
         if self.interleaved:  # adjacent features pair up: the even ones, then the odd ones, rotate as halves
             q_rope, k_rope = (torch.cat([x[..., 0::2], x[..., 1::2]], -1) for x in (q_rope, k_rope))
         q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], -1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        k = torch.cat([k_nope, apply_rotary(k_rope, cos, sin).expand(-1, heads, -1, -1)], -1)
-        v = v.contiguous()
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
         if kv_cache is not None:
-            k, v = kv_cache.append(k, v)
-        out = self.core(q, k, v, mask)
+            latent, k_rope = kv_cache.append(latent, k_rope)
+        kv = self.kv_b_proj(latent).view(batch, -1, heads, self.nope + self.v_dim)  # gathered in sequence-parallel mode
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1, -1)], -1)
+        out = self.core(q, k, v.contiguous(), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * self.v_dim))
 
 
