@@ -416,6 +416,62 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4, name
 
 
+# --- a trained checkpoint: generate and eval -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> dict:
+    """Two steps of the tiny DeepSeek-V3 through ``nanotron train``, a multiple-choice task and the held-out data
+    scored after the last one, its checkpoint saved."""
+    from support.runs import train_through_cli
+    from support.tasks import evals_section, task_examples, write_task
+
+    root = tmp_path_factory.mktemp("trained")
+    task = write_task(root / "animals.jsonl", task_examples())
+    config = _training_config(tiny_data, root / "run")
+    config["tokens"] |= {"train_steps": 2, "batch_accumulation_per_replica": 1}
+    config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 1}
+    config["checkpoints"] |= {"save_final_state": True}
+    config["evals"] = evals_section(task, tiny_data["tokenized"], num_fewshot=1)
+    train_through_cli(config, root / "config.yaml")
+    return {"run": root / "run", "task": task}
+
+
+@pytest.mark.slow  # the quick tier has the cache's own check
+def test_nanotron_generate_on_a_checkpoint_gives_the_same_text_with_and_without_the_cache(trained, tmp_path):
+    """Two prompts of different lengths (left padding) through the latent cache and through whole recomputation."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat\nthe quick brown dog runs over the\n")
+
+    def completions(*options: str) -> str:
+        outcome = cli("generate", "--ckpt-path", trained["run"], "--prompts-file", prompts, "--max-new-tokens", 8,
+                      *options)
+        assert outcome.code == 0, outcome.stderr[-3000:]
+        return outcome.stdout
+
+    cached = completions()
+    assert cached.startswith("=== the cat\n") and "=== the quick brown dog runs over the\n" in cached
+    assert cached == completions("--no-cache")
+
+
+@pytest.mark.slow  # the quick tier has the cache's own check
+def test_nanotron_eval_on_a_checkpoint_gives_the_in_loop_scores(trained, tiny_data, tmp_path):
+    """``nanotron eval`` scores the task and the held-out data as the run scored them after its last step."""
+    output = tmp_path / "eval.json"
+    outcome = cli("eval", "--ckpt-path", trained["run"], "--tasks", trained["task"], "--num-fewshot", 1,
+                  "--data", tiny_data["tokenized"], "--max-windows", 4, "--sequence-length", 32, "--batch-size", 4,
+                  "--output", output)
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    standalone = json.loads(output.read_text())
+    in_loop = json.loads((trained["run"] / "evals" / "2.json").read_text())
+    assert standalone.keys() == in_loop.keys() == {"animals", "tokenized"}
+    assert (standalone["animals"]["acc"], standalone["animals"]["acc_norm"]) == (in_loop["animals"]["acc"],
+                                                                                 in_loop["animals"]["acc_norm"])
+    torch.testing.assert_close(torch.tensor(standalone["animals"]["loglikelihoods"]),
+                               torch.tensor(in_loop["animals"]["loglikelihoods"]), rtol=0, atol=1e-5)
+    assert 3.0 < standalone["tokenized"]["loss"] < 7.0  # about ln(384) = 5.95 after 2 steps: a real loss
+    assert standalone["tokenized"]["loss"] == pytest.approx(in_loop["tokenized"]["loss"], abs=1e-5)
+
+
 # --- the example config -----------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
