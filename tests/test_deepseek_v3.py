@@ -416,6 +416,48 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4, name
 
 
+# --- features: FP8 -----------------------------------------------------------------------------------------------
+
+def _train_fp8_converted(config: dict) -> dict:
+    """The Trainer in this process: which modules the FP8 converter gave FP8 products (linears, expert groups) and
+    the run's records."""
+    from nanotron.config import config_from_dict
+    from nanotron.nn.fp8 import FP8ExpertMatmul, FP8Matmul
+    from nanotron.trainer import Trainer
+    from support.runs import trainer_metrics
+
+    trainer = Trainer(config_from_dict(config))
+    modules = dict(trainer.model.named_modules())
+    linears = {name for name, module in modules.items() if isinstance(getattr(module, "matmul", None), FP8Matmul)}
+    experts = {name for name, module in modules.items()
+               if isinstance(getattr(module, "expert_matmul", None), FP8ExpertMatmul)}
+    trainer.train()
+    return {"linears": linears, "experts": experts, "records": trainer_metrics(trainer)}
+
+
+@pytest.mark.slow  # the quick tier has the cache's own check; test_fp8.py checks the products themselves
+def test_fp8_converts_every_projection_and_expert_but_the_router_and_trains_as_its_twin(tiny_data, tmp_path):
+    """Under fp8.enabled (emulated on the CPU) every linear of the decoder layers takes FP8 products, MLA's
+    compressions included (as DeepSeek-V3 trained: its report keeps only the embedding, the output head, the MoE
+    gating, the norms and the attention core in BF16), and so do the routed and the shared experts; the router keeps
+    the model dtype. The run trains within 2% of its twin without FP8."""
+    def config(name: str, fp8: bool) -> dict:
+        config = _training_config(tiny_data, tmp_path / name)
+        config["tokens"] |= {"train_steps": 4, "batch_accumulation_per_replica": 1}
+        config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
+        return config | {"fp8": {"enabled": fp8}}
+
+    plain, fp8 = (_train_fp8_converted(config(name, name == "fp8")) for name in ("plain", "fp8"))
+    attention = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    expected = {f"layers.{i}.attn.{name}" for i in range(3) for name in attention}
+    assert fp8["linears"] == expected | {"layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"}
+    assert fp8["experts"] == {f"layers.{i}.mlp.{group}" for i in (1, 2) for group in ("experts", "shared_expert")}
+    assert plain["linears"] == plain["experts"] == set()
+    for a, b in zip(plain["records"], fp8["records"], strict=True):
+        assert b["lm_loss"] != a["lm_loss"] and abs(b["lm_loss"] - a["lm_loss"]) <= 0.02 * a["lm_loss"], a["step"]
+    assert plain["records"][-1]["lm_loss"] < plain["records"][0]["lm_loss"]
+
+
 # --- a trained checkpoint: generate and eval -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
