@@ -416,6 +416,82 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4, name
 
 
+# --- features: document masking, recomputation, compilation ----------------------------------------------------
+
+def test_a_packed_sample_gives_the_loss_and_gradients_of_its_documents_alone():
+    """float64, as test_doc_masking.py's families: three documents packed (the last cut by the window's end) against
+    each run as its own sequence, through the latent attention (YaRN, interleaved rotary rows) and the experts: the
+    same loss and gradients (to the fp32 rounding of the router's scores, which weigh the experts), while without the
+    masking the loss differs by more than 1e-3."""
+    from nanotron.data.loader import packed_documents
+
+    eos = 9
+    model = _small_model(_use_doc_masking=True, rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"}
+                         ).double().train()
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(10, 112, (n,), generator=generator) for n in (7, 11, 9)]
+    documents[0][-1] = documents[1][-1] = eos
+    window = torch.cat(documents)[None]
+    inputs, labels = window[:, :-1], window[:, 1:]
+    packed = packed_documents(inputs == eos)
+
+    def losses(ids, targets, **kwargs):
+        logits = model(input_ids=ids, **kwargs)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+
+    packed_loss = losses(inputs, labels, position_ids=packed["position_ids"],
+                         document_ids=packed["document_ids"])[packed["label_mask"].flatten()].sum()
+    packed_loss.backward()
+    packed_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    alone = sum(losses(document[None, :-1], document[None, 1:]).sum() for document in documents)
+    alone.backward()
+    assert packed_loss.item() == pytest.approx(alone.item(), rel=1e-10)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-7, atol=1e-8, msg=name)
+    with torch.no_grad():
+        unmasked = losses(inputs, labels)[packed["label_mask"].flatten()].sum()
+    assert abs(unmasked.item() - alone.item()) > 1e-3  # what the test tells apart
+
+
+def _feature_config(tiny_data, run: Path, recompute: str = "none", compiled: bool = False) -> dict:
+    """The tiny DeepSeek-V3 for 3 steps under document masking, recomputed and compiled as asked."""
+    config = _training_config(tiny_data, run)
+    config["model"]["model_config"]["_use_doc_masking"] = True
+    config["model"]["compile"] = compiled
+    config["parallelism"]["recompute"] = recompute
+    config["tokens"] |= {"train_steps": 3, "batch_accumulation_per_replica": 2}
+    config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 2}
+    return config
+
+
+@pytest.fixture(scope="module")
+def eager_curve(tiny_data, tmp_path_factory) -> list[dict]:
+    from support.runs import train_in_process
+
+    return train_in_process(_feature_config(tiny_data, tmp_path_factory.mktemp("eager")))
+
+
+@pytest.mark.parametrize("recompute, compiled", [
+    ("selective", False),
+    pytest.param("full", False, marks=pytest.mark.full_tier),
+    pytest.param("pointwise", False, marks=pytest.mark.full_tier),
+    pytest.param("none", True, marks=pytest.mark.full_tier),
+    pytest.param("pointwise", True, marks=pytest.mark.full_tier),
+], ids=["selective", "full", "pointwise", "compiled", "compiled-pointwise"])
+def test_recomputation_and_compilation_leave_training_unchanged_under_document_masking(
+        eager_curve, tiny_data, tmp_path, recompute, compiled):
+    """fp32, 3 steps of 2 micro-batches: the losses, grad-norms and balance losses of the eager run without
+    recomputation, to 1e-6 (recomputation reruns the routing and the latents in the backward)."""
+    from support.runs import train_in_process
+
+    curve = train_in_process(_feature_config(tiny_data, tmp_path / "run", recompute, compiled))
+    assert len(curve) == len(eager_curve) == 3
+    for expected, got in zip(eager_curve, curve, strict=True):
+        for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6), (expected["step"], key)
+
+
 # --- features: FP8 -----------------------------------------------------------------------------------------------
 
 def _train_fp8_converted(config: dict) -> dict:
