@@ -534,6 +534,19 @@ def test_fp8_converts_every_projection_and_expert_but_the_router_and_trains_as_i
     assert plain["records"][-1]["lm_loss"] < plain["records"][0]["lm_loss"]
 
 
+def test_fp8_exclude_modules_keeps_the_compressions_in_the_model_dtype_as_docs_config_says():
+    """``fp8.exclude_modules: ['_a_proj']`` (docs/config.md) leaves exactly q_a_proj and kv_a_proj_with_mqa out."""
+    from nanotron.config import FP8Args
+    from nanotron.nn.fp8 import FP8Matmul, fp8_converter
+
+    model = _small_model()
+    fp8_converter(FP8Args(enabled=True, exclude_modules=["_a_proj"]))(model)
+    kept = {name for name, module in model.named_modules()
+            if hasattr(module, "matmul") and not isinstance(module.matmul, FP8Matmul)}
+    attention = {name for name in kept if ".attn." in name}
+    assert attention == {f"layers.{i}.attn.{name}" for i in range(3) for name in ("q_a_proj", "kv_a_proj_with_mqa")}
+
+
 # --- a trained checkpoint: generate and eval -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
