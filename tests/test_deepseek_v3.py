@@ -164,7 +164,8 @@ def _small_model(**changes):
 def test_the_generation_cache_holds_the_latents_and_gives_the_uncached_logits():
     """Each layer's cache holds, per position, the normed kv latent and the rotated shared key (kv_lora_rank +
     qk_rope_head_dim values: 24 here, against the 4 heads' decompressed keys and values, 4 * (20 + 10) = 120); a
-    prompt then one token at a time through the cache gives the logits of the whole sequence at once."""
+    prompt then one token at a time through the cache, attending over the latents with kv_b_proj absorbed, gives
+    the logits of the whole sequence at once through the decompressed keys and values."""
     from nanotron.models.registry import spec_for_config
 
     model = _small_model()

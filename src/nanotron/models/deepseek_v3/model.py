@@ -23,7 +23,8 @@ the one key).
 
 Generation caches what MLA compresses (``LatentCache``): per position the kv latent after its norm and the rotated
 shared key, ``kv_lora_rank + qk_rope_head_dim`` values, not every head's decompressed key and value
-(``heads * (qk_head_dim + v_head_dim)``); each step decompresses the cached latents through ``kv_b_proj``.
+(``heads * (qk_head_dim + v_head_dim)``), and attends over the latents with ``kv_b_proj`` absorbed into the queries
+and the output (``LatentAttention.attend_latents``), as DeepSeek's inference does.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def softmax_scale_factor(config: DeepseekV3Config) -> float:
 class LatentCache:
     """MLA's inference cache for one layer: per position seen so far, the kv latent after ``kv_a_layernorm``
     [batch, positions, kv_lora_rank] and the rotated key every head shares [batch, positions, qk_rope_head_dim].
-    Every head's key and value are decompressed from them at each step, so the cache is the size of the latents
-    whatever the heads (on every tensor-parallel rank: the latents are replicated)."""
+    The cache is the size of the latents whatever the heads (on every tensor-parallel rank: the latents are
+    replicated)."""
 
     def __init__(self):
         self.latent: torch.Tensor | None = None
@@ -114,7 +115,7 @@ class LatentAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
                 mask: torch.Tensor | BlockMask | None = None, kv_cache: LatentCache | None = None) -> torch.Tensor:
         """As ``LlamaAttention.forward``: ``rotary`` holds the tables of ``qk_rope_head_dim``, and ``kv_cache`` the
-        latents and rotated shared keys of earlier positions."""
+        latents and rotated shared keys of earlier positions (then attention runs over the latents)."""
         q = self.queries(hidden_states)
         batch, seq, _ = q.shape
         heads = q.shape[-1] // self.head_dim
@@ -128,13 +129,38 @@ class LatentAttention(nn.Module):
         if self.query_scale != 1.0:
             q = q * self.query_scale
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
-        if kv_cache is not None:
-            latent, k_rope = kv_cache.append(latent, k_rope)
+        if kv_cache is None:
+            out = self.attend_decompressed(q, latent, k_rope, mask)
+        else:
+            out = self.attend_latents(q, *kv_cache.append(latent, k_rope), mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * self.v_dim))
+
+    def attend_decompressed(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                            mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """Training's form: every head's key (its no-RoPE part beside the shared rotary key) and value decompressed
+        from the latents by ``kv_b_proj``, then the attention core; [batch, heads, queries, v_head_dim]."""
+        batch, heads = q.shape[:2]
         kv = self.kv_b_proj(latent).view(batch, -1, heads, self.nope + self.v_dim)  # gathered in sequence-parallel mode
         k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], -1)
         k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1, -1)], -1)
-        out = self.core(q, k, v.contiguous(), mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * self.v_dim))
+        return self.core(q, k, v.contiguous(), mask)
+
+    def attend_latents(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                       mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """DeepSeek's absorbed form, for generation: nothing is decompressed. Each head's key rows of ``kv_b_proj``
+        (``W_k``) fold into its query, since ``q_nope · (W_k c) = (q_nope W_k) · c``, and its value rows (``W_v``)
+        apply after attention, since the weighted sum of ``W_v c`` is ``W_v`` times the weighted sum of ``c``; the
+        latents ``c`` beside the rotary keys are then one key every head shares, and the latents its value
+        (multi-query attention over ``kv_lora_rank + qk_rope_head_dim`` features). The scores and the output are
+        the decompressed form's, up to rounding; [batch, heads, queries, v_head_dim]."""
+        heads = q.shape[1]
+        latent, weight, _ = self.kv_b_proj.operands(latent)  # this rank's heads' rows under tensor parallelism
+        w_k, w_v = weight.view(heads, self.nope + self.v_dim, self.kv_lora_rank).split([self.nope, self.v_dim], 1)
+        q_nope, q_rope = q.split([self.nope, self.rope], -1)
+        q = torch.cat([q_nope @ w_k, q_rope], -1)
+        q = q * (q.shape[-1] / self.head_dim) ** 0.5  # the core scales by its keys' width^-1/2, not qk_head_dim's
+        out = self.core(q, torch.cat([latent, k_rope], -1).unsqueeze(1), latent.unsqueeze(1), mask)
+        return out @ w_v.transpose(1, 2)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
