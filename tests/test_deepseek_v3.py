@@ -422,37 +422,13 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
 def test_a_packed_sample_gives_the_loss_and_gradients_of_its_documents_alone():
     """float64, as test_doc_masking.py's families: three documents packed (the last cut by the window's end) against
     each run as its own sequence, through the latent attention (YaRN, interleaved rotary rows) and the experts: the
-    same loss and gradients (to the fp32 rounding of the router's scores, which weigh the experts), while without the
-    masking the loss differs by more than 1e-3."""
-    from nanotron.data.loader import packed_documents
+    same loss and gradients, to the fp32 rounding of the router's scores (which weigh the experts)."""
+    from support.documents import assert_packed_sample_is_its_documents_alone
 
-    eos = 9
-    model = _small_model(_use_doc_masking=True, rope_scaling={k: v for k, v in YARN.items() if k != "rope_theta"}
-                         ).double().train()
-    generator = torch.Generator().manual_seed(1)
-    documents = [torch.randint(10, 112, (n,), generator=generator) for n in (7, 11, 9)]
-    documents[0][-1] = documents[1][-1] = eos
-    window = torch.cat(documents)[None]
-    inputs, labels = window[:, :-1], window[:, 1:]
-    packed = packed_documents(inputs == eos)
-
-    def losses(ids, targets, **kwargs):
-        logits = model(input_ids=ids, **kwargs)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-
-    packed_loss = losses(inputs, labels, position_ids=packed["position_ids"],
-                         document_ids=packed["document_ids"])[packed["label_mask"].flatten()].sum()
-    packed_loss.backward()
-    packed_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
-    model.zero_grad()
-    alone = sum(losses(document[None, :-1], document[None, 1:]).sum() for document in documents)
-    alone.backward()
-    assert packed_loss.item() == pytest.approx(alone.item(), rel=1e-10)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-7, atol=1e-8, msg=name)
-    with torch.no_grad():
-        unmasked = losses(inputs, labels)[packed["label_mask"].flatten()].sum()
-    assert abs(unmasked.item() - alone.item()) > 1e-3  # what the test tells apart
+    yarn = {key: value for key, value in YARN.items() if key != "rope_theta"}
+    model = _small_model(_use_doc_masking=True, rope_scaling=yarn).double().train()
+    assert_packed_sample_is_its_documents_alone(model, (7, 11, 9), 9, SHAPE["vocab_size"], loss_rel=1e-10,
+                                                grad_rtol=1e-7, grad_atol=1e-8)
 
 
 def _feature_config(tiny_data, run: Path, recompute: str = "none", compiled: bool = False) -> dict:
