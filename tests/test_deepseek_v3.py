@@ -1,8 +1,9 @@
 """The DeepSeek-V3 family (``is_deepseek_v3_config``) against transformers' DeepseekV3ForCausalLM (logits at tp 1
 and 2 and ep 2, greedy generation, conversion both ways, sizes checked against the stored tensors), its routing
-against transformers' router, its costs, layouts against one process (tp in both modes, pp, dp, cp, ep, ep x tp)
-with the balancing bias equal everywhere, an exact resume of the bias, and every rule of the config named in one
-line."""
+against transformers' router, its costs, the latent generation cache, the features (document masking, recomputation,
+compilation, FP8, ``nanotron generate`` and ``nanotron eval``) against the runs without them, layouts against one
+process (tp in both modes, pp, dp, cp, ep, ep x tp) with the balancing bias equal everywhere, an exact resume of the
+bias, and every rule of the config named in one line."""
 
 from __future__ import annotations
 
