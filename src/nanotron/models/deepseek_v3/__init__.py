@@ -11,9 +11,8 @@ for the registry. The balancing bias moves after every step by the step's expert
 from nanotron.config.deepseek_v3 import DeepseekV3Config
 from nanotron.models.deepseek_v3.costs import deepseek_v3_costs
 from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
-from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM, LatentCache
 from nanotron.models.deepseek_v3.parallelize import deepseek_v3_plan
-from nanotron.models.llama.model import KVCache
 from nanotron.models.moe import apply_expert_parallel, router_terms
 from nanotron.models.moe.model import moe_init_rule
 from nanotron.models.spec import ModelSpec
@@ -26,7 +25,7 @@ DEEPSEEK_V3 = ModelSpec(
     costs=deepseek_v3_costs,
     init_rule=moe_init_rule,  # the latents' norms start at one like every layernorm
     hf_adapter=DeepseekV3HFAdapter(),
-    inference_cache=KVCache,  # the decompressed keys and values
+    inference_cache=LatentCache,  # the kv latents and the shared rotary keys, not every head's keys and values
     step_terms=router_terms,
     expert_parallel=apply_expert_parallel,
     # layer_activations: the memory planner does not model latent attention yet, and refuses the family
