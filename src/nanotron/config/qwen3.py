@@ -10,7 +10,8 @@ Qwen2's fields and rules (``qwen2.py``: per-layer sliding windows, the logit z-l
 - the experts take Qwen3-MoE's keys (``Qwen3MoEConfig``): ``decoder_sparse_step`` and ``mlp_only_layers`` choose
   the layers as transformers does, the top-k probabilities are renormalised unless ``norm_topk_prob: false``, and
   ``router_z_loss_coef`` weighs the router's z-loss; ``load_balancing_scope: global_batch`` pools the load-balancing
-  loss's expert counts over the global batch, as Qwen3-MoE trains. The shared expert (``enable_shared_expert``) stays available.
+  loss's expert counts over the global batch, as Qwen3-MoE trains. The shared expert (``enable_shared_expert``)
+  stays available.
 
 Upstream nanotron has no Qwen3 config: the marker and the keys follow its Qwen2 config's (``is_qwen2_config``).
 """
