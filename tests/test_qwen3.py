@@ -343,7 +343,14 @@ def test_the_examples_train_on_the_quickstart_data_as_written(name, tiny_data, t
     ({}, {"mlp_only_layers": [0, 1, 2]}, {}, ("leave no layer with experts",
                                                                     "moe_config: null")),
     ({}, {"router_z_loss_coef": -0.1}, {}, ("moe_config.router_z_loss_coef must be >= 0",)),
-], ids=["odd-head-dim", "heads", "ep", "sparse-step", "mlp-only-range", "no-moe-layer", "z-loss"])
+    ({}, {"load_balancing_scope": "micro_batch"}, {}, ("moe_config.load_balancing_scope",)),
+    ({}, {"load_balancing_scope": "global_batch"}, {"pp": 2, "pp_stage_layers": [1, 2], "pp_engine": "1f1b"},
+     ("load_balancing_scope: global_batch needs every forward of a step before its first backward",
+      "parallelism.pp_engine 1f1b", "set pp_engine: afab")),
+    ({}, {"load_balancing_scope": "global_batch"}, {"pp": 2, "pp_stage_layers": [1, 2], "pp_engine": "zb_h1"},
+     ("parallelism.pp_engine zb_h1",)),
+], ids=["odd-head-dim", "heads", "ep", "sparse-step", "mlp-only-range", "no-moe-layer", "z-loss", "balance-scope",
+        "global-balance-1f1b", "global-balance-zero-bubble"])
 def test_bad_config_is_one_error_line_naming_the_key(tiny_data, tmp_path, model_changes, moe_changes, parallelism,
                                                      fragments):
     config = _training_config(tiny_data, tmp_path / "run", experts=moe_changes is not None)
