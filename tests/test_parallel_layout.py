@@ -75,6 +75,7 @@ def test_micro_batches_in_flight_per_schedule():
     assert Layout(pp=1, accumulation=8, pp_engine="afab").in_flight(0) == 1  # one stage: plain accumulation
     # a loss pooled over the global batch (the experts' balance over it): one stage runs every forward first
     assert Layout(pp=1, accumulation=8, forwards_first=True).in_flight(0) == 8
+    assert "gradient accumulation, every forward first" in Layout(accumulation=8, forwards_first=True).summary()
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=4, accumulation=8), Layout(pp=4, accumulation=2),

@@ -322,6 +322,8 @@ class Layout:
     def summary(self) -> str:
         """The layout in one line: the sizes, the schedule and the micro-batches of a step."""
         schedule = self.schedule.upper() if self.pp > 1 else "gradient accumulation"
+        if self.pp == 1 and self.forwards_first:
+            schedule += ", every forward first"
         if self.virtual > 1:
             schedule += f", {self.virtual} chunks per stage"
         zero = f" (ZeRO-{self.zero_stage}{self._hsdp})" if self.zero_stage else ""
