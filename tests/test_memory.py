@@ -235,6 +235,28 @@ def test_default_estimates_are_at_most_3_percent_above_the_peaks_measured_on_an_
     assert estimate.master_weights == estimate.weights  # 2 bytes a bf16 weight
 
 
+def _saved_storages(layer, model, tokens: tuple[int, int]) -> dict[int, int]:
+    """The bytes of each storage one layer's autograd saves for its backward, on a random input of ``tokens`` (batch,
+    length); the weights, buffers and rotary tables left out."""
+    import torch
+
+    hidden = torch.randn(*tokens, model.config.hidden_size, requires_grad=True)
+    rotary = model.rotary.first_positions(tokens[1], hidden.device)
+    not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers(),
+                                                                            *rotary)}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in not_activations:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(hidden, rotary)
+    out.sum().backward()
+    return saved
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     """One decoder layer on the CPU, the storages its backward holds: the planner's count (less the rotary tables,
@@ -252,19 +274,7 @@ def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     config = dataclasses.replace(SMALL, num_hidden_layers=1)
     model = small_llama(config)
     layer = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
-    hidden = torch.randn(BATCH, LENGTH, config.hidden_size, requires_grad=True)
-    rotary = model.rotary.first_positions(LENGTH, hidden.device)
-    not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *rotary)}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in not_activations:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = layer(hidden, rotary)
-    out.sum().backward()
+    saved = _saved_storages(layer, model, (BATCH, LENGTH))
     tokens = BATCH * LENGTH
     shape = ActivationShape(tokens=tokens, sequence_length=LENGTH, tp=1, value_bytes=4, residual_share=1.0,
                             linear_input_share=1.0, compiled=compiled, recompute="none")
@@ -422,27 +432,6 @@ def _deepseek_v3_layer(q_lora_rank: int | None):
     return config, DeepseekV3ForCausalLM(config, config.vocab_size)
 
 
-def _saved_bytes(layer, model, tokens: tuple[int, int]) -> int:
-    """The storages one layer's autograd saves for its backward (not the weights, buffers and rotary tables)."""
-    import torch
-
-    hidden = torch.randn(*tokens, model.config.hidden_size, requires_grad=True) * 1.0
-    rotary = model.rotary.first_positions(tokens[1], hidden.device)
-    not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers(),
-                                                                            *rotary)}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in not_activations:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = layer(hidden, rotary)
-    out.sum().backward()
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.full_tier)],
                          ids=["eager", "compiled"])
 def test_a_deepseek_v3_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
@@ -464,7 +453,7 @@ def test_a_deepseek_v3_layer_keeps_for_its_backward_what_the_planner_counts(comp
         config, model = _deepseek_v3_layer(q_lora_rank)
         for index in (0, 1):
             layer = torch.compile(model.layers[str(index)]) if compiled else model.layers[str(index)]
-            measured = _saved_bytes(layer, model, (batch, length))
+            measured = sum(_saved_storages(layer, model, (batch, length)).values())
             counted = deepseek_v3_layer_activations(config, index, shape)[0] - 2 * length * config.qk_rope_head_dim * 4
             norms = (4 if q_lora_rank else 3) * 4 * batch * length
             assert 0 <= measured - counted - norms < 64, (q_lora_rank, index, measured, counted)
