@@ -235,6 +235,28 @@ def test_default_estimates_are_at_most_3_percent_above_the_peaks_measured_on_an_
     assert estimate.master_weights == estimate.weights  # 2 bytes a bf16 weight
 
 
+def _saved_storages(layer, model, tokens: tuple[int, int]) -> dict[int, int]:
+    """The bytes of each storage one layer's autograd saves for its backward, on a random input of ``tokens`` (batch,
+    length); the weights, buffers and rotary tables left out."""
+    import torch
+
+    hidden = torch.randn(*tokens, model.config.hidden_size, requires_grad=True)
+    rotary = model.rotary.first_positions(tokens[1], hidden.device)
+    not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers(),
+                                                                            *rotary)}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in not_activations:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(hidden, rotary)
+    out.sum().backward()
+    return saved
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     """One decoder layer on the CPU, the storages its backward holds: the planner's count (less the rotary tables,
@@ -252,19 +274,7 @@ def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     config = dataclasses.replace(SMALL, num_hidden_layers=1)
     model = small_llama(config)
     layer = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
-    hidden = torch.randn(BATCH, LENGTH, config.hidden_size, requires_grad=True)
-    rotary = model.rotary.first_positions(LENGTH, hidden.device)
-    not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *rotary)}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in not_activations:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = layer(hidden, rotary)
-    out.sum().backward()
+    saved = _saved_storages(layer, model, (BATCH, LENGTH))
     tokens = BATCH * LENGTH
     shape = ActivationShape(tokens=tokens, sequence_length=LENGTH, tp=1, value_bytes=4, residual_share=1.0,
                             linear_input_share=1.0, compiled=compiled, recompute="none")
@@ -378,3 +388,78 @@ def test_the_command_refuses_a_gpu_memory_that_is_not_positive(capsys, memory):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.strip() == f"error: argument --gpu-memory-gb: must be a number above 0 (got {memory})"
+
+
+# --- DeepSeek-V3: multi-head latent attention, routed and shared experts ----------------------------------------
+
+DEEPSEEK_V3 = ROOT / "examples" / "config_tiny_deepseek_v3.yaml"
+
+
+def test_deepseek_v3_weights_per_rank_are_the_hand_count_at_tp2_ep2_pp2():
+    """The tiny example (hidden 128, 4 heads, q latent 64, kv latent 32, heads of 32 + 16 rotary features and values
+    of 32; layer 0 dense, layers 1-3 with 8 experts of 64 and one shared expert; vocabulary 4096 tied; fp32) on 8
+    ranks: the latents' projections and norms and the router whole on every rank, the heads and every feed-forward
+    width split over tp, the experts over ep, the layers over pp (the last stage holds its copy of the tied
+    embedding); at one rank, the family's parameter count."""
+    config = load_config(DEEPSEEK_V3, ["parallelism.tp=2", "parallelism.pp=2", "parallelism.expert_parallel_size=2",
+                                       "parallelism.pp_stage_layers=[2,2]", *BUFFERS])
+    hidden, heads, tp = 128, 4, 2
+    attention = (hidden * 64 + 64 + 64 * heads * 48 // tp + hidden * (32 + 16) + 32 + 32 * heads * (32 + 32) // tp
+                 + heads * 32 * hidden // tp)
+    dense = attention + 2 * hidden + 3 * hidden * 384 // tp
+    moe = attention + 2 * hidden + hidden * 8 + (8 // 2) * 3 * hidden * 64 // tp + 3 * hidden * 64 // tp
+    embedding = 4096 * hidden // tp
+    stages = estimate_memory(config, gpu_memory_gb=80).stages
+    assert [stage.layers for stage in stages] == [[0, 1], [2, 3]]
+    assert [stage.weights for stage in stages] == [4 * (embedding + dense + moe), 4 * (2 * moe + hidden + embedding)]
+
+    one_rank = load_config(DEEPSEEK_V3, ["parallelism.expert_parallel_size=1", *BUFFERS])
+    model_config = one_rank.model.model_config
+    parameters = spec_for_config(model_config).costs(model_config, 4096, 128).parameters
+    assert estimate_memory(one_rank, gpu_memory_gb=80).stages[0].weights == 4 * parameters
+
+
+def _deepseek_v3_layer(q_lora_rank: int | None):
+    from nanotron.config.deepseek_v3 import DeepseekV3Config
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+    # v_head_dim 12 is not qk_head_dim 8 + 4: the queries' and values' sizes are told apart
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=64, q_lora_rank=q_lora_rank,
+                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              moe_intermediate_size=20, n_shared_experts=1, first_k_dense_replace=1)
+    return config, DeepseekV3ForCausalLM(config, config.vocab_size)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.full_tier)],
+                         ids=["eager", "compiled"])
+def test_a_deepseek_v3_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
+    """A dense and a mixture-of-experts layer of DeepSeek-V3 on the CPU (with and without the query latent): the
+    storages their backward holds are the planner's count (less the rotary tables, which are not the layer's), plus
+    each of the four norms' fp32 reciprocal root per token, too small to count, and in the experts' layer a few
+    per-sequence sums of the routing's record. Among them the key/value latent's down projection output, kept whole
+    (the rotary key with it), and o_proj's copy of the attention output beside the output itself."""
+    import torch
+
+    from nanotron.models.deepseek_v3.costs import deepseek_v3_layer_activations
+    from nanotron.models.spec import ActivationShape
+
+    batch, length = 2, 16
+    shape = ActivationShape(tokens=batch * length, sequence_length=length, tp=1, value_bytes=4, residual_share=1.0,
+                            linear_input_share=1.0, compiled=compiled)
+    for q_lora_rank in (24, None):
+        torch.manual_seed(0)
+        config, model = _deepseek_v3_layer(q_lora_rank)
+        for index in (0, 1):
+            layer = torch.compile(model.layers[str(index)]) if compiled else model.layers[str(index)]
+            measured = sum(_saved_storages(layer, model, (batch, length)).values())
+            counted = deepseek_v3_layer_activations(config, index, shape)[0] - 2 * length * config.qk_rope_head_dim * 4
+            norms = (4 if q_lora_rank else 3) * 4 * batch * length
+            assert 0 <= measured - counted - norms < 64, (q_lora_rank, index, measured, counted)
+
+
+def test_estimate_memory_prints_the_table_of_the_tiny_deepseek_v3(capsys):
+    main(["estimate-memory", "--config-file", str(DEEPSEEK_V3), "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    assert out.startswith("deepseek_v3, 1.5M parameters") and "stage | layers" in out and "fits in 80.0 GB" in out

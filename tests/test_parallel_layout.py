@@ -73,10 +73,14 @@ def test_micro_batches_in_flight_per_schedule():
     assert [Layout(pp=4, accumulation=2).in_flight(stage) for stage in range(4)] == [2, 2, 2, 1]
     assert [Layout(pp=2, accumulation=8, pp_engine="afab").in_flight(stage) for stage in range(2)] == [8, 8]
     assert Layout(pp=1, accumulation=8, pp_engine="afab").in_flight(0) == 1  # one stage: plain accumulation
+    # a loss pooled over the global batch (the experts' balance over it): one stage runs every forward first
+    assert Layout(pp=1, accumulation=8, forwards_first=True).in_flight(0) == 8
+    assert "gradient accumulation, every forward first" in Layout(accumulation=8, forwards_first=True).summary()
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=4, accumulation=8), Layout(pp=4, accumulation=2),
-                                    Layout(pp=3, accumulation=5, pp_engine="afab"), Layout(accumulation=3)])
+                                    Layout(pp=3, accumulation=5, pp_engine="afab"), Layout(accumulation=3),
+                                    Layout(accumulation=3, forwards_first=True)])
 def test_the_actions_the_schedule_runs_hold_the_micro_batches_the_planner_counts(layout):
     """The executor runs the schedule's actions in order: counted along them, the activations held at once are
     ``in_flight``, for any number of micro-batches: ``min(pp - stage, m)`` under 1F1B, every one under AFAB."""

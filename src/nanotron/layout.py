@@ -111,6 +111,7 @@ class Layout:
     sequence_length: int = 1
     micro_batch_size: int = 1
     accumulation: int = 1  # micro-batches per step on each rank (tokens.batch_accumulation_per_replica)
+    forwards_first: bool = False  # every forward of a step before its first backward (a loss pooled over the step)
 
     @classmethod
     def from_config(cls, config: Config) -> Layout:
@@ -120,7 +121,8 @@ class Layout:
                    overlapped_linears=p.tp_linear_async_communication, pp_engine=p.pp_engine,
                    virtual=p.virtual_pipeline_size,
                    zero_stage=config.optimizer.zero_stage, dp_shard=p.dp_shard, sequence_length=t.sequence_length,
-                   micro_batch_size=t.micro_batch_size, accumulation=t.batch_accumulation_per_replica)
+                   micro_batch_size=t.micro_batch_size, accumulation=t.batch_accumulation_per_replica,
+                   forwards_first=_pools_the_global_batch(config))
 
     # --- the grid -------------------------------------------------------------------------------------------------
 
@@ -241,8 +243,11 @@ class Layout:
 
     @property
     def schedule(self) -> str:
-        """The schedule that runs: the configured engine with several stages, else plain gradient accumulation."""
-        return self.pp_engine if self.pp > 1 else "1f1b"
+        """The schedule that runs: the configured engine with several stages, else plain gradient accumulation (every
+        forward first where the step's loss needs them all before a backward)."""
+        if self.pp > 1:
+            return self.pp_engine
+        return "afab" if self.forwards_first else "1f1b"
 
     @property
     def chunks(self) -> int:
@@ -285,6 +290,10 @@ class Layout:
             yield (f"optimizer.zero_stage {self.zero_stage} runs with parallelism.pp_engine afab or 1f1b, not "
                    f"{self.pp_engine} (its sharded gradients and gathers are not yet composed with model chunks or a "
                    "split backward); use afab or 1f1b, or zero_stage 1")
+        if self.forwards_first and self.pp > 1 and self.pp_engine != "afab":
+            yield (f"model.model_config.moe_config.load_balancing_scope: global_batch needs every forward of a step "
+                   f"before its first backward, which parallelism.pp_engine {self.pp_engine} does not run; set "
+                   "pp_engine: afab, or load_balancing_scope: sequence")
         yield from schedule_problems(self.pp_engine, self.pp, self.virtual, self.accumulation)
         length, cp, tp = self.sequence_length, self.cp, self.tp
         if cp > 1 and length % (2 * cp):
@@ -313,6 +322,8 @@ class Layout:
     def summary(self) -> str:
         """The layout in one line: the sizes, the schedule and the micro-batches of a step."""
         schedule = self.schedule.upper() if self.pp > 1 else "gradient accumulation"
+        if self.pp == 1 and self.forwards_first:
+            schedule += ", every forward first"
         if self.virtual > 1:
             schedule += f", {self.virtual} chunks per stage"
         zero = f" (ZeRO-{self.zero_stage}{self._hsdp})" if self.zero_stage else ""
@@ -350,3 +361,10 @@ def _timeline(name: str, pp: int, virtual: int, micro_batches: int) -> Timeline:
 
 def _axes(axes: Axis | Group) -> tuple[Axis, ...]:
     return (axes,) if isinstance(axes, Axis) else axes.axes
+
+
+def _pools_the_global_batch(config: Config) -> bool:
+    """Whether the run's loss pools a statistic over the whole global batch before its gradient is known (the
+    mixture of experts' load balancing at ``balance_scope: global_batch``)."""
+    moe = config.model.model_config.moe
+    return moe is not None and moe.balance_scope == "global_batch"

@@ -48,7 +48,9 @@ How each part is computed, and why:
   layer on an H200; with ``parallelism.recompute: full`` each layer keeps only its input (with ``selective``, also
   its attention output and log-sum-exp; with ``pointwise``, those and its matmuls' outputs), and the backward
   rebuilds one layer at a time. The last stage adds the final norm (compiled
-  with the layers: it then keeps its input, not an fp32 copy of it).
+  with the layers: it then keeps its input, not an fp32 copy of it) and what the family's modules beside the head
+  keep (``ModelSpec.head_side_activations``: DeepSeek-V3's multi-token prediction, with one more output of the LM
+  head per depth).
 - **FP8** (``fp8.enabled``) with ``parallelism.recompute``: the compiled forward keeps the FP8 copies of the
   converted linears' weights for the backward, counted as one byte per weight element per micro-batch in flight.
   Without recomputation FP8 keeps less than bf16, since the backward recomputes the cast inputs; that is not
@@ -86,7 +88,7 @@ from nanotron.config import Config, ConfigError
 from nanotron.layout import Axis, Layout
 from nanotron.models.build import BuildOptions, build_stage, padded_vocab_size
 from nanotron.models.registry import spec_for_config
-from nanotron.models.spec import ActivationShape, ModelSpec
+from nanotron.models.spec import ActivationShape, HeadSideActivations, ModelSpec
 from nanotron.nn.fp8 import FP8Matmul, fp8_converter
 from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.context import GridPosition
@@ -499,8 +501,11 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
     held_at_start = held.final_norm + (held.layers[-1] if held.layers else 0)
     timeline, head_chunk = layout.timeline(), layout.chunks - 1
     if head_chunk in kept:
-        kept[head_chunk] += final_norm_bytes(config, micro_batch_size)
+        beside = _head_side(config, spec, shape)
+        kept[head_chunk] += final_norm_bytes(config, micro_batch_size) + beside.kept
+        backward = max(backward, beside.transient)
         logits_kept, logits_transient = logits_bytes(config, micro_batch_size)
+        logits_kept *= 1 + beside.head_outputs
         # The loss's backward runs before any layer's, when every layer still holds its activations.
         in_flight_logits = timeline.held(stage, {chunk: chunk == head_chunk for chunk in kept})
         logits = int(in_flight_logits) * logits_kept + max(logits_transient - backward, 0)
@@ -528,6 +533,13 @@ def _stage_memory(config: Config, spec: ModelSpec, stage: int, state: _StageStat
         adam_moments=int(2 * _moment_bytes(config) * state.optimizer_elements),
         activations=activations, logits=logits, workspace=STEP_WORKSPACE_BYTES,
     )
+
+
+def _head_side(config: Config, spec: ModelSpec, shape: ActivationShape) -> HeadSideActivations:
+    """What the family's modules beside the LM head keep (DeepSeek-V3's multi-token prediction), if it has any."""
+    if spec.head_side_activations is None:
+        return HeadSideActivations(kept=0, transient=0, head_outputs=0)
+    return spec.head_side_activations(config.model.model_config, shape)
 
 
 def _embedding_backward_bytes(config: Config, micro_batch_size: int, stage: int) -> int:

@@ -34,6 +34,9 @@ class MoESettings:
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True  # Qwen2's sigmoid gate on the shared expert; DeepSeek-V3's has none
     bias_update_speed: float = 0.0
+    # The load-balancing loss's statistic: per sequence (``sequence``), or the expert counts of the whole global
+    # batch (``global_batch``, Qwen3-MoE's training), which needs every forward of a step before its first backward
+    balance_scope: Literal["sequence", "global_batch"] = "sequence"
 
 
 @dataclass

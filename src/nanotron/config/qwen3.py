@@ -9,13 +9,16 @@ Qwen2's fields and rules (``qwen2.py``: per-layer sliding windows, the logit z-l
   hidden size of 1024); unset, it is that quotient;
 - the experts take Qwen3-MoE's keys (``Qwen3MoEConfig``): ``decoder_sparse_step`` and ``mlp_only_layers`` choose
   the layers as transformers does, the top-k probabilities are renormalised unless ``norm_topk_prob: false``, and
-  ``router_z_loss_coef`` weighs the router's z-loss. The shared expert (``enable_shared_expert``) stays available.
+  ``router_z_loss_coef`` weighs the router's z-loss; ``load_balancing_scope: global_batch`` pools the load-balancing
+  loss's expert counts over the global batch, as Qwen3-MoE trains. The shared expert (``enable_shared_expert``)
+  stays available.
 
 Upstream nanotron has no Qwen3 config: the marker and the keys follow its Qwen2 config's (``is_qwen2_config``).
 """
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from nanotron.config.moe import MoESettings
 from nanotron.config.qwen2 import Qwen2Config
@@ -34,6 +37,9 @@ class Qwen3MoEConfig(Qwen2MoEConfig):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     router_z_loss_coef: float = 0.0  # ST-MoE's z-loss: the mean over tokens of logsumexp(router logits)^2
+    # the load-balancing loss's expert shares over each sequence, or over the global batch (Qwen3-MoE's training;
+    # Megatron's ``global_aux_loss``): ``models/moe/model.py``
+    load_balancing_scope: Literal["sequence", "global_batch"] = "sequence"
 
     def layer_indices(self, num_hidden_layers: int) -> tuple[int, ...]:
         step = max(self.decoder_sparse_step, 1)
@@ -41,7 +47,8 @@ class Qwen3MoEConfig(Qwen2MoEConfig):
                      if (i + 1) % step == 0 and i not in self.mlp_only_layers)
 
     def settings(self, num_hidden_layers: int) -> MoESettings:
-        return replace(super().settings(num_hidden_layers), z_loss_coef=self.router_z_loss_coef)
+        return replace(super().settings(num_hidden_layers), z_loss_coef=self.router_z_loss_coef,
+                       balance_scope=self.load_balancing_scope)
 
     def problems(self, key: str, num_hidden_layers: int) -> Iterator[str]:
         yield from super().problems(key, num_hidden_layers)

@@ -145,6 +145,17 @@ class ActivationShape:
 LayerActivations = Callable[[Any, int, ActivationShape], tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class HeadSideActivations:
+    """What the modules a family keeps beside the LM head (DeepSeek-V3's multi-token prediction) keep for the backward
+    per micro-batch on the last stage and add during their backward (bytes), and how many more outputs of the LM head
+    they compute (each kept as the main one's logits)."""
+
+    kept: int
+    transient: int
+    head_outputs: int
+
+
 class HFAdapter(Protocol):
     """Maps a family's checkpoints to and from Hugging Face ``transformers`` (config.json and tensor names)."""
 
@@ -193,6 +204,8 @@ class ModelSpec:
     # memory planner's model of the family, checked against measured peaks; it raises ConfigError for a setting it
     # does not model. None: the planner refuses the family.
     layer_activations: LayerActivations | None = None
+    # (config, shape) -> what the modules beside the LM head keep (``HeadSideActivations``); None: nothing beside it
+    head_side_activations: Callable[[Any, ActivationShape], HeadSideActivations] | None = None
     # The family's other initialisations, by the class of ``model.init_method`` that selects each: (logical name,
     # config, init method) -> initializer (Mamba: upstream's own, ``MambaInit``)
     init_rules: dict[type, Callable[[str, Any, Any], Initializer]] = field(default_factory=dict)

@@ -238,15 +238,19 @@ class PipelineSchedule:
     ``Layout.chunks_of`` gives the stage), in the order of the layout's schedule.
 
     ``before_last_backward()`` is called before the first gradient computation after which every gradient is the
-    step's last for its weight, when data-parallel gradient reduction may start.
+    step's last for its weight, when data-parallel gradient reduction may start; ``before_first_backward(sums)``
+    before the step's first gradient computation, with the statistics of the forwards run so far (summed over their
+    micro-batches: all of the step's where the schedule runs every forward first).
     """
 
     def __init__(self, parallel_context: ParallelContext, p2p: P2P, chunks: Sequence[Chunk],
-                 before_last_backward: Callable[[], None]):
+                 before_last_backward: Callable[[], None],
+                 before_first_backward: Callable[[Statistics], None] = lambda sums: None):
         self.layout, self.stage = parallel_context.layout, parallel_context.coord(Axis.PP)
         self.p2p = p2p
         self.chunks = dict(zip(self.layout.chunks_of(self.stage), chunks, strict=True))
         self.before_last_backward = before_last_backward
+        self.before_first_backward = before_first_backward
         self.device = parallel_context.device
         self.idle = IdleTimes() if self.device.type == "cuda" and self.layout.pp > 1 else None
 
@@ -267,7 +271,10 @@ class PipelineSchedule:
         actions = timeline.schedule.actions(self.stage)
         run = _StepRun(self, micro_batches, Mailbox(self.p2p, timeline))
         start_reducing = _first_final_gradient(actions, len(micro_batches))
+        first_gradient = next(i for i, action in enumerate(actions) if action.op in GRADIENT_OPS)
         for index, action in enumerate(actions):
+            if index == first_gradient:
+                self.before_first_backward(run.statistics)
             if index == start_reducing:
                 self.before_last_backward()
             if self.idle is None:

@@ -27,9 +27,11 @@ def accumulate(total: Statistics, new: Statistics) -> None:
         total[name] = total[name] + value if name in total else value
 
 
-def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]],
-                      parallel_context: ParallelContext) -> Statistics:
-    """Every statistic of ``template`` summed over pipeline stages and data-parallel ranks, as fp64 on every rank."""
+def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]], parallel_context: ParallelContext,
+                      group: Group = Group.STATISTICS) -> Statistics:
+    """Every statistic of ``template`` summed over pipeline stages and data-parallel ranks (``group``: over the
+    ranks of another group, such as ``DENSE_REPLICAS``, the ranks of a stage that see different tokens), as fp64
+    on every rank."""
     names = sorted(template)
     device = parallel_context.device
     flat = torch.cat([
@@ -37,8 +39,8 @@ def sum_over_replicas(local: Statistics, template: dict[str, tuple[int, ...]],
                                                                           device=device)).reshape(-1)
         for name in names
     ])
-    if parallel_context.size(Group.STATISTICS) > 1:
-        dist.all_reduce(flat, group=parallel_context.group(Group.STATISTICS))
+    if parallel_context.size(group) > 1:
+        dist.all_reduce(flat, group=parallel_context.group(group))
     sizes = [torch.Size(template[name]).numel() for name in names]
     return {name: piece.view(template[name]) for name, piece in zip(names, flat.split(sizes))}
 

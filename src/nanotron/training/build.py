@@ -43,6 +43,7 @@ from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.parameter_sharding import ShardedUnits, parameter_units
 from nanotron.parallel.pipeline_parallel import P2P, Chunk, PipelineSchedule
 from nanotron.parallel.placement import declared_names, logical_parameters
+from nanotron.parallel.statistics import Statistics
 from nanotron.training.hooks import Feature
 
 logger = logging.getLogger("nanotron.trainer")
@@ -166,14 +167,15 @@ def document_ends(config: Config, datasets: dict[str, SampleSource]) -> dict[str
 
 
 def pipeline_schedule(config: Config, pc: ParallelContext, chunks: Sequence[Chunk],
-                      before_last_backward: Callable[[], None]) -> PipelineSchedule:
+                      before_last_backward: Callable[[], None],
+                      before_first_backward: Callable[[Statistics], None]) -> PipelineSchedule:
     """The micro-batch schedule of ``pc``'s layout over this stage's model ``chunks``; with pp=1 it is plain gradient
-    accumulation."""
+    accumulation (every forward first where the layout says so)."""
     model_config = config.model.model_config
     shape = pc.layout.stage_activation_shape(model_config.hidden_size)
     dtype = model_config.activation_dtype(config.model.torch_dtype())
     p2p = P2P(pc, shape, dtype, config.parallelism.pp_timeout_s)
-    return PipelineSchedule(pc, p2p, chunks, before_last_backward)
+    return PipelineSchedule(pc, p2p, chunks, before_last_backward, before_first_backward)
 
 
 class TrainedModel(NamedTuple):

@@ -13,7 +13,10 @@ into metrics.jsonl fields (``metrics``). Rules:
   log-sum-exp the fused head already has;
 - statistics are sums (``parallel/statistics.py``): over the step's micro-batches, then over stages and data- and
   context-parallel ranks; a rank that does not compute one of the template's counts zero for it;
-- ``metrics`` is asked only of a step whose update was applied.
+- ``metrics`` is asked only of a step whose update was applied;
+- a term whose gradient needs statistics of the whole step (the global batch's expert counts) names them
+  (``pooled()``) and gets their sums over the step's micro-batches and the ranks that see other tokens (``pool``)
+  after every forward of the step and before its first backward; the layout then runs every forward first.
 
 Who hands in terms (``training/step.py`` puts them together, once per data stage): the run (the language-model loss,
 and under document masking ``AttentionPairs``, the FLOPs of the attention MFU counts); the family
@@ -230,3 +233,14 @@ class Objective:
 
     def metrics(self, sums: Statistics) -> dict:
         return {name: value for term in self.terms for name, value in term.metrics(sums).items()}
+
+    def pooled(self) -> dict[str, tuple[int, ...]]:
+        """The statistics (names and shapes) that terms need summed over the whole step before its first backward
+        (a term's optional ``pooled()``)."""
+        return {name: shape for term in self.terms if hasattr(term, "pool") for name, shape in term.pooled().items()}
+
+    def pool(self, sums: Statistics) -> None:
+        """Hand the pooling terms the step's sums of their ``pooled`` statistics."""
+        for term in self.terms:
+            if hasattr(term, "pool"):
+                term.pool({name: sums[name] for name in term.pooled()})

@@ -9,7 +9,9 @@ One step, on every rank:
    counted, and every micro-batch carries the count (``MicroBatch.token_count``);
 3. the pipeline schedule (``parallel/pipeline_parallel.py``) runs every micro-batch's forward through this stage's
    model chunks (``stage_forward``: the chunk, then the data stage's step terms, ``training/objective.py``) and its
-   backward, in the order of the layout's schedule, and sums the terms' statistics over the micro-batches;
+   backward, in the order of the layout's schedule, and sums the terms' statistics over the micro-batches; before
+   the first backward, the statistics a term pools (the expert counts of a global-batch balance loss) are summed
+   over the ranks that see other tokens and handed to it, once every forward has run;
    data-parallel gradient reduction starts once the remaining gradients are the last micro-batch's and finishes
    after them, and the copies of tied weights are synchronised;
 4. the statistics are summed over stages and ranks: every rank returns the step's.
@@ -69,7 +71,7 @@ class StepProgram:
         self.objective = next(iter(objectives.values()))  # the terms of the step that runs (``run`` sets them)
         chunks = [Chunk(functools.partial(self.stage_forward, view), list(view.parameters()))
                   for view in stage_chunks(model)]
-        self.schedule = pipeline_schedule(config, pc, chunks, self._before_last_backward)
+        self.schedule = pipeline_schedule(config, pc, chunks, self._before_last_backward, self._before_first_backward)
 
     @classmethod
     def build(cls, config: Config, pc: ParallelContext, model: CausalLM, buckets: GradientBuckets,
@@ -144,6 +146,14 @@ class StepProgram:
         else:
             domain_losses = {} if skipped else language_model.domain_losses(sums)
         return domain_losses, {} if skipped else objective.metrics(sums) | self.schedule.metrics(sums)
+
+    def _before_first_backward(self, statistics: Statistics) -> None:
+        """Every forward of the step has run where a term pools statistics (``Objective.pooled``; the layout then
+        runs every forward first): hand it their sums over the step's micro-batches and the ranks of this stage that
+        see other tokens (data, context and expert parallel)."""
+        template = self.objective.pooled()
+        if template:
+            self.objective.pool(sum_over_replicas(statistics, template, self.pc, Group.DENSE_REPLICAS))
 
     def _before_last_backward(self) -> None:
         """Gradients of the last micro-batch complete the step: buckets may now be reduced as they fill up."""

@@ -9,7 +9,11 @@ for the registry. The balancing bias moves after every step by the step's expert
 """
 
 from nanotron.config.deepseek_v3 import DeepseekV3Config
-from nanotron.models.deepseek_v3.costs import deepseek_v3_costs
+from nanotron.models.deepseek_v3.costs import (
+    deepseek_v3_costs,
+    deepseek_v3_layer_activations,
+    multi_token_prediction_activations,
+)
 from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
 from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM, LatentCache
 from nanotron.models.deepseek_v3.parallelize import deepseek_v3_plan
@@ -28,5 +32,6 @@ DEEPSEEK_V3 = ModelSpec(
     inference_cache=LatentCache,  # the kv latents and the shared rotary keys, not every head's keys and values
     step_terms=router_terms,
     expert_parallel=apply_expert_parallel,
-    # layer_activations: the memory planner does not model latent attention yet, and refuses the family
+    layer_activations=deepseek_v3_layer_activations,
+    head_side_activations=multi_token_prediction_activations,
 )

@@ -1,12 +1,21 @@
 """DeepSeek-V3's costs: a Llama-style decoder (``decoder_costs``) whose attention is multi-head latent attention and
-whose feed-forward blocks are LlaMoE's (the router, the experts a token uses, the ungated shared experts)."""
+whose feed-forward blocks are LlaMoE's (the router, the experts a token uses, the ungated shared experts), and what
+its layers keep for the backward (the memory planner)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nanotron.config.deepseek_v3 import DeepseekV3Config
-from nanotron.models.llama.costs import decoder_costs
-from nanotron.models.moe.costs import feed_forward_costs
-from nanotron.models.spec import ModelCosts
+from nanotron.models.llama.costs import (
+    AttentionActivations,
+    context_parallel_bytes,
+    decoder_costs,
+    decoder_layer_activations,
+    swiglu_activations,
+)
+from nanotron.models.moe.costs import expert_activations, feed_forward_costs
+from nanotron.models.spec import ActivationShape, HeadSideActivations, ModelCosts
 
 
 def latent_attention_costs(c: DeepseekV3Config) -> tuple[int, float]:
@@ -28,3 +37,70 @@ def latent_attention_costs(c: DeepseekV3Config) -> tuple[int, float]:
 def deepseek_v3_costs(c: DeepseekV3Config, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
     return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward_costs(c),
                          attention=latent_attention_costs(c))
+
+
+def latent_attention_activations(c: DeepseekV3Config, shape: ActivationShape) -> AttentionActivations:
+    """What multi-head latent attention (``model.py``) keeps for the backward per token on one rank, from its code:
+
+    - the input norm's output, kept by the down projections on the tokens they see (the residual stream's share:
+      sequence-parallel ranks project their own part of the sequence) and, without a query latent, by the
+      column-parallel ``q_proj`` on its share too;
+    - each latent's norm (the query latent's, ``q_lora_rank``; the key/value latent's, ``kv_lora_rank``): eager, its
+      fp32 input (in fp32 the key/value latent is a view of the down projection's output, which it keeps whole, the
+      shared rotary key included) and its normalised values; compiled, the down projection's whole output; and its
+      output, which the up projection keeps (on the share of the tokens a column-parallel linear keeps);
+    - the attention op's inputs on this rank's heads: the queries and keys of ``qk_head_dim``, made by concatenating
+      the no-RoPE part and the rotated part (the shared key broadcast to every head), and the values, copied out of
+      the up projection's output, ``v_head_dim``; its output and SDPA's fp32 logsumexp; and o_proj's input, a copy
+      of the output: the heads' inputs are head-major, so the output is too, and putting the heads side by side
+      copies it.
+
+    The decompressed keys and values and the rotary key are not kept themselves (rotation and concatenation read only
+    the tables). Pointwise recomputation keeps the outputs of the four projections before attention."""
+    tp, d, hidden = shape.tp, shape.value_bytes, c.hidden_size
+    heads, qk, v = c.num_attention_heads // tp, c.head_dim, c.v_head_dim
+    shard, gathered = shape.residual_share, shape.linear_input_share  # a down projection's tokens, an up one's
+    norm_output = d * hidden * shard
+    if c.q_lora_rank is None and gathered != shard:  # q_proj keeps the gathered sequence, the latent its own part
+        norm_output += d * hidden * gathered
+    down_output = c.kv_lora_rank + c.qk_rope_head_dim  # the key/value down projection's, whole
+    latents = [(c.kv_lora_rank, down_output if d == 4 else c.kv_lora_rank, down_output)]
+    latents += [(c.q_lora_rank, c.q_lora_rank, c.q_lora_rank)] if c.q_lora_rank else []
+    if shape.compiled:  # the down projection's output, then the norm's
+        latent_norms = sum(d * (kept * shard + width * gathered) for width, _, kept in latents)
+    else:  # the fp32 input, the normalised values, the output
+        latent_norms = sum(shard * (4 * fp32 + d * width) + d * width * gathered for width, fp32, _ in latents)
+    outputs = 2 * d * heads * v + 4 * heads
+    inputs = d * heads * (2 * qk + v)
+    down = (c.q_lora_rank or 0) + c.kv_lora_rank + c.qk_rope_head_dim
+    products = d * (down * shard + heads * (qk + c.qk_nope_head_dim + v))
+    return AttentionActivations(
+        norm_output=norm_output, kept=latent_norms + inputs + outputs, outputs=outputs, products=products,
+        rotary_width=c.qk_rope_head_dim,
+        context_parallel=context_parallel_bytes(shape, heads * (qk + v)) if shape.cp > 1 else 0)
+
+
+def deepseek_v3_layer_activations(c: DeepseekV3Config, layer: int, shape: ActivationShape) -> tuple[int, int]:
+    """``ModelSpec.layer_activations``: latent attention (``latent_attention_activations``), then a dense SwiGLU MLP
+    in the first ``first_k_dense_replace`` layers and the routed and shared experts after
+    (``expert_activations``)."""
+    feed_forward = expert_activations(c, layer, shape)
+    if feed_forward is None:
+        feed_forward = replace(swiglu_activations(c.intermediate_size // shape.tp, shape.value_bytes),
+                               output_product=shape.value_bytes * c.hidden_size)
+    return decoder_layer_activations(c, shape, feed_forward, latent_attention_activations(c, shape))
+
+
+def multi_token_prediction_activations(c: DeepseekV3Config, shape: ActivationShape) -> HeadSideActivations:
+    """``ModelSpec.head_side_activations``: the ``num_nextn_predict_layers`` = D multi-token prediction modules beside
+    the head, each counted as one more decoder layer of the family (at index ``num_hidden_layers + k - 1``), the
+    input of its projection (the two normalised inputs side by side, 2·hidden) and its final norm as the main
+    model's (eager: the fp32 input and the normalised values of its three norms), and one more output of the LM head.
+    A stand-in until the modules' own count replaces it: they are not built yet (the config refuses D > 0)."""
+    depths = c.num_nextn_predict_layers
+    layers = [deepseek_v3_layer_activations(c, c.num_hidden_layers + k, shape) for k in range(depths)]
+    d, hidden, tokens = shape.value_bytes, c.hidden_size, shape.tokens
+    norms = 3 * (d + (0 if shape.compiled else 4 + d)) * hidden
+    projection = tokens * (2 * d * hidden + norms)
+    return HeadSideActivations(kept=sum(kept for kept, _ in layers) + depths * projection,
+                               transient=max((transient for _, transient in layers), default=0), head_outputs=depths)

@@ -2,7 +2,7 @@
 a decoder layer keeps for the backward (the memory planner).
 
 ``decoder_costs`` and ``decoder_layer_activations`` serve every Llama-style decoder: a mixture of experts passes its
-own feed-forward sizes.
+own feed-forward sizes, multi-head latent attention its own attention sizes.
 """
 
 from __future__ import annotations
@@ -69,14 +69,42 @@ def decoder_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int,
     )
 
 
-def context_parallel_bytes(c: LlamaConfig, shape: ActivationShape) -> int:
+def context_parallel_bytes(shape: ActivationShape, key_value_width: int) -> int:
     """What a context-parallel attention core (``parallel/context_parallel.py``) keeps for the backward beyond a
-    single rank's attention: the gathered keys and values of the whole sequences (2·kv·d per token of the micro-batch)
-    and the boolean mask of the rank's queries over every key (derived from the code, not measured)."""
-    kv = Shard(Axis.TP, 0, (c.num_key_value_heads * c.head_dim,), (c.head_dim,)).local_size(
-        c.num_key_value_heads * c.head_dim, shape.tp)
+    single rank's attention: the gathered keys and values of the whole sequences (``key_value_width`` features of
+    this rank's keys and values together, d bytes each, per token of the micro-batch) and the boolean mask of the
+    rank's queries over every key (derived from the code, not measured)."""
     queries = shape.sequence_length // shape.cp
-    return int(shape.tokens * shape.cp * 2 * kv * shape.value_bytes + queries * shape.sequence_length)
+    return int(shape.tokens * shape.cp * key_value_width * shape.value_bytes + queries * shape.sequence_length)
+
+
+@dataclass(frozen=True)
+class AttentionActivations:
+    """Bytes per token on one rank of a decoder layer's attention block, for ``decoder_layer_activations``; and the
+    rotary tables and context-parallel buffers it keeps per micro-batch."""
+
+    norm_output: float  # what the matmuls that read the input norm's output keep of it
+    kept: float  # the rest it keeps for the backward (its outputs included)
+    outputs: float  # the attention op's outputs (part of ``kept``): what selective recomputation keeps
+    products: float  # its matmuls' outputs that a pointwise-recomputed layer keeps (part of ``kept``; o_proj's aside)
+    rotary_width: int  # the rotated features of each head (the cos/sin tables')
+    context_parallel: int = 0  # per micro-batch, under context parallelism (``context_parallel_bytes``)
+
+
+def grouped_query_attention_activations(c: LlamaConfig, shape: ActivationShape) -> AttentionActivations:
+    """Llama's attention: the q|k|v matmul keeps the norm's output (on the share of the tokens a column-parallel
+    linear keeps); then the rotated q and k and v, d·(q + 2kv): v is copied out of the fused q|k|v output, whose
+    storage a view would keep alive as a whole; the attention output, the o_proj input (d·q), and SDPA's fp32
+    logsumexp (4 bytes per head). Whole heads are on each rank; kv heads are replicated when tp exceeds them."""
+    tp, d = shape.tp, shape.value_bytes
+    kv_width = c.num_key_value_heads * c.head_dim
+    q = c.num_attention_heads * c.head_dim // tp
+    kv = Shard(Axis.TP, 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp)
+    outputs = d * q + 4 * (c.num_attention_heads // tp)
+    return AttentionActivations(
+        norm_output=d * c.hidden_size * shape.linear_input_share, kept=d * (q + 2 * kv) + outputs, outputs=outputs,
+        products=d * (q + 2 * kv), rotary_width=c.head_dim,
+        context_parallel=context_parallel_bytes(shape, 2 * kv) if shape.cp > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -110,8 +138,8 @@ def llama_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) 
     return decoder_layer_activations(c, shape, replace(mlp, output_product=shape.value_bytes * c.hidden_size))
 
 
-def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
-                              feed_forward: FeedForwardActivations) -> tuple[int, int]:
+def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape, feed_forward: FeedForwardActivations,
+                              attention: AttentionActivations | None = None) -> tuple[int, int]:
     """(kept, transient): bytes one decoder layer keeps for the backward per micro-batch, and the most it adds while
     its backward runs, on one rank.
 
@@ -121,9 +149,7 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
       compiler recomputes the norms from them),
     - both norms' outputs, the inputs of the q|k|v and gate|up matmuls (d·hidden each, on the share of the tokens a
       column-parallel linear keeps),
-    - the rotated q and k and v, d·(q + 2kv): v is copied out of the fused q|k|v output, whose storage a view would
-      keep alive as a whole,
-    - the attention output, the o_proj input (d·q), and SDPA's fp32 logsumexp (4 bytes per head),
+    - what the attention block keeps (``attention``; by default Llama's, ``grouped_query_attention_activations``),
     - what the feed-forward block keeps (``feed_forward``),
 
     plus the rotary cos/sin tables cast to the model dtype (2·sequence·head_dim·d per micro-batch) and, under
@@ -140,32 +166,27 @@ def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape,
     o_proj's (on every token of the micro-batch: the row-parallel partial sums, from which the residual after
     attention is rebuilt) and ``feed_forward.products``, eagerly also ``feed_forward.output_product``; measured on
     CPU, eager and compiled (tests/test_pointwise_recompute.py), not on a GPU. The backward adds
-    the feed-forward block's gradients on top of what the layer keeps. Whole heads are on each rank; kv heads are
-    replicated when tp exceeds them.
+    the feed-forward block's gradients on top of what the layer keeps.
     """
-    tp, d, tokens = shape.tp, shape.value_bytes, shape.tokens
-    kv_width = c.num_key_value_heads * c.head_dim
-    q = c.num_attention_heads * c.head_dim // tp
-    kv = Shard(Axis.TP, 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp)
-    heads = c.num_attention_heads // tp
+    d, tokens = shape.value_bytes, shape.tokens
+    if attention is None:
+        attention = grouped_query_attention_activations(c, shape)
     residual, linear_input = d * c.hidden_size * shape.residual_share, d * c.hidden_size * shape.linear_input_share
-    if shape.compiled:
-        norms = 2 * (residual + linear_input)
-    else:
-        norms = 2 * (4 * c.hidden_size * shape.residual_share + residual + linear_input)
-    attention_outputs = d * q + 4 * heads  # the attention output (o_proj's input) and SDPA's fp32 logsumexp
-    attention = d * (q + 2 * kv) + attention_outputs
-    rotary_tables = 2 * shape.sequence_length * c.head_dim * d
+    norms = 2 * residual + attention.norm_output + linear_input
+    if not shape.compiled:
+        norms += 2 * 4 * c.hidden_size * shape.residual_share
+    attention_outputs = attention.outputs
+    rotary_tables = 2 * shape.sequence_length * attention.rotary_width * d
     if shape.cp > 1:  # tables of the rank's own positions, per sequence
-        rotary_tables = 2 * tokens * c.head_dim * d + context_parallel_bytes(c, shape)
-    full = int(tokens * (norms + attention + feed_forward.kept) + rotary_tables)
+        rotary_tables = 2 * tokens * attention.rotary_width * d + attention.context_parallel
+    full = int(tokens * (norms + attention.kept + feed_forward.kept) + rotary_tables)
     transient = int(tokens * feed_forward.gradients)
     if shape.recompute == "none":
         return full, transient
     if shape.recompute == "pointwise":
         # The outputs of q|k|v, of the attention op and the feed-forward block's products: kept without recomputation
         # too, and not rebuilt by the backward. o_proj's output and, eagerly, the block's are kept only here.
-        shared = d * (q + 2 * kv) + attention_outputs + feed_forward.products
+        shared = attention.products + attention_outputs + feed_forward.products
         own = d * c.hidden_size + (0 if shape.compiled else feed_forward.output_product)
         return int(tokens * (residual + shared + own)), int(full + transient - tokens * shared)
     kept = tokens * (residual + (feed_forward.recomputed_kept if shape.compiled else 0))

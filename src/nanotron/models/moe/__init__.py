@@ -1,8 +1,8 @@
 """LlaMoE (Mixtral's architecture): Llama whose feed-forward blocks are mixtures of experts, with expert parallelism.
 
-``model.py`` holds the router, the grouped experts and the router's auxiliary losses; ``parallelize.py`` splits the
-blocks over tensor-parallel ranks and the experts over expert-parallel ones; ``costs.py`` and ``hf_adapter.py``
-(Mixtral) as for Llama.
+``model.py`` holds the router, the grouped experts and the router's auxiliary losses (``global_balance.py``: the
+balance loss over the global batch); ``parallelize.py`` splits the blocks over tensor-parallel ranks and the experts
+over expert-parallel ones; ``costs.py`` and ``hf_adapter.py`` (Mixtral) as for Llama.
 """
 
 from nanotron.config import LlaMoEConfig

@@ -5,6 +5,7 @@ and its activations are those of the experts it visits."""
 from __future__ import annotations
 
 from nanotron.config import LlamaConfig
+from nanotron.config.moe import MoESettings
 from nanotron.models.llama.costs import (
     FeedForwardActivations,
     decoder_costs,
@@ -37,25 +38,49 @@ def moe_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) -> M
 
 def moe_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> tuple[int, int]:
     """``ModelSpec.layer_activations``: a dense layer as Llama's; in a mixture-of-experts layer the feed-forward terms
-    are those of the experts each token visits (derived from ``models/moe/model.py``, not measured): per token its
-    ``k`` copies, the experts' gate|up and SwiGLU outputs and their outputs, and the router's fp32 logits and
-    probabilities; the backward holds the gradients of the ``k`` gate|up and SwiGLU outputs. A shared expert adds a
-    SwiGLU MLP's terms, its output and its gate's (which multiply each other). Its matmuls' outputs, which pointwise
-    recomputation keeps, are the router's logits, the experts' gate|up outputs and outputs (weighted by the router:
-    the backward reads them) and the shared expert's and its gate's."""
+    are ``expert_activations``'."""
+    experts = expert_activations(c, layer, shape)
+    if experts is None:
+        return llama_layer_activations(c, layer, shape)
+    return decoder_layer_activations(c, shape, experts)
+
+
+def expert_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> FeedForwardActivations | None:
+    """The feed-forward terms of a mixture-of-experts layer (None for a dense one), those of the experts each token
+    visits (derived from ``models/moe/model.py``, not measured): per token its ``k`` copies, the experts' gate|up and
+    SwiGLU outputs and their outputs, and what the routing keeps (``routing_bytes``); the backward holds the
+    gradients of the ``k`` gate|up and SwiGLU outputs. A shared expert adds a SwiGLU MLP's terms, and where it is
+    gated its output and its gate's (which multiply each other). Its matmuls' outputs, which pointwise recomputation
+    keeps, are the router's logits, the experts' gate|up outputs and outputs (weighted by the router: the backward
+    reads them) and the shared expert's and its gate's."""
     s = c.moe
     if s is None or layer not in s.layers:
-        return llama_layer_activations(c, layer, shape)
+        return None
     k, d, ffn = s.top_k, shape.value_bytes, s.ffn // shape.tp
-    kept = k * d * (2 * c.hidden_size + 3 * ffn) + 3 * 4 * s.num_experts
+    kept = k * d * (2 * c.hidden_size + 3 * ffn) + routing_bytes(s, shape.compiled)
     gradients, recomputed_kept = k * 3 * d * ffn, k * d * ffn
     products = d * s.num_experts + k * d * (2 * ffn + c.hidden_size)
     if s.shared_ffn is not None:
         shared = swiglu_activations(s.shared_ffn // shape.tp, d)
-        kept += shared.kept + d * (c.hidden_size + 1)
+        gate = d * (c.hidden_size + 1) if s.shared_expert_gated else 0
+        kept += shared.kept + gate
         gradients += shared.gradients
         recomputed_kept += shared.recomputed_kept
-        products += shared.products + d * (c.hidden_size + 1)
-    experts = FeedForwardActivations(kept=kept, gradients=gradients, recomputed_kept=recomputed_kept,
-                                     products=products)
-    return decoder_layer_activations(c, shape, experts)
+        products += shared.products + gate
+    return FeedForwardActivations(kept=kept, gradients=gradients, recomputed_kept=recomputed_kept, products=products)
+
+
+def routing_bytes(s: MoESettings, compiled: bool) -> int:
+    """What choosing a token's experts keeps for the backward per token. Softmax routing: the fp32 logits and
+    probabilities (derived from the code, not measured). DeepSeek's sigmoid routing (measured on the CPU with
+    renormalised weights, tests/test_memory.py): the fp32 logits (the z-loss's) and their log-sum-exp, the sigmoid
+    scores, the int64 indices of the chosen experts, the chosen scores, and the assignments' int64 order and inverse
+    order and fp32 weight; eager, also the scores' sum, the int64 indices of each group's two best scores and of the
+    best groups, the groups' boolean mask and the chosen scores' sum (the compiler recomputes those)."""
+    experts, k = s.num_experts, s.top_k
+    if s.scoring == "softmax":
+        return 3 * 4 * experts
+    kept = 2 * 4 * experts + 4 + (8 + 4 + 8 + 8 + 4) * k
+    if not compiled:
+        kept += 4 + 8 * 2 * s.n_group + 8 * s.topk_group + s.n_group + (4 if s.normalize_topk else 0)
+    return kept

@@ -20,7 +20,9 @@ A block's forward:
 The block reads its sizes from the config's ``moe`` (``MoESettings``), so any family's config can carry experts.
 
 The auxiliary losses are sums over sequences, so that dividing by the step's number of sequences (the step
-term is given it) gives the same value and gradients for any split of the global batch over ranks and micro-batches:
+term is given it) gives the same value and gradients for any split of the global batch over ranks and micro-batches
+(with ``balance_scope: global_batch`` the balance loss's shares are the global batch's instead:
+``global_balance.py``):
 
 - load balancing (Switch Transformer, per sequence as in DeepSeek-V3): ``E * sum_e f_e * P_e`` with ``f_e`` the
   share of the sequence's assignments that chose expert ``e`` and ``P_e`` its mean router probability; 1 when
@@ -49,6 +51,7 @@ from nanotron.config import Config, LlamaConfig, LlaMoEConfig
 from nanotron.config.llama import HiddenAct
 from nanotron.models.init import normal
 from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP, llama_init_rule
+from nanotron.models.moe.global_balance import GlobalBalance, balance_from_sums
 from nanotron.models.spec import Initializer
 from nanotron.nn.glu import glu
 from nanotron.nn.linear import Linear
@@ -74,6 +77,7 @@ class RouterRecord:
     z: torch.Tensor  # sum over sequences of mean_t logsumexp(logits_t)^2
     tokens_per_expert: torch.Tensor  # [E] assignments each expert was chosen for (before capacity dropping)
     dropped: torch.Tensor  # assignments dropped by the capacity limit
+    probabilities: torch.Tensor  # [E] each expert's router probability summed over the tokens (the global balance's)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, capacity_factor: fl
     balance = experts * (share * probs.sum(1) / length).sum()
     z = (logits.logsumexp(-1).pow(2).sum(-1, keepdim=True) / length).sum()
     tokens_per_expert = chosen.sum((0, 1))
+    probabilities = probs.sum((0, 1))
 
     tokens = sequences * positions
     token_index, expert_index, weight = None, top_experts.reshape(-1), weights.reshape(-1)
@@ -139,7 +144,7 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, capacity_factor: fl
         dropped = (~keep).sum().float()
         token_index = torch.arange(tokens, device=logits.device).repeat_interleave(top_k)[keep]
         expert_index, weight = expert_index[keep], weight[keep]
-    record = RouterRecord(balance, z, tokens_per_expert, dropped)
+    record = RouterRecord(balance, z, tokens_per_expert, dropped, probabilities)
     return Routing(token_index, expert_index, weight), record
 
 
@@ -349,9 +354,11 @@ def moe_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
 
 # --- the router's step term (``ModelSpec.step_terms``): auxiliary losses and statistics -----------------------------
 
-def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[torch.Tensor | None, Statistics]:
+def router_losses(model: LlamaForCausalLM, sequences_per_step: int, pooled: GlobalBalance | None = None
+                  ) -> tuple[torch.Tensor | None, Statistics]:
     """The weighted auxiliary losses of the MoE blocks this stage holds, for its last forward (each the micro-batch's
-    share of the step's mean over sequences and MoE layers), and their statistics; none for a dense model."""
+    share of the step's mean over sequences and MoE layers; with ``pooled``, the balance loss's share of the
+    global-batch loss instead), and their statistics; none for a dense model."""
     s = model.config.moe
     if s is None:
         return None, {}
@@ -362,41 +369,50 @@ def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[tor
         block = layer.mlp
         if not isinstance(block, MoEFeedForward) or block.record is None:
             continue
-        record = block.record
-        balance, z = record.balance * scale, record.z * scale
+        record, row = block.record, rows[int(index)]
+        z = record.z * scale
+        balance = record.balance * scale if pooled is None else pooled.loss(record.probabilities, row) / len(rows)
         if s.aux_loss_coef or s.z_loss_coef:
             term = (s.aux_loss_coef * balance + s.z_loss_coef * z) * block.auxiliary_share
             loss = term if loss is None else loss + term
         if not statistics:
-            device = record.balance.device
-            statistics = {"moe_load_balancing_loss": torch.zeros((), device=device),
-                          "moe_z_loss": torch.zeros((), device=device),
-                          "moe_tokens_per_expert": torch.zeros(len(rows), s.num_experts, device=device),
-                          "moe_dropped": torch.zeros(len(rows), device=device)}
-        statistics["moe_load_balancing_loss"] = statistics["moe_load_balancing_loss"] + balance.detach()
+            statistics = {name: torch.zeros(shape, device=record.z.device)
+                          for name, shape in router_statistics_template(model.config).items()}
+        if pooled is None:
+            statistics["moe_load_balancing_loss"] = statistics["moe_load_balancing_loss"] + balance.detach()
+        else:
+            statistics["moe_router_probability"][row] = record.probabilities.detach()
         statistics["moe_z_loss"] = statistics["moe_z_loss"] + z.detach()
-        statistics["moe_tokens_per_expert"][rows[int(index)]] = record.tokens_per_expert
-        statistics["moe_dropped"][rows[int(index)]] = record.dropped
+        statistics["moe_tokens_per_expert"][row] = record.tokens_per_expert
+        statistics["moe_dropped"][row] = record.dropped
     return loss, statistics
 
 
 def router_statistics_template(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The router's statistics; over the global batch, each layer's probability sums per expert replace the
+    balance loss's sums (``moe_router_probability``), from which the metric is computed."""
     s = c.moe
     if s is None:
         return {}
     layers = len(s.layers)
-    return {"moe_load_balancing_loss": (), "moe_z_loss": (), "moe_tokens_per_expert": (layers, s.num_experts),
-            "moe_dropped": (layers,)}
+    balance = {"moe_router_probability": (layers, s.num_experts)} if s.balance_scope == "global_batch" else {
+        "moe_load_balancing_loss": ()}
+    return balance | {"moe_z_loss": (), "moe_tokens_per_expert": (layers, s.num_experts), "moe_dropped": (layers,)}
 
 
 def router_metrics(statistics: Statistics, c: LlamaConfig) -> dict:
-    """Step metrics: the auxiliary losses (unweighted), and the expert load of each MoE layer: its busiest
-    expert's tokens over the mean per expert (1.0 is a perfect balance, E means one expert takes everything)."""
+    """Step metrics: the auxiliary losses (unweighted; over the global batch, the balance loss with the step's
+    shares ``f``), and the expert load of each MoE layer: its busiest expert's tokens over the mean per expert (1.0
+    is a perfect balance, E means one expert takes everything)."""
     if c.moe is None:
         return {}
     tokens = statistics["moe_tokens_per_expert"]
     load = (tokens.max(1).values / tokens.mean(1).clamp(min=1e-9)).tolist()
-    metrics = {"moe_load_balancing_loss": statistics["moe_load_balancing_loss"].item(),
+    if "moe_router_probability" in statistics:
+        balance = balance_from_sums(tokens, statistics["moe_router_probability"], c.moe).mean()
+    else:
+        balance = statistics["moe_load_balancing_loss"]
+    metrics = {"moe_load_balancing_loss": balance.item(),
                "moe_z_loss": statistics["moe_z_loss"].item(),
                "moe_max_expert_load": max(load), "moe_expert_load": load}
     if c.moe.capacity_factor is not None:
@@ -407,17 +423,28 @@ def router_metrics(statistics: Statistics, c: LlamaConfig) -> dict:
 class RouterLosses:
     """A step term (``training/objective.py``) of a mixture of experts, on every pipeline stage: the weighted auxiliary
     losses of the MoE blocks the stage holds (``router_losses``), each micro-batch's share of the step's mean over
-    its ``sequences_per_step`` sequences; their statistics, and the step's metrics (``router_metrics``)."""
+    its ``sequences_per_step`` sequences; their statistics, and the step's metrics (``router_metrics``). Over the
+    global batch, the step's expert counts are pooled (``pooled``, ``pool``) before its first backward
+    (``global_balance.py``)."""
 
     def __init__(self, config: LlamaConfig, sequences_per_step: int):
         self.config, self.sequences_per_step = config, sequences_per_step
+        self.global_balance = GlobalBalance(config.moe) if config.moe.balance_scope == "global_batch" else None
 
     def template(self) -> dict[str, tuple[int, ...]]:
         return router_statistics_template(self.config)
 
     def compute(self, stage, batch) -> tuple[torch.Tensor | None, Statistics]:
         """``stage``: the stage's ``StageOutputs`` (its module's blocks hold their last forward's records)."""
-        return router_losses(stage.module, self.sequences_per_step)
+        return router_losses(stage.module, self.sequences_per_step, self.global_balance)
+
+    def pooled(self) -> dict[str, tuple[int, ...]]:
+        if self.global_balance is None:
+            return {}
+        return {"moe_tokens_per_expert": router_statistics_template(self.config)["moe_tokens_per_expert"]}
+
+    def pool(self, sums: Statistics) -> None:
+        self.global_balance.pool(sums["moe_tokens_per_expert"])
 
     def metrics(self, sums: Statistics) -> dict:
         return router_metrics(sums, self.config)
