@@ -16,7 +16,7 @@ import torch
 from support.configs import DOMAINS, DOREMI_STEPS, doremi_config, write_config
 from support.corpus import write_corpus
 from support.distributed import run_distributed, run_distributed_each
-from support.runs import Outcome, assert_user_error, cli, python_process
+from support.runs import Outcome, assert_user_error, cli, python_process, train_on_ranks
 
 STEPS = DOREMI_STEPS
 
@@ -103,6 +103,50 @@ def test_the_weight_trajectory_is_the_same_at_any_split(proxies, layout):
         assert b == pytest.approx(a, abs=1e-6), (layout, step)
     for a, b in zip(proxies["one"]["metrics"], proxies[layout]["metrics"], strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], abs=1e-4), layout
+
+
+def _four_layers(config: dict) -> dict:
+    """``config`` with four untied decoder layers: one per model chunk at pp 2 x 2 chunks, ZBV's V included."""
+    config["model"]["model_config"] |= {"num_hidden_layers": 4, "tie_word_embeddings": False}
+    return config
+
+
+@pytest.fixture(scope="module")
+def four_layer_proxy(tiny_data, doremi_domains, tmp_path_factory) -> dict:
+    """A reference and a proxy of four layers, the proxy trained by one process."""
+    root = tmp_path_factory.mktemp("four_layers")
+    train_on_ranks(_four_layers(doremi_config(tiny_data, doremi_domains, root / "reference", steps=12)), 1)
+    config = _four_layers(doremi_config(tiny_data, doremi_domains, root / "one", reference=root / "reference"))
+    return {"reference": root / "reference", "one": run_distributed(_proxy, 1, config=config)[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [
+    "zbv", pytest.param("interleaved_1f1b", marks=pytest.mark.full_tier),
+    pytest.param("zb_h1", marks=pytest.mark.full_tier)])
+def test_the_weight_trajectory_is_the_same_under_the_chunked_schedules(four_layer_proxy, tiny_data, doremi_domains,
+                                                                        tmp_path, engine):
+    """The reference runs through the proxy's chunks (under ZBV its LM head is on stage 0), and the excess losses
+    reach the step's statistics from the stage of the head: the same domain weights and losses as one process."""
+    config = _four_layers(doremi_config(tiny_data, doremi_domains, tmp_path / "run", pp=2,
+                                        reference=four_layer_proxy["reference"]))
+    config["parallelism"] |= {"pp_engine": engine, "virtual_pipeline_size": 1 if engine == "zb_h1" else 2}
+    got, expected = run_distributed(_proxy, 2, config=config)[0], four_layer_proxy["one"]
+    for step, (a, b) in enumerate(zip(_trajectory(expected), _trajectory(got), strict=True), 1):
+        assert b == pytest.approx(a, abs=1e-6), (engine, step)
+    for a, b in zip(expected["metrics"], got["metrics"], strict=True):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5), (engine, a["step"])
+        assert b["domain_losses"] == pytest.approx(a["domain_losses"], rel=1e-5), (engine, a["step"])
+
+
+def test_a_reference_with_fewer_layers_than_the_proxys_model_chunks_is_refused(tiny_data, doremi_domains,
+                                                                              doremi_reference, tmp_path):
+    """The reference runs split as the proxy is, one decoder layer at least per model chunk."""
+    config = _four_layers(doremi_config(tiny_data, doremi_domains, tmp_path / "run", pp=2, reference=doremi_reference))
+    config["parallelism"] |= {"pp_engine": "interleaved_1f1b", "virtual_pipeline_size": 2}
+    outcome = cli("doremi", "train", "--config-file", write_config(tmp_path / "proxy.yaml", config))
+    assert_user_error(outcome, "has 2 decoder layers", "parallelism.pp x virtual_pipeline_size (2 x 2)",
+                      "lower pp or virtual_pipeline_size")
 
 
 @pytest.mark.slow

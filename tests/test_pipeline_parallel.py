@@ -4,6 +4,7 @@ an inner stage's auxiliary loss and every stage's statistics, and rotary tables 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -253,10 +254,14 @@ def test_an_inner_stage_adds_its_auxiliary_loss_and_every_stage_gets_the_statist
 
 
 class _Clock:
-    """A stand-in for a CUDA event: a time in milliseconds."""
+    """A stand-in for a CUDA event: a time in milliseconds, which ``record`` reads from ``now`` (the wall clock by
+    default)."""
 
-    def __init__(self, ms: float):
-        self.ms = ms
+    def __init__(self, ms: float = 0.0, now=lambda: time.perf_counter() * 1e3):
+        self.ms, self.now = ms, now
+
+    def record(self) -> None:
+        self.ms = self.now()
 
     def elapsed_time(self, end: _Clock) -> float:
         return end.ms - self.ms
@@ -275,3 +280,63 @@ def test_the_idle_share_is_the_time_between_actions_and_the_step_log_averages_it
     sums = {IDLE_SHARE: torch.tensor([0.8, 0.2, 0.0]), IDLE_RANKS: torch.tensor([2.0, 1.0, 0.0])}
     assert schedule.metrics(sums) == {IDLE_SHARE: pytest.approx([0.4, 0.2, 0.0])}
     assert schedule.metrics({IDLE_SHARE: torch.zeros(3), IDLE_RANKS: torch.zeros(3)}) == {}
+
+
+def test_idle_times_give_a_stage_its_share_of_the_step_two_steps_back_and_keep_no_older_step():
+    """Events are read two steps after they were recorded (a GPU has run them by then), in the stage's slot; the
+    step's start mark (a pair of no length) makes the wait before the first action idle time."""
+    from nanotron.parallel.pipeline_parallel import IDLE_RANKS, IDLE_SHARE, IdleTimes
+
+    clock = [0.0]
+    idle = IdleTimes(event=lambda: _Clock(now=lambda: clock[0]))
+    for step, actions in ((1, [(2, 4), (5, 7), (8, 10)]), (2, [(0, 5), (5, 10)]), (3, [(1, 2)])):
+        clock[0] = 0.0
+        idle.mark_start(step)
+        for start, end in actions:
+            first, last = idle.around(step)
+            clock[0] = start
+            first.record()
+            clock[0] = end
+            last.record()
+
+    def read(step: int) -> tuple[list[float], list[float]]:
+        statistics = idle.statistics(step, stage=1, stages=3, device=torch.device("cpu"))
+        return statistics[IDLE_SHARE].tolist(), statistics[IDLE_RANKS].tolist()
+
+    assert read(2) == ([0.0] * 3, [0.0] * 3)  # nothing two steps back yet
+    assert read(3) == (pytest.approx([0.0, 0.4, 0.0]), [0.0, 1.0, 0.0])  # busy 6 of 10: 2 before the first action
+    assert sorted(idle.steps) == [2, 3]
+    assert read(4) == ([0.0] * 3, [0.0, 1.0, 0.0])  # step 2 never idled
+    assert read(6) == ([0.0] * 3, [0.0] * 3) and idle.steps == {}  # step 4 was not measured; step 3 is dropped
+
+
+def _idle_behind_a_slow_stage() -> list[float]:
+    """1F1B at pp 2 over 4 micro-batches where the last stage's forward sleeps 50 ms: the first stage waits for every
+    gradient. Each stage's idle share of step 3 (read at step 5: the first steps start as each process comes up), its
+    actions timed on the wall clock."""
+    from nanotron.layout import Axis, Layout
+    from nanotron.parallel.context import ParallelContext
+    from nanotron.parallel.pipeline_parallel import IDLE_SHARE, P2P, Chunk, IdleTimes, PipelineSchedule, StageOutput
+
+    pc = ParallelContext(Layout(pp=2))
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    micro_batches = [{"x": torch.randn(2, 4, 8)} for _ in range(4)]
+
+    def forward(micro_batch, hidden):
+        if hidden is None:
+            return StageOutput(micro_batch["x"] + micro_batch["x"] @ weight)
+        time.sleep(0.05)
+        loss = (hidden @ weight).square().mean()
+        return StageOutput(None, {}, (loss,))
+
+    schedule = PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), [Chunk(forward)], lambda: None)
+    schedule.idle = IdleTimes(event=_Clock)
+    statistics = [schedule.run(micro_batches, step) for step in range(1, 6)]
+    return statistics[-1][IDLE_SHARE][pc.coord(Axis.PP)].item()
+
+
+def test_a_stage_waiting_for_its_neighbour_measures_the_wait_as_idle():
+    """The wait for a message is idle time, not part of the action that needs it: the first stage, which computes
+    almost nothing and waits 50 ms for each gradient, idles most of its step; the slow stage hardly at all."""
+    first, last = run_distributed(_idle_behind_a_slow_stage, 2)
+    assert first > 0.5 and last < first, (first, last)

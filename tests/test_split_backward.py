@@ -191,7 +191,7 @@ def _zero_bubble_pipeline(pp: int, engine: str) -> dict:
     chunk = {(1, 0): Chunk(second, [w0, w1]), (2, 0): Chunk(first, [w0]), (2, 1): Chunk(second, [w1])}
     chunks = [chunk[pp, pc.coord(Axis.PP)]]
     act = pipeline_parallel._StepRun.act
-    pipeline_parallel._StepRun.act = lambda run, action: (log.append(str(action)), act(run, action))
+    pipeline_parallel._StepRun.act = lambda run, *args: (log.append(str(args[0])), act(run, *args))
     try:
         PipelineSchedule(pc, P2P(pc, (2, 4, 8), torch.float32, 60.0), chunks, lambda: None).run(micro_batches, 1)
     finally:

@@ -78,10 +78,15 @@ def first_step_then_train(config: dict) -> dict:
     moves besides the weights: DeepSeek-V3's balancing bias). The process group stays for the next call of the same
     spawn."""
     from nanotron.config import config_from_dict
-    from nanotron.parallel.placement import logical_buffers
     from nanotron.trainer import Trainer
 
-    trainer = Trainer(config_from_dict(config))
+    return first_step_then_train_on(Trainer(config_from_dict(config)))
+
+
+def first_step_then_train_on(trainer) -> dict:
+    """``first_step_then_train`` with a trainer already built (a test may watch its model first)."""
+    from nanotron.parallel.placement import logical_buffers
+
     loss, grads = first_step_gradients(trainer)
     trainer.buckets.zero()
     trainer.train()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nanotron.checkpoint.integrity import read_metadata
+from nanotron.checkpoint.manager import checkpoint_model
 from nanotron.checkpoint.run_folder import resolve_checkpoint
 from nanotron.config import Config, ConfigError, DatasetArgs, DatasetStageArgs, DoReMiArgs, HFDatasetArgs, load_config
 from nanotron.data.batch import MicroBatch
@@ -50,7 +51,8 @@ from nanotron.training.objective import StageOutputs, per_domain_sums
 
 
 def reference_checkpoint(config: Config) -> Path:
-    """The reference model's checkpoint, checked before anything is allocated: present and of the same vocabulary."""
+    """The reference model's checkpoint, checked before anything is allocated: present, of the same vocabulary, and
+    with a decoder layer for each of the proxy's model chunks."""
     if config.doremi is None or config.doremi.ref_model_resume_checkpoint_path is None:
         raise ConfigError("doremi.ref_model_resume_checkpoint_path is not set; point it at the reference model "
                           "trained with examples/doremi/train_reference.py")
@@ -62,18 +64,36 @@ def reference_checkpoint(config: Config) -> Path:
         raise ConfigError(f"doremi.ref_model_resume_checkpoint_path {path} does not exist; train the reference "
                           "first (examples/doremi/train_reference.py) or fix the path")
     checkpoint = resolve_checkpoint(path)
-    model = read_metadata(checkpoint)["model"]
+    metadata = read_metadata(checkpoint)
+    model = metadata["model"]
     proxy = config.model.model_config
     if model["vocab_size"] != proxy.vocab_size:
         raise ConfigError(f"the reference {checkpoint} has a vocabulary of {model['vocab_size']} but "
                           f"model.model_config.vocab_size is {proxy.vocab_size}: reference and proxy must share a "
                           "tokenizer")
+    problem = _reference_chunk_problem(config, checkpoint, metadata)
+    if problem is not None:
+        raise ConfigError(problem)
     if proxy.document_masking and not _masks_documents(spec_named(model["type"], checkpoint)):
         raise ConfigError(f"model.model_config._use_doc_masking is true, but the reference {checkpoint} is a "
                           f"{model['type']} model, which cannot keep each document apart: its losses would not be "
                           "those of the documents the proxy reads; train an attention-family reference, or set "
                           "_use_doc_masking: false")
     return checkpoint
+
+
+def _reference_chunk_problem(config: Config, checkpoint: Path, metadata: dict) -> str | None:
+    """The reference is split into the proxy's pipeline chunks (``load_model`` at the run's layout): it needs a
+    decoder layer per chunk."""
+    p = config.parallelism
+    chunks = p.pp * p.virtual_pipeline_size
+    _, reference = checkpoint_model(checkpoint, metadata)
+    if reference.num_hidden_layers >= chunks:
+        return None
+    return (f"the reference {checkpoint} has {reference.num_hidden_layers} decoder layers, fewer than the proxy's "
+            f"parallelism.pp x virtual_pipeline_size ({p.pp} x {p.virtual_pipeline_size}) model chunks, over which "
+            f"it runs as the proxy does; lower pp or virtual_pipeline_size, or train a reference of at least {chunks} "
+            "layers")
 
 
 def _masks_documents(spec: ModelSpec) -> bool:

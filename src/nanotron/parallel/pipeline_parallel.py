@@ -24,9 +24,10 @@ the activations) and named statistics, which the schedule sums over the step's m
 With one stage and one chunk every schedule is plain gradient accumulation, one micro-batch at a time. A stage frees
 each activation it has sent once the send is done; the autograd graph behind it stays until its backward.
 
-On GPUs each stage measures the share of the step its device idles between actions (``IdleTimes``, CUDA events
-around every action), which the step's statistics carry per stage (``IDLE_SHARE``, measured two steps earlier, when
-its events are done: reading them sooner would wait for the GPU).
+On GPUs each stage measures the share of the step its device idles (``IdleTimes``): CUDA events mark the step's start
+and, around every action, the moment its inputs have arrived and the end of its computation, so that waiting for a
+neighbouring stage counts as idle. The step's statistics carry the share per stage (``IDLE_SHARE``, measured two
+steps earlier, when its events are done: reading them sooner would wait for the GPU).
 """
 
 from __future__ import annotations
@@ -201,17 +202,28 @@ GRADIENT_OPS = (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 IDLE_SHARE, IDLE_RANKS = "pipeline_idle_share", "pipeline_idle_ranks"  # per stage: summed shares, ranks measured
 
 
-class IdleTimes:
-    """CUDA events around every action of a step on this stage, kept until they are read (two steps later)."""
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
-    def __init__(self):
+
+class IdleTimes:
+    """Events around every action of a step on this stage, kept until they are read (two steps later): CUDA events
+    by default; ``event`` makes any other (anything with ``record()`` and ``elapsed_time(end)`` in milliseconds)."""
+
+    def __init__(self, event: Callable[[], torch.cuda.Event] = _timing_event):
+        self.event = event
         self.steps: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
 
     def around(self, step: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """A (start, end) pair of events to record around one action of ``step``."""
-        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        pair = (self.event(), self.event())
         self.steps.setdefault(step, []).append(pair)
         return pair
+
+    def mark_start(self, step: int) -> None:
+        """Record the start of ``step`` on this stage (a pair of no length), before its first action waits."""
+        for event in self.around(step):
+            event.record()
 
     def statistics(self, step: int, stage: int, stages: int, device: torch.device) -> Statistics:
         """This stage's idle share of step ``step - 2`` in its slot (none measured yet: zeros), and how many ranks
@@ -226,8 +238,8 @@ class IdleTimes:
 
 
 def idle_share(pairs: Sequence[tuple]) -> float:
-    """The share of the time from the first action's start to the last's end spent between actions, from (start,
-    end) event pairs in order (anything with ``elapsed_time``)."""
+    """The share of the time from the first pair's start to the last's end spent outside the pairs, from (start, end)
+    event pairs in order (anything with ``elapsed_time``)."""
     total = pairs[0][0].elapsed_time(pairs[-1][1])
     busy = sum(start.elapsed_time(end) for start, end in pairs)
     return max(0.0, 1.0 - busy / total) if total > 0 else 0.0
@@ -272,17 +284,20 @@ class PipelineSchedule:
         run = _StepRun(self, micro_batches, Mailbox(self.p2p, timeline))
         start_reducing = _first_final_gradient(actions, len(micro_batches))
         first_gradient = next(i for i, action in enumerate(actions) if action.op in GRADIENT_OPS)
+        if self.idle is not None:
+            self.idle.mark_start(step)
         for index, action in enumerate(actions):
             if index == first_gradient:
                 self.before_first_backward(run.statistics)
             if index == start_reducing:
                 self.before_last_backward()
+            received = run.receive(action)
             if self.idle is None:
-                run.act(action)
+                run.act(action, received)
             else:
                 start, end = self.idle.around(step)
                 start.record()
-                run.act(action)
+                run.act(action, received)
                 end.record()
         run.mailbox.finish()
         if self.idle is not None:
@@ -309,13 +324,25 @@ class _StepRun:
         self.held: dict[tuple[int, int], tuple[torch.Tensor | None, StageOutput]] = {}
         self.deferred: dict[tuple[int, int], DeferredWeightGradients] = {}
 
-    def act(self, action: Action) -> None:
+    def receive(self, action: Action) -> torch.Tensor | None:
+        """What ``action`` takes from a neighbouring chunk, waited for: the activations of the chunk before (a
+        forward) or the gradient of the chunk after (a backward); None for the first chunk's forward, the last
+        chunk's backward and the weights' half."""
+        chunk, index = action.chunk, action.micro_batch
+        if action.op == Op.FORWARD and chunk > 0:
+            return self._take(Message(True, chunk - 1, index))
+        if action.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and chunk < self.last:
+            return self._take(Message(False, chunk + 1, index))
+        return None
+
+    def act(self, action: Action, received: torch.Tensor | None) -> None:
+        """Run ``action`` on what it ``received`` (``receive``)."""
         if action.op == Op.FORWARD:
-            self.forward(action.chunk, action.micro_batch)
+            self.forward(action.chunk, action.micro_batch, received)
         elif action.op == Op.BACKWARD_WEIGHT:
             self.deferred.pop((action.chunk, action.micro_batch)).run()
         else:
-            self.backward(action.chunk, action.micro_batch, split=action.op == Op.BACKWARD_INPUT)
+            self.backward(action.chunk, action.micro_batch, received, split=action.op == Op.BACKWARD_INPUT)
 
     def _take(self, message: Message) -> torch.Tensor:
         if self.pipeline.stage_of(message.chunk) == self.stage:
@@ -328,19 +355,17 @@ class _StepRun:
         else:
             self.mailbox.send(message, tensor, free)
 
-    def forward(self, chunk: int, index: int) -> None:
-        x = None
-        if chunk > 0:
-            x = self._take(Message(True, chunk - 1, index)).detach().requires_grad_()
+    def forward(self, chunk: int, index: int, activations: torch.Tensor | None) -> None:
+        x = None if activations is None else activations.detach().requires_grad_()
         y = self.chunks[chunk].forward(self.micro_batches[index], x)
         accumulate(self.statistics, y.statistics)
         if chunk < self.last:
             self._give(Message(True, chunk, index), y.output, free=True)
         self.held[chunk, index] = (x, y)
 
-    def backward(self, chunk: int, index: int, split: bool) -> None:
+    def backward(self, chunk: int, index: int, gradient: torch.Tensor | None, split: bool) -> None:
         x, y = self.held.pop((chunk, index))
-        roots, grads = ([], []) if y.output is None else ([y.output], [self._take(Message(False, chunk + 1, index))])
+        roots, grads = ([], []) if y.output is None else ([y.output], [gradient])
         roots, grads = roots + list(y.losses), grads + [None] * len(y.losses)
         if split:
             self.deferred[chunk, index] = backward_input(roots, grads, x, self.chunks[chunk].weights)
