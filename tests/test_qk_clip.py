@@ -30,17 +30,24 @@ def _masks(sequence: int, documents: torch.Tensor) -> AttentionMasks:
     return AttentionMasks.of_sequence(sequence, torch.device("cpu"), documents=documents)
 
 
+def _mask_case() -> tuple[torch.Tensor, ...]:
+    """q [2, 4, 10, 8] and k [2, 2, 10, 8], two documents per row, and the causal, same-document and 3-position
+    window rules, [batch | 1, queries, keys]."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 10, 8) * 3, torch.randn(2, 2, 10, 8) * 3
+    documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    causal = torch.ones(10, 10).tril().bool()[None]
+    inside = documents[:, :, None] == documents[:, None, :]
+    window = causal & (torch.arange(10)[None, :] > torch.arange(10)[:, None] - 3)
+    return q, k, documents, causal, inside, window
+
+
 def test_max_logits_reads_every_mask_form_as_the_dense_rule(monkeypatch):
     """Plain causal (None), the dense mask with documents and a window, FA4's mask of runs and of documents: the
     chunked maximum (chunks of 3 queries) is the dense one under the same rule."""
     monkeypatch.setattr("nanotron.nn.max_logits.CHUNK_ELEMENTS", 2 * 4 * 3 * 10)
-    torch.manual_seed(0)
-    q, k = torch.randn(2, 4, 10, 8) * 3, torch.randn(2, 2, 10, 8) * 3
-    documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 7 + [1] * 3])
+    q, k, documents, causal, inside, window = _mask_case()
     masks = _masks(10, documents)
-    causal = torch.ones(10, 10).tril().bool()[None]
-    inside = documents[:, :, None] == documents[:, None, :]
-    window = causal & (torch.arange(10)[None, :] > torch.arange(10)[:, None] - 3)
     cases = [(None, causal), (masks.dense(None), causal & inside), (masks.dense(3), window & inside),
              (FlashMask(3, query_runs=((0, 10),)), window),
              (FlashMask(None, cu_seqlens=document_boundaries(documents)), causal & inside)]
@@ -56,6 +63,14 @@ def _llama_attention(kv_heads: int) -> LlamaAttention:
 def _latent_attention() -> LatentAttention:
     return LatentAttention(DeepseekV3Config(hidden_size=32, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=8,
                                             qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8))
+
+
+@pytest.mark.full_tier
+def test_max_logits_reads_a_flex_block_mask_as_the_dense_rule():
+    """CUDA's form of windows and documents (building one on the CPU takes seconds: full tier)."""
+    q, k, documents, _, inside, window = _mask_case()
+    mask = _masks(10, documents).block_mask(3)
+    torch.testing.assert_close(max_logits(q, k, mask), _dense_max_logits(q, k, window & inside), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("build, rotary_dim, shared_keys", [
@@ -111,13 +126,24 @@ STEPS = 10
 THRESHOLD = 11.0
 
 
-def qk_clip_config(tiny_data, folder, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-                   kv_heads: int = 4) -> dict:
-    """The Muon runs' 16-sequence global batch at every layout, 10 steps, QK-clip at ``THRESHOLD``."""
-    config = tiny_config_dict(tiny_data, folder, parallelism={"dp": dp, "tp": tp, "pp": pp},
+# DeepSeek-V3's latent attention, 2 layers (the second with experts), no YaRN
+LATENT = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64, "tie_word_embeddings": True,
+          "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 16,
+          "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+
+
+def qk_clip_config(tiny_data, folder, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
+                   kv_heads: int = 4, latent: bool = False) -> dict:
+    """The Muon runs' 16-sequence global batch at every layout, 10 steps, QK-clip at ``THRESHOLD``; the tiny Llama
+    with ``kv_heads``, or (``latent``) a tiny DeepSeek-V3."""
+    config = tiny_config_dict(tiny_data, folder, parallelism={"dp": dp, "tp": tp, "pp": pp,
+                                                              "context_parallel_size": cp},
                               tokens={"micro_batch_size": 4, "batch_accumulation_per_replica": 4 // dp,
                                       "train_steps": STEPS})
-    config["model"]["model_config"] |= {"num_key_value_heads": kv_heads}
+    config["model"]["model_config"] = dict(LATENT) if latent else config["model"]["model_config"] | {
+        "num_key_value_heads": kv_heads}
     config["model"]["init_method"] = {"std": 0.2}
     config["optimizer"] |= {"name": "muon", "zero_stage": zero, "muon_qk_clip_threshold": THRESHOLD}
     config["checkpoints"] |= {"save_final_state": False}
@@ -137,8 +163,8 @@ def _train(config: dict) -> dict:
     return {"metrics": trainer_metrics(trainer), "weights": weights, "clipped": int(trainer.optimizer.qk_clip.clipped)}
 
 
-def _reference(tiny_data, folder, kv_heads: int) -> dict:
-    (result,) = run_distributed(_train, 1, timeout=600, config=qk_clip_config(tiny_data, folder, kv_heads=kv_heads))
+def _reference(tiny_data, folder, **model) -> dict:
+    (result,) = run_distributed(_train, 1, timeout=600, config=qk_clip_config(tiny_data, folder, **model))
     assert_reference_trains(result["metrics"], STEPS)
     head_steps = 2 * 4 * STEPS  # layers x heads x steps
     assert 0 < result["clipped"] < head_steps, f"{result['clipped']} of {head_steps} head-steps clipped"
@@ -155,10 +181,14 @@ def gqa_reference(tiny_data, tmp_path_factory):
     return _reference(tiny_data, tmp_path_factory.mktemp("gqa") / "run", kv_heads=2)
 
 
-def _matches_reference(reference: dict, tiny_data, folder, layout: dict, kv_heads: int) -> None:
-    ranks = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
-    results = run_distributed(_train, ranks, timeout=600,
-                              config=qk_clip_config(tiny_data, folder, kv_heads=kv_heads, **layout))
+@pytest.fixture(scope="module")
+def latent_reference(tiny_data, tmp_path_factory):
+    return _reference(tiny_data, tmp_path_factory.mktemp("latent") / "run", latent=True)
+
+
+def _matches_reference(reference: dict, tiny_data, folder, layout: dict, **model) -> None:
+    ranks = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
+    results = run_distributed(_train, ranks, timeout=600, config=qk_clip_config(tiny_data, folder, **model, **layout))
     assert_matches_reference(reference, results, layout)
 
 
@@ -169,7 +199,7 @@ def test_qk_clip_at_dp2_tp2_zero1_matches_one_process(mha_reference, tiny_data, 
 
 
 @pytest.mark.full_tier
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"pp": 2}],
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2, "zero": 1}, {"dp": 2, "zero": 3}, {"pp": 2}, {"cp": 2}],
                          ids=lambda layout: "-".join(f"{key}{value}" for key, value in layout.items()))
 def test_qk_clip_of_multi_head_attention_at_a_layout_matches_one_process(mha_reference, tiny_data, tmp_path, layout):
     _matches_reference(mha_reference, tiny_data, tmp_path / "run", layout, kv_heads=4)
@@ -181,6 +211,11 @@ def test_qk_clip_of_multi_head_attention_at_a_layout_matches_one_process(mha_ref
 def test_qk_clip_of_grouped_query_attention_at_a_layout_matches_one_process(gqa_reference, tiny_data, tmp_path,
                                                                             layout):
     _matches_reference(gqa_reference, tiny_data, tmp_path / "run", layout, kv_heads=2)
+
+
+@pytest.mark.full_tier
+def test_qk_clip_of_latent_attention_at_tp2_matches_one_process(latent_reference, tiny_data, tmp_path):
+    _matches_reference(latent_reference, tiny_data, tmp_path / "run", {"tp": 2}, latent=True)
 
 
 # --- refusals --------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from nanotron.nn.attention import AttentionCore, BlockMask, allowed
 from nanotron.nn.flash_attention import FlashMask
 
-CHUNK_ELEMENTS = 2**26  # logits held at once (256 MiB in fp32)
+CHUNK_ELEMENTS = 2**26  # products held at once (128 MiB in bf16, with the chunk's boolean mask 192 MiB)
 
 
 def _allowed_rows(mask, rows: slice, queries: int, keys: int, device: torch.device) -> torch.Tensor | None:
@@ -67,11 +67,11 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, mask) -> torch.Tensor:
     for start in range(0, queries, step):
         rows = slice(start, min(start + step, queries))
         seen = keys if mask is not None else min(keys, rows.stop)  # plain causal: no key after the chunk's last query
-        logits = (grouped[:, :, :, rows] @ keys_t[..., :seen]).float() * head_dim**-0.5
+        logits = grouped[:, :, :, rows] @ keys_t[..., :seen]
         allow = _allowed_rows(mask, rows, queries, keys, q.device)[..., :seen]
-        logits = logits.masked_fill(~allow[:, None, None], float("-inf"))
-        best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).reshape(heads))
-    return best
+        logits.masked_fill_(~allow[:, None, None], float("-inf"))
+        best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).float().reshape(heads))
+    return best * head_dim**-0.5  # the softmax's scale, positive: the largest logit is the largest product scaled
 
 
 class LogitMaxima(AttentionCore):
