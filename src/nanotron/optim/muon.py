@@ -114,6 +114,10 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
             self._scale_rows(self.qk_clip.row_factors())
         self.buckets.all_gather_params()
 
+    def metrics(self) -> dict:
+        """QK-clip's fields where it is on (``QKClip.metrics``)."""
+        return self.qk_clip.metrics() if self.qk_clip is not None else {}
+
     def _scale_rows(self, factors: dict[str, torch.Tensor]) -> None:
         """Multiply the masters (and weights) of the parameters ``factors`` names, row by row (a factor per row of
         the parameter's local shape), in this rank's shard."""

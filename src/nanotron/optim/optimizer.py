@@ -107,6 +107,10 @@ class MixedPrecisionAdamW:
             else:
                 self.master_state[index].copy_(bucket.shard_params)
 
+    def metrics(self) -> dict:
+        """metrics.jsonl fields of the step just taken (every rank calls it: a collective where one is needed)."""
+        return {}
+
     def master(self, index: int) -> torch.Tensor:
         """The fp32 masters of bucket ``index``'s shard (a new tensor where they are held as remainders)."""
         if self.remainders[index]:

@@ -25,8 +25,10 @@ no update and leaves its maxima to count towards the next step's.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from nanotron.layout import Group
 from nanotron.models.deepseek_v3.model import LatentAttention
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.placement import get_placement
@@ -86,19 +88,31 @@ class QKClip:
         config = model.config
         self.shared_keys = config.num_key_value_heads != config.num_attention_heads
         self.blocks = [layer.attn for layer in model.layers.values()]
-        self.clipped: torch.Tensor | int = 0  # clips so far of the heads this rank holds (a head clipped twice: 2)
+        self.step_maxima: torch.Tensor | None = None  # the last step's, over the replicas
 
     def row_factors(self) -> dict[str, torch.Tensor]:
         """Per logical parameter name (q|k|v weights and biases of this rank), the factor of each of its local rows;
-        a collective over the data- and context-parallel replicas, which starts every core's record afresh."""
+        a collective over the data-, context- and expert-parallel replicas, which starts every core's record
+        afresh."""
         heads = [local_heads(block) for block in self.blocks]
         maxima = torch.cat([block.core.take(count, self.pc.device) for block, count in zip(self.blocks, heads)])
-        maxima = max_over_replicas(maxima, self.pc)
+        self.step_maxima = maxima = max_over_replicas(maxima, self.pc)
         gamma = head_factors(maxima, self.threshold)
-        self.clipped = self.clipped + (gamma < 1).sum()  # a tensor: no wait for the device
         factors = {}
         for block, block_gamma in zip(self.blocks, gamma.split(heads)):
             for param, rows in block_row_factors(block, block_gamma, self.shared_keys).items():
                 factors[get_placement(param).name] = rows
         return factors
+
+    def metrics(self) -> dict:
+        """metrics.jsonl fields of the step just taken: ``qk_clip_max_logit``, the largest logit of any head (before
+        the clip), and ``qk_clip_heads``, the heads clipped; a collective over every rank, which waits for the step."""
+        largest = self.step_maxima.max().reshape(1)
+        clipped = (self.step_maxima > self.threshold).sum().reshape(1)
+        if self.pc.world_size > 1:
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(clipped)
+        # every data-, context- and expert-parallel replica holds the same heads and counted them
+        return {"qk_clip_max_logit": largest.item(),
+                "qk_clip_heads": clipped.item() // self.pc.size(Group.DENSE_REPLICAS)}
 
