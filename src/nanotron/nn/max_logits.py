@@ -77,15 +77,15 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, mask) -> torch.Tensor:
 class LogitMaxima(AttentionCore):
     """An attention core that records, while gradients are on (training's forwards, not evaluations'), the largest
     logit of each of its heads (``maximum``, fp32 [local heads]) over the forwards since the last ``take``, then
-    runs the core it wraps. ``keys(k)`` of the wrapped core are the keys the queries attend to."""
+    runs the core it wraps. ``keys(k)`` of the wrapped core are the keys the queries attend to. ``compiled``: the
+    layer is compiled, and the record runs eagerly inside it (a loop over chunks; under context parallelism a
+    collective); excluded only then, since excluding imports dynamo (seconds)."""
 
-    def __init__(self, core: AttentionCore):
+    def __init__(self, core: AttentionCore, compiled: bool = False):
         super().__init__()
         self.core = core
         self.maximum: torch.Tensor | None = None
-        # Eager inside a compiled layer (a loop over chunks; under context parallelism a collective), excluded here
-        # rather than by a decorator, which would import dynamo in every process importing this module.
-        self.record = torch.compiler.disable(self._record)
+        self.record = torch.compiler.disable(self._record) if compiled else self._record
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
         if torch.is_grad_enabled():
@@ -103,9 +103,10 @@ class LogitMaxima(AttentionCore):
         return maximum
 
 
-def record_max_logits(model: torch.nn.Module) -> None:
-    """Wrap every attention core of ``model`` in a ``LogitMaxima`` (a module converter: no parameters change)."""
+def record_max_logits(model: torch.nn.Module, compiled: bool = False) -> None:
+    """Wrap every attention core of ``model`` in a ``LogitMaxima`` (a module converter: no parameters change);
+    ``compiled``: the model's layers will be compiled."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, AttentionCore) and not isinstance(child, LogitMaxima):
-                setattr(module, name, LogitMaxima(child))
+                setattr(module, name, LogitMaxima(child, compiled))

@@ -6,6 +6,7 @@ schedule, the summary logged before the first step and the profiler. The model a
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -194,7 +195,7 @@ def trained_model(config: Config, pc: ParallelContext, converters: Sequence[Modu
     sharded = config.optimizer.zero_stage == 3
     threshold = config.optimizer.muon_qk_clip_threshold
     if threshold is not None:
-        converters = (*converters, record_max_logits)
+        converters = (*converters, functools.partial(record_max_logits, compiled=options.compile))
     model = build_model(model_config, pc, options, converters, initialize=not sharded)
     shards = pc.shard_groups
     buckets, optimizer = build_optimizer(
