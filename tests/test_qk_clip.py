@@ -230,6 +230,15 @@ def test_qk_clip_of_grouped_query_attention_at_a_layout_matches_one_process(gqa_
 
 
 @pytest.mark.full_tier
+def test_qk_clip_in_compiled_recomputed_layers_matches_eager_ones(mha_reference, tiny_data, tmp_path):
+    """The record runs eagerly inside compiled layers, and once more (to the same maxima) when they recompute."""
+    config = qk_clip_config(tiny_data, tmp_path / "run")
+    config["model"]["compile"], config["parallelism"]["recompute"] = True, "selective"
+    results = run_distributed(_train, 1, timeout=900, config=config)
+    assert_matches_reference(mha_reference, results, "compiled, selective recompute")
+
+
+@pytest.mark.full_tier
 def test_qk_clip_of_latent_attention_at_tp2_matches_one_process(latent_reference, tiny_data, tmp_path):
     _matches_reference(latent_reference, tiny_data, tmp_path / "run", {"tp": 2}, latent=True)
 

@@ -22,9 +22,8 @@ from nanotron.nn.flash_attention import FlashMask
 CHUNK_ELEMENTS = 2**26  # products held at once (128 MiB in bf16, with the chunk's boolean mask 192 MiB)
 
 
-def _allowed_rows(mask, rows: slice, queries: int, keys: int, device: torch.device) -> torch.Tensor | None:
-    """Which keys the queries of ``rows`` may see, [batch | 1, rows, keys]; None: all of ``keys`` (the caller's
-    causal cut)."""
+def _allowed_rows(mask, rows: slice, batch: int, queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """Which keys the queries of ``rows`` may see, [batch | 1, rows, keys]."""
     query_index = torch.arange(queries, device=device)[rows]
     key_index = torch.arange(keys, device=device)
     if mask is None:
@@ -32,21 +31,20 @@ def _allowed_rows(mask, rows: slice, queries: int, keys: int, device: torch.devi
     if isinstance(mask, torch.Tensor):
         return mask[:, 0, rows]
     if BlockMask is not None and isinstance(mask, BlockMask):
-        batch = torch.arange(mask.kv_num_blocks.shape[0], device=device)[:, None, None]
-        return mask.mask_mod(batch, 0, query_index[None, :, None], key_index[None, None, :])
+        rows_of = torch.arange(batch, device=device)[:, None, None]
+        return mask.mask_mod(rows_of, 0, query_index[None, :, None], key_index[None, None, :])
     if isinstance(mask, FlashMask):
-        return _flash_rows(mask, rows, queries, keys, device)
+        return _flash_rows(mask, rows, batch, keys, device)
     raise TypeError(f"no rule for an attention mask of type {type(mask).__name__}")
 
 
-def _flash_rows(mask: FlashMask, rows: slice, queries: int, keys: int, device: torch.device) -> torch.Tensor:
+def _flash_rows(mask: FlashMask, rows: slice, batch: int, keys: int, device: torch.device) -> torch.Tensor:
     """A ``FlashMask`` as the rule: queries at the positions of ``query_runs`` over keys ``0, 1, ...``, or, with
     ``cu_seqlens``, whole sequences whose documents (runs of the rows laid end to end) see only themselves."""
     key_index = torch.arange(keys, device=device)
     if mask.cu_seqlens is None:
         positions = torch.cat([torch.arange(start, start + length, device=device) for start, length in mask.query_runs])
         return allowed(positions[rows, None], key_index[None, :], mask.window)[None]
-    batch = (int(mask.cu_seqlens[-1]) // keys)
     flat = torch.arange(batch * keys, device=device).view(batch, keys)
     documents = torch.searchsorted(mask.cu_seqlens.to(device), flat, right=True)
     return allowed(key_index[rows, None], key_index[None, :], mask.window,
@@ -68,7 +66,7 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, mask) -> torch.Tensor:
         rows = slice(start, min(start + step, queries))
         seen = keys if mask is not None else min(keys, rows.stop)  # plain causal: no key after the chunk's last query
         logits = grouped[:, :, :, rows] @ keys_t[..., :seen]
-        allow = _allowed_rows(mask, rows, queries, keys, q.device)[..., :seen]
+        allow = _allowed_rows(mask, rows, batch, queries, keys, q.device)[..., :seen]
         logits.masked_fill_(~allow[:, None, None], float("-inf"))
         best = torch.maximum(best, logits.amax(dim=(0, 3, 4)).float().reshape(heads))
     return best * head_dim**-0.5  # the softmax's scale, positive: the largest logit is the largest product scaled
