@@ -230,12 +230,15 @@ def test_qk_clip_of_grouped_query_attention_at_a_layout_matches_one_process(gqa_
 
 
 @pytest.mark.full_tier
-def test_qk_clip_in_compiled_recomputed_layers_matches_eager_ones(mha_reference, tiny_data, tmp_path):
-    """The record runs eagerly inside compiled layers, and once more (to the same maxima) when they recompute."""
+@pytest.mark.parametrize("compiled, recompute", [(True, "selective"), (False, "pointwise")],
+                         ids=["compiled-selective", "eager-pointwise"])
+def test_qk_clip_in_recomputed_layers_matches_one_process(mha_reference, tiny_data, tmp_path, compiled, recompute):
+    """The record runs eagerly inside compiled layers, out of sight of selective recomputation's dispatch modes and
+    not again when a layer recomputes its forward in the backward."""
     config = qk_clip_config(tiny_data, tmp_path / "run")
-    config["model"]["compile"], config["parallelism"]["recompute"] = True, "selective"
+    config["model"]["compile"], config["parallelism"]["recompute"] = compiled, recompute
     results = run_distributed(_train, 1, timeout=900, config=config)
-    assert_matches_reference(mha_reference, results, "compiled, selective recompute")
+    assert_matches_reference(mha_reference, results, f"compiled {compiled}, {recompute} recompute")
 
 
 @pytest.mark.full_tier

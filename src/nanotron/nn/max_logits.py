@@ -15,6 +15,7 @@ and backward), and nothing when QK-clip is off (the core is not wrapped then).
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from nanotron.nn.attention import AttentionCore, BlockMask, allowed
 from nanotron.nn.flash_attention import FlashMask
@@ -91,8 +92,14 @@ class LogitMaxima(AttentionCore):
         return self.core(q, k, v, mask)
 
     def _record(self, q: torch.Tensor, k: torch.Tensor, mask) -> None:
-        new = max_logits(q, self.core.keys(k), mask)
-        self.maximum = new if self.maximum is None else torch.maximum(self.maximum, new)
+        """Not again in a recomputation of the forward (``nn/recompute.py``), which runs inside the backward; out of
+        sight of the dispatch modes of selective recomputation, whose forward and recomputation must dispatch the
+        same ops (and which would keep the record's products until the backward)."""
+        if torch._C._current_graph_task_id() != -1:  # inside a backward
+            return
+        with _disable_current_modes():
+            new = max_logits(q, self.core.keys(k), mask)
+            self.maximum = new if self.maximum is None else torch.maximum(self.maximum, new)
 
     def take(self, heads: int, device: torch.device) -> torch.Tensor:
         """The maxima recorded (-inf for ``heads`` heads where none was), and a fresh start."""
