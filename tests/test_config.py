@@ -140,6 +140,7 @@ FULL: dict[str, Any] = {
         "muon_update_scale": "original",
         "muon_weight_decay": 0.05,
         "muon_named_params": [r"^layers\..*_proj\.weight$"],
+        "muon_qk_clip_threshold": 100.0,
     },
     "tokens": {"sequence_length": 128, "train_steps": 100, "micro_batch_size": 2, "batch_accumulation_per_replica": 4},
     "data_stages": [

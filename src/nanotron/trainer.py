@@ -135,7 +135,7 @@ class Trainer:
         self.buckets.zero()
         self._after_optimizer_step(skipped=False)
         self._after_step(step, statistics, skipped=False)
-        return pending(self._feature_metrics())
+        return pending(self._feature_metrics() | self.optimizer.metrics())
 
     def finish_step(self, pending: PendingStep) -> StepResult:
         """The record of a queued step, read from its host copies (waiting for its work if that still runs). A bad

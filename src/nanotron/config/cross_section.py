@@ -31,6 +31,10 @@ def cross_section_problems(cfg: Config) -> Iterator[str]:
     if getattr(cfg.model.init_method, "use_mup", False) and cfg.optimizer.name == "muon":
         yield ("model.init_method.use_mup: true sets each matrix's AdamW learning rate (spectral µP), but "
                "optimizer.name: muon scales its own updates; keep one of them")
+    qk_clip_refusal = cfg.model.model_config.qk_clip_refusal() if cfg.optimizer.muon_qk_clip_threshold else None
+    if qk_clip_refusal is not None:
+        yield (f"optimizer.muon_qk_clip_threshold bounds attention logits by scaling each head's query and key rows, "
+               f"but {qk_clip_refusal}; remove the key")
     if cfg.parallelism.tp_partial_sums_in_fp32 and cfg.fp8 is not None and cfg.fp8.enabled:
         yield ("parallelism.tp_partial_sums_in_fp32: true sums the products of bf16 and fp16 linears in fp32, but FP8 "
                "linears (fp8.enabled) round theirs to their own output dtype: disable one of them")

@@ -63,3 +63,8 @@ class FamilyFacts:
         """Why the model cannot split a sequence over context-parallel ranks, naming the config by ``key``; None: it
         can."""
         return None
+
+    def qk_clip_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
+        """Why QK-clip (``optimizer.muon_qk_clip_threshold``) cannot bound the model's attention logits by scaling
+        each head's query and key rows, naming the config by ``key``; None: it can."""
+        return None

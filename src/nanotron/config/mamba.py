@@ -83,6 +83,9 @@ class MambaConfig(FamilyFacts):
     def context_parallel_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
         return f"a Mamba model ({key} with is_mamba_config: true) scans the sequence in order"
 
+    def qk_clip_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
+        return f"a Mamba model ({key} with is_mamba_config: true) has no attention"
+
     def problems(self, key: str | None = MODEL_CONFIG_KEY) -> Iterator[str]:
         """Rules on the values alone; the shapes are ``layout_problems``."""
         k = prefix(key)

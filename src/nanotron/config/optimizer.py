@@ -77,6 +77,9 @@ class OptimizerArgs:
     muon_update_scale: MuonUpdateScale = "rms_matching"
     muon_weight_decay: float | None = None  # None: optimizer.weight_decay
     muon_named_params: list[str] | None = None  # regexes of the matrices Muon takes; None: the decoder's matrices
+    # QK-clip (Kimi K2's MuonClip, ``optim/qk_clip.py``): after each step, the query and key rows of every head whose
+    # largest attention logit of the step passed this threshold (e.g. 100) are scaled down to it; None: off
+    muon_qk_clip_threshold: float | None = None
 
     def muon_problems(self) -> Iterator[str]:
         """Muon's settings; they are refused when another optimizer is chosen, where they would do nothing."""
@@ -95,6 +98,8 @@ class OptimizerArgs:
                    f"a x + b x^3 + c x^5 (got {self.muon_ns_coefficients}); the default is {list(MUON_QUINTIC)}")
         if self.muon_weight_decay is not None:
             yield from at_least("optimizer.muon_weight_decay", self.muon_weight_decay, 0)
+        if self.muon_qk_clip_threshold is not None:
+            yield from positive("optimizer.muon_qk_clip_threshold", self.muon_qk_clip_threshold)
         for i, pattern in enumerate(self.muon_named_params or []):
             try:
                 re.compile(pattern)

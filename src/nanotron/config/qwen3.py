@@ -23,7 +23,7 @@ from typing import Literal
 from nanotron.config.moe import MoESettings
 from nanotron.config.qwen2 import Qwen2Config
 from nanotron.config.qwen2_moe import Qwen2MoEConfig
-from nanotron.config.rules import at_least
+from nanotron.config.rules import MODEL_CONFIG_KEY, at_least
 
 
 @dataclass
@@ -78,6 +78,10 @@ class Qwen3Config(Qwen2Config):
         heads = self.num_attention_heads
         if self.head_dim is None and heads >= 1 and self.hidden_size % heads == 0:
             self.head_dim = self.hidden_size // heads
+
+    def qk_clip_refusal(self, key: str | None = MODEL_CONFIG_KEY) -> str | None:
+        return (f"a Qwen3 model ({key} with is_qwen3_config: true) normalises each head's queries and keys after "
+                "their projections (q_norm, k_norm), which undoes any scaling of the projections' rows")
 
     def _marker_problems(self, k: str) -> Iterator[str]:
         if self.is_llama_config or self.is_qwen2_config or not self.is_qwen3_config:

@@ -160,6 +160,10 @@ class AttentionCore(nn.Module):
                 mask: torch.Tensor | BlockMask | FlashMask | None) -> torch.Tensor:
         return attend(q, k, v, mask)
 
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The keys the queries attend to, given this rank's ``k`` (no gradient): ``k`` itself here."""
+        return k
+
 
 _compiled_flex = _compiled_block_mask = None
 _reported = False

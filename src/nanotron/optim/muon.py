@@ -41,6 +41,7 @@ from nanotron.config.rules import ConfigError
 from nanotron.optim.newton_schulz import newton_schulz_function
 from nanotron.optim.optimizer import STATE_KINDS, MixedPrecisionAdamW
 from nanotron.optim.param_remainders import split_
+from nanotron.optim.qk_clip import QKClip
 from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.placement import declared_names, get_placement, logical_parameters
 from nanotron.parallel.whole_matrices import gather_over_tp, local_part
@@ -83,9 +84,10 @@ def update_scale(rule: str, rows: int, columns: int) -> float:
 class MixedPrecisionMuon(MixedPrecisionAdamW):
     """Muon for the buckets of orthogonalised parameters, AdamW for the others; fp32 masters for both."""
 
-    def __init__(self, buckets: GradientBuckets, args: OptimizerArgs, tp_group: dist.ProcessGroup | None):
+    def __init__(self, buckets: GradientBuckets, args: OptimizerArgs, tp_group: dist.ProcessGroup | None,
+                 qk_clip: QKClip | None = None):
         super().__init__(buckets, args)
-        self.tp_group = tp_group
+        self.tp_group, self.qk_clip = tp_group, qk_clip
         self.orthogonalise, self.ns_dtype = newton_schulz_function(self.device, compiled=True)
         for index, bucket in enumerate(buckets.buckets):
             if bucket.orthogonalised:  # the momentum in fp32; no second moment
@@ -100,15 +102,43 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
 
     @torch.no_grad()
     def step(self, lr: float, grad_multiplier: torch.Tensor | None = None) -> None:
-        """One update: Muon's of the orthogonalised buckets, AdamW's of the others; then, as AdamW's, the weights
-        take the new masters."""
+        """One update: Muon's of the orthogonalised buckets, AdamW's of the others, then QK-clip's rescale where it
+        is on (``optim/qk_clip.py``); then, as AdamW's, the weights take the new masters."""
         self.step_count += 1
         buckets = self.buckets.buckets
         self._adamw_step(lr, grad_multiplier, [i for i, bucket in enumerate(buckets) if not bucket.orthogonalised])
         for index, bucket in enumerate(buckets):
             if bucket.orthogonalised:
                 self._muon_step(index, lr, grad_multiplier)
+        if self.qk_clip is not None:
+            self._scale_rows(self.qk_clip.row_factors())
         self.buckets.all_gather_params()
+
+    def metrics(self) -> dict:
+        """QK-clip's fields where it is on (``QKClip.metrics``)."""
+        return self.qk_clip.metrics() if self.qk_clip is not None else {}
+
+    def _scale_rows(self, factors: dict[str, torch.Tensor]) -> None:
+        """Multiply the masters (and weights) of the parameters ``factors`` names, row by row (a factor per row of
+        the parameter's local shape), in this rank's shard."""
+        for index, bucket in enumerate(self.buckets.buckets):
+            pieces = [piece for piece in bucket.shard_pieces() if piece[0] in factors]
+            if not pieces:
+                continue
+            masters = self.master(index)
+            for name, in_param, in_shard in pieces:
+                shape = bucket.shapes[name]
+                rows = factors[name].view(-1, *[1] * (len(shape) - 1)).expand(shape)
+                masters[in_shard] *= rows.reshape(-1)[in_param]
+            self._take_masters(index, masters)
+
+    def _take_masters(self, index: int, masters: torch.Tensor) -> None:
+        """The weights of bucket ``index``'s shard become ``masters`` (with the remainders where they are kept)."""
+        bucket = self.buckets.buckets[index]
+        if self.remainders[index]:
+            split_(masters, bucket.shard_params, self.master_state[index])
+        else:
+            bucket.shard_params.copy_(masters)
 
     def _gradient_pieces(self, index: int) -> Iterator[tuple[torch.Tensor, slice]]:
         """(flat gradient, its range in the shard) of bucket ``index``: its reduced shard, or a parameter at a time
@@ -153,8 +183,5 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
         decay = (a.weight_decay if a.muon_weight_decay is None else a.muon_weight_decay) if bucket.weight_decay else 0
         masters = self.master(index)
         masters.mul_(1 - lr * decay).sub_(update, alpha=lr)
-        if self.remainders[index]:
-            split_(masters, bucket.shard_params, self.master_state[index])
-        else:
-            bucket.shard_params.copy_(masters)
+        self._take_masters(index, masters)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from nanotron.layout import Axis
 from nanotron.optim.adamw import AdamWHyperparameters, adamw_update_function
 from nanotron.optim.param_remainders import joined, split_, stores_remainders
 from nanotron.parallel.data_parallel import GradientBuckets, ZeroSettings
+
+if TYPE_CHECKING:
+    from nanotron.optim.qk_clip import QKClip
 
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -102,6 +106,10 @@ class MixedPrecisionAdamW:
                 self.master_state[index].zero_()
             else:
                 self.master_state[index].copy_(bucket.shard_params)
+
+    def metrics(self) -> dict:
+        """metrics.jsonl fields of the step just taken (every rank calls it: a collective where one is needed)."""
+        return {}
 
     def master(self, index: int) -> torch.Tensor:
         """The fp32 masters of bucket ``index``'s shard (a new tensor where they are held as remainders)."""
@@ -178,14 +186,15 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, 
                     initialize: Callable[[dict[str, torch.Tensor]], None] | None = None,
                     lr_scales: dict[str, float] | None = None,
                     matrices: set[str] = frozenset(), tp_group: dist.ProcessGroup | None = None,
-                    ) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
+                    qk_clip: QKClip | None = None) -> tuple[GradientBuckets, MixedPrecisionAdamW]:
     """Gradient buckets (fp32 when accumulating in fp32 where gradients are summed, ``gradient_dtype``) reduced over
     ``groups`` (gradient axes -> process group, ``ParallelContext.shard_groups``; under HSDP the ranks of one shard
     group, each shard's ``replicas`` then summed) and the optimizer over their shards; ``single_micro_batch``: every
     step has one micro-batch per replica. ZeRO-3: ``units`` (parameter name -> unit) cut the buckets, and
     ``initialize`` gives the parameters their values a bucket at a time (``GradientBuckets.fill``). ``lr_scales``
     multiply the learning rate of the parameters they name (spectral µP). With ``optimizer.name: muon``, Muon takes
-    the ``matrices`` (``optim/muon.py``), made whole over ``tp_group``."""
+    the ``matrices`` (``optim/muon.py``), made whole over ``tp_group``, and ``qk_clip`` rescales the attention's
+    queries and keys after each step (``optim/qk_clip.py``)."""
     from nanotron.optim.muon import MixedPrecisionMuon  # Muon builds on this module's AdamW
 
     exclude = args.weight_decay_exclude_named_params
@@ -198,5 +207,5 @@ def build_optimizer(params: dict[str, torch.nn.Parameter], args: OptimizerArgs, 
     if initialize is not None:
         buckets.fill(initialize)
     if args.name == "muon":
-        return buckets, MixedPrecisionMuon(buckets, args, tp_group)
+        return buckets, MixedPrecisionMuon(buckets, args, tp_group, qk_clip)
     return buckets, MixedPrecisionAdamW(buckets, args)

@@ -268,6 +268,12 @@ class ContextParallelAttention(AttentionCore):
                              "of ContextParallelBatches.model_inputs")
         return self.overlapped_attention(q, k, v, mask, self.group)
 
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The keys of the whole sequence, in order: one more all-gather of ``k`` (no gradient)."""
+        gathered, work = _start_gather(k, self.group)
+        work.wait()
+        return _to_global_order(gathered, dist.get_world_size(self.group))
+
 
 class _SumOverGroup(torch.autograd.Function):
     """All-reduce (sum) over ``group``; backward: all-reduce of the gradient. Every rank's loss reads the sum, and

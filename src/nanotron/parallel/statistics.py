@@ -60,3 +60,11 @@ def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> t
         if parallel_context.size(group) > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.group(group))
     return values
+
+
+def max_over_replicas(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
+    """``values`` maximised over the data- and context-parallel replicas (the ranks holding the same modules and
+    other tokens), in place: a maximum over the step's batch, like QK-clip's attention logits."""
+    if parallel_context.size(Group.DENSE_REPLICAS) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.group(Group.DENSE_REPLICAS))
+    return values

@@ -6,6 +6,7 @@ schedule, the summary logged before the first step and the profiler. The model a
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -36,8 +37,10 @@ from nanotron.models.build import (
     parameter_lr_scales,
 )
 from nanotron.models.spec import CausalLM
+from nanotron.nn.max_logits import record_max_logits
 from nanotron.optim.muon import muon_parameters
 from nanotron.optim.optimizer import MixedPrecisionAdamW, build_optimizer
+from nanotron.optim.qk_clip import QKClip
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.parameter_sharding import ShardedUnits, parameter_units
@@ -188,9 +191,13 @@ class TrainedModel(NamedTuple):
 def trained_model(config: Config, pc: ParallelContext, converters: Sequence[ModuleConverter] = ()) -> TrainedModel:
     """The model this rank trains, its gradient buckets and its optimizer. Under ZeRO-3 the model is built without
     weights, the buckets give each parameter its storage and initial values a bucket at a time, keep their shards and
-    free the rest, and the model's units are gathered and released around their use (``ShardedUnits``)."""
+    free the rest, and the model's units are gathered and released around their use (``ShardedUnits``). With
+    QK-clip the attention cores record their logits' maxima for the optimizer (``optim/qk_clip.py``)."""
     model_config, options = config.model.model_config, BuildOptions.from_config(config)
     sharded = config.optimizer.zero_stage == 3
+    threshold = config.optimizer.muon_qk_clip_threshold
+    if threshold is not None:
+        converters = (*converters, functools.partial(record_max_logits, compiled=options.compile))
     model = build_model(model_config, pc, options, converters, initialize=not sharded)
     shards = pc.shard_groups
     buckets, optimizer = build_optimizer(
@@ -203,6 +210,7 @@ def trained_model(config: Config, pc: ParallelContext, converters: Sequence[Modu
         lr_scales=parameter_lr_scales(model_config, options),
         matrices=muon_parameters(model, config.optimizer.muon_named_params) if config.optimizer.name == "muon"
         else frozenset(), tp_group=pc.group(Group.TP),
+        qk_clip=QKClip(model, threshold, pc) if threshold is not None else None,
     )
     units = ShardedUnits(model, buckets) if any(bucket.sharded_params for bucket in buckets.buckets) else None
     return TrainedModel(model, buckets, optimizer, units)
