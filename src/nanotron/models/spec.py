@@ -186,6 +186,9 @@ class ModelSpec:
     # the run's config -> the family's step terms (``training/objective.py``'s ``StepTerm``: a contribution to the
     # loss, statistics and metrics), beside the language-model loss: a mixture of experts' router losses
     step_terms: Callable[[Any], list] = lambda config: []
+    # the model config -> the family's batch transforms (``data/batch.py``'s ``BatchTransform``), applied to every
+    # micro-batch before the parallel layout's (context parallelism's cut): DeepSeek-V3's tokens ahead
+    batch_transforms: Callable[[Any], list] = lambda model_config: []
     # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for
     # a family without experts (the config rules refuse expert_parallel_size > 1 for it)
     expert_parallel: Callable[[nn.Module, Any], None] | None = None

@@ -349,6 +349,14 @@ def moe_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
 
 # --- the router's step term (``ModelSpec.step_terms``): auxiliary losses and statistics -----------------------------
 
+def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(global index, layer) of every decoder layer this stage holds: its ``layers``, then those of the modules a
+    family keeps beside the head (``layers_beside_head``: DeepSeek-V3's multi-token prediction, numbered on from
+    ``num_hidden_layers``)."""
+    beside_head = getattr(model, "layers_beside_head", lambda: [])()
+    return [(int(index), layer) for index, layer in model.layers.items()] + beside_head
+
+
 def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[torch.Tensor | None, Statistics]:
     """The weighted auxiliary losses of the MoE blocks this stage holds, for its last forward (each the micro-batch's
     share of the step's mean over sequences and MoE layers), and their statistics; none for a dense model."""
@@ -358,7 +366,7 @@ def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[tor
     rows = {index: row for row, index in enumerate(s.layers)}
     scale = 1.0 / (len(rows) * sequences_per_step)
     loss, statistics = None, {}
-    for index, layer in model.layers.items():
+    for index, layer in decoder_layers(model):
         block = layer.mlp
         if not isinstance(block, MoEFeedForward) or block.record is None:
             continue
@@ -375,8 +383,8 @@ def router_losses(model: LlamaForCausalLM, sequences_per_step: int) -> tuple[tor
                           "moe_dropped": torch.zeros(len(rows), device=device)}
         statistics["moe_load_balancing_loss"] = statistics["moe_load_balancing_loss"] + balance.detach()
         statistics["moe_z_loss"] = statistics["moe_z_loss"] + z.detach()
-        statistics["moe_tokens_per_expert"][rows[int(index)]] = record.tokens_per_expert
-        statistics["moe_dropped"][rows[int(index)]] = record.dropped
+        statistics["moe_tokens_per_expert"][rows[index]] = record.tokens_per_expert
+        statistics["moe_dropped"][rows[index]] = record.dropped
     return loss, statistics
 
 
