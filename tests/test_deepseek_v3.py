@@ -127,6 +127,62 @@ def stored(tmp_path_factory) -> Path:
     return _save_random(tmp_path_factory.mktemp("stored"), VARIANTS["latent-query-yarn"])
 
 
+def _with_prediction_module(stored: Path, folder: Path, head_copy_offset: float = 0.0) -> Path:
+    """``stored`` (a transformers folder, untied) with one multi-token prediction module as DeepSeek's released
+    checkpoint stores it: decoder layer ``num_hidden_layers`` (the last layer's tensors, altered), its ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``, and its copies of the embedding and head (the head's
+    shifted by ``head_copy_offset``)."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((stored / "config.json").read_text())
+    last, module = (f"model.layers.{config['num_hidden_layers'] + offset}." for offset in (-1, 0))
+    tensors = load_file(stored / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    hidden = config["hidden_size"]
+    extra = {module + name[len(last):]: tensor + 0.01 * torch.randn(tensor.shape, generator=generator)
+             for name, tensor in tensors.items() if name.startswith(last)}
+    extra |= {module + name: 1 + 0.1 * torch.randn(hidden, generator=generator)
+              for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+    extra |= {module + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=generator),
+              module + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+              module + "shared_head.head.weight": tensors["lm_head.weight"] + head_copy_offset}
+    folder.mkdir(parents=True)
+    save_file(tensors | extra, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return folder
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_prediction_modules_convert_both_ways_in_deepseeks_layout(stored, tmp_path):
+    """A folder holding a prediction module as DeepSeek's checkpoint does converts to nanotron's modules, back to
+    the same tensors bit for bit (which transformers loads, leaving the module unread, with the same logits), and
+    again to the same checkpoint (native -> HF -> native); generation ignores the module, as transformers does."""
+    hf = _with_prediction_module(stored, tmp_path / "hf")
+    ckpt = tmp_path / "nanotron"
+    assert cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", ckpt).code == 0
+    assert json.loads((ckpt / "checkpoint.json").read_text())["model"]["config"]["num_nextn_predict_layers"] == 1
+    native = _stored_tensors(ckpt / "model")
+    assert {"mtp.depths.0.eh_proj.weight", "mtp.depths.0.layer.attn.kv_b_proj.weight",
+            "mtp.depths.0.layer.mlp.expert_bias", "mtp.depths.0.norm.weight"} <= set(native)
+    export_back_exactly(hf, ckpt, tmp_path / "back", PROMPTS[0])
+    assert cli("convert", "hf-to-nanotron", "--hf-path", tmp_path / "back", "--save-path", tmp_path / "again").code == 0
+    again = _stored_tensors(tmp_path / "again" / "model")
+    assert set(again) == set(native) and all(torch.equal(again[name], native[name]) for name in native)
+    ours, theirs = one_process_outputs(ckpt, PROMPTS, 4), transformers_outputs(hf, PROMPTS, 4)
+    assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
+    assert ours["cached"] == theirs["greedy"]
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons
+def test_a_prediction_modules_own_head_is_refused(stored, tmp_path):
+    """nanotron shares the embedding and head with the prediction modules: a module whose copy differs is one error
+    line, and nothing is written."""
+    hf = _with_prediction_module(stored, tmp_path / "hf", head_copy_offset=0.5)
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", tmp_path / "out")
+    assert_user_error(outcome, "model.layers.3.shared_head.head.weight differs from lm_head.weight")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # the quick tier has the block-level comparisons
 @pytest.mark.parametrize("config_changes, drop, fragment", [
     ({"kv_lora_rank": 8}, None, "'layers.0.attn.kv_a_layernorm.weight' is (16,) in the weights but (8,) in the model"),
@@ -264,12 +320,16 @@ def test_costs_count_every_parameter_and_the_experts_a_token_uses():
 # --- training, and layouts against one process ------------------------------------------------------------------
 
 GLOBAL_BATCH = 16
+MTP_BIAS = "mtp.depths.0.layer.mlp.expert_bias"  # the prediction module's layer has experts like the last layer
 STEPS = parity_steps(short=10)
 # 3 layers (a pipeline split [1, 2]), the first dense; 8 experts in 4 groups with a shared expert; YaRN; a bias
 # fast enough to change the routing within the steps
+# Trained with one multi-token prediction module, embeddings untied as DeepSeek-V3's: under pp the last stage holds
+# its copy of the embedding for the module
 TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 64,
-        "tie_word_embeddings": True, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 12,
         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
         "first_k_dense_replace": 1, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01,
@@ -300,12 +360,13 @@ def reference(tiny_data, tmp_path_factory) -> dict:
 
 
 def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layouts: dict[str, dict]) -> None:
-    """Each layout's first-step gradients as the reference's, its losses and grad-norms within 1e-5 of the
-    reference's over every step, and its balancing biases those of the reference on every rank; the reference
-    trains and its biases moved."""
+    """Each layout's first-step gradients as the reference's, its losses (next-token and multi-token prediction's)
+    and grad-norms within 1e-5 of the reference's over every step, and its balancing biases those of the reference
+    on every rank; the reference trains (both losses fall) and its biases moved."""
     assert_reference_trains(reference["metrics"], STEPS)
+    assert reference["metrics"][-1]["mtp_loss"] < reference["metrics"][0]["mtp_loss"] - 0.5
     biases = reference["buffers"]
-    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias", MTP_BIAS}
     assert all(bias.abs().sum() > 0 for bias in biases.values())
     calls = [{"config": _training_config(tiny_data, tmp_path / name, **layout)} for name, layout in layouts.items()]
     expected = assemble([reference], "grads")
@@ -316,7 +377,7 @@ def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layo
             torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
         curve = next(rank["metrics"] for rank in ranks if rank["metrics"])
         for ref, other in zip(reference["metrics"], curve, strict=True):
-            for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss"):
+            for key in ("lm_loss", "mtp_loss", "grad_norm", "moe_load_balancing_loss"):
                 assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["step"], key)
         for rank in ranks:
             for tensor, bias in rank["buffers"].items():
@@ -337,16 +398,22 @@ def test_each_layout_matches_one_process(reference, tiny_data, tmp_path, world, 
     _assert_layouts_match(reference, tiny_data, tmp_path, world, {"layout": layout})
 
 
-def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
-    """The balancing biases of a run's latest checkpoint, as stored."""
+def _stored_tensors(model: Path, selected=lambda name: True) -> dict[str, torch.Tensor]:
+    """The logical tensors of a checkpoint's ``model`` folder whose names are ``selected``, as stored."""
     from nanotron.checkpoint.logical_tensors import LogicalTensorReader
 
-    reader = LogicalTensorReader(run / (run / "latest.txt").read_text().strip() / "model")
-    biases = {}
-    for name in sorted(name for name in reader.names() if name.endswith("expert_bias")):
-        biases[name] = torch.empty(reader.logical_shape(name))
-        reader.read_into(name, (slice(0, biases[name].shape[0]),), biases[name])
-    return biases
+    reader = LogicalTensorReader(model)
+    tensors = {}
+    for name in sorted(name for name in reader.names() if selected(name)):
+        tensors[name] = torch.empty(reader.logical_shape(name))
+        reader.read_into(name, tuple(slice(0, n) for n in tensors[name].shape), tensors[name])
+    return tensors
+
+
+def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
+    """The balancing biases of a run's latest checkpoint, as stored."""
+    latest = run / (run / "latest.txt").read_text().strip() / "model"
+    return _stored_tensors(latest, lambda name: name.endswith("expert_bias"))
 
 
 @pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
@@ -366,11 +433,11 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
     train_through_cli(config("resumed", 2), tmp_path / "first.yaml")
     halfway = _stored_biases(tmp_path / "resumed")
     train_through_cli(config("resumed", 4), tmp_path / "second.yaml")
-    keys = ("step", "lm_loss", "grad_norm", "moe_expert_load")
+    keys = ("step", "lm_loss", "mtp_loss", "grad_norm", "moe_expert_load")
     expected, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [[m[key] for key in keys] for m in got] == [[m[key] for key in keys] for m in expected]
     straight, resumed = _stored_biases(tmp_path / "straight"), _stored_biases(tmp_path / "resumed")
-    assert set(straight) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    assert set(straight) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias", MTP_BIAS}
     for name, bias in straight.items():
         assert torch.equal(resumed[name], bias) and not torch.equal(halfway[name], bias), name
         steps = bias / TINY["bias_update_speed"]

@@ -160,6 +160,10 @@ class HFAdapter(Protocol):
         """One line per config.json key nanotron derives instead of reading (Llama's head_dim) that disagrees with
         ``config``, which passed the family's rules."""
 
+    def config_for_weights(self, config: Any, stored: Mapping[str, torch.Tensor]) -> Any:
+        """``config`` (read from config.json) as the stored tensors (``stored``, shapes on the meta device) say, where
+        config.json may declare parts that the weights leave out (DeepSeek-V3's multi-token prediction)."""
+
     def config_to_hf(self, config: Any, dtype: str) -> dict: ...
 
     def weights_from_hf(self, tensors: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
