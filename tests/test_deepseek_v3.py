@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -315,6 +316,34 @@ def test_costs_count_every_parameter_and_the_experts_a_token_uses():
     used = 2 * 3 * 32 * 16 + 32 * 8 + 3 * 32 * 32  # k experts, the router, the shared experts (no gate)
     assert costs.layer_flops[1] - costs.layer_flops[0] == 6 * (used - 3 * 32 * 48)
     assert costs.attention_pair_flops[0] == 6 * 4 * (20 + 10)  # q.k over 20 features, values of 10, per head
+
+
+def test_costs_count_the_prediction_modules_beside_the_head():
+    """Two prediction modules: every parameter of the built model, and per module the FLOPs of a layer like the last
+    (experts), eh_proj and one more head pass, on the head (the pipeline split puts them on the last stage)."""
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.deepseek_v3.costs import prediction_activations
+    from nanotron.models.registry import spec_for_config
+    from nanotron.models.spec import ActivationShape
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+                              qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_shared_experts=2,
+                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2,
+                              first_k_dense_replace=1, num_nextn_predict_layers=2)
+    spec = spec_for_config(config)
+    with torch.device("meta"):
+        model = spec.model_class(config, 64)
+    costs, without = spec.costs(config, 64, 16), spec.costs(replace(config, num_nextn_predict_layers=0), 64, 16)
+    assert costs.parameters == sum(param.numel() for param in model.parameters())
+    module = costs.layer_flops[-1] + 6 * (2 * 32 * 32 + 64 * 32)  # the last layer's, eh_proj, the head
+    assert costs.head_flops == pytest.approx(without.head_flops + 2 * module)
+    assert costs.flops_per_token == pytest.approx(without.flops_per_token + 2 * module)
+    assert costs.layer_flops == without.layer_flops
+    shape = ActivationShape(tokens=16, sequence_length=16, tp=1, value_bytes=4, residual_share=1.0,
+                            linear_input_share=1.0, compiled=False)
+    assert prediction_activations(config, shape, lambda c, layer, s: (1000 * layer, layer)) == (
+        1000 * (2 + 3) + 2 * 5 * 4 * 32 * 16, 3)
 
 
 # --- training, and layouts against one process ------------------------------------------------------------------
