@@ -346,6 +346,100 @@ def test_costs_count_the_prediction_modules_beside_the_head():
         1000 * (2 + 3) + 2 * 5 * 4 * 32 * 16, 3)
 
 
+# --- multi-token prediction's loss -------------------------------------------------------------------------------
+
+def _prediction_reference(model, batch, depths: int, scale: float) -> torch.Tensor:
+    """DeepSeek-V3's multi-token prediction loss in plain torch, position by position: depth k reads token i + k and
+    predicts token i + k + 1 where it lies in the sequence and in position i's document and the batch counts it;
+    each depth's loss over its count of targets, their sum times ``scale / depths``. The model's own decoder layers
+    and masks are used as they are (tested against transformers above)."""
+    import torch.nn.functional as F
+
+    from nanotron.nn.attention import AttentionMasks
+
+    rows, length = batch.input_ids.shape
+    hidden, rotary, masks = model.decode(batch.input_ids, None, batch.position_ids, None, None, batch.document_ids,
+                                         None)
+    masks = AttentionMasks.of_sequence(length, hidden.device, documents=batch.document_ids)
+    tokens = torch.cat([batch.input_ids, batch.labels[:, -1:]], dim=1)  # token j at column j
+    total = 0.0
+    for k in range(1, depths + 1):
+        depth = model.mtp.depths[str(k - 1)]
+        ahead = torch.stack([torch.stack([tokens[b, min(i + k, length)] for i in range(length)])
+                             for b in range(rows)])
+        embedded = F.embedding(ahead, model.embed_tokens.weight)
+        norm = lambda x, module: F.rms_norm(x, (x.shape[-1],), module.weight, module.eps)  # noqa: E731
+        hidden = depth.layer(F.linear(torch.cat([norm(hidden, depth.hnorm), norm(embedded, depth.enorm)], -1),
+                                      depth.eh_proj.weight), rotary, masks.for_window(None))
+        logits = F.linear(norm(hidden, depth.norm), model.lm_head.weight)
+        losses, count = [], 0
+        for b in range(rows):
+            for i in range(length - k):
+                inside = bool(batch.label_mask[b, i + k]) and bool(
+                    batch.document_ids[b, i] == batch.document_ids[b, i + k])
+                if inside:
+                    losses.append(F.cross_entropy(logits[b, i], tokens[b, i + k + 1]))
+                    count += 1
+        total = total + torch.stack(losses).sum() / count
+    return scale / depths * total
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
+def test_prediction_loss_is_the_plain_torch_one(fused):
+    """Two depths over two samples of two documents each, a target left out: the transform, the modules and the step
+    term give the plain-torch loss and gradients, through the language-model loss's head (logits, or fused with the
+    loss)."""
+    import torch.distributed as dist
+
+    from nanotron.config import DeepseekV3Config
+    from nanotron.data.batch import MicroBatch
+    from nanotron.data.loader import packed_documents
+    from nanotron.models.deepseek_v3.mtp_loss import MultiTokenBatches, MultiTokenLoss
+    from nanotron.models.registry import spec_for_config
+    from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy
+    from nanotron.training.objective import LanguageModelLoss, StageOutputs
+
+    config = DeepseekV3Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                              num_attention_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4,
+                              qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=8, n_group=1, topk_group=1, first_k_dense_replace=0,
+                              max_position_embeddings=16, num_nextn_predict_layers=2, mtp_loss_scaling_factor=0.3,
+                              _use_doc_masking=True)
+    torch.manual_seed(0)
+    model = spec_for_config(config).model_class(config, 32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
+    tokens = torch.randint(1, 32, (2, 13))
+    ends = torch.zeros(2, 12, dtype=torch.bool)
+    ends[0, 4], ends[1, 7] = True, True
+    batch = MicroBatch(tokens[:, :-1], tokens[:, 1:], torch.ones(2, 12, dtype=torch.bool), torch.zeros(2),
+                       **{name: value for name, value in packed_documents(ends).items() if name != "label_mask"})
+    batch.label_mask = packed_documents(ends)["label_mask"]
+    batch.label_mask[1, 10] = False
+    transform = MultiTokenBatches(2)
+    batch = transform.prepare(batch)
+    batch.set_token_counts(batch.target_counts().float())
+    # depth k: 12 - k targets per sample, less those that cross an end or land on the left-out target
+    assert batch.extras["ahead_token_counts"].tolist() == [17.0, 13.0]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    head = LinearCrossEntropy(dist.group.WORLD, 32, 5, compiled=False) if fused else None
+    language_model = LanguageModelLoss(["main"], dist.group.WORLD, 32, head=head)
+    output = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
+                   head=not fused, **transform.model_inputs(batch))
+    stage = StageOutputs(model, output, last=True)
+    language_model.compute(stage, batch)
+    loss, statistics = MultiTokenLoss(config).compute(stage, batch)
+    grads = torch.autograd.grad(loss, [model.mtp.depths["0"].eh_proj.weight, model.embed_tokens.weight])
+    expected = _prediction_reference(model, batch, 2, 0.3)
+    expected_grads = torch.autograd.grad(expected, [model.mtp.depths["0"].eh_proj.weight, model.embed_tokens.weight])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert statistics["mtp_loss"].sum() * 0.3 / 2 == pytest.approx(loss.item(), rel=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 # --- training, and layouts against one process ------------------------------------------------------------------
 
 GLOBAL_BATCH = 16
@@ -478,10 +572,11 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
 @pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_path):
     """examples/config_tiny_deepseek_v3.yaml with the quickstart's paths swapped for the test corpus's, 2 steps, its
-    own parallelism (ep 2)."""
+    own parallelism (ep 2), its multi-token prediction module logging mtp_loss."""
     records = train_example(ROOT / "examples" / "config_tiny_deepseek_v3.yaml", tiny_data, tmp_path)
     assert [record["step"] for record in records] == [1, 2]
     assert all(math.isfinite(record["lm_loss"]) and record["moe_load_balancing_loss"] > 0 for record in records)
+    assert all(math.isfinite(record["mtp_loss"]) for record in records)
 
 
 # --- rules ------------------------------------------------------------------------------------------------------
@@ -498,9 +593,10 @@ def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_pat
                                         "num_hidden_layers)",)),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, {}, ("rope_scaling misses original_max_position_"
                                                                   "embeddings",)),
-    ({"num_nextn_predict_layers": 1}, {}, ("num_nextn_predict_layers (1) must be 0: multi-token prediction is not "
-                                           "built yet",)),
-], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys", "mtp"])
+    ({"num_nextn_predict_layers": -1}, {}, ("model.model_config.num_nextn_predict_layers must be >= 0 (got -1)",)),
+    ({"mtp_loss_scaling_factor": -0.1}, {}, ("model.model_config.mtp_loss_scaling_factor must be >= 0 (got -0.1)",)),
+], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys", "mtp-depth",
+        "mtp-weight"])
 def test_bad_config_is_one_error_line_naming_the_key(tiny_data, tmp_path, model_changes, parallelism, fragments):
     config = _training_config(tiny_data, tmp_path / "run")
     config["model"]["model_config"] |= model_changes
