@@ -298,16 +298,22 @@ def test_each_step_moves_the_bias_towards_balance_by_its_speed_unless_skipped():
     assert torch.equal(model.layers["2"].mlp.expert_bias, torch.tensor([0.25, 0.25, 0.25, -0.25]))
 
 
-def test_costs_count_every_parameter_and_the_experts_a_token_uses():
+def _costs_config(**changes):
+    """2 layers (the first dense) of hidden size 32, 8 experts of 16 and 2 shared ones, a vocabulary of 64."""
     from nanotron.config import DeepseekV3Config
+
+    return DeepseekV3Config(**dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+                                   qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_shared_experts=2,
+                                   num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2,
+                                   first_k_dense_replace=1) | changes)
+
+
+def test_costs_count_every_parameter_and_the_experts_a_token_uses():
     from nanotron.models.registry import spec_for_config
 
     for q_lora_rank in (None, 24):
-        config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16,
-                                  qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8,
-                                  n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4,
-                                  topk_group=2, first_k_dense_replace=1)
+        config = _costs_config(q_lora_rank=q_lora_rank)
         spec = spec_for_config(config)
         with torch.device("meta"):
             model = spec.model_class(config, 64)
@@ -321,16 +327,11 @@ def test_costs_count_every_parameter_and_the_experts_a_token_uses():
 def test_costs_count_the_prediction_modules_beside_the_head():
     """Two prediction modules: every parameter of the built model, and per module the FLOPs of a layer like the last
     (experts), eh_proj and one more head pass, on the head (the pipeline split puts them on the last stage)."""
-    from nanotron.config import DeepseekV3Config
     from nanotron.models.deepseek_v3.costs import prediction_activations
     from nanotron.models.registry import spec_for_config
     from nanotron.models.spec import ActivationShape
 
-    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                              num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
-                              qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_shared_experts=2,
-                              num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2,
-                              first_k_dense_replace=1, num_nextn_predict_layers=2)
+    config = _costs_config(num_nextn_predict_layers=2)
     spec = spec_for_config(config)
     with torch.device("meta"):
         model = spec.model_class(config, 64)
