@@ -462,10 +462,10 @@ TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "in
 
 
 def _training_config(tiny_data, run: Path, *, tp: int = 1, mode: str = "REDUCE_SCATTER", pp: int = 1, dp: int = 1,
-                     cp: int = 1, ep: int = 1) -> dict:
+                     cp: int = 1, ep: int = 1, engine: str = "1f1b") -> dict:
     base = tiny_config_dict(tiny_data, run)
     parallelism = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "expert_parallel_size": ep,
-                   "tp_mode": mode}
+                   "tp_mode": mode, "pp_engine": engine}
     if pp > 1:
         parallelism["pp_stage_layers"] = [1, 2]
     return tiny_config_dict(
@@ -515,9 +515,9 @@ def test_tp2_in_sequence_parallel_mode_matches_one_process(reference, tiny_data,
 
 @pytest.mark.full_tier
 @pytest.mark.parametrize("world, layout", [
-    (2, {"tp": 2, "mode": "ALL_REDUCE"}), (2, {"pp": 2}), (2, {"dp": 2}), (2, {"cp": 2}), (2, {"ep": 2}),
-    (4, {"ep": 2, "tp": 2}),
-], ids=["tp2_ar", "pp2", "dp2", "cp2", "ep2", "ep2_tp2"])
+    (2, {"tp": 2, "mode": "ALL_REDUCE"}), (2, {"pp": 2}), (2, {"pp": 2, "engine": "zb_h1"}), (2, {"dp": 2}),
+    (2, {"cp": 2}), (2, {"ep": 2}), (4, {"ep": 2, "tp": 2}),
+], ids=["tp2_ar", "pp2", "pp2_zb_h1", "dp2", "cp2", "ep2", "ep2_tp2"])  # zb_h1: the head's backward split in two
 def test_each_layout_matches_one_process(reference, tiny_data, tmp_path, world, layout):
     _assert_layouts_match(reference, tiny_data, tmp_path, world, {"layout": layout})
 
