@@ -6,16 +6,16 @@
 Every system trains the same model shape on the same batches: nanotron (fp32 master weights and fp32 gradient
 accumulation) and, on a single process, the peers of ``--peer`` (``scripts/benchmark_peers.py``): by default the
 Hugging Face ``transformers`` loop with its decoder layers and loss compiled (``hf``); ``hf-eager``, the same loop
-eagerly; ``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan's own Llama 3 training (Llama presets);
-``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``, none. Step times are
-measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s, tokens/s/GPU,
-TFLOP/s/GPU, MFU (FLOPs per token in Megatron-LM's convention, from nanotron's model family: the LM head counted, the
-input-embedding lookup not; for a mixture of experts the parameters a token uses; under document masking the
-attention pairs inside the batches' documents), peak memory (the largest over
-ranks, and each rank's), and how much of the peak the weights, gradients and optimizer state take
-(``state_memory_gb``: what is allocated when a step starts, plus the gradients a loop frees after each update) and
-the rest, the activations (``activation_memory_gb``), and what the forward holds when the backward starts
-(``kept_for_backward_gb``: unlike the peak, it does not depend on when a loop allocates its gradients).
+eagerly; ``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan's own model of the family (Llama,
+Qwen3, DeepSeek-V3); ``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``, none.
+Step times are measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s,
+tokens/s/GPU, TFLOP/s/GPU, MFU (FLOPs per token in Megatron-LM's convention, from nanotron's model family: the LM head
+counted, the input-embedding lookup not; for a mixture of experts the parameters a token uses; under document masking
+the attention pairs inside the batches' documents), peak memory (the largest over ranks, and each rank's), and how much
+of the peak the weights, gradients and optimizer state take (``state_memory_gb``: what is allocated when a step starts,
+plus the gradients a loop frees after each update) and the rest, the activations (``activation_memory_gb``), and what
+the forward holds when the backward starts (``kept_for_backward_gb``: unlike the peak, it does not depend on when a loop
+allocates its gradients).
 
 ``--versus`` and ``--versus-override`` train a second nanotron run in the same command, another preset (a Llama of
 the Mamba's size) or the same one with other overrides (FP8 against bf16); ``--torchao`` also trains the compiled
@@ -87,6 +87,16 @@ PRESETS = {
                   "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                   "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
                   "moe_config": {"num_experts": 32, "top_k": 8, "moe_intermediate_size": 768}},
+    # DeepSeek-V3's layer (MLA without a q compression, as its 16B sibling; 64 fine-grained experts of ffn 704, top-6,
+    # sigmoid routing with the balancing bias, 2 shared experts, the first layer dense) on 10 layers: 3.19B
+    # parameters, 0.73B used per token, which fits one GPU of 80 GB with its optimizer state.
+    "deepseek-v3": {"is_llama_config": False, "is_deepseek_v3_config": True, "hidden_size": 2048,
+                    "intermediate_size": 10944, "num_hidden_layers": 10, "num_attention_heads": 16,
+                    "num_key_value_heads": 16, "vocab_size": 102400, "tie_word_embeddings": False,
+                    "rope_theta": 10000.0, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "num_experts_per_tok": 6, "moe_intermediate_size": 704, "routed_scaling_factor": 1.0,
+                    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
     "llama130m": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "num_key_value_heads": 12, "vocab_size": 50280, "tie_word_embeddings": True},
     "llama1.4b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
@@ -440,8 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     parser.add_argument("--peer", nargs="+", choices=sorted(PEERS), default=["hf"],
                         help="systems trained beside nanotron on one GPU (default: hf, the compiled transformers "
-                             "loop): hf, hf-eager, liger (transformers + Liger kernels), torchtitan (Llama presets), "
-                             "mamba-ssm (Mamba presets)")
+                             "loop): hf, hf-eager, liger (transformers + Liger kernels), torchtitan (Llama, Qwen3, "
+                             "DeepSeek-V3), mamba-ssm (Mamba presets)")
     parser.add_argument("--no-peers", "--no-hf", dest="no_peers", action="store_true", help="train nanotron only")
     parser.add_argument("--versus", choices=sorted(PRESETS),
                         help="also train this nanotron preset on the same batches and report the tokens/s ratio")

@@ -10,9 +10,9 @@ trained on nanotron's own batches, the micro-batch losses averaged, gradients cl
   FP8 keeps it).
 - ``liger``: that model with Liger's kernels (RoPE, RMSNorm, SwiGLU, the fused linear cross-entropy that never
   builds the logits), eager, as Liger is used (compiled it is slower: its kernels break the graphs).
-- ``torchtitan``: torchtitan's own Llama 3 at the preset's shape, its ``parallelize_llama`` (each block compiled,
-  no activation checkpointing), its loss and AdamW, fp32 parameters under bf16 autocast as it trains on one GPU.
-  Llama presets only.
+- ``torchtitan``: torchtitan's own model of the family at the preset's shape (``llama3``, ``qwen3`` dense and MoE,
+  ``deepseek_v3``), its ``parallelize_*`` (each block compiled, no activation checkpointing), its loss and AdamW
+  (with its expert-bias balancing for the MoEs), fp32 parameters under bf16 autocast as it trains on one GPU.
 - ``mamba-ssm``: the authors' Mamba with its CUDA kernels (Mamba presets).
 
 ``peer_problem`` says, before anything is allocated, why a peer cannot run (another model family, a library that
@@ -39,7 +39,8 @@ REQUIREMENTS = {
     "hf-amp": (("transformers",), "transformers (pip install -e '.[hf]')"),
     "liger": (("transformers", "liger_kernel.transformers"),
               "liger-kernel 0.8.5 (scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
-    "torchtitan": (("torchtitan.models.llama3",), "torchtitan 0.2.2 and what it imports "
+    "torchtitan": (("torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3"),
+                   "torchtitan 0.2.2 and what it imports "
                    "(scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
     "mamba-ssm": (("mamba_ssm.models.mixer_seq_simple",), "mamba-ssm and causal-conv1d (built for the GPU)"),
     "torchao": (("transformers", "torchao.float8"), "torchao (pip install torchao)"),
@@ -47,30 +48,33 @@ REQUIREMENTS = {
 # The libraries whose versions a record keeps.
 LIBRARIES = ("transformers", "liger-kernel", "torchtitan", "torchao", "mamba-ssm", "triton", "flash-attn-4")
 # nanotron config keys -> transformers config keys where they differ; the markers have no counterpart.
-HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None}
+HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is_llamoe_config": None,
+            "is_qwen3_config": None, "is_deepseek_v3_config": None}
+# Each family's transformers module (``transformers.models.<family>``) and class prefix.
+HF_CLASSES = {"llama": "Llama", "mixtral": "Mixtral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+              "deepseek_v3": "DeepseekV3"}
+# The families each peer trains.
+FAMILIES = {"torchtitan": ("llama", "qwen3", "qwen3_moe", "deepseek_v3"), "mamba-ssm": ("mamba",)}
 
 
 def family(preset: dict) -> str:
+    """The preset's family, named as its ``transformers`` module."""
     if preset.get("is_mamba_config"):
         return "mamba"
+    if preset.get("is_deepseek_v3_config"):
+        return "deepseek_v3"
     if preset.get("is_qwen3_config"):
-        return "qwen3"
+        return "qwen3_moe" if preset.get("moe_config") else "qwen3"
     return "mixtral" if preset.get("is_llamoe_config") else "llama"
 
 
 def peer_problem(peer: str, preset_name: str, preset: dict) -> str | None:
     """Why ``peer`` cannot train ``preset`` here (its family, or its library does not import), else None."""
     kind = family(preset)
-    if peer == "torchtitan" and kind != "llama":
-        described = {"mixtral": "mixture-of-experts", "mamba": "Mamba", "qwen3": "Qwen3"}[kind]
-        return f"--peer torchtitan trains torchtitan's Llama 3 only; {preset_name} is a {described} preset"
-    if peer == "mamba-ssm" and kind != "mamba":
-        return f"--peer mamba-ssm needs a Mamba preset, not {preset_name}"
-    if peer != "mamba-ssm" and kind == "mamba":
-        return (f"{preset_name} has no --peer {peer} here; use --peer mamba-ssm (the authors' kernels) or "
-                "--no-peers")
-    if kind == "qwen3":  # transformers' Qwen3 and torchtitan's qwen3 are not wired as peers yet
-        return f"{preset_name} has no --peer {peer} here yet; use --no-peers"
+    if kind not in FAMILIES.get(peer, tuple(HF_CLASSES)):
+        trained = ", ".join(FAMILIES.get(peer, tuple(HF_CLASSES)))
+        hint = "use --peer mamba-ssm (the authors' kernels) or --no-peers" if kind == "mamba" else "use --no-peers"
+        return f"--peer {peer} trains {trained} models; {preset_name} is a {kind} preset: {hint}"
     return library_problem(peer)
 
 
@@ -137,14 +141,24 @@ def hf_model(preset: dict, sequence_length: int, device: str, hf_experts: str,
     """The ``transformers`` model of the preset, its weights in ``dtype``, SDPA attention, seeded."""
     import transformers
 
-    fields = {HF_NAMES.get(key, key): value for key, value in preset.items()}
-    fields.pop(None, None)
-    name = "Mixtral" if family(preset) == "mixtral" else "Llama"
-    experts = {"experts_implementation": hf_experts} if name == "Mixtral" else {}
-    config = getattr(transformers, f"{name}Config")(**fields, max_position_embeddings=sequence_length,
-                                                    attn_implementation="sdpa", dtype=dtype, **experts)
+    kind = family(preset)
+    experts = {"experts_implementation": hf_experts} if kind in ("mixtral", "qwen3_moe", "deepseek_v3") else {}
+    config = getattr(transformers, f"{HF_CLASSES[kind]}Config")(**hf_fields(preset), attn_implementation="sdpa",
+                                                              max_position_embeddings=sequence_length, dtype=dtype,
+                                                              **experts)
     torch.manual_seed(0)
-    return getattr(transformers, f"{name}ForCausalLM")(config).to(device, dtype).train()
+    return getattr(transformers, f"{HF_CLASSES[kind]}ForCausalLM")(config).to(device, dtype).train()
+
+
+def hf_fields(preset: dict) -> dict:
+    """The preset as ``transformers`` config fields: renamed keys, Qwen3-MoE's ``moe_config`` spread out."""
+    fields = {HF_NAMES.get(key, key): value for key, value in preset.items() if key != "moe_config"}
+    fields.pop(None, None)
+    if "moe_config" in preset:
+        moe = preset["moe_config"]
+        fields |= {"num_experts": moe["num_experts"], "num_experts_per_tok": moe["top_k"],
+                   "moe_intermediate_size": moe["moe_intermediate_size"], "norm_topk_prob": True}
+    return fields
 
 
 def fused_adamw(parameters: list[torch.nn.Parameter], device: str) -> torch.optim.AdamW:
@@ -229,32 +243,26 @@ def torchtitan_job(sequence_length: int, compiled: bool):
 
 
 def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: bool) -> TrainingLoop:
-    """torchtitan's Llama 3 trained its way on one device, driven from here rather than from its CLI and TOML so that
-    it reads the same batches; a tied preset shares the LM head's matrix with the embedding."""
+    """torchtitan's own model of the preset's family trained its way on one device, driven from here rather than from
+    its CLI and TOML so that it reads the same batches. A tied preset shares the LM head's matrix with the embedding;
+    the mixtures of experts balance with torchtitan's expert bias, updated by its optimizer hook."""
     from torchtitan.components.loss import build_cross_entropy_loss
-    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.components.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import clip_grad_norm_, maybe_enable_amp
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
-    from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     job = torchtitan_job(sequence_length, compiled)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    args = TransformerModelArgs(
-        dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
-        n_kv_heads=preset["num_key_value_heads"], vocab_size=preset["vocab_size"],
-        rope_theta=preset.get("rope_theta", 10000.0), norm_eps=preset.get("rms_norm_eps", 1e-6),
-        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),  # its default stretches RoPE as Llama 3.1: off
-        **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"]))
+    model_class, args, parallelize = TORCHTITAN_MODELS[family(preset)](preset)
     args.update_from_config(job)
     with torch.device("meta"):
-        model = Transformer(args)
-    model = parallelize_llama(model, dims, job)
+        model = model_class(args)
+    model = parallelize(model, dims, job)
     model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights()
-    if preset.get("tie_word_embeddings"):
+    if preset.get("tie_word_embeddings") and family(preset) == "llama":
         model.tok_embeddings.weight = model.output.weight
     model.train()
     loss_sum = build_cross_entropy_loss(job)
@@ -264,9 +272,70 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
         with autocast:
             return loss_sum(model(micro_batch["input_ids"]), micro_batch["labels"]) / micro_batch["labels"].numel()
 
+    optimizers = build_optimizers if family(preset) in ("llama", "qwen3") else build_optimizers_with_moe_load_balancing
     parameters = list(model.parameters())
-    return TrainingLoop(parameters, build_optimizers([model], job.optimizer, dims), loss_of,
+    return TrainingLoop(parameters, optimizers([model], job.optimizer, dims), loss_of,
                         clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True), model=model)
+
+
+def torchtitan_llama3(preset: dict):
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    args = TransformerModelArgs(
+        dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
+        n_kv_heads=preset["num_key_value_heads"], vocab_size=preset["vocab_size"],
+        rope_theta=preset.get("rope_theta", 10000.0), norm_eps=preset.get("rms_norm_eps", 1e-6),
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),  # its default stretches RoPE as Llama 3.1: off
+        **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"]))
+    return Transformer, args, parallelize_llama
+
+
+def torchtitan_qwen3(preset: dict):
+    """torchtitan's Qwen3, dense or (with ``moe_config``) with experts in every layer, routed as Qwen3-MoE's
+    (softmax, the top-k renormalised)."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs, parallelize_qwen3
+
+    moe = preset.get("moe_config")
+    experts = {} if moe is None else {
+        "moe_enabled": True, "moe_inter_dim": moe["moe_intermediate_size"],
+        "moe_args": MoEArgs(num_experts=moe["num_experts"], num_shared_experts=0, top_k=moe["top_k"],
+                            score_func="softmax", route_norm=True, score_before_experts=False)}
+    args = Qwen3ModelArgs(
+        dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
+        n_kv_heads=preset["num_key_value_heads"], head_dim=preset["head_dim"], vocab_size=preset["vocab_size"],
+        hidden_dim=preset["intermediate_size"], rope_theta=preset["rope_theta"], qk_norm=True,
+        enable_weight_tying=preset["tie_word_embeddings"], **experts)
+    return Qwen3Model, args, parallelize_qwen3
+
+
+def torchtitan_deepseek_v3(preset: dict):
+    """torchtitan's DeepSeek-V3: MLA, sigmoid routing with the expert bias, shared experts, the first layers dense;
+    plain RoPE (its YaRN stretch starts past ``original_seq_len``, set to the sequence length)."""
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs, parallelize_deepseekv3
+    from torchtitan.models.moe import MoEArgs
+
+    groups = preset.get("n_group", 1)
+    args = DeepSeekV3ModelArgs(
+        vocab_size=preset["vocab_size"], dim=preset["hidden_size"], inter_dim=preset["intermediate_size"],
+        moe_inter_dim=preset["moe_intermediate_size"], n_layers=preset["num_hidden_layers"],
+        n_dense_layers=preset["first_k_dense_replace"], n_heads=preset["num_attention_heads"],
+        moe_args=MoEArgs(num_experts=preset["n_routed_experts"], num_shared_experts=preset["n_shared_experts"],
+                         top_k=preset["num_experts_per_tok"], score_func="sigmoid", route_norm=True,
+                         route_scale=preset["routed_scaling_factor"], score_before_experts=False,
+                         num_expert_groups=groups if groups > 1 else None,
+                         num_limited_groups=preset.get("topk_group") if groups > 1 else None),
+        q_lora_rank=preset["q_lora_rank"] or 0, kv_lora_rank=preset["kv_lora_rank"],
+        qk_nope_head_dim=preset["qk_nope_head_dim"], qk_rope_head_dim=preset["qk_rope_head_dim"],
+        v_head_dim=preset["v_head_dim"], rope_theta=preset["rope_theta"], original_seq_len=1 << 30,
+        attn_type="sdpa", attn_mask_type="causal")
+    return DeepSeekV3Model, args, parallelize_deepseekv3
+
+
+# Each family's torchtitan model: its class, its arguments at the preset's shape and its parallelize function.
+TORCHTITAN_MODELS = {"llama": torchtitan_llama3, "qwen3": torchtitan_qwen3, "qwen3_moe": torchtitan_qwen3,
+                     "deepseek_v3": torchtitan_deepseek_v3}
 
 
 def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:

@@ -145,8 +145,9 @@ def test_default_peer_is_the_compiled_transformers_loop_and_no_peers_trains_nano
     assert alone["ratios"] == {} and default["ratios"]["hf-compiled"] == pytest.approx(64_000 / 66_000)
 
 
-@pytest.mark.parametrize("preset, parameters, used", [("qwen3-1.7b", 1.72e9, 1.72e9), ("qwen3-moe", 3.34e9, 1.22e9)])
-def test_the_qwen3_presets_build_valid_configs_of_their_size(preset, parameters, used, tmp_path):
+@pytest.mark.parametrize("preset, parameters, used", [("qwen3-1.7b", 1.72e9, 1.72e9), ("qwen3-moe", 3.34e9, 1.22e9),
+                                                      ("deepseek-v3", 3.19e9, 0.727e9)])
+def test_the_family_presets_build_valid_configs_of_their_size(preset, parameters, used, tmp_path):
     """The bench config with each Qwen3 preset passes validation; its parameters, and those a token uses (the
     LM head's included, the attention's FLOPs left out), are what the presets' comments say."""
     import argparse
@@ -164,6 +165,23 @@ def test_the_qwen3_presets_build_valid_configs_of_their_size(preset, parameters,
     assert (costs.flops_per_token - sum(costs.attention_flops)) / 6 == pytest.approx(used, rel=5e-3)
 
 
+@pytest.mark.parametrize("preset", ["llama1b", "mixtral", "qwen3-1.7b", "qwen3-moe", "deepseek-v3"])
+def test_the_transformers_peer_has_the_presets_parameters(preset, tmp_path):
+    """The compiled-transformers peer is built at the preset's shape: as many parameters as nanotron counts."""
+    pytest.importorskip("transformers")
+    import argparse
+
+    from nanotron.models.registry import spec_for_config
+
+    with torch.device("meta"):
+        model = benchmark_peers.hf_model(benchmark.PRESETS[preset], 4096, "meta", "grouped_mm")
+    args = argparse.Namespace(data=str(tmp_path), sequence_length=4096, micro_batch_size=1, accumulation=1, steps=2,
+                              warmup=1, save_to=None)
+    config = benchmark.nanotron_config(args, preset, []).model.model_config
+    costs = spec_for_config(config).costs(config, config.vocab_size, 4096)
+    assert sum(p.numel() for p in model.parameters()) == costs.parameters
+
+
 @pytest.mark.parametrize("preset", ["llama1b", "mixtral"])
 def test_muon_trains_the_preset_with_muon_then_with_adamw_in_one_call(preset, tmp_path):
     args = benchmark.parse_args(["--data", str(tmp_path), "--preset", preset, "--no-peers", "--muon"])
@@ -173,10 +191,11 @@ def test_muon_trains_the_preset_with_muon_then_with_adamw_in_one_call(preset, tm
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--preset", "mixtral", "--peer", "torchtitan"], "--peer torchtitan trains torchtitan's Llama 3 only; mixtral"),
-    (["--preset", "mamba130m"], "mamba130m has no --peer hf here; use --peer mamba-ssm"),
-    (["--peer", "mamba-ssm"], "--peer mamba-ssm needs a Mamba preset, not llama1b"),
-    (["--preset", "qwen3-moe"], "qwen3-moe has no --peer hf here yet; use --no-peers"),
+    (["--preset", "mixtral", "--peer", "torchtitan"],
+     "--peer torchtitan trains llama, qwen3, qwen3_moe, deepseek_v3 models; mixtral is a mixtral preset: use --no"),
+    (["--preset", "mamba130m"], "--peer hf trains llama, mixtral, qwen3, qwen3_moe, deepseek_v3 models; mamba130m is "
+                                "a mamba preset: use --peer mamba-ssm"),
+    (["--peer", "mamba-ssm"], "--peer mamba-ssm trains mamba models; llama1b is a llama preset"),
     (["--peer", "liger", "--torchao", "tensorwise"], "--torchao compares torchao's float8 with the compiled"),
     (["--warmup", "0"], "--warmup must be at least 1"),
 ])
@@ -328,6 +347,34 @@ def test_torchtitan_feed_forward_has_the_presets_width(preset):
         block = FeedForward(shape["hidden_size"], 4 * shape["hidden_size"],
                             **benchmark_peers.torchtitan_feed_forward(shape["hidden_size"], shape["intermediate_size"]))
     assert block.w1.out_features == shape["intermediate_size"]
+
+
+TINY_QWEN3 = {"is_llama_config": False, "is_qwen3_config": True, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "vocab_size": 128, "tie_word_embeddings": True, "rope_theta": 10000.0}
+TINY_QWEN3_MOE = TINY_QWEN3 | {"tie_word_embeddings": False,
+                               "moe_config": {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 16}}
+TINY_DEEPSEEK_V3 = {"is_llama_config": False, "is_deepseek_v3_config": True, "hidden_size": 32,
+                    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 4, "vocab_size": 128, "tie_word_embeddings": False, "rope_theta": 10000.0,
+                    "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                    "v_head_dim": 8, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                    "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize("preset", [TINY_QWEN3, TINY_QWEN3_MOE, TINY_DEEPSEEK_V3], ids=benchmark_peers.family)
+def test_torchtitan_trains_each_family_at_the_transformers_peers_shape(preset):
+    """torchtitan's Qwen3 (dense and MoE) and DeepSeek-V3 at a preset's shape: as many parameters as the
+    transformers peer, and both train (torchtitan's experts only on GPUs: its router counts tokens with an integer
+    ``histc``, which the CPU lacks)."""
+    pytest.importorskip("torchtitan.models.deepseek_v3")
+    torchtitan = benchmark_peers.build_torchtitan(preset, 16, "cpu", compiled=False)
+    transformers = benchmark_peers.build_hf(preset, 16, "cpu", compiled=False)
+    assert sum(p.numel() for p in torchtitan.parameters) == sum(p.numel() for p in transformers.parameters)
+    dense = benchmark_peers.family(preset) == "qwen3"
+    for loop in (torchtitan, transformers) if dense else (transformers,):
+        _train_two_steps(loop, _batches(preset["vocab_size"]))
 
 
 def test_torchtitan_loop_trains_its_llama_at_the_presets_shape():

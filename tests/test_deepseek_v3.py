@@ -1,8 +1,9 @@
 """The DeepSeek-V3 family (``is_deepseek_v3_config``) against transformers' DeepseekV3ForCausalLM (logits at tp 1
 and 2 and ep 2, greedy generation, conversion both ways, sizes checked against the stored tensors), its routing
-against transformers' router, its costs, layouts against one process (tp in both modes, pp, dp, cp, ep, ep x tp)
-with the balancing bias equal everywhere, an exact resume of the bias, and every rule of the config named in one
-line."""
+against transformers' router, its costs, the latent generation cache, the features (document masking, recomputation,
+compilation, FP8, ``nanotron generate`` and ``nanotron eval``) against the runs without them, layouts against one
+process (tp in both modes, pp, dp, cp, ep, ep x tp) with the balancing bias equal everywhere, an exact resume of the
+bias, and every rule of the config named in one line."""
 
 from __future__ import annotations
 
@@ -200,6 +201,46 @@ def test_declared_sizes_are_checked_against_the_stored_tensors(stored, tmp_path,
     outcome = convert_altered(stored, tmp_path, config_changes, drop)
     assert_user_error(outcome, fragment)
     assert not (tmp_path / "out").exists()
+
+
+# --- generation: the latent cache ----------------------------------------------------------------------------------
+
+def _small_model(**changes):
+    """A DeepSeek-V3 of SHAPE's sizes (fp32) in this process, its weights normal(0, 0.1)."""
+    from nanotron.config import DeepseekV3Config
+    from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+    keys = {key: value for key, value in SHAPE.items() if key not in ("num_key_value_heads", "pad_token_id")}
+    config = DeepseekV3Config(**keys | {"q_lora_rank": 24, "n_shared_experts": 1} | changes)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config, config.vocab_size)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    return model.eval()
+
+
+def test_the_generation_cache_holds_the_latents_and_gives_the_uncached_logits():
+    """Each layer's cache holds, per position, the normed kv latent and the rotated shared key (kv_lora_rank +
+    qk_rope_head_dim values: 24 here, against the 4 heads' decompressed keys and values, 4 * (20 + 10) = 120); a
+    prompt then one token at a time through the cache, attending over the latents with kv_b_proj absorbed, gives
+    the logits of the whole sequence at once through the decompressed keys and values."""
+    from nanotron.models.registry import spec_for_config
+
+    model = _small_model()
+    ids = torch.randint(3, 112, (2, 9), generator=torch.Generator().manual_seed(0))
+    caches = {index: spec_for_config(model.config).inference_cache() for index in model.layers}
+    with torch.no_grad():
+        whole = model(input_ids=ids)
+        steps = [model(input_ids=ids[:, :6], caches=caches)]
+        for position in range(6, 9):
+            steps.append(model(input_ids=ids[:, position:position + 1], caches=caches,
+                               position_ids=torch.full((2, 1), position)))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-5, atol=1e-5)
+    for cache in caches.values():
+        assert cache.length == 9
+        assert cache.latent.shape == (2, 9, SHAPE["kv_lora_rank"])
+        assert cache.rotary_key.shape == (2, 9, SHAPE["qk_rope_head_dim"])
+        assert sum(tensor.numel() for tensor in vars(cache).values()) == 2 * 9 * (16 + 8)
 
 
 # --- routing, costs ---------------------------------------------------------------------------------------------
@@ -566,6 +607,169 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
         assert torch.equal(resumed[name], bias) and not torch.equal(halfway[name], bias), name
         steps = bias / TINY["bias_update_speed"]
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4, name
+
+
+# --- features: document masking, recomputation, compilation ----------------------------------------------------
+
+def test_a_packed_sample_gives_the_loss_and_gradients_of_its_documents_alone():
+    """float64, as test_doc_masking.py's families: three documents packed (the last cut by the window's end) against
+    each run as its own sequence, through the latent attention (YaRN, interleaved rotary rows) and the experts: the
+    same loss and gradients, to the fp32 rounding of the router's scores (which weigh the experts)."""
+    from support.documents import assert_packed_sample_is_its_documents_alone
+
+    yarn = {key: value for key, value in YARN.items() if key != "rope_theta"}
+    model = _small_model(_use_doc_masking=True, rope_scaling=yarn).double().train()
+    assert_packed_sample_is_its_documents_alone(model, (7, 11, 9), 9, SHAPE["vocab_size"], loss_rel=1e-10,
+                                                grad_rtol=1e-7, grad_atol=1e-8)
+
+
+def _feature_config(tiny_data, run: Path, recompute: str = "none", compiled: bool = False) -> dict:
+    """The tiny DeepSeek-V3 for 3 steps under document masking, recomputed and compiled as asked."""
+    config = _training_config(tiny_data, run)
+    config["model"]["model_config"]["_use_doc_masking"] = True
+    config["model"]["compile"] = compiled
+    config["parallelism"]["recompute"] = recompute
+    config["tokens"] |= {"train_steps": 3, "batch_accumulation_per_replica": 2}
+    config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 2}
+    return config
+
+
+@pytest.fixture(scope="module")
+def eager_curve(tiny_data, tmp_path_factory) -> list[dict]:
+    from support.runs import train_in_process
+
+    return train_in_process(_feature_config(tiny_data, tmp_path_factory.mktemp("eager")))
+
+
+@pytest.mark.parametrize("recompute, compiled", [
+    ("selective", False),
+    pytest.param("full", False, marks=pytest.mark.full_tier),
+    pytest.param("pointwise", False, marks=pytest.mark.full_tier),
+    pytest.param("none", True, marks=pytest.mark.full_tier),
+    pytest.param("pointwise", True, marks=pytest.mark.full_tier),
+], ids=["selective", "full", "pointwise", "compiled", "compiled-pointwise"])
+def test_recomputation_and_compilation_leave_training_unchanged_under_document_masking(
+        eager_curve, tiny_data, tmp_path, recompute, compiled):
+    """fp32, 3 steps of 2 micro-batches: the losses, grad-norms and balance losses of the eager run without
+    recomputation, to 1e-6 (recomputation reruns the routing and the latents in the backward)."""
+    from support.runs import train_in_process
+
+    curve = train_in_process(_feature_config(tiny_data, tmp_path / "run", recompute, compiled))
+    assert len(curve) == len(eager_curve) == 3
+    for expected, got in zip(eager_curve, curve, strict=True):
+        for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-6), (expected["step"], key)
+
+
+# --- features: FP8 -----------------------------------------------------------------------------------------------
+
+def _train_fp8_converted(config: dict) -> dict:
+    """The Trainer in this process: which modules the FP8 converter gave FP8 products (linears, expert groups) and
+    the run's records."""
+    from nanotron.config import config_from_dict
+    from nanotron.nn.fp8 import FP8ExpertMatmul, FP8Matmul
+    from nanotron.trainer import Trainer
+    from support.runs import trainer_metrics
+
+    trainer = Trainer(config_from_dict(config))
+    modules = dict(trainer.model.named_modules())
+    linears = {name for name, module in modules.items() if isinstance(getattr(module, "matmul", None), FP8Matmul)}
+    experts = {name for name, module in modules.items()
+               if isinstance(getattr(module, "expert_matmul", None), FP8ExpertMatmul)}
+    trainer.train()
+    return {"linears": linears, "experts": experts, "records": trainer_metrics(trainer)}
+
+
+@pytest.mark.slow  # the quick tier has the cache's own check; test_fp8.py checks the products themselves
+def test_fp8_converts_every_projection_and_expert_but_the_router_and_trains_as_its_twin(tiny_data, tmp_path):
+    """Under fp8.enabled (emulated on the CPU) every linear of the decoder layers takes FP8 products, MLA's
+    compressions included (as DeepSeek-V3 trained: its report keeps only the embedding, the output head, the MoE
+    gating, the norms and the attention core in BF16), and so do the routed and the shared experts; the router keeps
+    the model dtype. The run trains within 2% of its twin without FP8."""
+    def config(name: str, fp8: bool) -> dict:
+        config = _training_config(tiny_data, tmp_path / name)
+        config["tokens"] |= {"train_steps": 4, "batch_accumulation_per_replica": 1}
+        config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
+        return config | {"fp8": {"enabled": fp8}}
+
+    plain, fp8 = (_train_fp8_converted(config(name, name == "fp8")) for name in ("plain", "fp8"))
+    attention = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    expected = {f"layers.{i}.attn.{name}" for i in range(3) for name in attention}
+    assert fp8["linears"] == expected | {"layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"}
+    assert fp8["experts"] == {f"layers.{i}.mlp.{group}" for i in (1, 2) for group in ("experts", "shared_expert")}
+    assert plain["linears"] == plain["experts"] == set()
+    for a, b in zip(plain["records"], fp8["records"], strict=True):
+        assert b["lm_loss"] != a["lm_loss"] and abs(b["lm_loss"] - a["lm_loss"]) <= 0.02 * a["lm_loss"], a["step"]
+    assert plain["records"][-1]["lm_loss"] < plain["records"][0]["lm_loss"]
+
+
+def test_fp8_exclude_modules_keeps_the_compressions_in_the_model_dtype_as_docs_config_says():
+    """``fp8.exclude_modules: ['_a_proj']`` (docs/config.md) leaves exactly q_a_proj and kv_a_proj_with_mqa out."""
+    from nanotron.config import FP8Args
+    from nanotron.nn.fp8 import FP8Matmul, fp8_converter
+
+    model = _small_model()
+    fp8_converter(FP8Args(enabled=True, exclude_modules=["_a_proj"]))(model)
+    kept = {name for name, module in model.named_modules()
+            if hasattr(module, "matmul") and not isinstance(module.matmul, FP8Matmul)}
+    attention = {name for name in kept if ".attn." in name}
+    assert attention == {f"layers.{i}.attn.{name}" for i in range(3) for name in ("q_a_proj", "kv_a_proj_with_mqa")}
+
+
+# --- a trained checkpoint: generate and eval -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> dict:
+    """Two steps of the tiny DeepSeek-V3 through ``nanotron train``, a multiple-choice task and the held-out data
+    scored after the last one, its checkpoint saved."""
+    from support.runs import train_through_cli
+    from support.tasks import evals_section, task_examples, write_task
+
+    root = tmp_path_factory.mktemp("trained")
+    task = write_task(root / "animals.jsonl", task_examples())
+    config = _training_config(tiny_data, root / "run")
+    config["tokens"] |= {"train_steps": 2, "batch_accumulation_per_replica": 1}
+    config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 1}
+    config["checkpoints"] |= {"save_final_state": True}
+    config["evals"] = evals_section(task, tiny_data["tokenized"], num_fewshot=1)
+    train_through_cli(config, root / "config.yaml")
+    return {"run": root / "run", "task": task}
+
+
+@pytest.mark.slow  # the quick tier has the cache's own check
+def test_nanotron_generate_on_a_checkpoint_gives_the_same_text_with_and_without_the_cache(trained, tmp_path):
+    """Two prompts of different lengths (left padding) through the latent cache and through whole recomputation."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat\nthe quick brown dog runs over the\n")
+
+    def completions(*options: str) -> str:
+        outcome = cli("generate", "--ckpt-path", trained["run"], "--prompts-file", prompts, "--max-new-tokens", 8,
+                      *options)
+        assert outcome.code == 0, outcome.stderr[-3000:]
+        return outcome.stdout
+
+    cached = completions()
+    assert cached.startswith("=== the cat\n") and "=== the quick brown dog runs over the\n" in cached
+    assert cached == completions("--no-cache")
+
+
+@pytest.mark.slow  # the quick tier has the cache's own check
+def test_nanotron_eval_on_a_checkpoint_gives_the_in_loop_scores(trained, tiny_data, tmp_path):
+    """``nanotron eval`` scores the task and the held-out data as the run scored them after its last step."""
+    output = tmp_path / "eval.json"
+    outcome = cli("eval", "--ckpt-path", trained["run"], "--tasks", trained["task"], "--num-fewshot", 1,
+                  "--data", tiny_data["tokenized"], "--max-windows", 4, "--sequence-length", 32, "--batch-size", 4,
+                  "--output", output)
+    assert outcome.code == 0, outcome.stderr[-3000:]
+    standalone = json.loads(output.read_text())
+    in_loop = json.loads((trained["run"] / "evals" / "2.json").read_text())
+    assert standalone.keys() == in_loop.keys() == {"animals", "tokenized"}
+    assert (standalone["animals"]["acc"], standalone["animals"]["acc_norm"]) == (in_loop["animals"]["acc"],
+                                                                                 in_loop["animals"]["acc_norm"])
+    torch.testing.assert_close(torch.tensor(standalone["animals"]["loglikelihoods"]),
+                               torch.tensor(in_loop["animals"]["loglikelihoods"]), rtol=0, atol=1e-5)
+    assert 3.0 < standalone["tokenized"]["loss"] < 7.0  # about ln(384) = 5.95 after 2 steps: a real loss
+    assert standalone["tokenized"]["loss"] == pytest.approx(in_loop["tokenized"]["loss"], abs=1e-5)
 
 
 # --- the example config -----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 from support.configs import tiny_config_dict, write_config
 from support.distributed import run_distributed_each
+from support.documents import assert_packed_sample_is_its_documents_alone
 from support.kernels import relative_error
 from support.parity import first_step
 from support.runs import assert_user_error, cli, metrics, train_in_process, train_through_cli
@@ -119,34 +120,8 @@ def test_a_packed_sample_trains_as_its_documents_alone():
     """float64, so that only the masking can tell the runs apart (fp32's summation order alone moves these gradients
     by up to 1e-5): three documents packed (the last cut by the window's end) against each run as its own sequence,
     through sliding, full and NoPE layers: the same loss and the same gradients."""
-    from nanotron.data.loader import packed_documents
-
-    generator = torch.Generator().manual_seed(1)
-    lengths = (7, 11, 9)  # the first two end with their end-of-document token
-    documents = [torch.randint(10, 384, (n,), generator=generator) for n in lengths]
-    documents[0][-1] = documents[1][-1] = EOS
-    window = torch.cat(documents)[None]
-    inputs, labels = window[:, :-1], window[:, 1:]
-    packed = packed_documents(inputs == EOS)
-    model = _model().double()
-
-    def losses(ids, targets, **kwargs):
-        logits = model(input_ids=ids, **kwargs)
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-
-    packed_loss = losses(inputs, labels, position_ids=packed["position_ids"],
-                         document_ids=packed["document_ids"])[packed["label_mask"].flatten()].sum()
-    packed_loss.backward()
-    packed_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
-    model.zero_grad()
-    alone = sum(losses(document[None, :-1], document[None, 1:]).sum() for document in documents)
-    alone.backward()
-    assert int(packed["label_mask"].sum()) == sum(lengths) - len(lengths)  # every target inside a document
-    assert packed_loss.item() == pytest.approx(alone.item(), rel=1e-12)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(packed_grads[name], param.grad, rtol=1e-9, atol=1e-12, msg=name)
-    unmasked = losses(inputs, labels)[packed["label_mask"].flatten()].sum()
-    assert abs(unmasked.item() - alone.item()) > 1e-3  # what the test tells apart
+    assert_packed_sample_is_its_documents_alone(_model().double(), (7, 11, 9), EOS, 384, loss_rel=1e-12,
+                                                grad_rtol=1e-9, grad_atol=1e-12)
 
 
 def _config(tiny_data, run, chunk_tokens: int = 0, **model_config) -> dict:

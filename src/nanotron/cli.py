@@ -330,8 +330,9 @@ def _add_checkpoint_commands(commands) -> None:
                             help="also write the results as JSON (replaced if it exists)")
     evaluation.set_defaults(run=_evaluate)
 
-    convert = commands.add_parser("convert", help="convert Llama, Qwen2, Mixtral or Mamba checkpoints to or from "
-                                                  "transformers (the family read from config.json)")
+    convert = commands.add_parser("convert", help="convert Llama, Qwen2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3 or Mamba "
+                                                  "checkpoints to or from transformers (the family read from "
+                                                  "config.json)")
     directions = convert.add_subparsers(dest="direction", required=True)
     to_nanotron = directions.add_parser("hf-to-nanotron",
                                         help="a Hugging Face model folder -> a nanotron checkpoint")

@@ -1,11 +1,11 @@
 """Autoregressive generation from a checkpoint, at any tensor- and pipeline-parallel layout.
 
 Prompts of different lengths are left-padded; a boolean mask keeps padding out of attention and positions count
-only real tokens. With the family's inference cache (Llama: keys and values) each new token costs one forward of
-length 1; without it the whole sequence is
-recomputed (kept to check the cache). Tensor parallelism runs in ALL_REDUCE mode (a single new token cannot be
-split along the sequence); logits are gathered over TP ranks to sample. With pipeline parallelism, hidden states go
-from stage to stage and the last stage broadcasts each sampled token to every stage.
+only real tokens. With the family's inference cache (Llama: keys and values; DeepSeek-V3: the kv latents) each new
+token costs one forward of length 1; without it the whole sequence is recomputed (kept to check the cache). Tensor
+parallelism runs in ALL_REDUCE mode (a single new token cannot be split along the sequence); logits are gathered
+over TP ranks to sample. With pipeline parallelism, hidden states go from stage to stage and the last stage
+broadcasts each sampled token to every stage.
 """
 
 from __future__ import annotations

@@ -12,11 +12,10 @@ bias moves after every step by the step's expert load
 from nanotron.config.deepseek_v3 import DeepseekV3Config
 from nanotron.models.deepseek_v3.costs import deepseek_v3_costs
 from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
-from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM, LatentCache
 from nanotron.models.deepseek_v3.mtp import deepseek_v3_init_rule
 from nanotron.models.deepseek_v3.mtp_loss import mtp_batch_transforms, mtp_terms
 from nanotron.models.deepseek_v3.parallelize import deepseek_v3_plan
-from nanotron.models.llama.model import KVCache
 from nanotron.models.moe import apply_expert_parallel, router_terms
 from nanotron.models.spec import ModelSpec
 
@@ -34,7 +33,7 @@ DEEPSEEK_V3 = ModelSpec(
     costs=deepseek_v3_costs,
     init_rule=deepseek_v3_init_rule,
     hf_adapter=DeepseekV3HFAdapter(),
-    inference_cache=KVCache,  # the decompressed keys and values
+    inference_cache=LatentCache,  # the kv latents and the shared rotary keys, not every head's keys and values
     step_terms=deepseek_v3_terms,
     batch_transforms=mtp_batch_transforms,
     expert_parallel=apply_expert_parallel,

@@ -19,7 +19,12 @@ Weights keep transformers' layout (each head's rows side by side in ``q_b_proj``
 ``rope_interleave`` the rotary features rotate adjacent pairs (DeepSeek's layout; transformers computes it the same
 way, the even features then the odd ones rotated as halves), else the two halves. The shared
 key passes through ``shared_key``, a seam that tensor parallelism fills with its collective (every rank's heads use
-the one key). Generation caches the decompressed keys and values.
+the one key).
+
+Generation caches what MLA compresses (``LatentCache``): per position the kv latent after its norm and the rotated
+shared key, ``kv_lora_rank + qk_rope_head_dim`` values, not every head's decompressed key and value
+(``heads * (qk_head_dim + v_head_dim)``), and attends over the latents with ``kv_b_proj`` absorbed into the queries
+and the output (``LatentAttention.attend_latents``), as DeepSeek's inference does.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from torch import nn
 
 from nanotron.config.deepseek_v3 import DeepseekV3Config
 from nanotron.models.deepseek_v3.mtp import MultiTokenPrediction, PredictionDepth
-from nanotron.models.llama.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from nanotron.models.llama.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from nanotron.models.moe.model import MoEFeedForward
 from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask
 from nanotron.nn.linear import Linear
@@ -46,6 +51,29 @@ def softmax_scale_factor(config: DeepseekV3Config) -> float:
     if scaling is None or scaling["rope_type"] != "yarn" or not scaling["mscale_all_dim"]:
         return 1.0
     return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+
+
+class LatentCache:
+    """MLA's inference cache for one layer: per position seen so far, the kv latent after ``kv_a_layernorm``
+    [batch, positions, kv_lora_rank] and the rotated key every head shares [batch, positions, qk_rope_head_dim].
+    The cache is the size of the latents whatever the heads (on every tensor-parallel rank: the latents are
+    replicated)."""
+
+    def __init__(self):
+        self.latent: torch.Tensor | None = None
+        self.rotary_key: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """The positions held."""
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def append(self, latent: torch.Tensor, rotary_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new positions' latents and rotated keys after those held; returns every position's."""
+        if self.latent is not None:
+            latent, rotary_key = torch.cat([self.latent, latent], dim=1), torch.cat([self.rotary_key, rotary_key], 1)
+        self.latent, self.rotary_key = latent, rotary_key
+        return latent, rotary_key
 
 
 class SharedKey(nn.Module):
@@ -86,28 +114,54 @@ class LatentAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
 
     def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
-                mask: torch.Tensor | BlockMask | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """As ``LlamaAttention.forward``: ``rotary`` holds the tables of ``qk_rope_head_dim``."""
+                mask: torch.Tensor | BlockMask | None = None, kv_cache: LatentCache | None = None) -> torch.Tensor:
+        """As ``LlamaAttention.forward``: ``rotary`` holds the tables of ``qk_rope_head_dim``, and ``kv_cache`` the
+        latents and rotated shared keys of earlier positions (then attention runs over the latents)."""
         q = self.queries(hidden_states)
         batch, seq, _ = q.shape
         heads = q.shape[-1] // self.head_dim
         q_nope, q_rope = q.view(batch, seq, heads, self.head_dim).transpose(1, 2).split([self.nope, self.rope], -1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, heads, self.nope + self.v_dim)
-        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], -1)
-        k_rope = self.shared_key(k_rope).unsqueeze(1)  # [batch, 1, seq, rope]
+        latent, k_rope = self.kv_a_layernorm(latent), self.shared_key(k_rope)  # k_rope: [batch, seq, rope]
         cos, sin = (table[..., :seq, :].to(q.dtype) for table in rotary)
         if self.interleaved:  # adjacent features pair up: the even ones, then the odd ones, rotate as halves
             q_rope, k_rope = (torch.cat([x[..., 0::2], x[..., 1::2]], -1) for x in (q_rope, k_rope))
         q = torch.cat([q_nope, apply_rotary(q_rope, cos, sin)], -1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        k = torch.cat([k_nope, apply_rotary(k_rope, cos, sin).expand(-1, heads, -1, -1)], -1)
-        v = v.contiguous()
-        if kv_cache is not None:
-            k, v = kv_cache.append(k, v)
-        out = self.core(q, k, v, mask)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin).squeeze(1)
+        if kv_cache is None:
+            out = self.attend_decompressed(q, latent, k_rope, mask)
+        else:
+            out = self.attend_latents(q, *kv_cache.append(latent, k_rope), mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, heads * self.v_dim))
+
+    def attend_decompressed(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                            mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """Training's form: every head's key (its no-RoPE part beside the shared rotary key) and value decompressed
+        from the latents by ``kv_b_proj``, then the attention core; [batch, heads, queries, v_head_dim]."""
+        batch, heads = q.shape[:2]
+        kv = self.kv_b_proj(latent).view(batch, -1, heads, self.nope + self.v_dim)  # gathered in sequence-parallel mode
+        k_nope, v = kv.transpose(1, 2).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1, -1)], -1)
+        return self.core(q, k, v.contiguous(), mask)
+
+    def attend_latents(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                       mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        """DeepSeek's absorbed form, for generation: nothing is decompressed. Each head's key rows of ``kv_b_proj``
+        (``W_k``) fold into its query, since ``q_nope · (W_k c) = (q_nope W_k) · c``, and its value rows (``W_v``)
+        apply after attention, since the weighted sum of ``W_v c`` is ``W_v`` times the weighted sum of ``c``; the
+        latents ``c`` beside the rotary keys are then one key every head shares, and the latents its value
+        (multi-query attention over ``kv_lora_rank + qk_rope_head_dim`` features). The scores and the output are
+        the decompressed form's, up to rounding; [batch, heads, queries, v_head_dim]."""
+        heads = q.shape[1]
+        latent, weight, _ = self.kv_b_proj.operands(latent)  # this rank's heads' rows under tensor parallelism
+        w_k, w_v = weight.view(heads, self.nope + self.v_dim, self.kv_lora_rank).split([self.nope, self.v_dim], 1)
+        q_nope, q_rope = q.split([self.nope, self.rope], -1)
+        q = torch.cat([q_nope @ w_k, q_rope], -1)
+        q = q * (q.shape[-1] / self.head_dim) ** 0.5  # the core scales by its keys' width^-1/2, not qk_head_dim's
+        out = self.core(q, torch.cat([latent, k_rope], -1).unsqueeze(1), latent.unsqueeze(1), mask)
+        return out @ w_v.transpose(1, 2)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
@@ -146,8 +200,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                caches: dict[str, KVCache] | None = None, head: bool = True, document_ids: torch.Tensor | None = None,
-                masks: AttentionMasks | None = None, ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
+                caches: dict[str, LatentCache] | None = None, head: bool = True,
+                document_ids: torch.Tensor | None = None, masks: AttentionMasks | None = None,
+                ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Llama's forward; where this module holds the prediction modules and is handed ``ahead_ids`` (training's
         tokens ahead, ``MultiTokenBatches``), they run on the last hidden states and record their outputs."""
         hidden_states, rotary, masks = self.decode(input_ids, hidden_states, position_ids, attention_mask, caches,
