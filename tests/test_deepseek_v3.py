@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,62 @@ def test_checkpoint_records_the_deepseek_v3_type(converted):
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory) -> Path:
     return _save_random(tmp_path_factory.mktemp("stored"), VARIANTS["latent-query-yarn"])
+
+
+def _with_prediction_module(stored: Path, folder: Path, head_copy_offset: float = 0.0) -> Path:
+    """``stored`` (a transformers folder, untied) with one multi-token prediction module as DeepSeek's released
+    checkpoint stores it: decoder layer ``num_hidden_layers`` (the last layer's tensors, altered), its ``enorm``,
+    ``hnorm``, ``eh_proj`` and ``shared_head.norm``, and its copies of the embedding and head (the head's
+    shifted by ``head_copy_offset``)."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((stored / "config.json").read_text())
+    last, module = (f"model.layers.{config['num_hidden_layers'] + offset}." for offset in (-1, 0))
+    tensors = load_file(stored / "model.safetensors")
+    generator = torch.Generator().manual_seed(1)
+    hidden = config["hidden_size"]
+    extra = {module + name[len(last):]: tensor + 0.01 * torch.randn(tensor.shape, generator=generator)
+             for name, tensor in tensors.items() if name.startswith(last)}
+    extra |= {module + name: 1 + 0.1 * torch.randn(hidden, generator=generator)
+              for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+    extra |= {module + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=generator),
+              module + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+              module + "shared_head.head.weight": tensors["lm_head.weight"] + head_copy_offset}
+    folder.mkdir(parents=True)
+    save_file(tensors | extra, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return folder
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
+def test_prediction_modules_convert_both_ways_in_deepseeks_layout(stored, tmp_path):
+    """A folder holding a prediction module as DeepSeek's checkpoint does converts to nanotron's modules, back to
+    the same tensors bit for bit (which transformers loads, leaving the module unread, with the same logits), and
+    again to the same checkpoint (native -> HF -> native); generation ignores the module, as transformers does."""
+    hf = _with_prediction_module(stored, tmp_path / "hf")
+    ckpt = tmp_path / "nanotron"
+    assert cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", ckpt).code == 0
+    assert json.loads((ckpt / "checkpoint.json").read_text())["model"]["config"]["num_nextn_predict_layers"] == 1
+    native = _stored_tensors(ckpt / "model")
+    assert {"mtp.depths.0.eh_proj.weight", "mtp.depths.0.layer.attn.kv_b_proj.weight",
+            "mtp.depths.0.layer.mlp.expert_bias", "mtp.depths.0.norm.weight"} <= set(native)
+    export_back_exactly(hf, ckpt, tmp_path / "back", PROMPTS[0])
+    assert cli("convert", "hf-to-nanotron", "--hf-path", tmp_path / "back", "--save-path", tmp_path / "again").code == 0
+    again = _stored_tensors(tmp_path / "again" / "model")
+    assert set(again) == set(native) and all(torch.equal(again[name], native[name]) for name in native)
+    ours, theirs = one_process_outputs(ckpt, PROMPTS, 4), transformers_outputs(hf, PROMPTS, 4)
+    assert (ours["logits"] - theirs["logits"]).abs().max() < 1e-4
+    assert ours["cached"] == theirs["greedy"]
+
+
+@pytest.mark.slow  # the quick tier has the block-level comparisons
+def test_a_prediction_modules_own_head_is_refused(stored, tmp_path):
+    """nanotron shares the embedding and head with the prediction modules: a module whose copy differs is one error
+    line, and nothing is written."""
+    hf = _with_prediction_module(stored, tmp_path / "hf", head_copy_offset=0.5)
+    outcome = cli("convert", "hf-to-nanotron", "--hf-path", hf, "--save-path", tmp_path / "out")
+    assert_user_error(outcome, "model.layers.3.shared_head.head.weight differs from lm_head.weight")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # the quick tier has the block-level comparisons
@@ -282,16 +339,22 @@ def test_each_step_moves_the_bias_towards_balance_by_its_speed_unless_skipped():
     assert torch.equal(model.layers["2"].mlp.expert_bias, torch.tensor([0.25, 0.25, 0.25, -0.25]))
 
 
-def test_costs_count_every_parameter_and_the_experts_a_token_uses():
+def _costs_config(**changes):
+    """2 layers (the first dense) of hidden size 32, 8 experts of 16 and 2 shared ones, a vocabulary of 64."""
     from nanotron.config import DeepseekV3Config
+
+    return DeepseekV3Config(**dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12,
+                                   qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8, n_shared_experts=2,
+                                   num_experts_per_tok=2, moe_intermediate_size=16, n_group=4, topk_group=2,
+                                   first_k_dense_replace=1) | changes)
+
+
+def test_costs_count_every_parameter_and_the_experts_a_token_uses():
     from nanotron.models.registry import spec_for_config
 
     for q_lora_rank in (None, 24):
-        config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16,
-                                  qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=8,
-                                  n_shared_experts=2, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4,
-                                  topk_group=2, first_k_dense_replace=1)
+        config = _costs_config(q_lora_rank=q_lora_rank)
         spec = spec_for_config(config)
         with torch.device("meta"):
             model = spec.model_class(config, 64)
@@ -302,15 +365,136 @@ def test_costs_count_every_parameter_and_the_experts_a_token_uses():
     assert costs.attention_pair_flops[0] == 6 * 4 * (20 + 10)  # q.k over 20 features, values of 10, per head
 
 
+def test_costs_count_the_prediction_modules_beside_the_head():
+    """Two prediction modules: every parameter of the built model, and per module the FLOPs of a layer like the last
+    (experts), eh_proj and one more head pass, on the head (the pipeline split puts them on the last stage)."""
+    from nanotron.models.deepseek_v3.costs import prediction_activations
+    from nanotron.models.registry import spec_for_config
+    from nanotron.models.spec import ActivationShape
+
+    config = _costs_config(num_nextn_predict_layers=2)
+    spec = spec_for_config(config)
+    with torch.device("meta"):
+        model = spec.model_class(config, 64)
+    costs, without = spec.costs(config, 64, 16), spec.costs(replace(config, num_nextn_predict_layers=0), 64, 16)
+    assert costs.parameters == sum(param.numel() for param in model.parameters())
+    module = costs.layer_flops[-1] + 6 * (2 * 32 * 32 + 64 * 32)  # the last layer's, eh_proj, the head
+    assert costs.head_flops == pytest.approx(without.head_flops + 2 * module)
+    assert costs.flops_per_token == pytest.approx(without.flops_per_token + 2 * module)
+    assert costs.layer_flops == without.layer_flops
+    shape = ActivationShape(tokens=16, sequence_length=16, tp=1, value_bytes=4, residual_share=1.0,
+                            linear_input_share=1.0, compiled=False)
+    assert prediction_activations(config, shape, lambda c, layer, s: (1000 * layer, layer)) == (
+        1000 * (2 + 3) + 2 * 5 * 4 * 32 * 16, 3)
+
+
+# --- multi-token prediction's loss -------------------------------------------------------------------------------
+
+def _prediction_reference(model, batch, depths: int, scale: float) -> torch.Tensor:
+    """DeepSeek-V3's multi-token prediction loss in plain torch, position by position: depth k reads token i + k and
+    predicts token i + k + 1 where it lies in the sequence and in position i's document and the batch counts it;
+    each depth's loss over its count of targets, their sum times ``scale / depths``. The model's own decoder layers
+    and masks are used as they are (tested against transformers above)."""
+    import torch.nn.functional as F
+
+    from nanotron.nn.attention import AttentionMasks
+
+    rows, length = batch.input_ids.shape
+    hidden, rotary, masks = model.decode(batch.input_ids, None, batch.position_ids, None, None, batch.document_ids,
+                                         None)
+    masks = AttentionMasks.of_sequence(length, hidden.device, documents=batch.document_ids)
+    tokens = torch.cat([batch.input_ids, batch.labels[:, -1:]], dim=1)  # token j at column j
+    total = 0.0
+    for k in range(1, depths + 1):
+        depth = model.mtp.depths[str(k - 1)]
+        ahead = torch.stack([torch.stack([tokens[b, min(i + k, length)] for i in range(length)])
+                             for b in range(rows)])
+        embedded = F.embedding(ahead, model.embed_tokens.weight)
+        norm = lambda x, module: F.rms_norm(x, (x.shape[-1],), module.weight, module.eps)  # noqa: E731
+        hidden = depth.layer(F.linear(torch.cat([norm(hidden, depth.hnorm), norm(embedded, depth.enorm)], -1),
+                                      depth.eh_proj.weight), rotary, masks.for_window(None))
+        logits = F.linear(norm(hidden, depth.norm), model.lm_head.weight)
+        losses, count = [], 0
+        for b in range(rows):
+            for i in range(length - k):
+                inside = bool(batch.label_mask[b, i + k]) and bool(
+                    batch.document_ids[b, i] == batch.document_ids[b, i + k])
+                if inside:
+                    losses.append(F.cross_entropy(logits[b, i], tokens[b, i + k + 1]))
+                    count += 1
+        total = total + torch.stack(losses).sum() / count
+    return scale / depths * total
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
+def test_prediction_loss_is_the_plain_torch_one(fused):
+    """Two depths over two samples of two documents each, a target left out: the transform, the modules and the step
+    term give the plain-torch loss and gradients, through the language-model loss's head (logits, or fused with the
+    loss)."""
+    import torch.distributed as dist
+
+    from nanotron.config import DeepseekV3Config
+    from nanotron.data.batch import MicroBatch
+    from nanotron.data.loader import packed_documents
+    from nanotron.models.deepseek_v3.mtp_loss import MultiTokenBatches, MultiTokenLoss
+    from nanotron.models.registry import spec_for_config
+    from nanotron.parallel.linear_cross_entropy import LinearCrossEntropy
+    from nanotron.training.objective import LanguageModelLoss, StageOutputs
+
+    config = DeepseekV3Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                              num_attention_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=4,
+                              qk_rope_head_dim=4, v_head_dim=4, n_routed_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=8, n_group=1, topk_group=1, first_k_dense_replace=0,
+                              max_position_embeddings=16, num_nextn_predict_layers=2, mtp_loss_scaling_factor=0.3,
+                              _use_doc_masking=True)
+    torch.manual_seed(0)
+    model = spec_for_config(config).model_class(config, 32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn_like(param) * 0.3 + (1.0 if param.dim() == 1 else 0.0))
+    tokens = torch.randint(1, 32, (2, 13))
+    ends = torch.zeros(2, 12, dtype=torch.bool)
+    ends[0, 4], ends[1, 7] = True, True
+    batch = MicroBatch(tokens[:, :-1], tokens[:, 1:], torch.ones(2, 12, dtype=torch.bool), torch.zeros(2),
+                       **{name: value for name, value in packed_documents(ends).items() if name != "label_mask"})
+    batch.label_mask = packed_documents(ends)["label_mask"]
+    batch.label_mask[1, 10] = False
+    transform = MultiTokenBatches(2)
+    batch = transform.prepare(batch)
+    batch.set_token_counts(batch.target_counts().float())
+    # depth k: 12 - k targets per sample, less those that cross an end or land on the left-out target
+    assert batch.extras["ahead_token_counts"].tolist() == [17.0, 13.0]
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    head = LinearCrossEntropy(dist.group.WORLD, 32, 5, compiled=False) if fused else None
+    language_model = LanguageModelLoss(["main"], dist.group.WORLD, 32, head=head)
+    output = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
+                   head=not fused, **transform.model_inputs(batch))
+    stage = StageOutputs(model, output, last=True)
+    language_model.compute(stage, batch)
+    loss, statistics = MultiTokenLoss(config).compute(stage, batch)
+    grads = torch.autograd.grad(loss, [model.mtp.depths["0"].eh_proj.weight, model.embed_tokens.weight])
+    expected = _prediction_reference(model, batch, 2, 0.3)
+    expected_grads = torch.autograd.grad(expected, [model.mtp.depths["0"].eh_proj.weight, model.embed_tokens.weight])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert statistics["mtp_loss"].sum() * 0.3 / 2 == pytest.approx(loss.item(), rel=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 # --- training, and layouts against one process ------------------------------------------------------------------
 
 GLOBAL_BATCH = 16
+MTP_BIAS = "mtp.depths.0.layer.mlp.expert_bias"  # the prediction module's layer has experts like the last layer
 STEPS = parity_steps(short=10)
 # 3 layers (a pipeline split [1, 2]), the first dense; 8 experts in 4 groups with a shared expert; YaRN; a bias
 # fast enough to change the routing within the steps
+# Trained with one multi-token prediction module, embeddings untied as DeepSeek-V3's: under pp the last stage holds
+# its copy of the embedding for the module
 TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 64,
-        "tie_word_embeddings": True, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 12,
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 12,
         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4, "topk_group": 2,
         "first_k_dense_replace": 1, "bias_update_speed": 0.01, "aux_loss_alpha": 0.01,
@@ -319,10 +503,10 @@ TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "in
 
 
 def _training_config(tiny_data, run: Path, *, tp: int = 1, mode: str = "REDUCE_SCATTER", pp: int = 1, dp: int = 1,
-                     cp: int = 1, ep: int = 1) -> dict:
+                     cp: int = 1, ep: int = 1, engine: str = "1f1b") -> dict:
     base = tiny_config_dict(tiny_data, run)
     parallelism = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "expert_parallel_size": ep,
-                   "tp_mode": mode}
+                   "tp_mode": mode, "pp_engine": engine}
     if pp > 1:
         parallelism["pp_stage_layers"] = [1, 2]
     return tiny_config_dict(
@@ -341,12 +525,13 @@ def reference(tiny_data, tmp_path_factory) -> dict:
 
 
 def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layouts: dict[str, dict]) -> None:
-    """Each layout's first-step gradients as the reference's, its losses and grad-norms within 1e-5 of the
-    reference's over every step, and its balancing biases those of the reference on every rank; the reference
-    trains and its biases moved."""
+    """Each layout's first-step gradients as the reference's, its losses (next-token and multi-token prediction's)
+    and grad-norms within 1e-5 of the reference's over every step, and its balancing biases those of the reference
+    on every rank; the reference trains (both losses fall) and its biases moved."""
     assert_reference_trains(reference["metrics"], STEPS)
+    assert reference["metrics"][-1]["mtp_loss"] < reference["metrics"][0]["mtp_loss"] - 0.5
     biases = reference["buffers"]
-    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias", MTP_BIAS}
     assert all(bias.abs().sum() > 0 for bias in biases.values())
     calls = [{"config": _training_config(tiny_data, tmp_path / name, **layout)} for name, layout in layouts.items()]
     expected = assemble([reference], "grads")
@@ -357,7 +542,7 @@ def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layo
             torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
         curve = next(rank["metrics"] for rank in ranks if rank["metrics"])
         for ref, other in zip(reference["metrics"], curve, strict=True):
-            for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss"):
+            for key in ("lm_loss", "mtp_loss", "grad_norm", "moe_load_balancing_loss"):
                 assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["step"], key)
         for rank in ranks:
             for tensor, bias in rank["buffers"].items():
@@ -371,23 +556,29 @@ def test_tp2_in_sequence_parallel_mode_matches_one_process(reference, tiny_data,
 
 @pytest.mark.full_tier
 @pytest.mark.parametrize("world, layout", [
-    (2, {"tp": 2, "mode": "ALL_REDUCE"}), (2, {"pp": 2}), (2, {"dp": 2}), (2, {"cp": 2}), (2, {"ep": 2}),
-    (4, {"ep": 2, "tp": 2}),
-], ids=["tp2_ar", "pp2", "dp2", "cp2", "ep2", "ep2_tp2"])
+    (2, {"tp": 2, "mode": "ALL_REDUCE"}), (2, {"pp": 2}), (2, {"pp": 2, "engine": "zb_h1"}), (2, {"dp": 2}),
+    (2, {"cp": 2}), (2, {"ep": 2}), (4, {"ep": 2, "tp": 2}),
+], ids=["tp2_ar", "pp2", "pp2_zb_h1", "dp2", "cp2", "ep2", "ep2_tp2"])  # zb_h1: the head's backward split in two
 def test_each_layout_matches_one_process(reference, tiny_data, tmp_path, world, layout):
     _assert_layouts_match(reference, tiny_data, tmp_path, world, {"layout": layout})
 
 
-def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
-    """The balancing biases of a run's latest checkpoint, as stored."""
+def _stored_tensors(model: Path, selected=lambda name: True) -> dict[str, torch.Tensor]:
+    """The logical tensors of a checkpoint's ``model`` folder whose names are ``selected``, as stored."""
     from nanotron.checkpoint.logical_tensors import LogicalTensorReader
 
-    reader = LogicalTensorReader(run / (run / "latest.txt").read_text().strip() / "model")
-    biases = {}
-    for name in sorted(name for name in reader.names() if name.endswith("expert_bias")):
-        biases[name] = torch.empty(reader.logical_shape(name))
-        reader.read_into(name, (slice(0, biases[name].shape[0]),), biases[name])
-    return biases
+    reader = LogicalTensorReader(model)
+    tensors = {}
+    for name in sorted(name for name in reader.names() if selected(name)):
+        tensors[name] = torch.empty(reader.logical_shape(name))
+        reader.read_into(name, tuple(slice(0, n) for n in tensors[name].shape), tensors[name])
+    return tensors
+
+
+def _stored_biases(run: Path) -> dict[str, torch.Tensor]:
+    """The balancing biases of a run's latest checkpoint, as stored."""
+    latest = run / (run / "latest.txt").read_text().strip() / "model"
+    return _stored_tensors(latest, lambda name: name.endswith("expert_bias"))
 
 
 @pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
@@ -407,11 +598,11 @@ def test_a_resumed_run_continues_exactly_with_the_balancing_biases(tiny_data, tm
     train_through_cli(config("resumed", 2), tmp_path / "first.yaml")
     halfway = _stored_biases(tmp_path / "resumed")
     train_through_cli(config("resumed", 4), tmp_path / "second.yaml")
-    keys = ("step", "lm_loss", "grad_norm", "moe_expert_load")
+    keys = ("step", "lm_loss", "mtp_loss", "grad_norm", "moe_expert_load")
     expected, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [[m[key] for key in keys] for m in got] == [[m[key] for key in keys] for m in expected]
     straight, resumed = _stored_biases(tmp_path / "straight"), _stored_biases(tmp_path / "resumed")
-    assert set(straight) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias"}
+    assert set(straight) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias", MTP_BIAS}
     for name, bias in straight.items():
         assert torch.equal(resumed[name], bias) and not torch.equal(halfway[name], bias), name
         steps = bias / TINY["bias_update_speed"]
@@ -586,10 +777,11 @@ def test_nanotron_eval_on_a_checkpoint_gives_the_in_loop_scores(trained, tiny_da
 @pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
 def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_path):
     """examples/config_tiny_deepseek_v3.yaml with the quickstart's paths swapped for the test corpus's, 2 steps, its
-    own parallelism (ep 2)."""
+    own parallelism (ep 2), its multi-token prediction module logging mtp_loss."""
     records = train_example(ROOT / "examples" / "config_tiny_deepseek_v3.yaml", tiny_data, tmp_path)
     assert [record["step"] for record in records] == [1, 2]
     assert all(math.isfinite(record["lm_loss"]) and record["moe_load_balancing_loss"] > 0 for record in records)
+    assert all(math.isfinite(record["mtp_loss"]) for record in records)
 
 
 # --- rules ------------------------------------------------------------------------------------------------------
@@ -606,9 +798,10 @@ def test_the_example_trains_on_the_quickstart_data_as_written(tiny_data, tmp_pat
                                         "num_hidden_layers)",)),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, {}, ("rope_scaling misses original_max_position_"
                                                                   "embeddings",)),
-    ({"num_nextn_predict_layers": 1}, {}, ("num_nextn_predict_layers (1) must be 0: multi-token prediction is not "
-                                           "built yet",)),
-], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys", "mtp"])
+    ({"num_nextn_predict_layers": -1}, {}, ("model.model_config.num_nextn_predict_layers must be >= 0 (got -1)",)),
+    ({"mtp_loss_scaling_factor": -0.1}, {}, ("model.model_config.mtp_loss_scaling_factor must be >= 0 (got -0.1)",)),
+], ids=["rope-dim", "kv-rank", "topk-group", "n-group", "top-k", "ep", "dense-layers", "yarn-keys", "mtp-depth",
+        "mtp-weight"])
 def test_bad_config_is_one_error_line_naming_the_key(tiny_data, tmp_path, model_changes, parallelism, fragments):
     config = _training_config(tiny_data, tmp_path / "run")
     config["model"]["model_config"] |= model_changes

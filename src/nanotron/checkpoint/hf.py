@@ -52,7 +52,9 @@ def hf_to_nanotron(hf_path: Path, save_path: Path) -> Path:
     if save_path.exists():
         raise CheckpointError(f"{save_path} already exists; choose another --save-path or delete it")
     spec, config = read_hf_config(hf_path)
-    check_weights_fit(spec, config, stored_shapes(hf_path), hf_path)
+    stored = stored_shapes(hf_path)
+    config = spec.hf_adapter.config_for_weights(config, stored)
+    check_weights_fit(spec, config, stored, hf_path)
     tensors = spec.hf_adapter.weights_from_hf(read_weights(hf_path), config)
 
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -16,7 +16,10 @@ Llama's fields (vocabulary, hidden size, layers, heads, RoPE theta and scaling, 
   (renormalised with ``norm_topk_prob``) times ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts
   (one gated MLP of ``n_shared_experts * moe_intermediate_size``, ungated) that every token visits. The earlier layers
   have a dense MLP of ``intermediate_size``;
-- ``num_nextn_predict_layers``, DeepSeek-V3's multi-token prediction modules, must be 0: they are not built yet;
+- multi-token prediction (``models/deepseek_v3/mtp.py``): ``num_nextn_predict_layers`` modules (0: none), the k-th
+  predicting the token k + 1 past the next from the previous depth's hidden state and the embedding of the token k
+  ahead, through one decoder layer of the family (MLA, and experts as the last layer has them) and the shared head;
+  their mean loss times ``mtp_loss_scaling_factor`` joins the objective (training only);
 - training only: ``bias_update_speed``, the step of the auxiliary-loss-free balancing bias (after every optimizer
   step, ``bias += bias_update_speed * sign(mean load - load)`` from the step's global expert load; 0: frozen), and
   ``aux_loss_alpha``, the weight of the sequence-wise balance loss (0: none).
@@ -57,11 +60,12 @@ class DeepseekV3Config(LlamaConfig):
     rope_interleave: bool = True  # the rotary features rotate adjacent pairs (DeepSeek's layout); false: halves
     bias_update_speed: float = 0.001  # DeepSeek-V3's gamma; 0: the balancing bias stays as it is
     aux_loss_alpha: float = 0.0001  # the sequence-wise balance loss's weight (DeepSeek-V3's alpha); 0: none
-    num_nextn_predict_layers: int = 0  # multi-token prediction modules: not built yet, must be 0
+    num_nextn_predict_layers: int = 0  # multi-token prediction modules (DeepSeek-V3: 1); 0: none
+    mtp_loss_scaling_factor: float = 0.3  # the MTP loss's weight (DeepSeek-V3's lambda over its first 10T tokens)
     _use_doc_masking: bool = False  # attention stays inside each document packed in a sample (nn/attention.py)
 
     resume_may_change: ClassVar[frozenset[str]] = LlamaConfig.resume_may_change | {
-        "bias_update_speed", "aux_loss_alpha", "_use_doc_masking"}
+        "bias_update_speed", "aux_loss_alpha", "mtp_loss_scaling_factor", "_use_doc_masking"}
 
     def __post_init__(self) -> None:
         self.num_key_value_heads = self.num_attention_heads
@@ -76,11 +80,18 @@ class DeepseekV3Config(LlamaConfig):
         return self._use_doc_masking
 
     def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` has experts; the multi-token prediction modules' layers are numbered on
+        from ``num_hidden_layers`` (as DeepSeek's checkpoint names them) and have them like the last layer."""
         return index >= self.first_k_dense_replace
 
     @property
+    def embedding_on_head_stage(self) -> bool:
+        return self.tie_word_embeddings or self.num_nextn_predict_layers > 0
+
+    @property
     def moe(self) -> MoESettings:
-        layers = tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+        depth = self.num_hidden_layers + self.num_nextn_predict_layers
+        layers = tuple(i for i in range(depth) if self.is_moe_layer(i))
         shared = self.n_shared_experts * self.moe_intermediate_size if self.n_shared_experts else None
         return MoESettings(self.n_routed_experts, self.num_experts_per_tok, self.moe_intermediate_size,
                            self.norm_topk_prob, None, self.aux_loss_alpha, 0.0, layers, shared, "n_routed_experts",
@@ -109,9 +120,8 @@ class DeepseekV3Config(LlamaConfig):
         yield from at_least(f"{k}bias_update_speed", self.bias_update_speed, 0)
         yield from at_least(f"{k}aux_loss_alpha", self.aux_loss_alpha, 0)
         yield from self._routing_problems(k)
-        if self.num_nextn_predict_layers != 0:
-            yield (f"{k}num_nextn_predict_layers ({self.num_nextn_predict_layers}) must be 0: multi-token prediction "
-                   "is not built yet; remove the key")
+        yield from at_least(f"{k}num_nextn_predict_layers", self.num_nextn_predict_layers, 0)
+        yield from at_least(f"{k}mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, 0)
         if self.num_hidden_layers >= 1 and not 0 <= self.first_k_dense_replace < self.num_hidden_layers:
             yield (f"{k}first_k_dense_replace ({self.first_k_dense_replace}) must be in [0, {k}num_hidden_layers) "
                    f"= [0, {self.num_hidden_layers}): at least the last layer is a mixture of experts")

@@ -55,6 +55,12 @@ class FamilyFacts:
         None: a dense model, which ``parallelism.expert_parallel_size`` > 1 is refused for."""
         return None
 
+    @property
+    def embedding_on_head_stage(self) -> bool:
+        """Whether the stage of the LM head uses the token embedding too (tied to the head, or read by modules beside
+        it): under pipeline parallelism that stage then holds a copy of it, kept identical to the first stage's."""
+        return getattr(self, "tie_word_embeddings", False)
+
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype of the hidden states pipeline stages exchange, for a model in ``dtype``."""
         return dtype

@@ -28,7 +28,11 @@ class MicroBatch:
       token, on the last pipeline stage; its excess-loss term reads them;
     - ``key_document_ids`` [batch, seq]: context parallelism under document masking
       (``parallel/context_parallel.py``), the document of every token of the whole sequences, for the keys' side of
-      the attention mask.
+      the attention mask;
+    - ``ahead_ids``, ``ahead_labels``, ``ahead_label_mask`` [batch, seq, D]: DeepSeek-V3's multi-token prediction
+      (``models/deepseek_v3/mtp_loss.py``), for each depth k the token k ahead of every position, the token k + 1
+      past its next one and whether that target counts; ``ahead_token_counts`` [D] the step's count of each depth's
+      targets, set beside ``token_count`` (``target_counts``).
     """
 
     input_ids: torch.Tensor  # int64
@@ -64,6 +68,20 @@ class MicroBatch:
     def tensor_fields(self) -> tuple[str, ...]:
         """The names of the tensor fields (``extras`` aside)."""
         return tuple(f.name for f in dataclasses.fields(self) if f.name != "extras")
+
+    def target_counts(self) -> torch.Tensor:
+        """This batch's targets: the count of ``label_mask``, then of each column of ``extras["ahead_label_mask"]``
+        where it has one (the step sums them over its micro-batches and ranks, ``set_token_counts``)."""
+        counts = [self.label_mask.sum().reshape(1)]
+        if "ahead_label_mask" in self.extras:
+            counts.append(self.extras["ahead_label_mask"].sum((0, 1)))
+        return torch.cat(counts)
+
+    def set_token_counts(self, counts: torch.Tensor) -> None:
+        """Hand the batch the step's sums of ``target_counts``: ``token_count`` and ``extras["ahead_token_counts"]``."""
+        self.token_count = counts[0]
+        if "ahead_label_mask" in self.extras:
+            self.extras["ahead_token_counts"] = counts[1:]
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The positions and document ids the model takes, where the batch has them (every pipeline stage: its

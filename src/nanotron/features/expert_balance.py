@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from nanotron.config.moe import MoESettings
+from nanotron.models.moe.model import decoder_layers
 from nanotron.parallel.statistics import Statistics
 from nanotron.training.hooks import Feature, Run
 
@@ -26,7 +27,7 @@ class ExpertBalance(Feature):
 
     def start(self, run: Run) -> None:
         rows = {index: row for row, index in enumerate(self.settings.layers)}
-        self.blocks = {rows[int(index)]: layer.mlp for index, layer in run.model.layers.items()
+        self.blocks = {rows[index]: layer.mlp for index, layer in decoder_layers(run.model)
                        if getattr(layer.mlp, "expert_bias", None) is not None}
 
     def after_step(self, step: int, statistics: Statistics, skipped: bool) -> None:

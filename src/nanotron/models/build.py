@@ -154,7 +154,7 @@ def build_stage(model_config, grid: ParallelContext | GridPosition, options: Bui
     materialize(model, device, options.dtype, placeholders)
     annotate_placements(model)
     last_stage = layout.stage_of(layout.chunks - 1)
-    if last_stage != 0 and model_config.tie_word_embeddings:
+    if last_stage != 0 and model_config.embedding_on_head_stage:
         mark_tied_embedding_copies(model, last_stage)
     return model
 

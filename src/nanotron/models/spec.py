@@ -171,6 +171,10 @@ class HFAdapter(Protocol):
         """One line per config.json key nanotron derives instead of reading (Llama's head_dim) that disagrees with
         ``config``, which passed the family's rules."""
 
+    def config_for_weights(self, config: Any, stored: Mapping[str, torch.Tensor]) -> Any:
+        """``config`` (read from config.json) as the stored tensors (``stored``, shapes on the meta device) say, where
+        config.json may declare parts that the weights leave out (DeepSeek-V3's multi-token prediction)."""
+
     def config_to_hf(self, config: Any, dtype: str) -> dict: ...
 
     def weights_from_hf(self, tensors: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
@@ -197,6 +201,9 @@ class ModelSpec:
     # the run's config -> the family's step terms (``training/objective.py``'s ``StepTerm``: a contribution to the
     # loss, statistics and metrics), beside the language-model loss: a mixture of experts' router losses
     step_terms: Callable[[Any], list] = lambda config: []
+    # the model config -> the family's batch transforms (``data/batch.py``'s ``BatchTransform``), applied to every
+    # micro-batch before the parallel layout's (context parallelism's cut): DeepSeek-V3's tokens ahead
+    batch_transforms: Callable[[Any], list] = lambda model_config: []
     # (model on the meta device, expert-parallel group) -> None: splits the experts over the group's ranks; None for
     # a family without experts (the config rules refuse expert_parallel_size > 1 for it)
     expert_parallel: Callable[[nn.Module, Any], None] | None = None

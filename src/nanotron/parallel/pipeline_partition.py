@@ -86,12 +86,23 @@ def keep_stage(model: nn.Module, layers: Collection[int], is_first: bool, is_las
     if not is_first:
         model.embed_tokens = None
     if not is_last:
-        model.norm = None
-        model.lm_head = None
+        drop_head(model)
+
+
+def head_modules(model: nn.Module) -> tuple[str, ...]:
+    """The modules of the model's last chunk besides its layers: the final norm, the LM head, and those a family
+    keeps beside the head (``head_modules``: DeepSeek-V3's multi-token prediction)."""
+    return getattr(model, "head_modules", ("norm", "lm_head"))
+
+
+def drop_head(model: nn.Module) -> None:
+    for name in head_modules(model):
+        setattr(model, name, None)
 
 
 def mark_tied_embedding_copies(model: nn.Module, last_stage: int) -> None:
-    """Name the LM head's stage's copy after the embedding it is tied to, and record both copies' stages.
+    """Name the LM head's stage's copy after the embedding it is tied to (or that modules beside the head read: any
+    ``embed_tokens`` under them), and record both copies' stages.
 
     With tied embeddings split over the first and last chunk on two stages (0 and ``last_stage``), each holds its own
     tensor. Giving both the logical name ``embed_tokens.weight`` makes them start identical (initial weights depend on
@@ -102,9 +113,13 @@ def mark_tied_embedding_copies(model: nn.Module, last_stage: int) -> None:
     if model.embed_tokens is not None:
         placement = get_placement(model.embed_tokens.weight)
         set_placement(model.embed_tokens.weight, replace(placement, pipeline_copies=copies))
-    if model.lm_head is not None:
+    if model.lm_head is not None and model.config.tie_word_embeddings:
         placement = get_placement(model.lm_head.weight)
         set_placement(model.lm_head.weight, replace(placement, name="embed_tokens.weight", pipeline_copies=copies))
+    for name, module in model.named_modules():
+        if name.endswith(".embed_tokens") and module is not model.embed_tokens:
+            placement = get_placement(module.weight)
+            set_placement(module.weight, replace(placement, name="embed_tokens.weight", pipeline_copies=copies))
 
 
 def chunk_view(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
@@ -117,8 +132,7 @@ def chunk_view(model: nn.Module, layers: range, is_first: bool, is_last: bool) -
     if not is_first:
         view.embed_tokens = None
     if not is_last:
-        view.norm = None
-        view.lm_head = None
+        drop_head(view)
     return view
 
 

@@ -405,7 +405,7 @@ def stage_parameters(config: Config, layout: Layout, stage: int) -> list[Paramet
     for part, held in (("embedding", first), ("head", last)):
         if held:
             params += structure.edge_parameters[part]
-    tied = config.model.model_config.tie_word_embeddings and layout.pp > 1
+    tied = config.model.model_config.embedding_on_head_stage and layout.pp > 1
     if tied and last and not first:  # the last stage's copy of the tied embedding
         params += structure.edge_parameters["embedding"]
     return sorted(params, key=lambda p: p.name)
@@ -413,7 +413,7 @@ def stage_parameters(config: Config, layout: Layout, stage: int) -> list[Paramet
 
 def _gradient_collectives(config: Config, layout: Layout, stage: int) -> list[Collective]:
     params = stage_parameters(config, layout, stage)
-    tied = config.model.model_config.tie_word_embeddings and layout.pp > 1
+    tied = config.model.model_config.embedding_on_head_stage and layout.pp > 1
     collectives = []
     for bucket in _buckets(params, config, layout, tied):
         group = Group.EXPERT_REPLICAS if bucket.axes == Group.EXPERT_REPLICAS.axes else Group.DENSE_REPLICAS

@@ -26,7 +26,9 @@ loss).
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,6 +62,10 @@ class StageOutputs:
     output: torch.Tensor
     last: bool
     token_losses: torch.Tensor | None = None
+    # (output, labels, token weights) -> (the weighted sum of the token losses, the token losses without gradient):
+    # the language-model loss's head and cross-entropy on other outputs of the stage like ``output`` (the logits, or
+    # the head's input where the head is fused with the loss), for terms that score them (multi-token prediction)
+    score: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class StepTerm(Protocol):
@@ -144,9 +150,20 @@ class LanguageModelLoss:
         template = {LOSS: (), "domain_loss_sum": domains, "domain_tokens": domains}
         return template | {"z_loss": ()} if self.z_loss else template
 
+    def score(self, module: nn.Module, output: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``StageOutputs.score`` on the stage ``module``: the token losses of ``output`` (as the stage returns it)
+        against ``labels``, summed with ``weights``, and the token losses without gradient."""
+        if self.head is None:
+            losses = vocab_parallel_token_losses(output, labels, self.tp_group, self.vocab_size)
+            return (losses * weights).sum(), losses.detach()
+        loss, losses, _ = self.head(module.lm_head, output, labels, weights)
+        return loss, losses
+
     def compute(self, stage: StageOutputs, batch: MicroBatch) -> tuple[torch.Tensor | None, Statistics]:
         if not stage.last:
             return None, {}
+        stage.score = functools.partial(self.score, stage.module)
         if self.head is None:
             loss, statistics, losses = self.loss(stage.output, batch, self.tp_group, self.vocab_size,
                                                  len(self.domain_names))

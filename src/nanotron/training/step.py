@@ -21,7 +21,8 @@ and micro-batches gives the same gradients. Who hands in what:
 
 - the run: the language-model loss of each data stage (with the family's z-loss coefficient; fused with the LM head
   where ``model.loss_chunk_tokens`` says so), and under document masking the attention pairs that MFU counts;
-- the family: ``ModelSpec.step_terms`` (a mixture of experts' router losses);
+- the family: ``ModelSpec.step_terms`` (a mixture of experts' router losses, multi-token prediction's loss) and
+  ``ModelSpec.batch_transforms``, first (multi-token prediction's tokens ahead, which context parallelism then cuts);
 - the features: ``Feature.step_terms`` and ``Feature.batch_transforms`` (DoReMi's excess loss);
 - the parallel layout: its batch transforms (context parallelism's ``ContextParallelBatches``).
 
@@ -91,7 +92,7 @@ class StepProgram:
                                      model_config.logit_z_loss, head, config.model.compile)
 
         objectives = {stage: Objective(language_model(dataset), terms) for stage, dataset in datasets.items()}
-        transforms = []
+        transforms = spec.batch_transforms(model_config)
         if pc.size(Axis.CP) > 1:
             flash = getattr(model, "flash_attention", False)
             transforms.append(ContextParallelBatches(pc.coord(Axis.CP), pc.size(Axis.CP), flash))
@@ -111,11 +112,11 @@ class StepProgram:
             batches = [transform.prepare(batch) for batch in batches]
         for feature in self.features:
             feature.before_forward_backward(batches)
-        token_count = torch.stack([batch.label_mask.sum() for batch in batches]).sum().float()
-        dist.all_reduce(token_count, group=self.pc.group(Group.DENSE_REPLICAS))
-        token_count = token_count.clamp(min=1.0)
+        counts = torch.stack([batch.target_counts() for batch in batches]).sum(0).float()
+        dist.all_reduce(counts, group=self.pc.group(Group.DENSE_REPLICAS))
+        counts = counts.clamp(min=1.0)
         for batch in batches:
-            batch.token_count = token_count
+            batch.set_token_counts(counts)
 
         statistics = self.schedule.run(batches, step)
         self.buckets.finish_reduction()

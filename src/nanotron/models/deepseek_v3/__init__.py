@@ -4,7 +4,8 @@ DeepSeek's routing (sigmoid scores, the auxiliary-loss-free balancing bias, expe
 
 ``model.py`` is the pure model, ``parallelize.py`` its tensor-parallel plan (heads split, latents replicated),
 ``costs.py`` its parameters and FLOPs, ``hf_adapter.py`` the Hugging Face mapping; ``DEEPSEEK_V3`` ties them together
-for the registry. The balancing bias moves after every step by the step's expert load
+for the registry; ``mtp.py`` and ``mtp_loss.py`` are multi-token prediction (modules, tokens ahead, loss). The balancing
+bias moves after every step by the step's expert load
 (``features/expert_balance.py``).
 """
 
@@ -16,10 +17,17 @@ from nanotron.models.deepseek_v3.costs import (
 )
 from nanotron.models.deepseek_v3.hf_adapter import DeepseekV3HFAdapter
 from nanotron.models.deepseek_v3.model import DeepseekV3ForCausalLM, LatentCache
+from nanotron.models.deepseek_v3.mtp import deepseek_v3_init_rule
+from nanotron.models.deepseek_v3.mtp_loss import mtp_batch_transforms, mtp_terms
 from nanotron.models.deepseek_v3.parallelize import deepseek_v3_plan
 from nanotron.models.moe import apply_expert_parallel, router_terms
-from nanotron.models.moe.model import moe_init_rule
 from nanotron.models.spec import ModelSpec
+
+
+def deepseek_v3_terms(config) -> list:
+    """The router's step terms, and multi-token prediction's where the config has its modules."""
+    return router_terms(config) + mtp_terms(config)
+
 
 DEEPSEEK_V3 = ModelSpec(
     name="deepseek_v3",
@@ -27,10 +35,11 @@ DEEPSEEK_V3 = ModelSpec(
     model_class=DeepseekV3ForCausalLM,
     tensor_parallel_plan=deepseek_v3_plan,
     costs=deepseek_v3_costs,
-    init_rule=moe_init_rule,  # the latents' norms start at one like every layernorm
+    init_rule=deepseek_v3_init_rule,
     hf_adapter=DeepseekV3HFAdapter(),
     inference_cache=LatentCache,  # the kv latents and the shared rotary keys, not every head's keys and values
-    step_terms=router_terms,
+    step_terms=deepseek_v3_terms,
+    batch_transforms=mtp_batch_transforms,
     expert_parallel=apply_expert_parallel,
     layer_activations=deepseek_v3_layer_activations,
     head_side_activations=multi_token_prediction_activations,

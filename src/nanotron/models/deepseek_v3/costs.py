@@ -1,6 +1,7 @@
 """DeepSeek-V3's costs: a Llama-style decoder (``decoder_costs``) whose attention is multi-head latent attention and
-whose feed-forward blocks are LlaMoE's (the router, the experts a token uses, the ungated shared experts), and what
-its layers keep for the backward (the memory planner)."""
+whose feed-forward blocks are LlaMoE's (the router, the experts a token uses, the ungated shared experts), plus the
+multi-token prediction modules beside the head (``prediction_costs``, ``prediction_activations``), and what its
+layers and those modules keep for the backward (the memory planner)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from nanotron.models.llama.costs import (
     swiglu_activations,
 )
 from nanotron.models.moe.costs import expert_activations, feed_forward_costs
-from nanotron.models.spec import ActivationShape, HeadSideActivations, ModelCosts
+from nanotron.models.spec import ActivationShape, HeadSideActivations, LayerActivations, ModelCosts
 
 
 def latent_attention_costs(c: DeepseekV3Config) -> tuple[int, float]:
@@ -34,7 +35,43 @@ def latent_attention_costs(c: DeepseekV3Config) -> tuple[int, float]:
     return query + key_value + heads * c.v_head_dim * hidden, 6.0 * heads * (qk + c.v_head_dim)
 
 
-def deepseek_v3_costs(c: DeepseekV3Config, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+def prediction_costs(c: DeepseekV3Config, padded_vocab_size: int, sequence_length: int) -> tuple[int, float]:
+    """(parameters, training FLOPs per token) of the multi-token prediction modules: per module, a decoder layer of
+    the family at index ``num_hidden_layers + k`` (as ``decoder_costs`` counts it), ``eh_proj`` (2 * hidden ->
+    hidden), three norms, and one more pass through the shared LM head (its FLOPs, not its weights, which the
+    model's count has; the embedding lookup counts nothing, as the model's)."""
+    depths = c.num_nextn_predict_layers
+    if depths == 0:
+        return 0, 0.0
+    ahead = replace(c, num_hidden_layers=c.num_hidden_layers + depths, num_nextn_predict_layers=0)
+    deeper = decoder_costs(ahead, padded_vocab_size, sequence_length, feed_forward_costs(ahead),
+                           attention=latent_attention_costs(ahead))
+    base = deepseek_v3_main_costs(c, padded_vocab_size, sequence_length)
+    own = 2 * c.hidden_size * c.hidden_size + 3 * c.hidden_size
+    layers = deeper.layer_flops[c.num_hidden_layers:]
+    return (deeper.parameters - base.parameters + depths * own,
+            sum(layers) + depths * (6.0 * 2 * c.hidden_size * c.hidden_size + base.head_flops))
+
+
+def prediction_activations(c: DeepseekV3Config, shape: ActivationShape,
+                           layer_activations: LayerActivations) -> tuple[int, int]:
+    """(kept, transient) bytes of the multi-token prediction modules for one micro-batch on the head's stage, given
+    the family's ``layer_activations`` for their decoder layers (derived from ``mtp.py``, not measured): per module,
+    its layer's, plus per token of the residual stream's share the embedded tokens ahead, the previous depth's
+    hidden state (each an input norm's input), the projection's input (both norms' outputs) and the module's final
+    norm's input, 5 * d * hidden; its head pass keeps what the model's head keeps, which the planner counts as the
+    head's."""
+    first, kept, transient = c.num_hidden_layers, 0, 0
+    tokens = shape.tokens * shape.residual_share
+    for k in range(c.num_nextn_predict_layers):
+        layer_kept, layer_transient = layer_activations(c, first + k, shape)
+        kept += layer_kept + int(5 * shape.value_bytes * c.hidden_size * tokens)
+        transient = max(transient, layer_transient)
+    return kept, transient
+
+
+def deepseek_v3_main_costs(c: DeepseekV3Config, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+    """The decoder's costs without the prediction modules."""
     return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward_costs(c),
                          attention=latent_attention_costs(c))
 
@@ -92,15 +129,16 @@ def deepseek_v3_layer_activations(c: DeepseekV3Config, layer: int, shape: Activa
 
 
 def multi_token_prediction_activations(c: DeepseekV3Config, shape: ActivationShape) -> HeadSideActivations:
-    """``ModelSpec.head_side_activations``: the ``num_nextn_predict_layers`` = D multi-token prediction modules beside
-    the head, each counted as one more decoder layer of the family (at index ``num_hidden_layers + k - 1``), the
-    input of its projection (the two normalised inputs side by side, 2·hidden) and its final norm as the main
-    model's (eager: the fp32 input and the normalised values of its three norms), and one more output of the LM head.
-    A stand-in until the modules' own count replaces it: they are not built yet (the config refuses D > 0)."""
-    depths = c.num_nextn_predict_layers
-    layers = [deepseek_v3_layer_activations(c, c.num_hidden_layers + k, shape) for k in range(depths)]
-    d, hidden, tokens = shape.value_bytes, c.hidden_size, shape.tokens
-    norms = 3 * (d + (0 if shape.compiled else 4 + d)) * hidden
-    projection = tokens * (2 * d * hidden + norms)
-    return HeadSideActivations(kept=sum(kept for kept, _ in layers) + depths * projection,
-                               transient=max((transient for _, transient in layers), default=0), head_outputs=depths)
+    """``ModelSpec.head_side_activations``: the ``num_nextn_predict_layers`` multi-token prediction modules beside the
+    head (``prediction_activations`` with the family's layers), each with one more output of the LM head."""
+    kept, transient = prediction_activations(c, shape, deepseek_v3_layer_activations)
+    return HeadSideActivations(kept=kept, transient=transient, head_outputs=c.num_nextn_predict_layers)
+
+
+def deepseek_v3_costs(c: DeepseekV3Config, padded_vocab_size: int, sequence_length: int) -> ModelCosts:
+    """The decoder's costs, the prediction modules counted beside the head: in the parameters, in the FLOPs per token
+    (MFU, Megatron-LM's convention) and in the head's FLOPs, which the pipeline split puts on the last stage."""
+    costs = deepseek_v3_main_costs(c, padded_vocab_size, sequence_length)
+    parameters, flops = prediction_costs(c, padded_vocab_size, sequence_length)
+    return replace(costs, parameters=costs.parameters + parameters, head_flops=costs.head_flops + flops,
+                   flops_per_token=costs.flops_per_token + flops)

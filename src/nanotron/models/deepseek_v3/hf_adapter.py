@@ -11,18 +11,22 @@ Tensors map one to one (``model.`` prefix, ``self_attn`` <-> ``attn``), except:
 - nothing is permuted: ``rope_interleave`` is a field of the config, and the model rotates the rows it says.
 
 ``head_dim`` (transformers' rotary size), ``qk_head_dim`` and ``num_key_value_heads`` are derived, and checked.
-transformers' ``DeepseekV3ForCausalLM`` has no multi-token prediction modules (``num_nextn_predict_layers``): a
-checkpoint holding their weights (layers past ``num_hidden_layers``) is refused, since nanotron does not build them
-either.
+Multi-token prediction (``num_nextn_predict_layers``): each module is stored as DeepSeek's released checkpoint
+stores it, as decoder layer ``num_hidden_layers + k`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
+and copies of the embedding (``embed_tokens``) and head (``shared_head.head``), which must equal the model's (nanotron
+shares them). transformers' ``DeepseekV3ForCausalLM`` builds no such modules and leaves those tensors unread; a folder
+whose weights lack them (what its ``save_pretrained`` writes, whatever its config.json says) imports without them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
 
 from nanotron.config.deepseek_v3 import DeepseekV3Config
+from nanotron.errors import CheckpointError
 from nanotron.models.hf_fields import DECODER_FIELDS, Field, Ignored, Read, Refused
 from nanotron.models.llama.hf_adapter import LLAMA_FIELDS, LlamaHFAdapter
 from nanotron.models.moe.hf_adapter import experts_from_hf, experts_to_hf
@@ -43,11 +47,11 @@ DEEPSEEK_V3_FIELDS: dict[str, Field] = DECODER_FIELDS | {name: Read(name) for na
                                         "attention does not have"),
     "pretraining_tp": LLAMA_FIELDS["pretraining_tp"],
     "output_router_logits": Ignored("makes transformers' forward return the router logits: the same logits"),
-    "num_nextn_predict_layers": Ignored("the multi-token prediction modules, which DeepseekV3ForCausalLM neither "
-                                        "builds nor loads; their weights are refused"),
-    "num_mtp_layers": Ignored("transformers' name of num_nextn_predict_layers"),
+    "num_nextn_predict_layers": Read("num_nextn_predict_layers, where the weights hold the modules (else 0)"),
+    "num_mtp_layers": Read("num_nextn_predict_layers (transformers' other name)"),
 }
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MTP_INPUTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # a prediction module's tensors besides its layer
 LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 
 
@@ -60,6 +64,7 @@ class DeepseekV3HFAdapter(LlamaHFAdapter):
         fields = {name: hf.get(name, getattr(defaults, name)) for name in ARCHITECTURE_KEYS}
         if "n_routed_experts" not in hf and "num_local_experts" in hf:
             fields["n_routed_experts"] = hf["num_local_experts"]
+        fields["num_nextn_predict_layers"] = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
         return fields | {"attention_bias": False}
 
     def derived_key_problems(self, hf: dict, config: DeepseekV3Config) -> list[str]:
@@ -71,7 +76,7 @@ class DeepseekV3HFAdapter(LlamaHFAdapter):
 
     def _family_to_hf(self, config: DeepseekV3Config) -> dict:
         return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
-                "output_router_logits": False, "num_nextn_predict_layers": 0,
+                "output_router_logits": False, "num_nextn_predict_layers": config.num_nextn_predict_layers,
                 **{name: getattr(config, name) for name in ARCHITECTURE_KEYS}}
 
     def config_to_hf(self, config: DeepseekV3Config, dtype: str) -> dict:
@@ -89,24 +94,55 @@ class DeepseekV3HFAdapter(LlamaHFAdapter):
     def weights_from_hf(self, hf: Mapping[str, torch.Tensor], config: DeepseekV3Config) -> dict[str, torch.Tensor]:
         tensors = {"embed_tokens.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
         for i in range(config.num_hidden_layers):
-            prefix, ours = f"model.layers.{i}.", f"layers.{i}."
-            tensors |= {ours + name: hf[prefix + name] for name in LAYER_NORMS}
-            tensors |= self._attention(hf, prefix + "self_attn.", ours + "attn.", config)
-            tensors |= self._mlp_from_hf(hf, prefix, ours, config, i)
+            tensors |= self._layer_from_hf(hf, f"model.layers.{i}.", f"layers.{i}.", config, i)
         if not config.tie_word_embeddings:
             tensors["lm_head.weight"] = hf["lm_head.weight"]
+        for i in range(config.num_nextn_predict_layers):
+            index = config.num_hidden_layers + i
+            prefix, ours = f"model.layers.{index}.", f"mtp.depths.{i}."
+            tensors |= {ours + name: hf[prefix + name] for name in MTP_INPUTS}
+            tensors[ours + "norm.weight"] = hf[prefix + "shared_head.norm.weight"]
+            tensors |= self._layer_from_hf(hf, prefix, ours + "layer.", config, index)
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            for copy, shared in ((prefix + "embed_tokens.weight", "model.embed_tokens.weight"),
+                                 (prefix + "shared_head.head.weight", head)):
+                _check_shared_copy(hf[copy], hf[shared], copy, shared)
         return tensors
+
+    def _layer_from_hf(self, hf, prefix: str, ours: str, config: DeepseekV3Config, index: int) -> dict:
+        """Decoder layer ``index``'s tensors named ``{prefix}<name>`` in ``hf``, by nanotron's names under ``ours``."""
+        tensors = {ours + name: hf[prefix + name] for name in LAYER_NORMS}
+        tensors |= self._attention(hf, prefix + "self_attn.", ours + "attn.", config)
+        return tensors | self._mlp_from_hf(hf, prefix, ours, config, index)
 
     def weights_to_hf(self, read: Callable[[str], torch.Tensor], config: DeepseekV3Config) -> dict[str, torch.Tensor]:
         hf = {"model.embed_tokens.weight": read("embed_tokens.weight"), "model.norm.weight": read("norm.weight")}
         for i in range(config.num_hidden_layers):
-            prefix, ours = f"model.layers.{i}.", f"layers.{i}."
-            hf |= {prefix + name: read(ours + name) for name in LAYER_NORMS}
-            hf |= self._attention(_Reader(read), ours + "attn.", prefix + "self_attn.", config)
-            hf |= self._mlp_to_hf(read, prefix, ours, config, i)
+            hf |= self._layer_to_hf(read, f"model.layers.{i}.", f"layers.{i}.", config, i)
+        head = read("embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
         if not config.tie_word_embeddings:
-            hf["lm_head.weight"] = read("lm_head.weight")
+            hf["lm_head.weight"] = head
+        for i in range(config.num_nextn_predict_layers):
+            index = config.num_hidden_layers + i
+            prefix, ours = f"model.layers.{index}.", f"mtp.depths.{i}."
+            hf |= {prefix + name: read(ours + name) for name in MTP_INPUTS}
+            hf |= {prefix + "shared_head.norm.weight": read(ours + "norm.weight"),
+                   prefix + "embed_tokens.weight": hf["model.embed_tokens.weight"].clone(),  # files store copies
+                   prefix + "shared_head.head.weight": head.clone()}
+            hf |= self._layer_to_hf(read, prefix, ours + "layer.", config, index)
         return hf
+
+    def _layer_to_hf(self, read, prefix: str, ours: str, config: DeepseekV3Config, index: int) -> dict:
+        hf = {prefix + name: read(ours + name) for name in LAYER_NORMS}
+        hf |= self._attention(_Reader(read), ours + "attn.", prefix + "self_attn.", config)
+        return hf | self._mlp_to_hf(read, prefix, ours, config, index)
+
+    def config_for_weights(self, config: DeepseekV3Config, stored: Mapping[str, torch.Tensor]) -> DeepseekV3Config:
+        """config.json's ``num_nextn_predict_layers`` where the weights hold the modules, 0 where they hold none:
+        transformers' ``save_pretrained`` writes its default (1) but never their weights."""
+        if config.num_nextn_predict_layers and f"model.layers.{config.num_hidden_layers}.eh_proj.weight" not in stored:
+            return dataclasses.replace(config, num_nextn_predict_layers=0)
+        return config
 
     def _mlp_from_hf(self, hf, prefix, ours, config, index):
         if not config.is_moe_layer(index):
@@ -134,6 +170,14 @@ class DeepseekV3HFAdapter(LlamaHFAdapter):
             tensors |= {shared + "gate_proj.weight": gate, shared + "up_proj.weight": up,
                         shared + "down_proj.weight": read(ours + "mlp.shared_expert.down_proj")[0]}
         return tensors
+
+
+def _check_shared_copy(copy: torch.Tensor, shared: torch.Tensor, copy_name: str, shared_name: str) -> None:
+    """A prediction module's copy of the embedding or head (DeepSeek's checkpoint stores one per module) must be the
+    model's: nanotron shares them. Shapes are checked like every tensor's; values where they are read."""
+    if copy.shape != shared.shape or (not copy.is_meta and not torch.equal(copy, shared)):
+        raise CheckpointError(f"{copy_name} differs from {shared_name}: nanotron's multi-token prediction modules "
+                              "share the model's embedding and head")
 
 
 class _Reader:

@@ -33,9 +33,10 @@ import torch
 from torch import nn
 
 from nanotron.config.deepseek_v3 import DeepseekV3Config
-from nanotron.models.llama.model import LlamaForCausalLM, LlamaMLP
+from nanotron.models.deepseek_v3.mtp import MultiTokenPrediction, PredictionDepth
+from nanotron.models.llama.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from nanotron.models.moe.model import MoEFeedForward
-from nanotron.nn.attention import AttentionCore, BlockMask
+from nanotron.nn.attention import AttentionCore, AttentionMasks, BlockMask
 from nanotron.nn.linear import Linear
 from nanotron.nn.rmsnorm import RMSNorm
 from nanotron.nn.rotary import RotaryEmbedding, apply_rotary, yarn_mscale
@@ -165,11 +166,50 @@ class LatentAttention(nn.Module):
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """Llama with ``LatentAttention`` in every layer, rotary tables of ``qk_rope_head_dim``, and DeepSeek's
-    mixture-of-experts blocks from ``first_k_dense_replace`` on."""
+    mixture-of-experts blocks from ``first_k_dense_replace`` on; with ``num_nextn_predict_layers``, the multi-token
+    prediction modules beside the head (``mtp``, ``mtp.py``; None without them, and on pipeline stages without the
+    head)."""
 
     def __init__(self, config: DeepseekV3Config, padded_vocab_size: int):
         super().__init__(config, padded_vocab_size)
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling)
+        self.mtp: MultiTokenPrediction | None = None
+        if config.num_nextn_predict_layers:
+            first = config.num_hidden_layers
+            depths = [PredictionDepth(config, LlamaDecoderLayer(config, self.attention(config, index),
+                                                                self.feed_forward(config, index)))
+                      for index in range(first, first + config.num_nextn_predict_layers)]
+            self.mtp = MultiTokenPrediction(depths, self.embed_tokens)
+
+    def tie_weights(self) -> None:
+        """Llama's, and the prediction modules read the model's embedding (again after tensor parallelism swapped
+        it)."""
+        super().tie_weights()
+        mtp = getattr(self, "mtp", None)  # Llama's constructor ties before this one adds the modules
+        if mtp is not None and self.embed_tokens is not None:
+            mtp.embed_tokens = self.embed_tokens
+
+    head_modules = ("norm", "lm_head", "mtp")  # what a pipeline's last stage holds besides its layers
+
+    def layers_beside_head(self) -> list[tuple[int, LlamaDecoderLayer]]:
+        """The prediction modules' decoder layers by their global index (``num_hidden_layers`` on), where this
+        module holds them."""
+        if self.mtp is None:
+            return []
+        return [(self.config.num_hidden_layers + int(index), depth.layer) for index, depth in self.mtp.depths.items()]
+
+    def forward(self, input_ids: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                caches: dict[str, LatentCache] | None = None, head: bool = True,
+                document_ids: torch.Tensor | None = None, masks: AttentionMasks | None = None,
+                ahead_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Llama's forward; where this module holds the prediction modules and is handed ``ahead_ids`` (training's
+        tokens ahead, ``MultiTokenBatches``), they run on the last hidden states and record their outputs."""
+        hidden_states, rotary, masks = self.decode(input_ids, hidden_states, position_ids, attention_mask, caches,
+                                                   document_ids, masks)
+        if self.mtp is not None and ahead_ids is not None:
+            self.mtp(hidden_states, ahead_ids, rotary, masks, self.lm_head if head else None)
+        return self.finish(hidden_states, head)
 
     @staticmethod
     def attention(config: DeepseekV3Config, index: int) -> LatentAttention:

@@ -9,7 +9,11 @@ parallelism), and multi-head latent attention split by heads.
   the sequence (the up projections gather the latents), so their weights' gradients are summed over TP
   (``LatentProjection``, ``SequenceParallelNorm``);
 - the rotary key every head shares is made the whole sequence's on every rank, its gradient summed over the ranks'
-  heads (``SharedRotaryKey``).
+  heads (``SharedRotaryKey``);
+- the multi-token prediction modules' decoder layers follow the same plan (their experts split as a whole block
+  each, like the main layers'); their ``eh_proj`` stays whole on every rank like the latents' down projections (a
+  replicated 2 * hidden -> hidden matrix: splitting it would gather its output for the layer's norm), and their
+  input norms like every norm.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.config.deepseek_v3 import DeepseekV3Config
-from nanotron.models.moe.parallelize import moe_plan
+from nanotron.models.moe.parallelize import MixtureOfExperts, moe_plan
 from nanotron.parallel.tensor_parallel import (
     REDUCE_SCATTER,
     Column,
@@ -63,7 +67,11 @@ class LatentProjection(Style):
 
 
 def deepseek_v3_plan(config: DeepseekV3Config) -> dict[str, Style]:
-    return moe_plan(config) | {
+    first = config.num_hidden_layers
+    prediction = {f"mtp.depths.{index}.layer.mlp": MixtureOfExperts() for index in range(
+        config.num_nextn_predict_layers) if config.is_moe_layer(first + index)}
+    prediction |= {"eh_proj": LatentProjection(), "enorm": SequenceParallelNorm(), "hnorm": SequenceParallelNorm()}
+    return moe_plan(config) | prediction | {
         "attn.q_proj": Column(), "attn.q_b_proj": Column(), "attn.kv_b_proj": Column(), "attn.o_proj": Row(),
         "attn.q_a_proj": LatentProjection(), "attn.kv_a_proj_with_mqa": LatentProjection(),
         "attn.q_a_layernorm": SequenceParallelNorm(), "attn.kv_a_layernorm": SequenceParallelNorm(),

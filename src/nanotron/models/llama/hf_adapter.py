@@ -93,6 +93,9 @@ class LlamaHFAdapter:
             "pad_token_id": hf.get("pad_token_id"), **self._check_family(hf),
         }
 
+    def config_for_weights(self, config: LlamaConfig, stored: Mapping[str, torch.Tensor]) -> LlamaConfig:
+        return config
+
     def derived_key_problems(self, hf: dict, config: LlamaConfig) -> list[str]:
         head_dim = hf.get("head_dim")  # Mixtral writes null
         if head_dim is None or head_dim == config.head_dim:

@@ -182,6 +182,16 @@ class LlamaForCausalLM(nn.Module):
         from the sequence: a rank holding parts of a sequence (context parallelism) states where its queries and keys
         sit in it.
         """
+        hidden_states, _, _ = self.decode(input_ids, hidden_states, position_ids, attention_mask, caches,
+                                          document_ids, masks)
+        return self.finish(hidden_states, head)
+
+    def decode(self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None,
+               position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+               caches: dict[str, KVCache] | None, document_ids: torch.Tensor | None, masks: AttentionMasks | None,
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], AttentionMasks]:
+        """``forward`` up to the final norm: the hidden states after this module's decoder layers, with the rotary
+        tables and the attention masks they used (modules beside the head reuse them)."""
         if position_ids is None:
             length = input_ids.shape[1] if input_ids is not None else max(
                 self.config.max_position_embeddings, hidden_states.shape[1])
@@ -199,6 +209,10 @@ class LlamaForCausalLM(nn.Module):
         for index, layer in self.layers.items():
             cache = caches[index] if caches is not None else None
             hidden_states = layer(hidden_states, rotary, masks.for_window(layer.attn.window), cache)
+        return hidden_states, rotary, masks
+
+    def finish(self, hidden_states: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """The final norm and, with ``head``, the LM head, where this module holds them."""
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         if self.lm_head is not None and head:

@@ -65,6 +65,9 @@ class MambaHFAdapter:
             "pad_token_id": hf.get("pad_token_id"),
         }
 
+    def config_for_weights(self, config: MambaConfig, stored: Mapping[str, torch.Tensor]) -> MambaConfig:
+        return config
+
     def derived_key_problems(self, hf: dict, config: MambaConfig) -> list[str]:
         channels = hf.get("intermediate_size")  # transformers sizes the mixer by it, nanotron by expand
         if channels is None or channels == config.d_inner:

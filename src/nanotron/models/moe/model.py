@@ -354,6 +354,14 @@ def moe_init_rule(name: str, config: LlamaConfig, std: float) -> Initializer:
 
 # --- the router's step term (``ModelSpec.step_terms``): auxiliary losses and statistics -----------------------------
 
+def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(global index, layer) of every decoder layer this stage holds: its ``layers``, then those of the modules a
+    family keeps beside the head (``layers_beside_head``: DeepSeek-V3's multi-token prediction, numbered on from
+    ``num_hidden_layers``)."""
+    beside_head = getattr(model, "layers_beside_head", lambda: [])()
+    return [(int(index), layer) for index, layer in model.layers.items()] + beside_head
+
+
 def router_losses(model: LlamaForCausalLM, sequences_per_step: int, pooled: GlobalBalance | None = None
                   ) -> tuple[torch.Tensor | None, Statistics]:
     """The weighted auxiliary losses of the MoE blocks this stage holds, for its last forward (each the micro-batch's
@@ -365,7 +373,7 @@ def router_losses(model: LlamaForCausalLM, sequences_per_step: int, pooled: Glob
     rows = {index: row for row, index in enumerate(s.layers)}
     scale = 1.0 / (len(rows) * sequences_per_step)
     loss, statistics = None, {}
-    for index, layer in model.layers.items():
+    for index, layer in decoder_layers(model):
         block = layer.mlp
         if not isinstance(block, MoEFeedForward) or block.record is None:
             continue
