@@ -254,6 +254,7 @@ def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layo
     expected = assemble([reference], "grads")
     assert expected["layers.0.attn.q_norm.weight"].abs().sum() > 0
     for name, ranks in zip(layouts, run_distributed_each(first_step_then_train, world, calls), strict=True):
+        assert ranks[0]["sharded"] == (layouts[name].get("zero", 0) > 0), name
         if not ranks[0]["sharded"]:  # ZeRO reduces each gradient onto its shard: no rank holds it whole
             got = assemble(ranks, "grads")  # the replicated q/k norms: every rank's gradient equal, summed over TP
             assert set(got) == set(expected), name
@@ -287,7 +288,7 @@ def test_expert_parallel_matches_one_process(references, tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("model, layout", [
-    ("moe", {"dp": 2, "zero": 3}),
+    pytest.param("moe", {"dp": 2, "zero": 3}, marks=pytest.mark.slow),  # multi-rank: out of the quick tier
     pytest.param("moe", {"dp": 2, "zero": 1}, marks=pytest.mark.full_tier),
     pytest.param("dense", {"dp": 2, "zero": 3}, marks=pytest.mark.full_tier),
     pytest.param("moe", {"pp": 2, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
