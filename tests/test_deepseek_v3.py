@@ -17,7 +17,7 @@ import torch
 
 from support import ROOT
 from support.configs import tiny_config_dict, write_config
-from support.distributed import run_distributed_each
+from support.distributed import run_distributed, run_distributed_each
 from support.hf import (
     PROMPTS,
     away_from_initial_values,
@@ -104,6 +104,19 @@ def test_logits_match_transformers_at_tp2_and_ep2(converted):
         for rank in ranks:
             assert (rank["logits"] - theirs["logits"]).abs().max() < 1e-4, layout
             assert rank["cached"] == rank["uncached"] == theirs["greedy"], layout
+
+
+@pytest.mark.full_tier
+def test_generation_at_pp2_is_that_of_one_process(converted):
+    """The last stage's logits and every rank's greedy continuations, through the latent cache and without it, as
+    one process's, the three layers split over two stages."""
+    ours = one_process_outputs(converted["ckpt"], PROMPTS, 48)
+    ranks = run_distributed(nanotron_outputs, 2, ckpt=str(converted["ckpt"]), tp=1, pp=2)
+    (last,) = [rank for rank in ranks if rank["logits"] is not None]
+    torch.testing.assert_close(last["logits"], ours["logits"], rtol=0, atol=1e-6)
+    assert ours["cached"] == ours["uncached"]
+    for rank in ranks:
+        assert rank["cached"] == rank["uncached"] == ours["cached"]
 
 
 @pytest.mark.slow  # the quick tier has the block-level comparisons and the bias rule
@@ -503,43 +516,61 @@ TINY = {"is_deepseek_v3_config": True, "vocab_size": 384, "hidden_size": 64, "in
 
 
 def _training_config(tiny_data, run: Path, *, tp: int = 1, mode: str = "REDUCE_SCATTER", pp: int = 1, dp: int = 1,
-                     cp: int = 1, ep: int = 1, engine: str = "1f1b") -> dict:
+                     cp: int = 1, ep: int = 1, zero: int = 0, engine: str = "1f1b", virtual: int = 1,
+                     layers: int = 3) -> dict:
+    """The tiny model at a layout; ``layers`` 4 gives interleaved 1F1B a layer per chunk at pp=2, v=2."""
     base = tiny_config_dict(tiny_data, run)
     parallelism = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "expert_parallel_size": ep,
-                   "tp_mode": mode, "pp_engine": engine}
-    if pp > 1:
-        parallelism["pp_stage_layers"] = [1, 2]
+                   "tp_mode": mode, "pp_engine": engine, "virtual_pipeline_size": virtual}
+    if pp > 1 and virtual == 1:
+        parallelism["pp_stage_layers"] = [1, layers - 1]
     return tiny_config_dict(
-        tiny_data, run, model=base["model"] | {"model_config": dict(TINY)}, parallelism=parallelism,
+        tiny_data, run, model=base["model"] | {"model_config": TINY | {"num_hidden_layers": layers}},
+        parallelism=parallelism, optimizer={"zero_stage": zero},
         tokens={"train_steps": STEPS, "micro_batch_size": 4,
                 "batch_accumulation_per_replica": GLOBAL_BATCH // (4 * dp * ep)},
         checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory) -> dict:
+def _reference(tiny_data, root: Path, layers: int) -> dict:
     """One process: first-step gradients, the curves every layout must give and the balancing biases at the end."""
     (result,) = run_distributed_each(first_step_then_train, 1, [
-        {"config": _training_config(tiny_data, tmp_path_factory.mktemp("reference"))}])[0]
+        {"config": _training_config(tiny_data, root, layers=layers)}])[0]
     return result
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> dict:
+    return _reference(tiny_data, tmp_path_factory.mktemp("reference"), layers=3)
+
+
+@pytest.fixture(scope="module")
+def four_layer_reference(tiny_data, tmp_path_factory) -> dict:
+    """The reference of the 4-layer model, which interleaved 1F1B at pp=2 cuts into its 4 chunks."""
+    return _reference(tiny_data, tmp_path_factory.mktemp("four_layer_reference"), layers=4)
+
+
 def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layouts: dict[str, dict]) -> None:
-    """Each layout's first-step gradients as the reference's, its losses (next-token and multi-token prediction's)
-    and grad-norms within 1e-5 of the reference's over every step, and its balancing biases those of the reference
-    on every rank; the reference trains (both losses fall) and its biases moved."""
+    """Each layout's first-step gradients as the reference's (unless ZeRO shards them), its losses (next-token and
+    multi-token prediction's) and grad-norms within 1e-5 of the reference's over every step, and its balancing
+    biases those of the reference on every rank; the reference trains (both losses fall) and its biases (every
+    expert layer's, the prediction module's included) moved. The layouts run the reference's number of layers."""
     assert_reference_trains(reference["metrics"], STEPS)
     assert reference["metrics"][-1]["mtp_loss"] < reference["metrics"][0]["mtp_loss"] - 0.5
     biases = reference["buffers"]
-    assert set(biases) == {"layers.1.mlp.expert_bias", "layers.2.mlp.expert_bias", MTP_BIAS}
+    layers = 1 + max(int(name.split(".")[1]) for name in biases if name.startswith("layers."))
+    assert set(biases) == {f"layers.{i}.mlp.expert_bias" for i in range(1, layers)} | {MTP_BIAS}
     assert all(bias.abs().sum() > 0 for bias in biases.values())
-    calls = [{"config": _training_config(tiny_data, tmp_path / name, **layout)} for name, layout in layouts.items()]
+    calls = [{"config": _training_config(tiny_data, tmp_path / name, layers=layers, **layout)}
+             for name, layout in layouts.items()]
     expected = assemble([reference], "grads")
     for name, ranks in zip(layouts, run_distributed_each(first_step_then_train, world, calls), strict=True):
-        got = assemble(ranks, "grads")
-        assert set(got) == set(expected), name
-        for tensor, grad in expected.items():
-            torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
+        assert ranks[0]["sharded"] == (layouts[name].get("zero", 0) > 0), name
+        if not ranks[0]["sharded"]:  # ZeRO reduces each gradient onto its shard: no rank holds it whole
+            got = assemble(ranks, "grads")
+            assert set(got) == set(expected), name
+            for tensor, grad in expected.items():
+                torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
         curve = next(rank["metrics"] for rank in ranks if rank["metrics"])
         for ref, other in zip(reference["metrics"], curve, strict=True):
             for key in ("lm_loss", "mtp_loss", "grad_norm", "moe_load_balancing_loss"):
@@ -561,6 +592,20 @@ def test_tp2_in_sequence_parallel_mode_matches_one_process(reference, tiny_data,
 ], ids=["tp2_ar", "pp2", "pp2_zb_h1", "dp2", "cp2", "ep2", "ep2_tp2"])  # zb_h1: the head's backward split in two
 def test_each_layout_matches_one_process(reference, tiny_data, tmp_path, world, layout):
     _assert_layouts_match(reference, tiny_data, tmp_path, world, {"layout": layout})
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param({"dp": 2, "zero": 3}, marks=pytest.mark.slow),  # multi-rank: out of the quick tier
+    pytest.param({"dp": 2, "zero": 1}, marks=pytest.mark.full_tier),
+    pytest.param({"pp": 2, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
+    pytest.param({"pp": 2, "engine": "afab"}, marks=pytest.mark.full_tier),
+    pytest.param({"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}, marks=pytest.mark.full_tier),
+], ids=str)
+def test_zero_stages_and_pipeline_schedules_match_one_process(request, tiny_data, tmp_path, layout):
+    """dp=2 with the optimizer state (ZeRO-1) or everything (ZeRO-3) sharded, and pp=2 under ZB-H1, AFAB and
+    interleaved 1F1B (two chunks a stage: the 4-layer model's reference)."""
+    fixture = "four_layer_reference" if layout.get("virtual", 1) > 1 else "reference"
+    _assert_layouts_match(request.getfixturevalue(fixture), tiny_data, tmp_path, 2, {"layout": layout})
 
 
 def _stored_tensors(model: Path, selected=lambda name: True) -> dict[str, torch.Tensor]:

@@ -400,7 +400,8 @@ def test_deepseek_v3_weights_per_rank_are_the_hand_count_at_tp2_ep2_pp2():
     of 32; layer 0 dense, layers 1-3 with 8 experts of 64 and one shared expert; vocabulary 4096 tied; fp32) on 8
     ranks: the latents' projections and norms and the router whole on every rank, the heads and every feed-forward
     width split over tp, the experts over ep, the layers over pp (the last stage holds its copy of the tied
-    embedding); at one rank, the family's parameter count."""
+    embedding and the multi-token prediction module: one more expert layer, its 2·hidden → hidden projection, kept
+    whole, and three norms); at one rank, the family's parameter count."""
     config = load_config(DEEPSEEK_V3, ["parallelism.tp=2", "parallelism.pp=2", "parallelism.expert_parallel_size=2",
                                        "parallelism.pp_stage_layers=[2,2]", *BUFFERS])
     hidden, heads, tp = 128, 4, 2
@@ -411,7 +412,9 @@ def test_deepseek_v3_weights_per_rank_are_the_hand_count_at_tp2_ep2_pp2():
     embedding = 4096 * hidden // tp
     stages = estimate_memory(config, gpu_memory_gb=80).stages
     assert [stage.layers for stage in stages] == [[0, 1], [2, 3]]
-    assert [stage.weights for stage in stages] == [4 * (embedding + dense + moe), 4 * (2 * moe + hidden + embedding)]
+    prediction = moe + 2 * hidden * hidden + 3 * hidden
+    assert [stage.weights for stage in stages] == [4 * (embedding + dense + moe),
+                                                   4 * (2 * moe + hidden + embedding + prediction)]
 
     one_rank = load_config(DEEPSEEK_V3, ["parallelism.expert_parallel_size=1", *BUFFERS])
     model_config = one_rank.model.model_config

@@ -209,38 +209,51 @@ TINY_MOE = {"num_experts": 4, "top_k": 2, "moe_intermediate_size": 32, "mlp_only
 
 def _training_config(tiny_data, run: Path, *, experts: bool = False, tp: int = 1, mode: str = "REDUCE_SCATTER",
                      pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, micro_batch: int = 4,
-                     scope: str = "sequence") -> dict:
+                     scope: str = "sequence", zero: int = 0, engine: str | None = None, virtual: int = 1,
+                     layers: int = 3) -> dict:
     """The tiny Qwen3 (with ``experts``, Qwen3-MoE's balance loss over each sequence or, with ``scope:
     global_batch``, over the global batch, under the AFAB schedule at pp > 1) at a layout, over the same global
-    batch at every layout."""
+    batch at every layout; ``layers`` 4 gives interleaved 1F1B a layer per chunk at pp=2, v=2."""
     base = tiny_config_dict(tiny_data, run)
     moe = dict(TINY_MOE, load_balancing_scope=scope) if experts else None
-    model = base["model"] | {"model_config": TINY | {"moe_config": moe}}
+    model = base["model"] | {"model_config": TINY | {"num_hidden_layers": layers, "moe_config": moe}}
+    engine = engine or ("afab" if scope == "global_batch" else "1f1b")
     parallelism = {"dp": dp, "tp": tp, "pp": pp, "context_parallel_size": cp, "expert_parallel_size": ep,
-                   "tp_mode": mode}
-    if pp > 1:
-        parallelism |= {"pp_stage_layers": [1, 2], "pp_engine": "afab" if scope == "global_batch" else "1f1b"}
+                   "tp_mode": mode, "pp_engine": engine, "virtual_pipeline_size": virtual}
+    if pp > 1 and virtual == 1:
+        parallelism["pp_stage_layers"] = [1, layers - 1]
     return tiny_config_dict(
-        tiny_data, run, model=model, parallelism=parallelism,
+        tiny_data, run, model=model, parallelism=parallelism, optimizer={"zero_stage": zero},
         tokens={"train_steps": STEPS, "micro_batch_size": micro_batch,
                 "batch_accumulation_per_replica": GLOBAL_BATCH // (micro_batch * dp * ep)},
         checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
 
 
+def _references(tiny_data, root: Path, variants: dict[str, dict], layers: int) -> dict:
+    """One process per variant: first-step gradients and the curves every layout must give."""
+    calls = [{"config": _training_config(tiny_data, root / name, layers=layers, **changes)}
+             for name, changes in variants.items()]
+    return {name: ranks[0] for name, ranks in zip(variants, run_distributed_each(first_step_then_train, 1, calls))}
+
+
 @pytest.fixture(scope="module")
 def references(tiny_data, tmp_path_factory) -> dict:
-    """One process, dense and with experts (the balance loss per sequence, and over the global batch): first-step
-    gradients and the curves every layout must give."""
-    root = tmp_path_factory.mktemp("references")
+    """Dense and with experts (the balance loss per sequence, and over the global batch)."""
     variants = {"dense": {}, "moe": {"experts": True}, "global": {"experts": True, "scope": "global_batch"}}
-    calls = [{"config": _training_config(tiny_data, root / name, **changes)} for name, changes in variants.items()]
-    return {name: ranks[0] for name, ranks in zip(variants, run_distributed_each(first_step_then_train, 1, calls))}
+    return _references(tiny_data, tmp_path_factory.mktemp("references"), variants, layers=3)
+
+
+@pytest.fixture(scope="module")
+def four_layer_references(tiny_data, tmp_path_factory) -> dict:
+    """The references of the 4-layer model, which interleaved 1F1B at pp=2 cuts into its 4 chunks."""
+    return _references(tiny_data, tmp_path_factory.mktemp("four_layer_references"),
+                       {"dense": {}, "moe": {"experts": True}}, layers=4)
 
 
 def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layouts: dict[str, dict],
                           scope: str = "sequence", steps: int = STEPS) -> None:
-    """Each layout's first-step gradients as the reference's, and its losses and grad-norms within 1e-5 of the
-    reference's over its first ``steps`` steps; the reference trains."""
+    """Each layout's first-step gradients as the reference's (unless ZeRO shards them), and its losses and grad-norms
+    within 1e-5 of the reference's over its first ``steps`` steps; the reference trains."""
     assert_reference_trains(reference["metrics"], STEPS)
     experts = "moe_z_loss" in reference["metrics"][0]
     calls = [{"config": _training_config(tiny_data, tmp_path / name, experts=experts, scope=scope,
@@ -249,10 +262,12 @@ def _assert_layouts_match(reference: dict, tiny_data, tmp_path, world: int, layo
     expected = assemble([reference], "grads")
     assert expected["layers.0.attn.q_norm.weight"].abs().sum() > 0
     for name, ranks in zip(layouts, run_distributed_each(first_step_then_train, world, calls), strict=True):
-        got = assemble(ranks, "grads")  # the replicated q/k norms: every rank's gradient equal, summed over TP
-        assert set(got) == set(expected), name
-        for tensor, grad in expected.items():
-            torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
+        assert ranks[0]["sharded"] == (layouts[name].get("zero", 0) > 0), name
+        if not ranks[0]["sharded"]:  # ZeRO reduces each gradient onto its shard: no rank holds it whole
+            got = assemble(ranks, "grads")  # the replicated q/k norms: every rank's gradient equal, summed over TP
+            assert set(got) == set(expected), name
+            for tensor, grad in expected.items():
+                torch.testing.assert_close(got[tensor], grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {tensor}")
         curve = next(rank["metrics"] for rank in ranks if rank["metrics"])
         for ref, other in zip(reference["metrics"][:steps], curve[:steps], strict=True):
             for key in ("lm_loss", "grad_norm") + (("moe_load_balancing_loss", "moe_z_loss") if experts else ()):
@@ -298,6 +313,25 @@ def test_global_batch_balance_loss_matches_one_process_at_every_split(references
     _assert_layouts_match(reference, tiny_data, tmp_path, 1, {"acc1": {"micro_batch": 16}}, scope="global_batch",
                           steps=10)
     _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"cp2": {"cp": 2}}, scope="global_batch", steps=10)
+
+
+@pytest.mark.parametrize("model, layout", [
+    pytest.param("moe", {"dp": 2, "zero": 3}, marks=pytest.mark.slow),  # multi-rank: out of the quick tier
+    pytest.param("moe", {"dp": 2, "zero": 1}, marks=pytest.mark.full_tier),
+    pytest.param("dense", {"dp": 2, "zero": 3}, marks=pytest.mark.full_tier),
+    pytest.param("moe", {"pp": 2, "engine": "zb_h1"}, marks=pytest.mark.full_tier),
+    pytest.param("moe", {"pp": 2, "engine": "afab"}, marks=pytest.mark.full_tier),
+    pytest.param("moe", {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "layers": 4},
+                 marks=pytest.mark.full_tier),
+    pytest.param("dense", {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "layers": 4},
+                 marks=pytest.mark.full_tier),
+], ids=str)
+def test_zero_stages_and_pipeline_schedules_match_one_process(request, tiny_data, tmp_path, model, layout):
+    """dp=2 with the optimizer state (ZeRO-1) or everything (ZeRO-3) sharded, and pp=2 under ZB-H1, AFAB and
+    interleaved 1F1B (two chunks a stage: the 4-layer model's references)."""
+    fixture = "four_layer_references" if layout.get("layers") == 4 else "references"
+    reference = request.getfixturevalue(fixture)[model]
+    _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"layout": layout})
 
 
 def test_recomputation_leaves_training_unchanged_under_document_masking(tiny_data, tmp_path):
