@@ -465,4 +465,4 @@ def test_a_deepseek_v3_layer_keeps_for_its_backward_what_the_planner_counts(comp
 def test_estimate_memory_prints_the_table_of_the_tiny_deepseek_v3(capsys):
     main(["estimate-memory", "--config-file", str(DEEPSEEK_V3), "--gpu-memory-gb", "80"])
     out = capsys.readouterr().out
-    assert out.startswith("deepseek_v3, 1.5M parameters") and "stage | layers" in out and "fits in 80.0 GB" in out
+    assert out.startswith("deepseek_v3, 1.9M parameters") and "stage | layers" in out and "fits in 80.0 GB" in out
