@@ -68,6 +68,7 @@ def test_bf16_moments_with_a_beta_above_099_are_refused_naming_the_key_and_the_f
                                  f"optimizer.{beta}=0.99"]).optimizer.adam_moments_dtype == "bfloat16"
 
 
+@pytest.mark.slow
 def test_the_planner_counts_two_bytes_per_bf16_moment():
     def stage(*overrides):
         return estimate_memory(load_config(EXAMPLE, list(overrides)), gpu_memory_gb=80).stages[0]
@@ -143,6 +144,7 @@ def test_a_bf16_model_with_bf16_moments_trains_close_to_fp32_moments(runs):
         assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=2e-2), got["step"]
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_fp32_moments_whatever_the_training_dtype(runs):
     for moments, saved in runs["checkpoints"].items():
         kinds = {key.split("/")[0] for key in saved}

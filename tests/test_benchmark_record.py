@@ -85,6 +85,7 @@ def fake_systems(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_record_with_every_system_and_ratio(tmp_path, fake_systems, capsys):
     results = tmp_path / "results"
     arguments = ["--data", str(tmp_path / "data"), "--results-dir", str(results), "--commit", "abc1234",
@@ -126,6 +127,7 @@ def test_a_run_writes_its_record_with_every_system_and_ratio(tmp_path, fake_syst
     assert {p.name for p in results.iterdir()} == {path.name, f"{today}-h200-fp8-peers-2.json"}
 
 
+@pytest.mark.slow
 def test_profiles_and_the_census_come_after_every_timed_run(tmp_path, fake_systems):
     """A run timed after a profiled one in the same process can be slower: every system is timed first."""
     benchmark.main(["--data", str(tmp_path / "data"), "--results-dir", str(tmp_path), "--commit", "abc1234",
@@ -166,6 +168,7 @@ def test_the_family_presets_build_valid_configs_of_their_size(preset, parameters
 
 
 @pytest.mark.parametrize("preset", ["llama1b", "mixtral", "qwen3-1.7b", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.slow
 def test_the_transformers_peer_has_the_presets_parameters(preset, tmp_path):
     """The compiled-transformers peer is built at the preset's shape: as many parameters as nanotron counts."""
     pytest.importorskip("transformers")
@@ -544,6 +547,7 @@ def test_mamba_flops_count_the_lm_head_and_not_the_embedding_lookup():
         assert costs.parameters == 2 * 2224 + 16 + 1664 * (1 if tie else 2)
 
 
+@pytest.mark.slow
 def test_training_log_reports_tflops_from_the_megatron_count(tiny_data, tmp_path):
     """The tiny untied Llama (vocab 384, hidden 64, ffn 128, 2 layers, 4/2 heads of 16, sequence 32): a layer holds
     8192 + 4096 + 24,576 + 128 = 36,992 weights; 6 · (2 · 36,992 + 64 + 384 · 64) + 6 · 2 · 64 · 32 = 616,320 FLOPs
@@ -670,6 +674,7 @@ def test_a_document_masked_run_shows_its_mfu_only_when_counted_inside_documents(
     assert nanotron_mfus == ["—", "50.0%"]
 
 
+@pytest.mark.slow
 def test_the_curve_starts_each_peer_from_nanotrons_weights_on_its_batches(tiny_data, tmp_path, monkeypatch):
     """``scripts/benchmark_curve.py`` on the CPU: the Hugging Face loop, given nanotron's initial weights through the
     export, meets nanotron's first loss and gradient norm (its own random weights miss them by about 1e-2 and 30%),

@@ -98,6 +98,7 @@ def test_eval_of_a_newer_checkpoint_format_is_refused(tiny_data, newer, tmp_path
     assert not (tmp_path / "eval.json").exists()
 
 
+@pytest.mark.slow
 def test_run_generate_of_a_newer_checkpoint_format_is_refused(newer):
     result = subprocess.run(
         [sys.executable, str(ROOT / "run_generate.py"), "--ckpt-path", str(newer), "--prompt", "the cat",

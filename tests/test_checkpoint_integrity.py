@@ -139,6 +139,7 @@ def _edited(metadata: dict, key: str, value) -> dict:
 @pytest.mark.parametrize("key, value", [("step", 5), ("consumed_samples", {"main": 0}),
                                         ("model.config.rope_theta", 500000.0)],
                          ids=["step", "consumed_samples", "rope_theta"])
+@pytest.mark.slow
 def test_a_hand_edited_checkpoint_json_is_refused_by_every_loader(run, tiny_data, tmp_path, key, value):
     file = run / "2" / "checkpoint.json"
     assert cli("checkpoint", "verify", run).code == 0
@@ -267,6 +268,7 @@ def test_a_disk_full_inside_safetensors_keeps_the_previous_checkpoint_and_the_ru
 
 # --- pruning old checkpoints ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_an_old_checkpoint_that_cannot_be_deleted_is_kept_with_a_warning_at_every_save(run, tiny_data, tmp_path):
     config = short_config(tiny_data, run, 4, checkpoints={"checkpoint_interval": 1, "keep_last_n": 1,
                                                           "resume_checkpoint_path": "auto"})
@@ -285,6 +287,7 @@ def _flip_a_byte(file: Path) -> None:
     file.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_same_size_corruption_is_named_by_every_loader(saved, tiny_data, tmp_path):
     weights = next((saved["checkpoint"] / "model").glob("*.safetensors"))
     assert cli("checkpoint", "verify", saved["run"]).code == 0
@@ -301,6 +304,7 @@ def test_same_size_corruption_is_named_by_every_loader(saved, tiny_data, tmp_pat
                       *expected)
 
 
+@pytest.mark.slow
 def test_corrupt_optimizer_state_is_named_not_reported_as_divergence(saved, tiny_data, tmp_path):
     state = next((saved["checkpoint"] / "optimizer").glob("*.safetensors"))
     _flip_a_byte(state)
@@ -321,6 +325,7 @@ class _Payload:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
     from nanotron.checkpoint.manager import write_metadata
 
@@ -344,6 +349,7 @@ def test_a_planted_pickle_is_never_loaded(saved, tiny_data, tmp_path):
     (lambda m: json.dumps({k: v for k, v in m.items() if k != "consumed_samples"}), "'consumed_samples' is missing"),
     (lambda m: json.dumps(m | {"step": "two"}), "'step' is missing or not an int (got 'two')"),
 ], ids=["bad-json", "missing-key", "step-not-an-integer"])
+@pytest.mark.slow
 def test_a_corrupt_checkpoint_json_is_one_error(saved, tiny_data, tmp_path, damage, fragment):
     file = saved["checkpoint"] / "checkpoint.json"
     file.write_text(damage(json.loads(file.read_text())))
@@ -353,6 +359,7 @@ def test_a_corrupt_checkpoint_json_is_one_error(saved, tiny_data, tmp_path, dama
     assert_user_error(cli("eval", "--ckpt-path", saved["run"], "--data", tiny_data["tokenized"]), fragment)
 
 
+@pytest.mark.slow
 def test_latest_pointing_outside_the_run_folder_is_refused(saved, tiny_data, tmp_path):
     (saved["run"] / "latest.txt").write_text("../../elsewhere\n")
     assert_user_error(cli("checkpoint", "verify", saved["run"]), "latest.txt names '../../elsewhere'")
@@ -383,6 +390,7 @@ def _save_into_a_full_disk(config: dict) -> dict:
 
 @pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["foreground", "background"])
+@pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_is_needed(tiny_data, tmp_path, async_save):
     from support.distributed import run_distributed
 
@@ -404,6 +412,7 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tiny_data, t
                       "checkpoints.checkpoints_path", "is not writable")
 
 
+@pytest.mark.slow
 def test_background_saves_write_the_same_checkpoints_as_foreground_ones(tiny_data, tmp_path):
     runs = {}
     for async_save in (False, True):

@@ -18,6 +18,7 @@ def nanotron(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nanotron", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_train_tokenizer_then_preprocess(tiny_data, tmp_path):
     made = nanotron("train-tokenizer", "--input", str(tiny_data["corpus"]), "--vocab-size", "300",
                     "--output", str(tmp_path / "tok"))
@@ -32,6 +33,7 @@ def test_train_tokenizer_then_preprocess(tiny_data, tmp_path):
     assert metadata["num_documents"] == 400 and metadata["tokenizer"]["vocab_size"] == 300
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_with_status_2(tmp_path):
     missing = tmp_path / "missing.txt"
     result = nanotron("preprocess", "--input", str(missing), "--tokenizer", "x", "--output-folder", str(tmp_path / "o"))
@@ -251,6 +253,7 @@ def sources(tiny_data, tmp_path_factory) -> dict[str, Path]:
     return {"datatrove": root / "datatrove", "datatrove-files": root / "datatrove-files", "saved": root / "saved"}
 
 
+@pytest.mark.slow
 def test_eval_reads_datatrove_folders_and_hugging_face_datasets(run, tiny_data, sources, tmp_path, monkeypatch):
     """The same tokens give the same loss from every kind of source: both splits of the Hugging Face dataset tokenize
     into the preprocessed folder's stream, and the datatrove folder's first window is that stream's first. A

@@ -780,6 +780,7 @@ def _nested_aliases(levels: int) -> str:
     ("general:\n  project: {laughs}\n", "general.project[5]"),
     pytest.param("data_stages: {laughs}\n", "data_stages[5]", marks=pytest.mark.slow),
 ], ids=["general.project", "data_stages"])
+@pytest.mark.slow
 def test_nested_yaml_aliases_are_refused_at_once(tmp_path, document, key):
     import nanotron.trainer  # noqa: F401  (imported by the command before it reads the config: not timed)
 

@@ -35,6 +35,7 @@ EXPECTED_LITERALS = {
     "optimizer.learning_rate_scheduler.lr_decay_style", "logging.log_level", "logging.log_level_replica",
     "logging.wandb.mode", "fp8.recipe", "fp8.gradient_format", "parallelism.recompute",
     "optimizer.adam_moments_dtype", "model.attention_backend", "optimizer.name", "optimizer.muon_update_scale",
+    "model.model_config.moe_config.load_balancing_scope",
 }
 
 

@@ -151,6 +151,7 @@ def one_rank(tiny_data, tmp_path_factory) -> dict:
     return reference
 
 
+@pytest.mark.slow
 def test_cp2_trains_as_one_rank_with_a_window_and_documents(one_rank, tiny_data, tmp_path):
     ranks = run_distributed(first_step_then_train, 2, config=cp_config(tiny_data, tmp_path / "cp2", cp=2))
     _assert_same_training(one_rank, ranks, "cp2")
@@ -188,6 +189,7 @@ SAVED_AT, STEPS = 3, 6
 
 
 @pytest.mark.parametrize("source, target", [(2, 1), pytest.param(1, 2, marks=pytest.mark.full_tier)])
+@pytest.mark.slow
 def test_resume_at_another_cp_size_continues_the_run(tiny_data, tmp_path, source, target):
     straight_folder = tmp_path / "straight"
     straight = train_on_ranks(cp_config(

@@ -85,6 +85,7 @@ def every_form() -> list[dict[str, list[torch.Tensor]]]:
 
 
 @pytest.mark.parametrize("form", ["overlapped", "recomputed", "selectively recomputed"])
+@pytest.mark.slow
 def test_overlapped_attention_equals_the_one_collective_exchange(every_form, form):
     """4 query heads over 2 kv heads (two groups), a window and documents, at cp 2: the output and the gradients of
     the queries, keys and values on every rank, also when the layer's activations are recomputed in backward."""

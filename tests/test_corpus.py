@@ -287,6 +287,7 @@ def test_corrupt_manifest_is_an_error_naming_the_file(tmp_path, demo_domain):
 
 # ---- the script's command line -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_builder_is_a_script_not_part_of_the_library():
     assert importlib.util.find_spec("nanotron.data.corpus") is None
     listed = subprocess.run([sys.executable, "-m", "nanotron", "--help"], capture_output=True, text=True, timeout=300)

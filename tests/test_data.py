@@ -107,6 +107,7 @@ def test_every_document_is_followed_by_eos_and_offsets_are_recorded(domains, tok
     assert np.all(stream[all_ends - 1] == 0)
 
 
+@pytest.mark.slow
 def test_output_is_byte_identical_for_any_worker_count(domains, tokenizer_file, tmp_path, monkeypatch):
     reference = domains[0]
     source = json.loads((reference / "metadata.json").read_text())["inputs"]
@@ -414,6 +415,7 @@ raise RuntimeError("an error with the loader open")
 """
 
 
+@pytest.mark.slow
 def test_a_loader_left_open_by_an_error_lets_the_process_exit(tmp_path):
     """Its worker ignores SIGTERM, with which the interpreter's exit ends daemon processes before waiting for them:
     the process used to wait for it forever."""

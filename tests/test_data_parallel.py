@@ -68,6 +68,7 @@ def reference(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize("dp, tp, pp", [(2, 1, 1), pytest.param(2, 2, 2, marks=pytest.mark.full_tier),
                                         *(pytest.param(*layout, marks=pytest.mark.full_tier)
                                           for layout in [(2, 2, 1), (2, 1, 2), (1, 2, 2)])])
+@pytest.mark.slow
 def test_layout_matches_single_process_with_zero_0_and_1(reference, tiny_data, tmp_path, dp, tp, pp):
     calls = [{"config": layout_config(tiny_data, tmp_path, f"zero{zero}", dp, tp, pp, zero)} for zero in (0, 1)]
     runs = dict(enumerate(run_distributed_each(_run, dp * tp * pp, calls)))
@@ -182,6 +183,7 @@ def _expert_parallel_norm_and_replica_check() -> dict:
     return {"norm": norm, "divergence": divergence}
 
 
+@pytest.mark.slow
 def test_expert_parallel_counts_dense_gradients_over_dp_and_ep_and_expert_ones_over_dp():
     """Rank r = 2 * dp + ep gives the dense weight the gradient r + 1 and its expert shard 2 (r + 1). Dense weights
     are reduced over all 4 ranks (1+2+3+4 = 10 per element), experts over the 2 dp ranks holding them (ep 0:

@@ -277,6 +277,7 @@ SAME_TOKENIZER, OTHER_TOKENIZER, NOT_CACHED = "same", "other", "not cached"
                                      "files of one are not on this machine to compare)"),
 ], ids=["folder-and-its-file", "hub-name-cached", "hub-name-cached-differs", "hub-name-not-cached",
         "hub-name-not-cached-declared-otherwise"])
+@pytest.mark.slow
 def test_tokenizers_are_compared_by_content_not_by_name(tiny_data, datatrove_folders, other_tokenizer, tmp_path,
                                                         monkeypatch, recorded, declared, cached, refused):
     tokenizer, folder = tiny_data["tokenizer"], tiny_data["tokenizer"].parent
@@ -328,6 +329,7 @@ def _tokens(folder: Path) -> list[int]:
     return shards.read(0, shards.num_tokens).tolist()
 
 
+@pytest.mark.slow
 def test_hf_datasets_tokenize_as_nanotron_preprocess_does(tiny_data, hf_sources, hf_cache):
     from nanotron.data.hf_dataset import tokenize_hf_dataset
 
@@ -423,6 +425,7 @@ def _saved(datasets, folder: Path, texts: list | None, **splits) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_hf_datasets_without_rows_or_text_are_one_line(tiny_data, hf_cache, tmp_path):
     from nanotron.data.hf_dataset import HFDataset
 
@@ -624,6 +627,7 @@ def domains_on_disk(tiny_data, tmp_path, monkeypatch):
     return tmp_path / "domains"
 
 
+@pytest.mark.slow
 def test_a_hugging_face_dataset_per_domain_trains_with_its_domains(tiny_data, domains_on_disk, tmp_path):
     run = tmp_path / "run"
     config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2}, doremi={  # mixed by weight, no proxy
@@ -681,6 +685,7 @@ def test_a_hugging_face_dataset_whose_texts_are_all_null_is_refused(tiny_data, t
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_folders_of_one_name_are_apart_in_the_metrics_and_on_the_step_line(tiny_data, tmp_path):
     """They were one domain, "web", their losses merged."""
     folders = [tmp_path / "a" / "web", tmp_path / "b" / "web"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from support.configs import short_config, write_config
 from support.runs import assert_user_error, checkpoint_steps, cli, metrics
 
@@ -21,6 +23,7 @@ def test_bad_step_guard_judges_non_finite_values_and_spikes():
     assert "not finite" in BadStepGuard(0, None).judge(float("inf"), 1.0)
 
 
+@pytest.mark.slow
 def test_a_loss_spike_is_skipped_then_stops_and_the_checkpoint_before_it_survives(tiny_data, tmp_path):
     """From step 31 on the data is characters the corpus never has: the loss jumps well above the recent mean. Steps
     31 and 32 are skipped (skip_bad_steps 2), step 33 stops the run; keep_last_n 1 would prune checkpoint 30, the

@@ -160,6 +160,7 @@ def _documents_alone(model, micro_batches: list, ends: list[torch.Tensor],
 
 
 @pytest.mark.parametrize("chunk_tokens", [0, 48], ids=["logits", "fused-head"])
+@pytest.mark.slow
 def test_the_trainer_step_is_the_documents_run_alone(tiny_data, tmp_path, chunk_tokens):
     """From the preprocessed folders (their end-of-document id) through the loader and the trainer: lm_loss is the
     sum over targets inside documents / their global count, the z-loss too, and the gradients follow."""
@@ -211,6 +212,7 @@ def test_every_layout_trains_as_one_rank(tiny_data, tmp_path):
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (name, got["step"])
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_exactly(tiny_data, tmp_path):
     def config(run: str, steps: int) -> dict:
         config = _config(tiny_data, tmp_path / run)

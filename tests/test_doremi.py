@@ -167,6 +167,7 @@ def test_resume_continues_the_same_trajectory(proxies):
     assert {m["step"]: m["lm_loss"] for m in proxies["resumed"]["metrics"]} == straight
 
 
+@pytest.mark.slow
 def test_a_domain_absent_from_every_batch_keeps_a_finite_weight(tiny_data, doremi_domains, doremi_reference, tmp_path):
     config = doremi_config(tiny_data, doremi_domains, tmp_path / "run", reference=doremi_reference, steps=3)
     config["data_stages"][0]["data"]["dataset"]["dataset_weights"] = [0.998, 0.001, 0.001]  # 8 of 8 from domain 0
@@ -320,6 +321,7 @@ def _as_written_before(checkpoint: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("written", ["by-name", "as-a-list-before"])
+@pytest.mark.slow
 def test_resumed_domain_weights_follow_their_domain_when_the_folders_are_reordered(
         tiny_data, doremi_domains, doremi_reference, proxy_run, tmp_path, written):
     checkpoint = proxy_run / "3"

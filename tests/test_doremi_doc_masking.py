@@ -61,6 +61,7 @@ def _reference_and_per_document_losses(reference: dict, proxy: dict) -> dict:
             "packed": packed}
 
 
+@pytest.mark.slow
 def test_reference_losses_equal_each_document_run_alone(tiny_data, doremi_domains, tmp_path):
     reference_run = tmp_path / "reference"
     reference = _with_documents(tiny_config_dict(

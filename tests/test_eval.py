@@ -25,6 +25,7 @@ def short_data(tiny_data, tmp_path_factory) -> Path:
     return root / "short"
 
 
+@pytest.mark.slow
 def test_eval_on_data_shorter_than_one_window_is_an_error(converted_llama, short_data, tmp_path):
     from nanotron.data.dataset import TokenShards
 
@@ -64,6 +65,7 @@ def test_eval_at_pp2_gives_the_loss_of_pp1(base, tiny_data, tmp_path):
     assert pp2["perplexity"] == pytest.approx(pp1["perplexity"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_of_folders_of_one_name_reports_each(base, tiny_data, tmp_path):
     """The second overwrote the first: both were "tokenized"."""
     folders = [tmp_path / "a" / "tokenized", tmp_path / "b" / "tokenized"]

@@ -195,6 +195,7 @@ def test_auto_picks_fa4_where_it_runs_and_names_a_fallback_on_cuda_once(stand_in
 
 
 @pytest.mark.parametrize("documents", [None, DOCUMENTS], ids=["causal", "documents"])
+@pytest.mark.slow
 def test_a_compiled_layer_keeps_fa4_in_one_graph_with_the_same_gradients(stand_in, documents):
     eager, flash = small_llama(), small_llama()
     flash.flash_attention = True
@@ -238,6 +239,7 @@ def _tiny_qwen2(tiny_data, run, backend: str) -> dict:
     return config
 
 
+@pytest.mark.slow
 def test_training_through_fa4_matches_torchs_kernels(stand_in, tiny_data, tmp_path):
     runs = {backend: tmp_path / backend for backend in ("fa4", "torch")}
     for backend, run in runs.items():
@@ -254,6 +256,7 @@ def _first_step_through_the_stand_in(config: dict) -> dict:
     return first_step_then_train(config) | {"fa4_calls": kernels.calls}
 
 
+@pytest.mark.slow
 def test_context_parallel_ranks_through_fa4_train_as_one_rank_of_torchs_kernels(tiny_data, tmp_path):
     """Each cp rank's two chunks of queries against the gathered keys, a sliding layer and a full one."""
     def config(run: str, backend: str, cp: int) -> dict:

@@ -215,6 +215,7 @@ def test_compiled_fp8_experts_keep_one_graph_whatever_their_token_counts(monkeyp
     assert counters["stats"]["unique_graphs"] == compiles
 
 
+@pytest.mark.slow
 def test_the_cast_kernel_writes_both_layouts_as_the_plain_cast():
     """The FP8 gradient cast's Triton kernel, run by Triton's interpreter on the CPU."""
     run_with_triton_interpreter("from support.kernels import check_cast_both_layouts; check_cast_both_layouts()")
@@ -439,6 +440,7 @@ def _fp8_tp_linears(recipe: str) -> dict[str, float]:
     return differences
 
 
+@pytest.mark.slow
 def test_tensor_parallel_fp8_linears_scale_their_slices_as_the_whole_tensors():
     """Each rank's slice of a split operand (a column-parallel weight and output gradient, a row-parallel weight and
     input) is scaled by the whole tensor's amax: its FP8 values are those tp=1 casts, and the products differ only

@@ -148,10 +148,12 @@ def check_compiled_grouped_linear() -> None:
         assert torch.equal(compiled, eager) and eager.abs().sum() > 0, name
 
 
+@pytest.mark.slow
 def test_the_grouped_cast_kernels_equal_the_plain_casts_under_the_interpreter():
     run_with_triton_interpreter("from test_fp8_grouped_cast import check_cast_per_group; check_cast_per_group()")
 
 
+@pytest.mark.slow
 def test_the_grouped_linear_with_the_cast_kernels_equals_its_plain_casts_under_the_interpreter():
     run_with_triton_interpreter("from test_fp8_grouped_cast import check_grouped_linear; check_grouped_linear()")
 

@@ -74,6 +74,7 @@ def test_equals_logits_then_cross_entropy_in_fp32(group, chunk):
     assert torch.equal(got[2][1], torch.zeros(SEQUENCE, HIDDEN))  # the masked sequence gets none either
 
 
+@pytest.mark.slow
 def test_the_compiled_passes_give_the_plain_ones_values():
     """Compiled on the CPU (as on CUDA by test_cuda_kernels.py): the chunk passes within rounding, and the sum of the
     chunks' head gradients and the backward's scaling bit for bit, the scaling in place."""
@@ -98,6 +99,7 @@ def test_the_compiled_passes_give_the_plain_ones_values():
         assert plain.dtype == compiled.dtype and torch.equal(plain, compiled)
 
 
+@pytest.mark.slow
 def test_the_statistics_kernel_equals_the_reference_under_triton_s_interpreter():
     from support.kernels import run_with_triton_interpreter
 

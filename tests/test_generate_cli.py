@@ -57,6 +57,7 @@ def test_each_sampler_runs_with_its_options_or_their_defaults(tiny_data, tmp_pat
     completion("--sampler", "top-k", "--top-k", "1000")  # more than the vocabulary: every token
 
 
+@pytest.mark.slow
 def test_generation_past_the_context_is_an_error(converted_llama):
     outcome = nanotron_process("generate", "--ckpt-path", converted_llama, "--prompt", "the cat",
                                "--max-new-tokens", 200)

@@ -173,6 +173,7 @@ def _train_bf16(config: dict, fp32_buffers: bool) -> dict:
     return {"dtypes": dtypes, "metrics": [json.loads(line) for line in lines]}
 
 
+@pytest.mark.slow
 def test_bf16_training_with_autograds_gradients_equals_fp32_buffers(tiny_data, tmp_path):
     def config(name):
         return tiny_config_dict(tiny_data, tmp_path / name, model={"dtype": "bfloat16"},
@@ -200,6 +201,7 @@ def _train_layout(config: dict, persistent_buffers: bool) -> dict:
     return {"held": held, "metrics": str(trainer.config.resolved_metrics_path())}
 
 
+@pytest.mark.slow
 def test_held_gradients_train_as_buffers_do_under_tensor_and_pipeline_parallelism(tiny_data, tmp_path):
     """Held gradients are normed a parameter at a time: kv heads replicated over TP ranks must still count once, and
     the embedding tied across pipeline stages keeps the buffer it is summed in."""
@@ -221,6 +223,7 @@ def test_held_gradients_train_as_buffers_do_under_tensor_and_pipeline_parallelis
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=0), name
 
 
+@pytest.mark.slow
 def test_a_run_with_held_gradients_resumes_with_buffers_and_continues_its_curve(tiny_data, tmp_path):
     """Optimizer checkpoints are per parameter, so a resume does not depend on how buckets were cut: with held
     gradients and with buffers the buckets differ, and a run saved by one continues under the other."""

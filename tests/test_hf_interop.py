@@ -431,6 +431,7 @@ def _export(run: Path, target: Path) -> dict:
     return json.loads((target / "config.json").read_text())
 
 
+@pytest.mark.slow
 def test_an_exported_run_stops_generating_at_its_tokenizers_end_of_text_only(run_with_default_token_ids, tiny_data,
                                                                              tmp_path):
     """Training takes the tokenizer's ids in place of the defaults, and the export writes them: transformers'
@@ -494,6 +495,7 @@ def trained(tiny_data, tmp_path_factory):
     return root / "run"
 
 
+@pytest.mark.slow
 def test_a_failed_export_to_hugging_face_leaves_the_earlier_export_whole(trained, tmp_path, monkeypatch):
     """The tokenizer copy fails half-way (a file-size limit reached: EFBIG) while an earlier export is in the
     target: the earlier export keeps every byte, and nothing half-written is left beside it. The next export

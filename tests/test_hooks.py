@@ -10,6 +10,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from nanotron.training.hooks import Feature
 from support.configs import tiny_config_dict
 from support.distributed import run_distributed
@@ -74,6 +76,7 @@ def _step_calls(step: int) -> list:
             ("metrics",), ("state_dict", step)]
 
 
+@pytest.mark.slow
 def test_a_feature_gets_its_hooks_in_order_and_its_state_back_on_resume(tiny_data, tmp_path):
     run = tmp_path / "run"
     config = tiny_config_dict(tiny_data, run, tokens={"train_steps": 2})
@@ -136,6 +139,7 @@ def _train_with(config: dict, features: list) -> list[dict]:
     return [json.loads(line) for line in trainer.config.resolved_metrics_path().read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_features_step_term_and_batch_transform_reach_the_step_and_metrics_jsonl(tiny_data, tmp_path):
     """8 samples of 32 tokens a step, each with its first target left out by the feature's transform before the step
     counts them: its term reports 8 x 31 targets a step in metrics.jsonl, and the loss is the mean over those."""

@@ -40,6 +40,7 @@ def test_triton_kernels_that_cannot_load_are_reported_once_on_cuda_and_never_on_
     assert ("triton" in kernels.UNAVAILABLE) if missing == "triton" else ("triton_op" in kernels.UNAVAILABLE)
 
 
+@pytest.mark.slow
 def test_importing_the_trainer_without_a_gpu_loads_no_compiler():
     """Registering the Triton ops imports inductor and dynamo (over a second per process, every rank of every run):
     without a CUDA device or Triton's interpreter no kernel can run, and none is registered."""

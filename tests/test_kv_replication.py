@@ -31,6 +31,7 @@ def kv_config(tiny_data, folder, tp: int, kv_heads: int, **checkpoints) -> dict:
 
 @pytest.mark.parametrize("tp, kv_heads", [pytest.param(4, 2, marks=pytest.mark.full_tier), (2, 1)],
                          ids=["tp4-2kv", "tp2-mqa"])
+@pytest.mark.slow
 def test_replicated_kv_heads_match_one_process(tiny_data, tmp_path, tp, kv_heads):
     (reference,) = run_distributed(parity_run, 1, config=kv_config(tiny_data, tmp_path / "ref", 1, kv_heads))
     assert_reference_trains(reference["metrics"], STEPS)

@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "nanotron"
 
 # Each line may import only from the lines below it (and from itself); docs/design.md draws the same order.
@@ -60,6 +62,7 @@ def test_packages_import_downwards_only():
     assert not [unit for unit in edges if reaches(unit, unit, {unit})], "packages of one line import each other"
 
 
+@pytest.mark.slow
 def test_no_family_is_named_outside_its_package_and_the_registry():
     """Dispatch on families happens through the registry and the family's config: code outside ``models/<family>/``,
     the family's config module and the table of config classes by marker (``config/model.py``, exported by
@@ -82,6 +85,7 @@ def test_no_family_is_named_outside_its_package_and_the_registry():
     assert not offenders, offenders
 
 
+@pytest.mark.slow
 def test_no_test_file_imports_another():
     """Shared test code lives in the ``support`` package: a test file imported by another runs its module code
     (fixtures, constants) twice under two names and couples the files."""
@@ -98,6 +102,7 @@ def test_no_test_file_imports_another():
     assert not imported, imported
 
 
+@pytest.mark.slow
 def test_axes_and_groups_are_named_by_their_enums_outside_the_layout():
     """The grid's axes and groups are looked up as ``Axis``/``Group`` members (``pc.size(Axis.CP)``,
     ``pc.group(Group.TP)``), never by their names as strings (``pc.size("cp")``, ``coords["pp"]``): only

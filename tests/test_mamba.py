@@ -90,6 +90,7 @@ def written_kernel_arguments() -> dict[str, list[str]]:
     return written
 
 
+@pytest.mark.slow
 def test_compiled_graphs_copy_no_input_of_the_kernels():
     """torch.compile copies every input it believes a user kernel writes before each call; the Triton kernels must
     be seen to write only their outputs (an address computed by a helper that also took input pointers once made it
@@ -239,6 +240,7 @@ def _train(config: dict) -> dict:
     return facts | {"metrics": [json.loads(line) for line in lines]}
 
 
+@pytest.mark.slow
 def test_a_tiny_mamba_learns_from_yaml(tiny_data, tmp_path):
     (result,) = run_distributed(_train, 1, config=mamba_config(tiny_data, tmp_path / "run"))
     assert_reference_trains(result["metrics"], 20)

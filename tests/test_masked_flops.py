@@ -99,6 +99,7 @@ def _hand_attention_flops(micro_batches: list, eos: int, windows: list[int | Non
 
 
 @pytest.mark.parametrize("recompute", [None, "full", "selective"], ids=["plain", "recomputed", "selective"])
+@pytest.mark.slow
 def test_training_log_reports_tflops_of_the_pairs_inside_documents(tiny_data, tmp_path, recompute):
     """The tiny Qwen2 (hidden 64, layers 0 and 1 sliding over 6 keys, layer 2 full) trained from the preprocessed
     folders at sequence 64 with document masking, logged every 2 steps over 3: each record's TFLOP/s divide back to
@@ -160,6 +161,7 @@ def test_the_count_is_the_steps_whatever_the_layout(tiny_data, tmp_path):
         assert _flops_per_token(ranks[0]) == pytest.approx(reference, rel=1e-9), name
 
 
+@pytest.mark.slow
 def test_the_benchmark_record_counts_the_pairs_of_its_two_batches(tiny_data, tmp_path, monkeypatch):
     """``run_nanotron`` on the CPU (CUDA's timers and memory counters stood in) with the tiny Qwen2 under document
     masking: the record's FLOPs per token are the mean of the hand counts of the two batches its steps alternate,

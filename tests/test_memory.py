@@ -258,6 +258,7 @@ def _saved_storages(layer, model, tokens: tuple[int, int]) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.slow
 def test_a_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
     """One decoder layer on the CPU, the storages its backward holds: the planner's count (less the rotary tables,
     which are not the layer's), plus each norm's fp32 reciprocal root per token, too small to count. Among them v,

@@ -184,6 +184,7 @@ def case_config(name: str):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_the_planner_reading_the_model_gives_the_numbers_of_the_one_that_restated_the_rules(case):
     stages = estimate_memory(case_config(case), gpu_memory_gb=150.1).stages
     assert len(stages) == len(RECORDED[case])

@@ -138,6 +138,7 @@ def test_swiglu_backward_reference_matches_autograd():
     torch.testing.assert_close(through_function.grad, leaf.grad)
 
 
+@pytest.mark.slow
 def test_the_swiglu_kernel_equals_the_reference_under_triton_s_interpreter():
     run_with_triton_interpreter("from support.kernels import check_swiglu_kernel; check_swiglu_kernel()")
 

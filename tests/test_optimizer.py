@@ -183,6 +183,7 @@ def test_fp32_parameter_among_bf16_ones_keeps_its_precision(group):
     assert params["a_log"].dtype == torch.float32 and torch.all((step > 5e-6) & (step < 2e-5))  # invisible in bf16
 
 
+@pytest.mark.slow
 def test_the_weights_are_freed_with_their_buckets_and_optimizer(group):
     """The gradient hooks must not keep the buckets, and through them the weights, alive (a process that trains
     twice, as the benchmark does, kept every earlier model)."""

@@ -12,6 +12,7 @@ def _groups(tp, pp, dp, ep):
     return pc.rank, pc.coordinates, {group: pc.members(group) for group in Group}
 
 
+@pytest.mark.slow
 def test_grid_layout_and_groups():
     results = run_distributed(_groups, 4, tp=2, pp=2, dp=1, ep=1)
     by_rank = {rank: (coords, groups) for rank, coords, groups in results}

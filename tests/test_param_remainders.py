@@ -107,6 +107,7 @@ def check_update_kernel(device: str = "cpu") -> None:
         assert (held - start).abs().mean() > 1e-4
 
 
+@pytest.mark.slow
 def test_the_update_kernel_of_remainders_follows_the_update_of_fp32_masters_under_the_interpreter():
     run_with_triton_interpreter("from test_param_remainders import check_update_kernel; check_update_kernel()")
 
@@ -178,6 +179,7 @@ def zero1_runs(tiny_data, tmp_path_factory):
     return dict(zip(("held", "copies", "held-to-copies", "copies-to-held"), results)) | {"folder": folder}
 
 
+@pytest.mark.slow
 def test_zero1_runs_with_remainders_train_like_fp32_copies(zero1_runs):
     held, copies = zero1_runs["held"], zero1_runs["copies"]
     assert held["held"] == {torch.int16} and copies["held"] == {torch.float32}

@@ -20,6 +20,7 @@ STEPS = parity_steps()  # 6, or 20 under NANOTRON_TEST_TIER=full; the first-step
 
 
 @pytest.mark.parametrize("layers", range(1, 65))
+@pytest.mark.slow
 def test_every_layer_is_assigned_exactly_once(layers):
     for stages in range(1, min(16, layers) + 1):
         split = stage_layers([10.0] * layers, stages, None, head_cost=25.0)
@@ -101,6 +102,7 @@ def logging_rank(results: list[dict]) -> dict:
     (2, [(2, 1, "afab"), (2, 1, "1f1b")]),
     pytest.param(4, [(4, 1, "afab"), (4, 1, "1f1b"), (2, 2, "1f1b")], marks=pytest.mark.full_tier),
 ])
+@pytest.mark.slow
 def test_pipeline_matches_single_process(reference, tiny_data, tmp_path, world, layouts):
     # batch_accumulation_per_replica is 2: with pp=4, 1F1B runs fewer micro-batches than stages.
     calls = [{"config": pp_config(tiny_data, tmp_path, f"pp{pp}tp{tp}{engine}", pp=pp, tp=tp, pp_engine=engine,
@@ -201,6 +203,7 @@ def _rotary_positions_per_stage(config: dict) -> int:
     return sum(computed)
 
 
+@pytest.mark.slow
 def test_every_pipeline_stage_builds_its_rotary_tables_once_for_the_sequence_length(tiny_data, tmp_path):
     """At pp=2 with sequence parallelism the second stage cannot read the sequence's length from its hidden states:
     it built tables for all max_position_embeddings (here 8x the sequence) at every forward, and the first stage
@@ -243,6 +246,7 @@ def _two_layer_pipeline(pp: int) -> dict:
             "statistics": {name: value.item() for name, value in statistics.items()}}
 
 
+@pytest.mark.slow
 def test_an_inner_stage_adds_its_auxiliary_loss_and_every_stage_gets_the_statistics():
     (single,) = run_distributed(_two_layer_pipeline, 1, pp=1)
     first, last = run_distributed(_two_layer_pipeline, 2, pp=2)

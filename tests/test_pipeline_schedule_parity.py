@@ -87,6 +87,7 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("world, parallelism, tied", LAYOUTS)
+@pytest.mark.slow
 def test_schedule_trains_as_one_process(references, tiny_data, tmp_path, world, parallelism, tied):
     config = schedule_config(tiny_data, tmp_path, tied=tied, **parallelism)
     results = run_distributed(first_step_then_train, world, timeout=900, config=config)
@@ -133,6 +134,7 @@ def feature_config(tiny_data, folder, feature: str, **layout) -> dict:
     pytest.param("llama", 2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "recompute": "full"},
                  marks=pytest.mark.full_tier),
 ], ids=str)
+@pytest.mark.slow
 def test_features_train_as_one_process_under_the_schedules(tiny_data, tmp_path, feature, world, parallelism):
     """Mixtures of experts (router losses on inner chunks; expert parallelism), Mamba (whose convolution's weight
     cannot wait for W), document masking, context parallelism and recomputed layers, each against one process of
@@ -256,6 +258,7 @@ def saved_runs(tiny_data, tmp_path_factory):
     pytest.param({"pp": 2, "engine": "zbv", "virtual": 2, "tied": False}, {"pp": 2, "engine": "zb_h1", "tied": False},
                  marks=pytest.mark.full_tier),
 ], ids=str)
+@pytest.mark.slow
 def test_a_run_resumes_exactly_under_another_schedule_and_pipeline_size(saved_runs, tiny_data, tmp_path, source,
                                                                          target):
     """Checkpoints hold logical tensors: the steps after the resume are the uninterrupted run's, whatever the

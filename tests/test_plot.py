@@ -48,6 +48,7 @@ def check_png(path, width, height):
     assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 50
 
 
+@pytest.mark.slow
 def test_two_runs_with_domains_and_smoothing(tmp_path, capsys, caplog):
     a = write_run(tmp_path / "run_a", domains=["code", "prose"], mfu=True, torn=True)
     b = write_run(tmp_path / "run_b", steps=20)
@@ -112,6 +113,7 @@ def test_mixture_of_experts_runs_add_their_routing_panels(tmp_path):
     check_png(output, 1200, 1050)  # loss, lr, grad-norm, tokens/s, expert load, balancing loss
 
 
+@pytest.mark.slow
 def test_evaluations_in_the_loop_get_a_panel_per_metric(tmp_path):
     run = write_run(tmp_path / "evaluated")
     records = [json.loads(line) for line in run.read_text().splitlines()]

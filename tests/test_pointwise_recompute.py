@@ -230,6 +230,7 @@ def assert_same_training(reference: list[dict], metrics: list[dict], **tolerance
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], **tolerance), got["step"]
 
 
+@pytest.mark.slow
 def test_pointwise_training_matches_and_adds_no_hardware_flops(single_process_runs):
     reference, got = single_process_runs["plain"], single_process_runs["pointwise"]
     metrics = reference["metrics"]
@@ -244,6 +245,7 @@ def test_pointwise_training_matches_and_adds_no_hardware_flops(single_process_ru
     assert costs.masked_flops_per_token(1000, 1e9, "pointwise") == costs.masked_flops_per_token(1000, 1e9)
 
 
+@pytest.mark.slow
 def test_pointwise_recompute_with_tensor_parallelism_all_reduce(single_process_runs, tiny_data, tmp_path):
     """The row-parallel linears' outputs are kept and all-reduced in the forward: summed in place, the recomputed
     forward would have summed them again."""

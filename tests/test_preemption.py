@@ -121,6 +121,7 @@ def test_a_preempted_run_with_loader_workers_saves_on_every_rank_and_resumes_exa
     assert _curve(run) == _curve(tmp_path / "straight")
 
 
+@pytest.mark.slow
 def test_a_loader_worker_that_dies_ends_the_run_with_one_error_line(tiny_data, tmp_path):
     run, log = tmp_path / "run", tmp_path / "train.log"
     process = start_training(write_config(tmp_path / "config.yaml", _config(tiny_data, run, 1, 100_000)),
@@ -159,6 +160,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_an_exception_in_a_step_ends_the_run_at_once_with_its_traceback(tiny_data, tmp_path, monkeypatch, ranks):
     """It hung: the exception's traceback kept the loader, whose workers ignore SIGTERM, alive until the interpreter's
     exit, which ends daemon processes with SIGTERM and then waits for them. Under torchrun the failing rank ends, the

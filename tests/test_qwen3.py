@@ -359,6 +359,7 @@ EXAMPLES = {"dense": ROOT / "examples" / "config_tiny_qwen3.yaml",
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.slow
 def test_the_examples_train_on_the_quickstart_data_as_written(name, tiny_data, tmp_path):
     """Each file with the quickstart's paths swapped for the test corpus's, 2 steps, its own parallelism."""
     records = train_example(EXAMPLES[name], tiny_data, tmp_path)

@@ -227,6 +227,7 @@ def assert_one_error_line(result: subprocess.CompletedProcess, *fragments: str, 
     assert traceback or "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_generate_and_eval_refuse_a_tp_that_splits_kv_heads(smollm2_like):
     generated = _run_cli(str(ROOT / "run_generate.py"), "--ckpt-path", str(smollm2_like), "--tp", "2", "--prompt", "hi")
     assert generated.returncode == 2
@@ -237,6 +238,7 @@ def test_generate_and_eval_refuse_a_tp_that_splits_kv_heads(smollm2_like):
     assert_one_error_line(evaluated, SMOLLM2_LIKE)
 
 
+@pytest.mark.slow
 def test_eval_refuses_sequences_longer_than_the_context(smollm2_like):
     evaluated = _run_cli("-m", "nanotron", "eval", "--ckpt-path", str(smollm2_like), "--data", "unused",
                          "--sequence-length", "512")

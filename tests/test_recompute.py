@@ -48,6 +48,7 @@ def single_process_runs(tiny_data, tmp_path_factory) -> tuple[dict, dict]:
     return plain, recomputed
 
 
+@pytest.mark.slow
 def test_recomputed_training_matches_and_reports_hardware_flops(single_process_runs):
     plain, recomputed = single_process_runs
     reference = plain["metrics"]

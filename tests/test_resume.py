@@ -103,6 +103,7 @@ def _assert_same_steps(reference: list[dict], records: list[dict], steps: range)
         assert record["consumed_tokens"] == expected["consumed_tokens"], record["step"]
 
 
+@pytest.mark.slow
 def test_two_stage_reference_runs_switch_stage_and_agree(two_stage_runs):
     straight, saving = metrics(two_stage_runs["straight"]), metrics(two_stage_runs["saving"])
     _assert_same_steps(straight, saving, range(1, STEPS + 1))  # saving a checkpoint changes nothing
@@ -113,6 +114,7 @@ def test_two_stage_reference_runs_switch_stage_and_agree(two_stage_runs):
 
 @pytest.mark.parametrize("stop", [SECOND_STAGE_START - 2, SECOND_STAGE_START - 1, SECOND_STAGE_START],
                          ids=["before-boundary", "at-boundary", "first-step-of-second-stage"])
+@pytest.mark.slow
 def test_resume_across_a_data_stage_boundary_continues_exactly(tiny_data, two_stage_runs, tmp_path, stop):
     resumed = tmp_path / "resumed"
     config = _two_stage_config(tiny_data, resumed, STEPS,
@@ -172,6 +174,7 @@ def test_a_renamed_stage_that_cannot_be_matched_is_refused_naming_both_stages(ti
     assert not (tmp_path / "run" / "latest.txt").exists()
 
 
+@pytest.mark.slow
 def test_a_run_of_a_v04_data_section_resumes_with_a_modern_stage_of_another_name(tiny_data, tmp_path):
     """v0.4's data section is the stage 'main'; a modern file names its one stage otherwise."""
     def config(run: Path, steps: int, **checkpoints) -> dict:
@@ -223,6 +226,7 @@ def _changed(config: dict, change: str, folders: list[str]) -> str:
 
 
 @pytest.mark.parametrize("change", ["seed", "weights", "folder", "sequence_length"])
+@pytest.mark.slow
 def test_a_resume_on_data_in_another_order_warns_what_changed_before_the_first_step(blended, tmp_path, change):
     config = resume_config(blended, tmp_path / "run")
     expected = _changed(config, change, blended["folders"])
@@ -261,6 +265,7 @@ def test_consumed_tokens_add_up_across_a_change_of_sequence_length(base, tmp_pat
 
 # --- rollbacks, automatic resumes and what a resume restores --------------------------------------------------------
 
+@pytest.mark.slow
 def test_keep_last_n_keeps_the_newest_checkpoints_after_a_rollback(tiny_data, tmp_path):
     run = tmp_path / "run"
     train_through_cli(short_config(tiny_data, run, 10, checkpoints={"checkpoint_interval": 2, "keep_last_n": 2}),

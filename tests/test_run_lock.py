@@ -63,6 +63,7 @@ def _stop(process: subprocess.Popen, launch: str, log: Path) -> None:
 
 
 @pytest.mark.parametrize("launch", ["python", pytest.param("torchrun", marks=pytest.mark.full_tier)])
+@pytest.mark.slow
 def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_command_starts(
         tiny_data, tmp_path, launch):
     run, lock = tmp_path / "run", tmp_path / "run" / "run.lock"
@@ -173,6 +174,7 @@ def test_a_metrics_file_of_another_run_is_refused_and_continued_only_by_resuming
     assert [json.loads(line)["step"] for line in shared.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_running_again_over_a_run_is_refused_and_auto_resumes(tiny_data, tmp_path):
     run = tmp_path / "run"
     config = short_config(tiny_data, run, 3)

@@ -192,6 +192,7 @@ def test_cuda_compiled_selective_recompute_matches_no_recompute(document_masking
         assert attention_runs(compiled, ids) == config.num_hidden_layers
 
 
+@pytest.mark.slow
 def test_selective_training_matches_and_reports_its_hardware_flops(tiny_data, tmp_path):
     plain = recompute_config(tiny_data, tmp_path / "plain", "none")
     selective = recompute_config(tiny_data, tmp_path / "selective", "selective")

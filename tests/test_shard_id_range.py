@@ -167,6 +167,7 @@ def _negative_ids(folder: Path, metadata: dict) -> dict:
     return metadata
 
 
+@pytest.mark.slow
 def test_a_shard_disagreeing_with_its_recorded_range_ends_a_run_with_loader_workers_in_one_line(tiny_data, sharded,
                                                                                               tmp_path):
     """It used to stop in the embedding (IndexError) and then hang on the loader worker, for an hour and more."""

@@ -38,6 +38,7 @@ def reference(tiny_data, tmp_path_factory):
          ("ALL_REDUCE", False, True), ("REDUCE_SCATTER", False, True), ("REDUCE_SCATTER", True, True)]),
     pytest.param(4, [("ALL_REDUCE", False, False), ("REDUCE_SCATTER", False, False)], marks=pytest.mark.full_tier),
 ])
+@pytest.mark.slow
 def test_tensor_parallel_matches_single_process(reference, tiny_data, tmp_path, tp, variants):
     calls = [{"config": tp_config(tiny_data, tmp_path, "-".join(map(str, variant)), tp, *variant)}
              for variant in variants]
@@ -79,6 +80,7 @@ def test_bf16_gradients_at_the_same_weights_have_the_same_norm_at_tp_2(cases, ti
 
 
 @pytest.mark.parametrize("cases", GRAD_NORM_CASES)
+@pytest.mark.slow
 def test_bf16_partial_sums_made_in_fp32_give_tp_1s_grad_norm_at_tp_2(cases, tiny_data, tmp_path):
     """Teacher-forced as above, with ``parallelism.tp_partial_sums_in_fp32``: each TP sum rounded once, as at tp=1,
     leaves the order of fp32 sums: over the matrix every step within 2.6e-3 of tp=1 (the spiking case 3.2e-4), ten
@@ -87,6 +89,7 @@ def test_bf16_partial_sums_made_in_fp32_give_tp_1s_grad_norm_at_tp_2(cases, tiny
 
 
 @pytest.mark.parametrize("cases", GRAD_NORM_CASES)
+@pytest.mark.slow
 def test_fp32_grad_norms_at_tp_2_follow_tp_1_at_every_step(cases, tiny_data, tmp_path):
     """Free-running fp32: the layouts follow each other at every step, spikes included (over the matrix: 1.2e-7 at
     lr 5e-4, 4.9e-5 at 3e-3; a gradient 1% off on one rank's shard moves the spiking case's norms by 1e-2)."""

@@ -42,6 +42,7 @@ def _schedule(train_steps: int) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full_tier)])
+@pytest.mark.slow
 def test_resume_continues_bit_for_bit(tiny_data, tmp_path, dtype):
     model = tiny_config_dict(tiny_data, tmp_path)["model"] | {"dtype": dtype}
     straight = tiny_config_dict(tiny_data, tmp_path / "straight", model=model, optimizer=_schedule(12),
@@ -80,6 +81,7 @@ main(["train", "--config-file", sys.argv[1]])
 """
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 8},
                               checkpoints={"checkpoint_interval": 3})
@@ -127,6 +129,7 @@ def test_bad_inputs_fail_with_one_line_naming_the_problem(tiny_data, tmp_path):
     assert "parallelism.expert_parallel_size" in error
 
 
+@pytest.mark.slow
 def test_divergence_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_data, tmp_path):
     # An absurd learning rate makes the weights overflow after the first update: step 2's loss is not finite.
     optimizer = tiny_config_dict(tiny_data, tmp_path)["optimizer"]

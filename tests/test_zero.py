@@ -55,6 +55,7 @@ def reference(tiny_data, tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_zero_2_matches_one_process_and_holds_a_shard_of_each_gradient(reference, tiny_data, tmp_path):
     calls = [{"config": zero_config(tiny_data, tmp_path / f"zero{zero}", dp=2, zero=zero)} for zero in (1, 2)]
     zero1, zero2 = run_distributed_each(_run, 2, calls)
@@ -69,6 +70,7 @@ def test_zero_2_matches_one_process_and_holds_a_shard_of_each_gradient(reference
     pytest.param(2, 2, 1, None, marks=pytest.mark.full_tier),
     pytest.param(2, 1, 2, None, marks=pytest.mark.full_tier),
 ])
+@pytest.mark.slow
 def test_zero_3_matches_one_process(reference, tiny_data, tmp_path, dp, tp, pp, dp_shard):
     config = zero_config(tiny_data, tmp_path / "zero3", dp=dp, tp=tp, pp=pp, zero=3, dp_shard=dp_shard)
     results = run_distributed(_run, dp * tp * pp, config=config)
@@ -176,6 +178,7 @@ def _reduced_dtypes(config: dict) -> dict:
     return {"dtypes": dtypes, "metrics": trainer_metrics(trainer)}
 
 
+@pytest.mark.slow
 def test_bf16_gradient_reduction_is_an_option_and_summed_in_fp32(tiny_data, tmp_path):
     """bf16 weights: ZeRO-2 reduce-scatters in fp32 by default; ``grad_reduce_in_bf16`` in bf16, which stays close."""
     def config(name, bf16_reduce):
@@ -216,6 +219,7 @@ REPRESENTATIVE = "selective recompute"
 
 @pytest.mark.parametrize("feature", [feature if feature == REPRESENTATIVE else
                                      pytest.param(feature, marks=pytest.mark.full_tier) for feature in COMPOSED])
+@pytest.mark.slow
 def test_zero_3_composes_with(tiny_data, tmp_path, feature):
     """The same run at ZeRO-0 and at ZeRO-3 (whose ZeRO-0 each feature's own tests hold against one process): loss
     and grad-norm within 1e-5 at every step (FP8 within 1e-3: a rounding flip of the casts moves more)."""

@@ -84,6 +84,7 @@ def layout_id(layout: Layout) -> str:
 
 
 @pytest.mark.parametrize("source, target", PAIRS, ids=layout_id)
+@pytest.mark.slow
 def test_resume_at_another_layout_and_zero_stage_continues_the_run(straight_runs, tiny_data, tmp_path, source,
                                                                     target):
     """The next 10 steps within 1e-6 of the run that went on at the source layout (the sums over ranks and
@@ -99,6 +100,7 @@ def test_resume_at_another_layout_and_zero_stage_continues_the_run(straight_runs
 
 
 @pytest.mark.parametrize("layout", [ZERO3_DP2, pytest.param(HSDP, marks=pytest.mark.full_tier)], ids=layout_id)
+@pytest.mark.slow
 def test_resume_at_the_same_zero_3_layout_is_bit_exact(straight_runs, tiny_data, tmp_path, layout):
     folder, straight = straight_runs(layout)
     resumed = train(config_for(tiny_data, tmp_path / "resumed", layout, resume_from=str(folder / str(SAVED_AT))),

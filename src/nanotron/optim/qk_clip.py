@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import nn
 
 from nanotron.layout import Group
-from nanotron.models.deepseek_v3.model import LatentAttention
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.placement import get_placement
 from nanotron.parallel.statistics import max_over_replicas
@@ -60,7 +59,7 @@ def _per_head(factors: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 def block_row_factors(block: nn.Module, gamma: torch.Tensor, shared_keys: bool) -> dict[nn.Parameter, torch.Tensor]:
     """The factors of the rows of attention ``block``'s parameters that carry its heads' queries and keys, for the
     clip factors ``gamma`` of its (local) query heads."""
-    if isinstance(block, LatentAttention):  # q|k_nope by sqrt(gamma), q_rope by gamma; the shared rope key: 1
+    if is_latent(block):  # q|k_nope by sqrt(gamma), q_rope by gamma; the shared rope key: 1
         query, root = _latent_queries(block), gamma.sqrt()
         return {query.weight: _per_head([(root, block.nope), (gamma, block.rope)]),
                 block.kv_b_proj.weight: _per_head([(root, block.nope), (torch.ones_like(gamma), block.v_dim)])}
@@ -71,11 +70,17 @@ def block_row_factors(block: nn.Module, gamma: torch.Tensor, shared_keys: bool) 
 
 def local_heads(block: nn.Module) -> int:
     """The query heads of attention ``block`` on this rank."""
-    query = _latent_queries(block) if isinstance(block, LatentAttention) else block.qkv_proj
+    query = _latent_queries(block) if is_latent(block) else block.qkv_proj
     return query.output_chunks[0] // block.head_dim
 
 
-def _latent_queries(block: LatentAttention) -> nn.Module:
+def is_latent(block: nn.Module) -> bool:
+    """Multi-head latent attention (DeepSeek-V3's ``LatentAttention``), told by its key/value up projection: the
+    optimizer sits below the model families and does not import them."""
+    return hasattr(block, "kv_b_proj")
+
+
+def _latent_queries(block: nn.Module) -> nn.Module:
     return block.q_proj if block.q_proj is not None else block.q_b_proj
 
 
