@@ -36,3 +36,25 @@ def _world_mismatch():
 
 def test_world_size_mismatch_names_the_launcher_fix():
     assert run_distributed(_world_mismatch, 2) == [True, True]
+
+
+def test_a_world_of_one_takes_a_port_of_its_own_whatever_master_port_it_inherits():
+    """A process started by one that holds a process group inherits its ``MASTER_PORT`` (without ``RANK``): its own
+    world of one must not listen there."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        environment = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE")}
+        environment |= {"MASTER_PORT": str(taken.getsockname()[1]), "MASTER_ADDR": "127.0.0.1"}
+        code = ("import torch, torch.distributed as dist\n"
+                "from nanotron.parallel.context import init_distributed\n"
+                "init_distributed(torch.device('cpu'))\n"
+                "print(dist.get_world_size())\n")
+        done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr[-2000:]

@@ -91,15 +91,17 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device) -> None:
-    """Join the process group described by torchrun's variables, or form a world of one under plain ``python``.
+    """Join the process group described by torchrun's variables, or form a world of one under plain ``python``, on a
+    port of its own (a ``MASTER_PORT`` inherited without ``RANK`` may be the live group of the process that started
+    this one).
 
     NCCL is bound to this rank's GPU up front, so communicators are created eagerly on the right device.
     """
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     if device.type == "cuda":
         dist.init_process_group(backend="nccl", device_id=device)
     else:
