@@ -81,9 +81,9 @@ MUON_PAIRS = [
 ]
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize("source, target, optimizer", PAIRS + MUON_PAIRS,
                          ids=lambda value: "dp{}tp{}pp{}z{}".format(*value) if isinstance(value, tuple) else value)
-@pytest.mark.slow
 def test_resume_at_another_layout_continues_the_run(straight_runs, tiny_data, tmp_path, source, target, optimizer):
     folder, straight = straight_runs(source, optimizer)
     resumed = train_on_ranks(config_for(tiny_data, tmp_path / "resumed", target, optimizer=optimizer,

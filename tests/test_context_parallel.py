@@ -168,7 +168,7 @@ def _grid(tp: int, cp: int, dp: int) -> tuple[int, dict, dict]:
 LAYOUTS = {"cp2_tp2": {"cp": 2, "tp": 2}, "cp2_dp2_zero1": {"cp": 2, "dp": 2, "zero": 1}, "cp2_pp2": {"cp": 2, "pp": 2}}
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_cp2_composes_with_tp_dp_zero1_and_pp(one_rank, tiny_data, tmp_path):
     """One 4-rank spawn for the three layouts; the grid keeps cp next to tp (consecutive ranks, inside a node)."""
     calls = [{"config": cp_config(tiny_data, tmp_path / name, **layout)} for name, layout in LAYOUTS.items()]

@@ -99,7 +99,7 @@ def _first_gradients(config: dict) -> dict:
     return {"grads": pieces}
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_fp32_accumulation_of_bf16_gradients_is_closer_to_fp32(tiny_data, tmp_path):
     accumulate = {"tokens": {"micro_batch_size": 1, "batch_accumulation_per_replica": 8}}
     fp32 = assemble(run_distributed(_first_gradients, 1, config=layout_config(

@@ -711,7 +711,7 @@ def two_domains(tiny_data, tmp_path_factory) -> list[Path]:
     return [tiny_data["tokenized"], root / "other"]
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_multi_folder_runs_log_the_loss_of_every_domain_at_any_layout(tiny_data, two_domains, tmp_path):
     stage = {"name": "main", "start_training_step": 1,
              "data": {"seed": 3, "num_loading_workers": 0,

@@ -93,6 +93,7 @@ def test_logits_and_greedy_generation_match_transformers(converted):
     assert ours["cached"] == ours["uncached"] == theirs["greedy"]
 
 
+@pytest.mark.full_tier
 @pytest.mark.slow  # the quick tier compares one process with transformers above
 def test_logits_match_transformers_at_tp2_and_ep2(converted):
     """tp=2 splits the heads (each rank decompresses its own from the replicated latents) and the experts' widths;

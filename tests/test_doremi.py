@@ -120,7 +120,7 @@ def four_layer_proxy(tiny_data, doremi_domains, tmp_path_factory) -> dict:
     return {"reference": root / "reference", "one": run_distributed(_proxy, 1, config=config)[0]}
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 @pytest.mark.parametrize("engine", [
     "zbv", pytest.param("interleaved_1f1b", marks=pytest.mark.full_tier),
     pytest.param("zb_h1", marks=pytest.mark.full_tier)])

@@ -325,7 +325,7 @@ def test_compiled_fp8_training_follows_eager_with_its_histories_and_counts(tiny_
         torch.testing.assert_close(compiled["histories"][name], history, rtol=1e-5, atol=0, msg=name)
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_fp8_at_tp_2_follows_tp_1(tiny_data, tmp_path):
     def config(name, tp, mode="ALL_REDUCE"):
         return tiny_config_dict(tiny_data, tmp_path / name, tokens={"train_steps": 6},
@@ -523,7 +523,7 @@ def test_delayed_scaling_composes_with_pipeline_and_zero_1_data_parallelism(tiny
             torch.testing.assert_close(history, reference["histories"][name], rtol=1e-4, atol=0, msg=name)
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(tiny_data, tmp_path):
     """MoE experts run per-expert FP8 products: the tiny mixture trains within 2% of its non-FP8 twin, and ep=2
     follows ep=1 (each expert scales the tokens it receives, which ep=2 gathers from two ranks' micro-batches)."""

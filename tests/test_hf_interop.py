@@ -59,7 +59,7 @@ def hf_logits_and_greedy(hf_path: Path) -> tuple[torch.Tensor, list[list[int]]]:
     return logits, out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_logits_and_generation_match_transformers_at_every_layout(converted):
     hf_path, ckpt = converted
     reference_logits, reference_greedy = hf_logits_and_greedy(hf_path)
@@ -163,7 +163,7 @@ def _evaluate(ckpt: str, data: str, tp: int) -> dict:
     return result | {"manual": manual}
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
     from support.configs import tiny_config_dict, write_config
 

@@ -10,7 +10,7 @@ from support import ROOT
 from support.configs import short_config, write_config
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_a_config_error_is_printed_once_even_when_another_rank_exits_first(tiny_data, tmp_path):
     """Rank 0 is held back 3 s before it starts, so rank 1 meets the (same) config error first. Had rank 1 exited
     at once, the launcher would have stopped rank 0 before it printed: a failed job without an error line."""

@@ -69,7 +69,7 @@ def _dp2_tp2(tiny_data, run: Path, steps: int) -> dict:
     return config
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_two_nodes_train_exactly_as_one(tiny_data, tmp_path):
     steps = parity_steps()
     one_node = write_config(tmp_path / "one_node.yaml", _dp2_tp2(tiny_data, tmp_path / "one_node", steps))

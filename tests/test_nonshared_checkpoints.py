@@ -135,7 +135,7 @@ def test_each_node_keeps_its_own_ranks_files_and_the_run_resumes_exactly(tiny_da
                       "this run's layout is pp=1, dp=1, ep=1, cp=1, tp=1", "resume at the layout")
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_node_folders_resume_whatever_order_the_nodes_join_in(tiny_data, tmp_path):
     """c10d numbers the nodes in the order it ranks their agents (here: by process id). Resumed with the agents started
     the other way round, the processes of node 1's folder, which holds rank 1's files, join as rank 0: each process

@@ -123,6 +123,7 @@ def feature_config(tiny_data, folder, feature: str, **layout) -> dict:
     return config
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize("feature, world, parallelism", [
     ("moe", 2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2}),
     pytest.param("moe", 4, {"pp": 2, "engine": "zb_h1", "expert_parallel_size": 2}, marks=pytest.mark.full_tier),
@@ -134,7 +135,6 @@ def feature_config(tiny_data, folder, feature: str, **layout) -> dict:
     pytest.param("llama", 2, {"pp": 2, "engine": "interleaved_1f1b", "virtual": 2, "recompute": "full"},
                  marks=pytest.mark.full_tier),
 ], ids=str)
-@pytest.mark.slow
 def test_features_train_as_one_process_under_the_schedules(tiny_data, tmp_path, feature, world, parallelism):
     """Mixtures of experts (router losses on inner chunks; expert parallelism), Mamba (whose convolution's weight
     cannot wait for W), document masking, context parallelism and recomputed layers, each against one process of
@@ -185,6 +185,7 @@ def _ops_that_computed_each_gradient(log: list[str]) -> list[str]:
 FP8_STEPS = 6
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize("parallelism", [
     {"pp": 2, "engine": "zb_h1"},
     pytest.param({"pp": 2, "engine": "zbv", "virtual": 2, "tied": False}, marks=pytest.mark.full_tier),

@@ -75,6 +75,7 @@ def _curve(run: Path) -> list[tuple]:
     return [(r["step"], r["lm_loss"], r["grad_norm"], r["lr"]) for r in metrics(run)]
 
 
+@pytest.mark.full_tier
 @pytest.mark.parametrize("ranks, signum, receivers", [
     pytest.param(2, signal.SIGTERM, "every process", id="2-ranks-SIGTERM-to-every-process"),
     pytest.param(2, signal.SIGTERM, "torchrun", id="2-ranks-SIGTERM-to-torchrun", marks=pytest.mark.full_tier),
@@ -84,7 +85,6 @@ def _curve(run: Path) -> list[tuple]:
     pytest.param(1, signal.SIGTERM, "torchrun", id="1-rank-SIGTERM-to-torchrun", marks=pytest.mark.full_tier),
     pytest.param(2, signal.SIGUSR1, "slurm", id="2-ranks-slurm-SIGUSR1-to-every-process", marks=pytest.mark.full_tier),
 ])
-@pytest.mark.slow
 def test_a_preempted_run_with_loader_workers_saves_on_every_rank_and_resumes_exactly(tiny_data, tmp_path, ranks,
                                                                                       signum, receivers):
     run, rank_logs, agent_log = tmp_path / "run", tmp_path / "ranks", tmp_path / "agent.log"

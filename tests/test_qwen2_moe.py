@@ -210,7 +210,7 @@ def _training_config(tiny_data, run: Path, *, dp: int = 1, ep: int = 1, tp: int 
         checkpoints={"checkpoint_interval": 1000, "save_final_state": False})
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_expert_parallel_layouts_match_one_process(tiny_data, tmp_path):
     """One process, then dp2 x ep2 and ep2 x tp2 in one 4-rank spawn: first-step gradients of every tensor (the
     shared expert and its gate included) and the curves of losses, grad-norms and router statistics."""

@@ -180,7 +180,7 @@ def test_row_parallel_biases_are_refused():
         apply_tensor_parallel(holder, {"o_proj": Row()}, None, ALL_REDUCE)
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_training_with_qkv_biases_matches_at_tp_2(tiny_data, tmp_path):
     def config(name: str, tp: int, mode: str, overlap: bool = False) -> dict:
         cfg = tp_config(tiny_data, tmp_path, name, tp, mode, overlap)
@@ -246,7 +246,7 @@ def test_eval_refuses_sequences_longer_than_the_context(smollm2_like):
     assert_one_error_line(evaluated, "--sequence-length (512) exceeds model.config.max_position_embeddings (128)")
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_training_refuses_a_tp_that_splits_kv_heads_once_per_launch(smollm2_like, tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", parallelism={"tp": 2})
     config["model"]["init_method"] = {"path": str(smollm2_like)}

@@ -320,7 +320,7 @@ def test_resume_restores_the_random_generators_from_safetensors(saved):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_kill_9_at_any_moment_then_auto_resume_gives_the_uninterrupted_curve(tiny_data, tmp_path):
     """Fault injection: SIGKILL at random moments of a run that saves every step (so often inside a save), then the
     same command with resume_checkpoint_path: auto, until it finishes; the losses equal the uninterrupted run's."""

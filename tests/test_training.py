@@ -81,7 +81,7 @@ main(["train", "--config-file", sys.argv[1]])
 """
 
 
-@pytest.mark.slow
+@pytest.mark.full_tier
 def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 8},
                               checkpoints={"checkpoint_interval": 3})
