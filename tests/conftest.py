@@ -24,7 +24,7 @@ import pytest
 from support.configs import DOMAINS, doremi_config, short_config
 from support.corpus import write_corpus
 from support.hf import save_tiny_hf_model
-from support.runs import train_on_ranks, train_through_cli
+from support.runs import DISTRIBUTED_VARIABLES, train_on_ranks, train_through_cli
 from support.tiers import FULL_TIER_REASON, TIER_VARIABLE, full_tier, quick_tier, tier_name
 
 
@@ -54,9 +54,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "full_tier" in item.keywords:
             item.add_marker(skip)
-
-
-DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,6 @@ family recorded, and a checkpoint written by a newer nanotron refused by every c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from nanotron.errors import CheckpointError
 from nanotron.parallel.placement import Placement, Shard
 from support import ROOT
 from support.configs import resume_config, write_config
-from support.runs import Outcome, assert_user_error, cli
+from support.runs import Outcome, assert_user_error, cli, fresh_environment
 
 
 def test_fused_tensor_written_by_two_ranks_reads_back_in_any_slicing(tmp_path):
@@ -103,7 +102,7 @@ def test_run_generate_of_a_newer_checkpoint_format_is_refused(newer):
     result = subprocess.run(
         [sys.executable, str(ROOT / "run_generate.py"), "--ckpt-path", str(newer), "--prompt", "the cat",
          "--max-new-tokens", "2"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "NANOTRON_DEVICE": "cpu"})
+        capture_output=True, text=True, timeout=120, env=fresh_environment())
     assert_user_error(Outcome(result.returncode, result.stdout, result.stderr), *_newer_fragments(newer))
     assert "===" not in result.stdout  # nothing was generated
 

@@ -29,7 +29,15 @@ import pytest
 from nanotron.checkpoint.integrity import file_entry
 from nanotron.checkpoint.manager import write_metadata
 from support.configs import short_config, write_config
-from support.runs import Outcome, assert_user_error, checkpoint_json, checkpoint_steps, cli, train_through_cli
+from support.runs import (
+    Outcome,
+    assert_user_error,
+    checkpoint_json,
+    checkpoint_steps,
+    cli,
+    fresh_environment,
+    train_through_cli,
+)
 
 MODEL_FILE = "model/pp000-tp000-ep000.safetensors"  # the first file a save writes, through safetensors (~400 kB)
 FREE_BYTES = 128 * 1024  # room left on a full disk: less than that file, more than a step's other writes
@@ -64,7 +72,7 @@ def _nanotron(*args, prefix: tuple[str, ...] = (), preexec_fn=None, timeout: flo
     """``nanotron ARGS`` as a process of its own: a limit or a namespace applies to it alone, and a hang times out."""
     result = subprocess.run([*prefix, sys.executable, "-m", "nanotron", *map(str, args)], capture_output=True,
                             text=True, timeout=timeout, preexec_fn=preexec_fn,
-                            env={**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+                            env=fresh_environment(OMP_NUM_THREADS="1"))
     return Outcome(result.returncode, result.stdout, result.stderr)
 
 

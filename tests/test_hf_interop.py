@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from support import ROOT
 from support.configs import tiny_config_dict
 from support.distributed import run_distributed
 from support.hf import PROMPTS, nanotron_outputs
-from support.runs import assert_user_error, cli, train_through_cli
+from support.runs import assert_user_error, cli, fresh_environment, train_through_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,7 +116,7 @@ def test_memorized_sentence_comes_back_from_run_generate(tmp_path):
     config = tiny_config_dict({"tokenizer": tokenizer, "tokenized": tmp_path / "data"}, tmp_path / "ckpt",
                               tokens={"train_steps": 80})
     config["model"]["model_config"] |= {"vocab_size": 300}
-    env = {**os.environ, "NANOTRON_DEVICE": "cpu"}
+    env = fresh_environment()
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
                               str(write_config(tmp_path / "config.yaml", config))],
                              capture_output=True, text=True, env=env)
@@ -170,7 +169,7 @@ def test_eval_reports_the_mean_token_loss_at_any_layout(tiny_data, tmp_path):
     config = tiny_config_dict(tiny_data, tmp_path / "ckpt", tokens={"train_steps": 6})
     trained = subprocess.run([sys.executable, str(ROOT / "run_train.py"), "--config-file",
                               str(write_config(tmp_path / "config.yaml", config))], capture_output=True, text=True,
-                             env={**os.environ, "NANOTRON_DEVICE": "cpu"})
+                             env=fresh_environment())
     assert trained.returncode == 0, trained.stderr[-3000:]
     (single,) = run_distributed(_evaluate, 1, ckpt=str(tmp_path / "ckpt"), data=str(tiny_data["tokenized"]), tp=1)
     sharded = run_distributed(_evaluate, 2, ckpt=str(tmp_path / "ckpt"), data=str(tiny_data["tokenized"]), tp=2)

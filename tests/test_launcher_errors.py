@@ -1,6 +1,5 @@
 """A user error under torchrun reaches the user once, whichever rank the launcher sees fail first."""
 
-import os
 import subprocess
 import sys
 
@@ -8,6 +7,7 @@ import pytest
 
 from support import ROOT
 from support.configs import short_config, write_config
+from support.runs import fresh_environment
 
 
 @pytest.mark.full_tier
@@ -23,7 +23,7 @@ def test_a_config_error_is_printed_once_even_when_another_rank_exits_first(tiny_
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--no-python", "sh", "-c",
          rank0_starts_late],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+        env=fresh_environment(OMP_NUM_THREADS="1"))
     output = result.stdout + result.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, output[-3000:]

@@ -20,11 +20,11 @@ from support import ROOT
 from support.configs import short_config, write_config
 from support.parity import assert_reference_trains
 from support.processes import descendants, killed_on_failure, signal_all, wait_for_all
-from support.runs import checkpoint_json, metrics
+from support.runs import checkpoint_json, fresh_environment, metrics
 from support.tiers import parity_steps
 
 TIMEOUT_S = 240
-ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+ENV = fresh_environment(OMP_NUM_THREADS="1")
 
 
 def _port_is_free(port: int) -> bool:

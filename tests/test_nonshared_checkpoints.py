@@ -19,11 +19,11 @@ from support import ROOT
 from support.configs import short_config, write_config
 from support.distributed import run_distributed
 from support.processes import wait_for_all
-from support.runs import assert_user_error, cli, metrics
+from support.runs import assert_user_error, cli, fresh_environment, metrics
 
 TIMEOUT_S = 240
-ENV = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+ENV = fresh_environment(OMP_NUM_THREADS="1",
+                        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
 RUN = "run"  # checkpoints_path, relative: each node's own folder <node>/run
 TOTAL_STEPS = 6
 

@@ -30,7 +30,7 @@ from support.processes import (
     start_training,
     training_outcome,
 )
-from support.runs import checkpoint_json, metrics
+from support.runs import checkpoint_json, fresh_environment, metrics
 
 TIMEOUT_S = 120
 
@@ -212,7 +212,7 @@ def test_a_stop_signal_saves_and_exits_cleanly_then_the_run_resumes(tiny_data, t
     resume["checkpoints"] = config["checkpoints"] | {"resume_checkpoint_path": "auto"}
     command = launcher + [str(ROOT / "run_train.py"), "--config-file", str(write_config(tmp_path / "r.yaml", resume))]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+                              env=fresh_environment(OMP_NUM_THREADS="1"))
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert [r["step"] for r in metrics(run)] == list(range(1, step + 3))
 

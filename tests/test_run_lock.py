@@ -19,7 +19,15 @@ import pytest
 from support import ROOT
 from support.configs import short_config, write_config
 from support.processes import children, start_training
-from support.runs import assert_user_error, checkpoint_json, checkpoint_steps, cli, metrics, train_through_cli
+from support.runs import (
+    assert_user_error,
+    checkpoint_json,
+    checkpoint_steps,
+    cli,
+    fresh_environment,
+    metrics,
+    train_through_cli,
+)
 
 LAUNCHERS = {
     "python": [sys.executable],
@@ -80,7 +88,7 @@ def test_a_second_run_on_a_running_folder_is_refused_and_after_kill_9_the_same_c
                   first, first_log)
         try:
             second = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S,
-                                    env={**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"})
+                                    env=fresh_environment(OMP_NUM_THREADS="1"))
         except subprocess.TimeoutExpired:
             pytest.fail(f"the second run on {run} was not refused: still running after {WAIT_S} s")
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]

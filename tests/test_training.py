@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 
 from support.configs import tiny_config_dict, write_config
 from support.distributed import run_distributed
-from support.runs import metrics, train_in_subprocess
+from support.runs import fresh_environment, metrics, train_in_subprocess
 
 
 def test_tiny_model_learns_logs_and_checkpoints(tiny_data, tmp_path):
@@ -89,7 +88,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tiny_data, tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASHING_TRAIN)
     crashed = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
-                             env={**os.environ, "NANOTRON_DEVICE": "cpu"}, timeout=300)
+                             env=fresh_environment(), timeout=300)
     assert crashed.returncode == 9
     assert (tmp_path / "ckpt" / "latest.txt").read_text().strip() == "3"
     assert not (tmp_path / "ckpt" / "6").exists()

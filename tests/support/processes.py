@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from support import ROOT
-from support.runs import Outcome
+from support.runs import Outcome, fresh_environment
 
 
 def start_training(config_path: Path, launcher: list[str], log: Path | None = None) -> subprocess.Popen:
     """Start a training run; its output goes to ``log`` (a file: a pipe nobody reads while the test waits would
     stall the run once full)."""
-    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    env = fresh_environment(OMP_NUM_THREADS="1")
     with open(log or os.devnull, "w") as output:
         return subprocess.Popen(launcher + [str(ROOT / "run_train.py"), "--config-file", str(config_path)],
                                 stdout=output, stderr=subprocess.STDOUT, text=True, env=env)

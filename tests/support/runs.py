@@ -95,11 +95,23 @@ def train_on_ranks(config: dict, ranks: int) -> list[dict]:
     return run_distributed(train_in_process, ranks, config=config)[0]
 
 
+# The variables of a process group; a test process that built a trainer in-process holds its group's, which a process
+# it starts must not inherit (it would join, or listen on, that group's port).
+DISTRIBUTED_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def fresh_environment(**changes: str) -> dict[str, str]:
+    """The environment of a process a test starts as a user would: this one's on the CPU, without the variables of
+    this process's own group, with ``changes``."""
+    kept = {name: value for name, value in os.environ.items() if name not in DISTRIBUTED_VARIABLES}
+    return kept | {"NANOTRON_DEVICE": "cpu"} | changes
+
+
 def train_in_subprocess(config_path: Path, *, launcher: list[str] | None = None, check: bool = True
                         ) -> subprocess.CompletedProcess:
     """``run_train.py`` on the CPU in a fresh process (``python``, or ``launcher`` such as torchrun's command); it
     must succeed unless not ``check``."""
-    env = {**os.environ, "NANOTRON_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    env = fresh_environment(OMP_NUM_THREADS="1")
     command = (launcher or [sys.executable]) + [str(ROOT / "run_train.py"), "--config-file", str(config_path)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if check and result.returncode != 0:
@@ -117,7 +129,7 @@ def trainer_metrics(trainer) -> list[dict]:
 def python_process(*args) -> Outcome:
     """``python ARGS`` in a fresh process from the repository root, on the CPU."""
     result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "NANOTRON_DEVICE": "cpu"})
+                            timeout=300, env=fresh_environment())
     return Outcome(result.returncode, result.stdout, result.stderr)
 
 
