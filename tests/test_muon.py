@@ -16,7 +16,7 @@ from nanotron.parallel import data_parallel
 from nanotron.parallel.placement import annotate_placements
 from support.configs import moe_config, tiny_config_dict, write_config
 from support.distributed import run_distributed
-from support.parity import assert_matches_reference, assert_reference_trains, logical_pieces
+from support.parity import assert_matches_reference, assert_reference_trains, final_weights
 from support.runs import assert_user_error, cli, trainer_metrics
 from support.tiers import full_tier
 
@@ -158,9 +158,7 @@ def _train(config: dict) -> dict:
 
     trainer = Trainer(config_from_dict(config))
     trainer.train()
-    pc, weights = trainer.pc, {}
-    for whole in trainer.buckets.whole_parameters():
-        weights |= logical_pieces(whole, trainer.params, pc.coordinates, pc.sizes)
+    weights = final_weights(trainer)
     muon = {name for bucket in trainer.buckets.buckets if bucket.orthogonalised for name in bucket.names}
     return {"metrics": trainer_metrics(trainer), "weights": weights, "muon": muon}
 

@@ -15,7 +15,7 @@ from nanotron.nn.max_logits import LogitMaxima, max_logits, record_max_logits
 from nanotron.optim.qk_clip import block_row_factors, head_factors
 from support.configs import tiny_config_dict, write_config
 from support.distributed import run_distributed
-from support.parity import assert_matches_reference, assert_reference_trains, logical_pieces
+from support.parity import assert_matches_reference, assert_reference_trains, final_weights
 from support.runs import assert_user_error, cli, trainer_metrics
 
 
@@ -164,9 +164,7 @@ def _train(config: dict) -> dict:
 
     trainer = Trainer(config_from_dict(config))
     trainer.train()
-    pc, weights = trainer.pc, {}
-    for whole in trainer.buckets.whole_parameters():
-        weights |= logical_pieces(whole, trainer.params, pc.coordinates, pc.sizes)
+    weights = final_weights(trainer)
     return {"metrics": trainer_metrics(trainer), "weights": weights}
 
 

@@ -35,6 +35,14 @@ def logical_pieces(tensors: dict[str, torch.Tensor], params: dict, coords: dict,
     return out
 
 
+def final_weights(trainer) -> dict:
+    """This rank's pieces (``logical_pieces``) of a trained model's weights as the optimizer holds them whole."""
+    pc, weights = trainer.pc, {}
+    for whole in trainer.buckets.whole_parameters():
+        weights |= logical_pieces(whole, trainer.params, pc.coordinates, pc.sizes)
+    return weights
+
+
 def first_step(trainer) -> list:
     """The micro-batches of the trainer's first step (on this rank), as its training loop reads them."""
     return trainer.loader(trainer.config.data_stages[0]).next_step()
