@@ -34,6 +34,7 @@ in the same order on every backend (``Timeline.messages``).
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -65,7 +66,7 @@ class ScheduleError(ValueError):
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Schedule(ABC):
     """The actions of every stage of a pipeline of ``pp`` stages holding ``virtual`` chunks each, over
     ``micro_batches`` micro-batches a step. Subclasses give the order (``actions``) and the chunks' placement."""
 
@@ -101,9 +102,9 @@ class Schedule:
         """The chunks ``stage`` holds, in model order."""
         return [chunk for chunk in range(self.chunks) if self.stage_of(chunk) == stage]
 
+    @abstractmethod
     def actions(self, stage: int) -> list[Action]:
         """Stage ``stage``'s actions in the order it runs them: each schedule below defines its own."""
-        raise NotImplementedError
 
     def timeline(self) -> Timeline:
         return simulate(self)

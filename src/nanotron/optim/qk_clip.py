@@ -31,7 +31,7 @@ from torch import nn
 from nanotron.layout import Group
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.placement import get_placement
-from nanotron.parallel.statistics import max_over_replicas
+from nanotron.parallel.statistics import max_over_ranks
 
 
 def head_factors(maxima: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -101,7 +101,7 @@ class QKClip:
         afresh."""
         heads = [local_heads(block) for block in self.blocks]
         maxima = torch.cat([block.core.take(count, self.pc.device) for block, count in zip(self.blocks, heads)])
-        self.step_maxima = maxima = max_over_replicas(maxima, self.pc)
+        self.step_maxima = maxima = max_over_ranks(maxima, self.pc, (Group.DENSE_REPLICAS,))
         gamma = head_factors(maxima, self.threshold)
         factors = {}
         for block, block_gamma in zip(self.blocks, gamma.split(heads)):

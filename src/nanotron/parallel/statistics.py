@@ -53,18 +53,14 @@ def sum_over_all_ranks(values: torch.Tensor, parallel_context: ParallelContext) 
     return values
 
 
-def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
+def max_over_ranks(values: torch.Tensor, parallel_context: ParallelContext,
+                   groups: tuple[Group, ...] = (Group.TP, Group.DENSE_REPLICAS)) -> torch.Tensor:
     """``values`` maximised over the tensor- and data-parallel ranks of this pipeline stage (which hold the same
-    modules), in place: a statistic every such rank must agree on, like FP8's step amaxes."""
-    for group in (Group.TP, Group.DENSE_REPLICAS):
+    modules), in place: a statistic every such rank must agree on, like FP8's step amaxes. With ``groups``
+    ``(DENSE_REPLICAS,)``, over the replicas only (every tensor-parallel rank its own values, like QK-clip's
+    per-head logits)."""
+    for group in groups:
         if parallel_context.size(group) > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.group(group))
     return values
 
-
-def max_over_replicas(values: torch.Tensor, parallel_context: ParallelContext) -> torch.Tensor:
-    """``values`` maximised over the data- and context-parallel replicas (the ranks holding the same modules and
-    other tokens), in place: a maximum over the step's batch, like QK-clip's attention logits."""
-    if parallel_context.size(Group.DENSE_REPLICAS) > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=parallel_context.group(Group.DENSE_REPLICAS))
-    return values
