@@ -4,11 +4,11 @@
     torchrun --nproc_per_node=2 scripts/benchmark.py --data ... --override parallelism.dp=2
 
 Every system trains the same model shape on the same batches: nanotron (fp32 master weights and fp32 gradient
-accumulation) and, on a single process, the peers of ``--peer`` (``scripts/benchmark_peers.py``): by default the
-Hugging Face ``transformers`` loop with its decoder layers and loss compiled (``hf``); ``hf-eager``, the same loop
-eagerly; ``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan's own model of the family (Llama,
-Qwen3, DeepSeek-V3); ``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``, none.
-Step times are measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s,
+accumulation) and, on a single process, the peers of ``--peer`` (``scripts/benchmark_peers.py``): by default the Hugging
+Face ``transformers`` loop with its decoder layers and loss compiled (``hf``); ``hf-eager``, the same loop eagerly;
+``liger``, that model with Liger's kernels; ``torchtitan``, torchtitan's own model of the family (Llama, Mixtral as its
+Llama 4, Qwen3, DeepSeek-V3); ``mamba-ssm``, the authors' Mamba with its CUDA kernels (Mamba presets); ``--no-peers``,
+none. Step times are measured with CUDA events after ``--warmup`` steps and the median is reported, with tokens/s,
 tokens/s/GPU, TFLOP/s/GPU, MFU (FLOPs per token in Megatron-LM's convention, from nanotron's model family: the LM head
 counted, the input-embedding lookup not; for a mixture of experts the parameters a token uses; under document masking
 the attention pairs inside the batches' documents), peak memory (the largest over ranks, and each rank's), and how much
@@ -450,8 +450,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama1b")
     parser.add_argument("--peer", nargs="+", choices=sorted(PEERS), default=["hf"],
                         help="systems trained beside nanotron on one GPU (default: hf, the compiled transformers "
-                             "loop): hf, hf-eager, liger (transformers + Liger kernels), torchtitan (Llama, Qwen3, "
-                             "DeepSeek-V3), mamba-ssm (Mamba presets)")
+                             "loop): hf, hf-eager, liger (transformers + Liger kernels), torchtitan (Llama, Mixtral, "
+                             "Qwen3, DeepSeek-V3), mamba-ssm (Mamba presets)")
     parser.add_argument("--no-peers", "--no-hf", dest="no_peers", action="store_true", help="train nanotron only")
     parser.add_argument("--versus", choices=sorted(PRESETS),
                         help="also train this nanotron preset on the same batches and report the tokens/s ratio")

@@ -10,9 +10,10 @@ trained on nanotron's own batches, the micro-batch losses averaged, gradients cl
   FP8 keeps it).
 - ``liger``: that model with Liger's kernels (RoPE, RMSNorm, SwiGLU, the fused linear cross-entropy that never
   builds the logits), eager, as Liger is used (compiled it is slower: its kernels break the graphs).
-- ``torchtitan``: torchtitan's own model of the family at the preset's shape (``llama3``, ``qwen3`` dense and MoE,
-  ``deepseek_v3``), its ``parallelize_*`` (each block compiled, no activation checkpointing), its loss and AdamW
-  (with its expert-bias balancing for the MoEs), fp32 parameters under bf16 autocast as it trains on one GPU.
+- ``torchtitan``: torchtitan's own model of the family at the preset's shape (``llama3``, ``llama4`` as Mixtral,
+  ``qwen3`` dense and MoE, ``deepseek_v3``), its ``parallelize_*`` (each block compiled, no activation
+  checkpointing), its loss and AdamW (with its expert-bias balancing for the MoEs), fp32 parameters under bf16
+  autocast as it trains on one GPU.
 - ``mamba-ssm``: the authors' Mamba with its CUDA kernels (Mamba presets).
 
 ``peer_problem`` says, before anything is allocated, why a peer cannot run (another model family, a library that
@@ -39,7 +40,8 @@ REQUIREMENTS = {
     "hf-amp": (("transformers",), "transformers (pip install -e '.[hf]')"),
     "liger": (("transformers", "liger_kernel.transformers"),
               "liger-kernel 0.8.5 (scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
-    "torchtitan": (("torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.models.deepseek_v3"),
+    "torchtitan": (("torchtitan.models.llama3", "torchtitan.models.llama4", "torchtitan.models.qwen3",
+                    "torchtitan.models.deepseek_v3"),
                    "torchtitan 0.2.2 and what it imports "
                    "(scripts/install_peers.sh from wheels, or pip install -e '.[bench]')"),
     "mamba-ssm": (("mamba_ssm.models.mixer_seq_simple",), "mamba-ssm and causal-conv1d (built for the GPU)"),
@@ -54,7 +56,7 @@ HF_NAMES = {"moe_num_experts": "num_local_experts", "is_llama_config": None, "is
 HF_CLASSES = {"llama": "Llama", "mixtral": "Mixtral", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
               "deepseek_v3": "DeepseekV3"}
 # The families each peer trains.
-FAMILIES = {"torchtitan": ("llama", "qwen3", "qwen3_moe", "deepseek_v3"), "mamba-ssm": ("mamba",)}
+FAMILIES = {"torchtitan": ("llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3"), "mamba-ssm": ("mamba",)}
 
 
 def family(preset: dict) -> str:
@@ -262,7 +264,7 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights()
-    if preset.get("tie_word_embeddings") and family(preset) == "llama":
+    if preset.get("tie_word_embeddings") and family(preset) in ("llama", "mixtral"):
         model.tok_embeddings.weight = model.output.weight
     model.train()
     loss_sum = build_cross_entropy_loss(job)
@@ -278,16 +280,40 @@ def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: 
                         clip=lambda parameters: clip_grad_norm_(parameters, 1.0, foreach=True), model=model)
 
 
+def torchtitan_llama_shape(preset: dict) -> dict:
+    """The ``TransformerModelArgs`` fields of torchtitan's Llama 3 and Llama 4 at the preset's shape."""
+    return {"dim": preset["hidden_size"], "n_layers": preset["num_hidden_layers"],
+            "n_heads": preset["num_attention_heads"], "n_kv_heads": preset["num_key_value_heads"],
+            "vocab_size": preset["vocab_size"], "rope_theta": preset.get("rope_theta", 10000.0),
+            "norm_eps": preset.get("rms_norm_eps", 1e-6),
+            **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"])}
+
+
 def torchtitan_llama3(preset: dict):
     from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
     args = TransformerModelArgs(
-        dim=preset["hidden_size"], n_layers=preset["num_hidden_layers"], n_heads=preset["num_attention_heads"],
-        n_kv_heads=preset["num_key_value_heads"], vocab_size=preset["vocab_size"],
-        rope_theta=preset.get("rope_theta", 10000.0), norm_eps=preset.get("rms_norm_eps", 1e-6),
-        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),  # its default stretches RoPE as Llama 3.1: off
-        **torchtitan_feed_forward(preset["hidden_size"], preset["intermediate_size"]))
+        **torchtitan_llama_shape(preset),
+        rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0))  # its default stretches RoPE as Llama 3.1: off
+    return Transformer, args, parallelize_llama
+
+
+def torchtitan_llama4(preset: dict):
+    """torchtitan's Llama 4 as Mixtral: grouped-query attention with RoPE in every layer (no NoPE layers, hence none
+    of its fixed attention blocks) and unscaled; experts in every layer, none shared, each as wide as
+    ``intermediate_size`` (not divided by the top-k); softmax routing with the top-k renormalised, the expert outputs
+    weighed by their scores. Mixtral balances the experts with an auxiliary loss; torchtitan with its expert bias
+    (``load_balance_coeff``), updated by its optimizer hook: this peer keeps torchtitan's way."""
+    from torchtitan.models.llama4 import Transformer, TransformerModelArgs, parallelize_llama
+    from torchtitan.models.moe import MoEArgs
+
+    args = TransformerModelArgs(
+        **torchtitan_llama_shape(preset), rope_scaling_args=None, every_n_layers_nope=None,
+        interleave_moe_layer_step=1, auto_scale_hidden_dim=False,
+        moe_args=MoEArgs(num_experts=preset["moe_num_experts"], num_shared_experts=0,
+                         top_k=preset["num_experts_per_tok"], score_func="softmax", route_norm=True,
+                         score_before_experts=False))
     return Transformer, args, parallelize_llama
 
 
@@ -334,8 +360,8 @@ def torchtitan_deepseek_v3(preset: dict):
 
 
 # Each family's torchtitan model: its class, its arguments at the preset's shape and its parallelize function.
-TORCHTITAN_MODELS = {"llama": torchtitan_llama3, "qwen3": torchtitan_qwen3, "qwen3_moe": torchtitan_qwen3,
-                     "deepseek_v3": torchtitan_deepseek_v3}
+TORCHTITAN_MODELS = {"llama": torchtitan_llama3, "mixtral": torchtitan_llama4, "qwen3": torchtitan_qwen3,
+                     "qwen3_moe": torchtitan_qwen3, "deepseek_v3": torchtitan_deepseek_v3}
 
 
 def build_mamba_ssm(preset: dict, device: str) -> TrainingLoop:

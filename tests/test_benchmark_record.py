@@ -21,7 +21,7 @@ import torch
 
 from support import ROOT
 from support.configs import tiny_config_dict
-from support.stand_ins import benchmark_on_cpu
+from support.stand_ins import benchmark_on_cpu, integer_histc
 
 SCRIPTS = ROOT / "scripts"
 
@@ -172,17 +172,21 @@ def test_the_family_presets_build_valid_configs_of_their_size(preset, parameters
 def test_the_transformers_peer_has_the_presets_parameters(preset, tmp_path):
     """The compiled-transformers peer is built at the preset's shape: as many parameters as nanotron counts."""
     pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = benchmark_peers.hf_model(benchmark.PRESETS[preset], 4096, "meta", "grouped_mm")
+    assert sum(p.numel() for p in model.parameters()) == _nanotron_parameters(preset, tmp_path)
+
+
+def _nanotron_parameters(preset: str, tmp_path: Path) -> int:
+    """The parameters nanotron counts in the benchmark's model of ``preset``."""
     import argparse
 
     from nanotron.models.registry import spec_for_config
 
-    with torch.device("meta"):
-        model = benchmark_peers.hf_model(benchmark.PRESETS[preset], 4096, "meta", "grouped_mm")
     args = argparse.Namespace(data=str(tmp_path), sequence_length=4096, micro_batch_size=1, accumulation=1, steps=2,
                               warmup=1, save_to=None)
     config = benchmark.nanotron_config(args, preset, []).model.model_config
-    costs = spec_for_config(config).costs(config, config.vocab_size, 4096)
-    assert sum(p.numel() for p in model.parameters()) == costs.parameters
+    return spec_for_config(config).costs(config, config.vocab_size, 4096).parameters
 
 
 @pytest.mark.parametrize("preset", ["llama1b", "mixtral"])
@@ -194,8 +198,9 @@ def test_muon_trains_the_preset_with_muon_then_with_adamw_in_one_call(preset, tm
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--preset", "mixtral", "--peer", "torchtitan"],
-     "--peer torchtitan trains llama, qwen3, qwen3_moe, deepseek_v3 models; mixtral is a mixtral preset: use --no"),
+    (["--preset", "mamba130m", "--peer", "torchtitan"],
+     "--peer torchtitan trains llama, mixtral, qwen3, qwen3_moe, deepseek_v3 models; mamba130m is a mamba preset: "
+     "use --peer mamba-ssm"),
     (["--preset", "mamba130m"], "--peer hf trains llama, mixtral, qwen3, qwen3_moe, deepseek_v3 models; mamba130m is "
                                 "a mamba preset: use --peer mamba-ssm"),
     (["--peer", "mamba-ssm"], "--peer mamba-ssm trains mamba models; llama1b is a llama preset"),
@@ -378,6 +383,43 @@ def test_torchtitan_trains_each_family_at_the_transformers_peers_shape(preset):
     dense = benchmark_peers.family(preset) == "qwen3"
     for loop in (torchtitan, transformers) if dense else (transformers,):
         _train_two_steps(loop, _batches(preset["vocab_size"]))
+
+
+def test_torchtitans_mixtral_is_its_llama4_with_experts_of_the_presets_width(tmp_path):
+    """torchtitan's Llama 4 at the mixtral preset's shape (meta device): nanotron's parameter count, experts of
+    width ``intermediate_size`` and RoPE in every layer."""
+    pytest.importorskip("torchtitan.models.llama4")
+    preset = benchmark.PRESETS["mixtral"]
+    model_class, args, _ = benchmark_peers.TORCHTITAN_MODELS["mixtral"](preset)
+    with torch.device("meta"):
+        model = model_class(args)
+    assert sum(p.numel() for p in model.parameters()) == _nanotron_parameters("mixtral", tmp_path)
+    shape = (preset["moe_num_experts"], preset["intermediate_size"], preset["hidden_size"])
+    blocks = list(model.layers.values())
+    assert all(block.moe_enabled and block.moe.experts.w1.shape == shape for block in blocks)
+    assert all(block.attention.use_rope for block in blocks)
+
+
+TINY_MIXTRAL = TINY_LLAMA | {"is_llama_config": False, "is_llamoe_config": True, "moe_num_experts": 4,
+                             "num_experts_per_tok": 2}
+
+
+@pytest.mark.slow
+def test_torchtitan_trains_its_mixtral_with_its_expert_bias(monkeypatch):
+    """A tiny tied Mixtral in torchtitan: as many parameters as transformers' Mixtral; it trains, its balancing hook
+    moving the expert bias. On the CPU its experts run their loop (grouped GEMMs need a GPU) and its routers' integer
+    ``histc``, which the CPU lacks, is stood in; the hook reads torchtitan's device mesh, here on a world of one as
+    the benchmark's peers run in the one its nanotron run formed."""
+    pytest.importorskip("torchtitan.models.llama4")
+    import torch.distributed as dist
+
+    integer_histc(monkeypatch)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    loop = benchmark_peers.build_torchtitan(TINY_MIXTRAL, 16, "cpu", compiled=False)
+    transformers = benchmark_peers.build_hf(TINY_MIXTRAL, 16, "cpu", compiled=False)
+    assert sum(p.numel() for p in loop.parameters) == sum(p.numel() for p in transformers.parameters)
+    _train_two_steps(loop, _batches(TINY_MIXTRAL["vocab_size"]))
+    assert all(block.moe.expert_bias.abs().sum() > 0 for block in loop.model.layers.values())
 
 
 def test_torchtitan_loop_trains_its_llama_at_the_presets_shape():

@@ -1,5 +1,5 @@
 """Stand-ins for what only a GPU has, so that the CPU runs the GPU's code paths: ``torch._scaled_mm`` with the
-demands FP8 GPUs make, and the benchmark's CUDA memory counters and timer."""
+demands FP8 GPUs make, the benchmark's CUDA memory counters and timer, and the integer ``torch.histc``."""
 
 from __future__ import annotations
 
@@ -30,3 +30,11 @@ def benchmark_on_cpu(monkeypatch, benchmark) -> None:
     monkeypatch.setattr(benchmark, "per_rank", lambda value: [value])
     monkeypatch.setattr(benchmark, "timed", lambda step, steps, warmup: ([step(i) or 0.5 for i in range(warmup + steps)]
                                                                           [warmup:], 0))
+
+
+def integer_histc(monkeypatch) -> None:
+    """``torch.histc`` of an integer tensor, counted in its dtype as CUDA counts it (the CPU's refuses integers):
+    torchtitan's routers count each expert's tokens with it."""
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc",
+                        lambda input, *args, **kwargs: histc(input.float(), *args, **kwargs).to(input.dtype))
