@@ -247,7 +247,8 @@ def torchtitan_job(sequence_length: int, compiled: bool):
 def build_torchtitan(preset: dict, sequence_length: int, device: str, compiled: bool) -> TrainingLoop:
     """torchtitan's own model of the preset's family trained its way on one device, driven from here rather than from
     its CLI and TOML so that it reads the same batches. A tied preset shares the LM head's matrix with the embedding;
-    the mixtures of experts balance with torchtitan's expert bias, updated by its optimizer hook."""
+    the mixtures of experts balance with torchtitan's expert bias, updated by its optimizer hook, which reads its
+    device mesh: a process group must exist (the benchmark's peers run in the world of one its nanotron run formed)."""
     from torchtitan.components.loss import build_cross_entropy_loss
     from torchtitan.components.optimizer import build_optimizers, build_optimizers_with_moe_load_balancing
     from torchtitan.distributed import ParallelDims
