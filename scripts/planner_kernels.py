@@ -37,7 +37,7 @@ from nanotron.models.moe.model import GroupedExperts
 from nanotron.nn.attention import AttentionMasks, attend
 from nanotron.nn.flash_attention import use_flash_attention
 from nanotron.planning import kernels as k
-from nanotron.planning.step_time import predict
+from nanotron.planning.step_time import predict, update_seconds
 
 # (preset, sequence, micro-batch): the shapes of the single-GPU records the planner is checked against.
 SHAPES = [("llama1b", 4096, 4), ("llama8b", 4096, 1), ("mixtral", 4096, 2), ("llama1b", 32768, 1),
@@ -197,11 +197,12 @@ def table_name(gpu: str) -> str:
 
 def check(table: k.KernelTable) -> None:
     """The planner's prediction of each committed single-GPU record of the table's GPU, from the table, and from its
-    power-of-two points alone (each kernel interpolated, as a shape the recorder was not given)."""
+    power-of-two points alone (each kernel interpolated, as a shape the recorder was not given); then where each
+    predicted step goes: the kernels' seconds by class, and the update's."""
     print(f"kernels: {table.source} ({table.gpu}, attention {table.attention})")
     print("| record | measured s | predicted s | error | interpolated s | error |")
     print("|---|---|---|---|---|---|")
-    checked, grid = 0, table.grid_only()
+    grid, parts = table.grid_only(), {}
     for name, system in CHECKED:
         record_data, result, config, layout, cluster = record_run(name, system)
         if record_data["gpu"] != table.gpu or table.refusal(config) is not None:
@@ -212,9 +213,18 @@ def check(table: k.KernelTable) -> None:
             predicted = predict(config, layout, cluster, model).step
             cells += [f"{predicted:.4f}", f"{predicted / measured - 1:+.1%}"]
         print(f"| {name} ({system}) | {measured:.4f} | {' | '.join(cells)} |")
-        checked += 1
-    if not checked:
+        kernels = k.micro_batch_kernels(config, layout, range(config.model.model_config.num_hidden_layers), True)
+        seconds = {kind: 0.0 for kind in ("gemm", "attention", "experts", "elementwise")}
+        for kernel in kernels:
+            seconds[kernel.kind.split(".")[0]] += table.seconds([kernel]) * layout.accumulation
+        parts[name] = seconds | {"update": update_seconds(config, layout, cluster, 0)}
+    if not parts:
         print(f"(no committed record of a {table.gpu} that the table prices)")
+        return
+    print("\n| record | " + " | ".join(f"{part} s" for part in next(iter(parts.values()))) + " |")
+    print("|---|" + "---|" * len(next(iter(parts.values()))))
+    for name, seconds in parts.items():
+        print(f"| {name} | " + " | ".join(f"{value:.4f}" for value in seconds.values()) + " |")
 
 
 def main() -> None:

@@ -8,8 +8,10 @@ one GPU (``kernel_tables/<gpu>.json``, written there by ``scripts/planner_kernel
 - each linear of ``in`` × ``out`` features on the rank: three GEMMs, ``(m, n, k)`` for ``[m, k] × [k, n]``: the
   forward ``(T, out, in)``, the input gradient ``(T, in, out)`` and the weight gradient ``(out, in, T)``, each with
   2mnk FLOPs; the LM head of the fused loss (``model.loss_chunk_tokens``) runs them per chunk of tokens;
-- each attention core: its forward and backward at the sequence and head dimension, with the family's attention
-  FLOPs (``ModelCosts.attention_flops``: a third forward, two thirds backward) on the rank's tokens and heads;
+- each attention core: its forward and backward at the sequence and head dimension; forward FLOPs 2 · tokens · keys
+  · heads on the rank · (head dim + value head dim), the scores and the weighted sum over the keys a query attends
+  to on average (``attended_keys``: half the sequence when causal, fewer in a sliding window), twice that
+  backward;
 - each block of experts (``GroupedExperts``): its forward and backward as the block runs them (grouped GEMMs and the
   gated activation between), dims (experts on the rank, tokens per expert, hidden, ffn) with 6 · experts · tokens ·
   hidden · ffn FLOPs forward and twice that backward; the routed experts take the balanced share, ``T × top-k × ep /
@@ -45,7 +47,7 @@ from torch import nn
 
 from nanotron.config import Config
 from nanotron.layout import Layout
-from nanotron.models.build import padded_vocab_size
+from nanotron.models.llama.costs import attended_keys
 from nanotron.models.moe.model import GroupedExperts
 from nanotron.models.registry import spec_for_config
 from nanotron.nn.attention import AttentionCore
@@ -142,7 +144,7 @@ def _residual(layout: Layout, hidden: int) -> float:
     return hidden / layout.tp if layout.sequence_parallel else hidden
 
 
-def _layer_kernels(config: Config, layout: Layout, layer: nn.Module, attention_flops: float) -> list[Kernel]:
+def _layer_kernels(config: Config, layout: Layout, layer: nn.Module, keys: float) -> list[Kernel]:
     """A decoder layer's kernels in one micro-batch, without recomputation (the module's rules)."""
     model_config, tokens = config.model.model_config, layout.rank_tokens
     hidden, value_bytes = model_config.hidden_size, config.model.torch_dtype().itemsize
@@ -164,11 +166,13 @@ def _layer_kernels(config: Config, layout: Layout, layer: nn.Module, attention_f
             flops = 6.0 * math.prod(dims)
             kernels += [Kernel(EXPERTS_FORWARD, dims, flops), Kernel(EXPERTS_BACKWARD, dims, 2 * flops)]
         elif isinstance(module, AttentionCore):
-            dims = (layout.sequence_length, model_config.head_dim)
-            work = attention_flops * tokens / layout.tp
-            kernels += [Kernel(ATTENTION_FORWARD, dims, work / 3), Kernel(ATTENTION_BACKWARD, dims, 2 * work / 3)]
-            q = model_config.num_attention_heads * model_config.head_dim // layout.tp
-            kv = max(model_config.num_key_value_heads // layout.tp, 1) * model_config.head_dim
+            head_dim = model_config.head_dim
+            q = model_config.num_attention_heads * head_dim // layout.tp
+            kv = max(model_config.num_key_value_heads // layout.tp, 1) * head_dim
+            value_dim = getattr(model_config, "v_head_dim", head_dim)
+            forward = 2.0 * tokens * keys * (q // head_dim) * (head_dim + value_dim)  # scores and weighted sum
+            dims = (layout.sequence_length, head_dim)
+            kernels += [Kernel(ATTENTION_FORWARD, dims, forward), Kernel(ATTENTION_BACKWARD, dims, 2 * forward)]
     forward, backward = elementwise_bytes(_residual(layout, hidden), hidden, q, kv, gated, assignments, value_bytes)
     activation = (tokens * hidden,)
     return kernels + [Kernel(ELEMENTWISE_FORWARD, activation, forward * tokens),
@@ -195,11 +199,10 @@ def micro_batch_kernels(config: Config, layout: Layout, layers: Iterable[int], h
     final norm, the LM head and the loss), recomputation's extra forwards included."""
     model = rank_model(config, layout)
     model_config = config.model.model_config
-    vocab = padded_vocab_size(model_config.vocab_size, config.model.make_vocab_size_divisible_by, layout.tp)
-    costs = spec_for_config(model_config).costs(model_config, vocab, layout.sequence_length)
-    attention = costs.attention_flops or (0.0,) * len(costs.layer_flops)
-    kernels = [k for index in layers for k in _layer_kernels(config, layout, model.layers[str(index)],
-                                                             attention[index])]
+    costs = spec_for_config(model_config).costs(model_config, model_config.vocab_size, layout.sequence_length)
+    windows = costs.attention_windows or (None,) * len(costs.layer_flops)
+    kernels = [k for index in layers for k in _layer_kernels(
+        config, layout, model.layers[str(index)], attended_keys(windows[index], layout.sequence_length))]
     again = RECOMPUTED[config.parallelism.recompute]
     kernels += [k for k in kernels if k.kind in again]
     return kernels + (_head_kernels(config, layout, model) if head else [])
