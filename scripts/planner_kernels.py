@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -29,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from benchmark import nanotron_config
-from planner_efficiency import CHECKED, ROOT, record_run
+from benchmark_record import git_commit
+from planner_efficiency import CHECKED, record_run
 
 from nanotron.config import Config, load_config
 from nanotron.layout import Layout
@@ -48,10 +48,10 @@ CP = (2, 4)  # for sequences of 32k tokens and more, at tp 1
 MAX_CALLS = 20
 
 
-def preset_config(preset: str, sequence_length: int, micro_batch_size: int) -> Config:
+def preset_config(preset: str, sequence_length: int, micro_batch_size: int, overrides: list[str]) -> Config:
     args = argparse.Namespace(sequence_length=sequence_length, micro_batch_size=micro_batch_size, accumulation=1,
                               steps=1, warmup=0, data="unused", save_to=None)
-    return nanotron_config(args, preset, ["model.compile=true"])
+    return nanotron_config(args, preset, ["model.compile=true", *overrides])
 
 
 def layouts(config: Config, tp: tuple[int, ...]) -> list[Layout]:
@@ -178,14 +178,6 @@ def record(configs: list[Config], tp: tuple[int, ...], device: torch.device, bud
     return entries
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -207,12 +199,13 @@ def check(table: k.KernelTable) -> None:
         record_data, result, config, layout, cluster = record_run(name, system)
         if record_data["gpu"] != table.gpu or table.refusal(config) is not None:
             continue
-        measured = result["step_time_s"]
+        measured, attention = result["step_time_s"], result.get("attention", "torch")
+        note = f", ran {attention} attention" if attention != table.attention else ""
         cells = []
         for model in (table, grid):
             predicted = predict(config, layout, cluster, model).step
             cells += [f"{predicted:.4f}", f"{predicted / measured - 1:+.1%}"]
-        print(f"| {name} ({system}) | {measured:.4f} | {' | '.join(cells)} |")
+        print(f"| {name} ({system}{note}) | {measured:.4f} | {' | '.join(cells)} |")
         kernels = k.micro_batch_kernels(config, layout, range(config.model.model_config.num_hidden_layers), True)
         seconds = {kind: 0.0 for kind in ("gemm", "attention", "experts", "elementwise")}
         for kernel in kernels:
@@ -234,13 +227,17 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="default: src/nanotron/planning/kernel_tables/<gpu>.json")
     parser.add_argument("--budget-ms", type=float, default=20.0, help="time each point over about this long")
     parser.add_argument("--check", default=None, metavar="TABLE", help="only print the check of this table")
+    parser.add_argument("--commit", default=None, help="the commit measured, where the checkout has no git")
+    parser.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides of the presets' shapes (model.attention_backend=torch: SDPA's kernels "
+                             "where FlashAttention-4 is installed)")
     args = parser.parse_args()
     if args.check is not None:
         check(k.KernelTable.read(Path(args.check)))
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    configs = ([load_config(args.config_file)] if args.config_file else
-               [preset_config(*shape) for shape in SHAPES])
+    configs = ([load_config(args.config_file, args.override)] if args.config_file else
+               [preset_config(*shape, args.override) for shape in SHAPES])
     entries = record(configs, tuple(args.tp), device, args.budget_ms / 1e3)
     gpu = gpu_name(device)
     backend = {use_flash_attention(c.model.attention_backend, device, c.model.torch_dtype(),
@@ -250,7 +247,7 @@ def main() -> None:
     header = json.dumps({
         "about": "Measured kernel speeds for the step-time planner (planning/kernels.py): work (FLOPs, bytes for "
                  "the elementwise kinds) over seconds per point; written by scripts/planner_kernels.py.",
-        "gpu": gpu, "torch": torch.__version__, "commit": commit(),
+        "gpu": gpu, "torch": torch.__version__, "commit": args.commit or (git_commit() or ("unknown", False))[0],
         "attention": "fa4" if backend == {True} else "torch",
         "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv)}, indent=1)

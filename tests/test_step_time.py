@@ -217,6 +217,7 @@ def _uniform_table(kernels, speeds: dict[str, float]):
     return KernelTable("synthetic", "torch", points, "synthetic")
 
 
+@pytest.mark.slow
 def test_the_kernel_recorder_writes_a_table_the_planner_reads(tmp_path):
     """scripts/planner_kernels.py at the tiny Llama's shape, tp 1 and 2 (on the CPU), writes a table holding a point
     at every kernel's dims of both splits; the planner's compute is the sum of their times, plus the update."""
