@@ -310,6 +310,26 @@ def test_tensor_and_expert_parallelism_split_the_kernels_they_ask_for(tiny_data,
     assert experts == [[(4, tokens * 2 / 4, hidden, ffn)] * 2, [(2, tokens * 2 * 2 / 4, hidden, ffn)] * 2]
 
 
+def test_kernel_speeds_interpolate_log_linearly_between_powers_of_two():
+    """Between the powers of two around each dim the logarithm of the speed is linear in those of the dims (a speed
+    that is a power law of the dims comes back exactly); a dims' own point is its speed; a missing corner gives the
+    nearest point's."""
+    from itertools import product
+
+    from nanotron.planning.kernels import GEMM_FORWARD, KernelTable
+
+    def law(m, n, k):
+        return 1e12 * m ** 0.5 * n ** 0.25 / k ** 0.1
+
+    grid = {dims: law(*dims) for dims in product([1024, 2048, 4096], [256, 512], [128, 256])}
+    table = KernelTable("synthetic", "torch", {GEMM_FORWARD: grid}, "synthetic")
+    for dims in ((1500, 300, 200), (3000, 512, 130), (2048, 256, 128)):
+        assert table.speed(GEMM_FORWARD, dims) == pytest.approx(law(*dims), rel=1e-12)
+    assert table.speed(GEMM_FORWARD, (8000, 300, 200)) == law(4096, 256, 256)  # no 8192: the nearest point
+    table.points[GEMM_FORWARD][(3000, 300, 200)] = 7.0
+    assert table.speed(GEMM_FORWARD, (3000, 300, 200)) == 7.0
+
+
 def test_the_gpus_committed_kernel_table_prices_what_it_covers(tmp_path, monkeypatch):
     """Without a table for the cluster's GPU, for what a table does not price (FP8 linears) and with a table missing
     one of the config's kernel kinds, the compute is efficiency.json's; with a whole one, the table's."""
