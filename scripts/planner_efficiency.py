@@ -20,8 +20,8 @@ from nanotron.layout import Layout
 from nanotron.models.registry import spec_for_config
 from nanotron.planning.cluster import CLUSTERS, TB
 from nanotron.planning.efficiency import TABLE as TABLE_PATH
-from nanotron.planning.efficiency import Entry
-from nanotron.planning.step_time import hardware_flops, predict, update_seconds
+from nanotron.planning.efficiency import Efficiency, Entry, hardware_flops
+from nanotron.planning.step_time import predict, update_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -86,7 +86,7 @@ def checked_rows(table: list[Entry]) -> list[dict]:
     for name, system in CHECKED:
         record, result, config, layout, cluster = record_run(name, system)
         others = [e for e in table if e.source != name]
-        predicted = predict(config, layout, cluster, others).step
+        predicted = predict(config, layout, cluster, Efficiency(cluster.gpu.peak_tflops, tuple(others))).step
         rows.append({"record": name, "system": system, "measured_s": result["step_time_s"], "predicted_s": predicted,
                      "error": predicted / result["step_time_s"] - 1, "from": nearest(config, layout, others).source,
                      "held_out": len(others) == len(table)})

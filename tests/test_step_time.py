@@ -193,6 +193,176 @@ def test_predicted_single_gpu_steps_against_the_records():
     assert all(abs(row["error"]) < (0.10 if row["held_out"] else 0.16) for row in rows), errors
 
 
+# --- compute: the kernel table ----------------------------------------------------------------------------------------
+
+TINY = ROOT / "examples" / "config_tiny_llama.yaml"  # hidden 128, ffn 384, 4 heads of 32 (2 kv), 4 layers, vocab 4096
+
+
+def _tiny_layout(config, tp: int = 1, ep: int = 1):
+    from dataclasses import replace
+
+    from nanotron.layout import Layout
+
+    return replace(Layout.from_config(config), tp=tp, ep=ep, sequence_parallel=tp > 1)
+
+
+def _uniform_table(kernels, speeds: dict[str, float]):
+    """A kernel table with a point at every kernel's dims, of the speed ``speeds`` gives its kind's family."""
+    from nanotron.planning.kernels import KernelTable, measured_kind
+
+    points: dict[str, dict] = {}
+    for kernel in kernels:
+        kind = measured_kind(kernel.kind)
+        points.setdefault(kind, {})[tuple(kernel.dims)] = speeds[kind.split(".")[0]]
+    return KernelTable("synthetic", "torch", points, "synthetic")
+
+
+@pytest.mark.slow
+def test_the_kernel_recorder_writes_a_table_the_planner_reads(tmp_path):
+    """scripts/planner_kernels.py at the tiny Llama's shape, tp 1 and 2 (on the CPU), writes a table holding a point
+    at every kernel's dims of both splits; the planner's compute is the sum of their times, plus the update."""
+    from nanotron.config import load_config
+    from nanotron.planning.cluster import CLUSTERS
+    from nanotron.planning.kernels import KernelTable, measured_kind, micro_batch_kernels
+    from nanotron.planning.step_time import predict, update_seconds
+    from support.runs import python_process
+
+    path = tmp_path / "cpu.json"
+    outcome = python_process("scripts/planner_kernels.py", "--config-file", TINY, "--tp", "1", "2", "--output", path,
+                             "--budget-ms", "0.2")
+    assert outcome.code == 0, outcome.stderr
+    table = KernelTable.read(path)
+    config = load_config(TINY)
+    for tp in (1, 2):
+        layout = _tiny_layout(config, tp)
+        kernels = micro_batch_kernels(config, layout, range(4), head=True)
+        assert all(tuple(k.dims) in table.points[measured_kind(k.kind)] for k in kernels)
+        cluster = CLUSTERS["h200"]
+        compute = predict(config, layout, cluster, table).compute - update_seconds(config, layout, cluster, 0)
+        assert compute == pytest.approx(table.seconds(kernels)) and compute > 0
+
+
+def test_compute_is_the_sum_of_its_kernels_times():
+    """The tiny Llama's micro-batch at tp 1 from a synthetic table (GEMMs at 1 TFLOP/s, attention at 0.5, elementwise
+    at 0.1 TB/s) costs its GEMMs, attention and elementwise bytes counted by hand; the gate|up forward GEMM at half
+    the speed adds exactly its own time again (4 layers); full recomputation adds every forward, selective all but
+    attention's."""
+    from dataclasses import replace
+
+    from nanotron.config import load_config
+    from nanotron.planning.kernels import elementwise_bytes, head_elementwise_bytes, micro_batch_kernels
+
+    config = load_config(TINY)
+    layout = _tiny_layout(config)
+    tokens, hidden, ffn, vocab, layers = 16 * 128, 128, 384, 4096, 4
+    linears = hidden * (128 + 2 * 64) + 128 * hidden + hidden * 2 * ffn + ffn * hidden
+    gemm_flops = 3 * 2 * tokens * (layers * linears + hidden * vocab)
+    attention_flops = layers * 12 * hidden * 128 / 2 * tokens
+    forward, backward = elementwise_bytes(hidden, hidden, 128, 64, ffn, 0, 4)
+    head = head_elementwise_bytes(tokens, hidden, hidden, vocab, 1, 4)
+    moved = layers * tokens * (forward + backward) + sum(head)
+    expected = gemm_flops / 1e12 + attention_flops / 0.5e12 + moved / 0.1e12
+
+    kernels = micro_batch_kernels(config, layout, range(layers), head=True)
+    table = _uniform_table(kernels, {"gemm": 1e12, "attention": 0.5e12, "elementwise": 0.1e12})
+    assert table.micro_batch(config, layout, range(layers), head=True)[0] == pytest.approx(expected, rel=1e-12)
+    table.points["gemm.forward"][(tokens, 2 * ffn, hidden)] = 0.5e12
+    gate_up = layers * 2 * tokens * 2 * ffn * hidden / 1e12
+    assert table.micro_batch(config, layout, range(layers), head=True)[0] == pytest.approx(expected + gate_up)
+
+    def recomputed(mode: str) -> float:
+        again = replace(config, parallelism=replace(config.parallelism, recompute=mode))
+        return table.micro_batch(again, layout, range(layers), head=True)[0] - expected - gate_up
+
+    forward_gemms = (gemm_flops - 3 * 2 * tokens * hidden * vocab) / 3 / 1e12 + gate_up
+    assert recomputed("full") == pytest.approx(forward_gemms + attention_flops / 3 / 0.5e12
+                                               + layers * tokens * forward / 0.1e12)
+    assert recomputed("selective") == pytest.approx(forward_gemms + layers * tokens * forward / 0.1e12)
+
+
+def test_tensor_and_expert_parallelism_split_the_kernels_they_ask_for(tiny_data, tmp_path):
+    """At tp 2 the column-parallel linears' outputs (q|k|v, gate|up, the vocabulary) and the row-parallel ones'
+    inputs (o, down) are halved, and the attention's FLOPs; at ep 2 a rank runs half the experts on twice the tokens
+    each."""
+    from nanotron.config import config_from_dict, load_config
+    from nanotron.planning.kernels import ATTENTION_FORWARD, EXPERTS_FORWARD, GEMM_FORWARD, micro_batch_kernels
+
+    config = load_config(TINY)
+
+    def asked(tp: int) -> tuple[set, float]:
+        kernels = micro_batch_kernels(config, _tiny_layout(config, tp), range(4), head=True)
+        return ({k.dims for k in kernels if k.kind == GEMM_FORWARD},
+                sum(k.work for k in kernels if k.kind == ATTENTION_FORWARD))
+
+    (whole, attention), (split, attention_split) = asked(1), asked(2)
+    tokens = 16 * 128
+    assert whole == {(tokens, 256, 128), (tokens, 128, 128), (tokens, 768, 128), (tokens, 128, 384),
+                     (tokens, 4096, 128)}
+    assert split == {(tokens, 128, 128), (tokens, 128, 64), (tokens, 384, 128), (tokens, 128, 192),
+                     (tokens, 2048, 128)}
+    assert attention_split == attention / 2
+
+    moe = config_from_dict(moe_config(tiny_data, tmp_path / "moe"))  # 4 experts, top 2, 2 of 3 layers
+    experts = [[k.dims for k in micro_batch_kernels(moe, _tiny_layout(moe, ep=ep), range(3), head=False)
+                if k.kind == EXPERTS_FORWARD] for ep in (1, 2)]
+    c = moe.model.model_config
+    tokens, hidden, ffn = moe.tokens.micro_batch_size * moe.tokens.sequence_length, c.hidden_size, c.moe.ffn
+    assert experts == [[(4, tokens * 2 / 4, hidden, ffn)] * 2, [(2, tokens * 2 * 2 / 4, hidden, ffn)] * 2]
+
+
+def test_kernel_speeds_interpolate_log_linearly_between_powers_of_two():
+    """Between the powers of two around each dim the logarithm of the speed is linear in those of the dims (a speed
+    that is a power law of the dims comes back exactly); a dims' own point is its speed; a missing corner gives the
+    nearest point's."""
+    from itertools import product
+
+    from nanotron.planning.kernels import GEMM_FORWARD, KernelTable
+
+    def law(m, n, k):
+        return 1e12 * m ** 0.5 * n ** 0.25 / k ** 0.1
+
+    grid = {dims: law(*dims) for dims in product([1024, 2048, 4096], [256, 512], [128, 256])}
+    table = KernelTable("synthetic", "torch", {GEMM_FORWARD: grid}, "synthetic")
+    for dims in ((1500, 300, 200), (3000, 512, 130), (2048, 256, 128)):
+        assert table.speed(GEMM_FORWARD, dims) == pytest.approx(law(*dims), rel=1e-12)
+    assert table.speed(GEMM_FORWARD, (8000, 300, 200)) == law(4096, 256, 256)  # no 8192: the nearest point
+    table.points[GEMM_FORWARD][(3000, 300, 200)] = 7.0
+    assert table.speed(GEMM_FORWARD, (3000, 300, 200)) == 7.0
+
+
+def test_the_gpus_committed_kernel_table_prices_what_it_covers(tmp_path, monkeypatch):
+    """Without a table for the cluster's GPU, for what a table does not price (FP8 linears) and with a table missing
+    one of the config's kernel kinds, the compute is efficiency.json's; with a whole one, the table's."""
+    import json
+
+    from nanotron.config import load_config
+    from nanotron.planning import kernels
+    from nanotron.planning.cluster import CLUSTERS
+    from nanotron.planning.efficiency import Efficiency
+    from nanotron.planning.step_time import compute_model
+
+    config, fp8 = load_config(TINY), load_config(TINY, ["fp8.enabled=true"])
+    kinds = [kernels.GEMM_FORWARD, kernels.GEMM_INPUT_GRADIENT, kernels.GEMM_WEIGHT_GRADIENT,
+             kernels.ATTENTION_FORWARD, kernels.ATTENTION_BACKWARD, kernels.ELEMENTWISE_FORWARD]
+    monkeypatch.setattr(kernels, "TABLES", tmp_path)
+
+    def model(cluster: str, recorded: list[str]):
+        if recorded:
+            (tmp_path / "h200.json").write_text(json.dumps({"gpu": "NVIDIA H200", "attention": "torch", "entries": [
+                {"kind": kind, "dims": [1], "seconds": 1.0, "work": 1.0} for kind in recorded]}))
+        kernels.committed_table.cache_clear()
+        return compute_model(config, CLUSTERS[cluster])
+
+    try:
+        assert isinstance(model("h200", []), Efficiency)
+        assert isinstance(model("h200", kinds[:-1]), Efficiency)
+        assert model("h200", kinds).source == "h200.json"
+        assert isinstance(compute_model(fp8, CLUSTERS["h200"]), Efficiency)
+        assert isinstance(model("h100", kinds), Efficiency)
+    finally:
+        kernels.committed_table.cache_clear()
+
+
 # --- nanotron estimate ------------------------------------------------------------------------------------------------
 
 

@@ -215,7 +215,7 @@ def _estimate(args: argparse.Namespace) -> None:
     from nanotron.config import ConfigError, load_config
     from nanotron.planning.cluster import CLUSTERS
     from nanotron.planning.search import candidate, parse_layout, ranked, table
-    from nanotron.planning.step_time import predict
+    from nanotron.planning.step_time import compute_model, predict
 
     config = load_config(args.config_file, args.override)
     links = {key: value for key, value in (("gpus_per_node", args.gpus_per_node), ("intra_gb_s", args.nvlink_gb_s),
@@ -223,7 +223,8 @@ def _estimate(args: argparse.Namespace) -> None:
     cluster = replace(CLUSTERS[args.cluster], **links)
     global_batch = args.global_batch_size or config.global_batch_size
     shape = (f"{config.model.model_config.__class__.__name__.removesuffix('Config')}, {global_batch} sequences x "
-             f"{config.tokens.sequence_length} tokens per step, on {cluster.gpu.name} nodes of {cluster.gpus_per_node}")
+             f"{config.tokens.sequence_length} tokens per step, on {cluster.gpu.name} nodes of "
+             f"{cluster.gpus_per_node}; compute from {compute_model(config, cluster).source}")
     if args.layout is not None:
         layout = parse_layout(args.layout, config, global_batch)
         if args.gpus is not None and args.gpus != layout.world_size:

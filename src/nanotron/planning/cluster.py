@@ -37,6 +37,7 @@ class GPU:
     peak_tflops: float  # dense bf16
     memory_gb: float  # what torch reports as total_memory, in 1e9 bytes (the memory planner's budget)
     memory_tb_s: float  # HBM bandwidth
+    table: str  # its kernel table's name under planning/kernel_tables/, and the preset's
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,6 @@ class Cluster:
         return one * collective.count
 
 
-H100 = GPU("H100 SXM 80GB", peak_tflops=989.0, memory_gb=85.0, memory_tb_s=3.35)
-H200 = GPU("H200 SXM 141GB", peak_tflops=989.0, memory_gb=150.1, memory_tb_s=4.8)
+H100 = GPU("H100 SXM 80GB", peak_tflops=989.0, memory_gb=85.0, memory_tb_s=3.35, table="h100")
+H200 = GPU("H200 SXM 141GB", peak_tflops=989.0, memory_gb=150.1, memory_tb_s=4.8, table="h200")
 CLUSTERS = {"h100": Cluster(H100), "h200": Cluster(H200)}

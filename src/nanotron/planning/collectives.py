@@ -184,23 +184,34 @@ def with_layout(config: Config, layout: Layout) -> Config:
 _STRUCTURES: dict[tuple, _Structure] = {}
 
 
-def _structure(config: Config, layout: Layout) -> _Structure:
-    """The model as a rank of ``layout``'s tp and ep holds it, built once per (model, tp, ep) in this process."""
+_MODELS: dict[tuple, nn.Module] = {}
+
+
+def rank_model(config: Config, layout: Layout) -> nn.Module:
+    """The whole model on the meta device as the rank at coordinate 0 of ``layout``'s tp × ep grid holds it, as
+    training builds it (sequence parallel where tp > 1: a module keeps ``ALL_REDUCE`` only where it always runs so,
+    the others follow the layout), built once per (model, tp, ep) in this process."""
     options = replace(BuildOptions.from_config(config), tp_mode=REDUCE_SCATTER if layout.tp > 1 else "ALL_REDUCE",
                       tp_overlap=False, pp_stage_layers=None)
+    key = (repr(config.model.model_config), repr(options), layout.tp, layout.ep)
+    if key not in _MODELS:
+        grid = Layout(tp=layout.tp, ep=layout.ep, sequence_parallel=layout.tp > 1)
+        _MODELS[key] = build_stage(config.model.model_config, GridPosition(grid, grid.coordinates(0)), options)
+    return _MODELS[key]
+
+
+def _structure(config: Config, layout: Layout) -> _Structure:
+    """The model as a rank of ``layout``'s tp and ep holds it (``rank_model``), sorted once per (model, tp, ep)."""
     exclude = config.optimizer.weight_decay_exclude_named_params
-    key = (repr(config.model.model_config), repr(options), repr(exclude), layout.tp, layout.ep)
+    model = rank_model(config, layout)
+    key = (id(model), repr(exclude))
     if key not in _STRUCTURES:
-        _STRUCTURES[key] = _built_structure(config.model.model_config, options, exclude, layout.tp, layout.ep)
+        _STRUCTURES[key] = _built_structure(model, config.model.model_config, exclude, layout.tp)
     return _STRUCTURES[key]
 
 
-def _built_structure(model_config, options: BuildOptions, exclude, tp: int, ep: int) -> _Structure:
-    """Build the whole model on the meta device for the rank at coordinate 0 of a grid of ``tp`` × ``ep`` (sequence
-    parallel where tp > 1: a module keeps ``ALL_REDUCE`` only where it always runs so, the others follow the
-    layout), as training builds it, and sort its modules and parameters by part."""
-    layout = Layout(tp=tp, ep=ep, sequence_parallel=tp > 1)
-    model = build_stage(model_config, GridPosition(layout, layout.coordinates(0)), options)
+def _built_structure(model: nn.Module, model_config, exclude, tp: int) -> _Structure:
+    """Sort the modules and parameters of ``model`` (a ``rank_model``) by part."""
     no_decay = declared_names(model, "no_weight_decay_parameters")
     parameters: dict[str, list[Parameter]] = {}
     for name, param in {get_placement(p).name: p for p in model.parameters()}.items():

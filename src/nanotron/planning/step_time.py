@@ -2,9 +2,9 @@
 
 Rules (docs/planning.md says why):
 
-- **compute**: a micro-batch's hardware FLOPs on a rank (the family's costs with recomputation's extra forward, the
-  rank's tokens, 1/tp of the matmuls) at the effective TFLOP/s measured for the family and shape nearest to the
-  rank's (``efficiency.py``). The slowest pipeline stage sets the pace.
+- **compute**: a micro-batch's on a rank, from the compute model ``compute_model`` chooses: the sum of its kernels'
+  times at the rank's shapes from the GPU's kernel table (``kernels.py``), or its hardware FLOPs at the effective
+  speed measured for the nearest recorded shape (``efficiency.py``). The slowest pipeline stage sets the pace.
 - **update**: the optimizer's pass over its shard, memory-bound: ``update_bytes`` per element at 85% of the HBM
   bandwidth.
 - **communication** (``collectives.py``, timed by ``cluster.py``): tensor- and expert-parallel collectives and the
@@ -26,13 +26,13 @@ import torch
 
 from nanotron.config import Config
 from nanotron.layout import Group, Layout
-from nanotron.models.build import BuildOptions, padded_vocab_size, pipeline_stage_layers
-from nanotron.models.registry import spec_for_config
+from nanotron.models.build import BuildOptions, pipeline_stage_layers
 from nanotron.optim.param_remainders import master_element_bytes
 from nanotron.parallel.data_parallel import gradient_dtype
 from nanotron.planning.cluster import TB, Cluster
 from nanotron.planning.collectives import stage_parameters, step_collectives, with_layout
-from nanotron.planning.efficiency import Entry, effective_tflops
+from nanotron.planning.efficiency import Efficiency
+from nanotron.planning.kernels import KernelTable, committed_table
 
 HBM_EFFICIENCY = 0.85  # of the data sheet's bandwidth, reached by the update's multi-tensor kernels
 
@@ -56,16 +56,29 @@ class StepTime:
         return self.tokens / self.step / self.layout.world_size
 
 
-def predict(config: Config, layout: Layout, cluster: Cluster, table: list[Entry] | None = None) -> StepTime:
+ComputeModel = KernelTable | Efficiency
+
+
+def compute_model(config: Config, cluster: Cluster) -> ComputeModel:
+    """What prices ``config``'s compute on ``cluster`` (one rule): the kernel table committed for its GPU
+    (``kernels.TABLES``) where there is one and it prices the config, else ``efficiency.json``."""
+    table = committed_table(cluster.gpu.table)
+    if table is not None and table.refusal(config) is None:
+        return table
+    return Efficiency(cluster.gpu.peak_tflops)
+
+
+def predict(config: Config, layout: Layout, cluster: Cluster, compute: ComputeModel | None = None) -> StepTime:
     """The step time of ``config`` split as ``layout`` on ``cluster``: the slowest stage's micro-batches, the
-    schedule's bubble, then the stage that finishes last after its last backward (``table``: the efficiency
-    entries to choose from, by default ``efficiency.json``'s)."""
+    schedule's bubble, then the stage that finishes last after its last backward (``compute``: the compute model,
+    by default ``compute_model``'s)."""
+    compute = compute or compute_model(config, cluster)
     options = BuildOptions.from_config(with_layout(config, layout))
     chunk_layers = pipeline_stage_layers(config.model.model_config, options, layout.chunks, layout.tp)
     stages = [[index for chunk in layout.chunks_of(stage) for index in chunk_layers[chunk]]
               for stage in range(layout.pp)]
     micro_batches = layout.accumulation
-    compute, communication = max((_micro_batch(config, layout, cluster, stage, layers, table)
+    compute, communication = max((_micro_batch(config, layout, cluster, stage, layers, compute)
                                   for stage, layers in enumerate(stages)), key=sum)
     pace = compute + communication
     update, after = max(((update_seconds(config, layout, cluster, stage),
@@ -76,37 +89,17 @@ def predict(config: Config, layout: Layout, cluster: Cluster, table: list[Entry]
                     layout.global_batch_size * layout.sequence_length)
 
 
-def hardware_flops(config: Config, layout: Layout, layers: Sequence[int], head: bool) -> tuple[float, float]:
-    """(all, attention) hardware FLOPs of one micro-batch on a rank holding ``layers`` (and the LM head): the
-    family's training FLOPs per token with recomputation's extra forward, times the rank's tokens, over tp."""
-    model_config = config.model.model_config
-    vocab = padded_vocab_size(model_config.vocab_size, config.model.make_vocab_size_divisible_by, layout.tp)
-    costs = spec_for_config(model_config).costs(model_config, vocab, layout.sequence_length)
-    recompute = config.parallelism.recompute
-    attention = costs.attention_flops or (0.0,) * len(costs.layer_flops)
-    per_token = attention_per_token = 0.0
-    for index in layers:
-        layer, kernels = costs.layer_flops[index], attention[index]
-        extra = layer / 3 if recompute == "full" else (layer - kernels) / 3 if recompute == "selective" else 0.0
-        per_token += layer + extra
-        attention_per_token += kernels * (4 / 3 if recompute == "full" else 1.0)
-    per_token += costs.head_flops if head else 0.0
-    scale = layout.rank_tokens / layout.tp
-    return per_token * scale, attention_per_token * scale
-
-
 def _micro_batch(config: Config, layout: Layout, cluster: Cluster, stage: int, layers: Sequence[int],
-                 table: list[Entry] | None) -> tuple[float, float]:
+                 model: ComputeModel) -> tuple[float, float]:
     """(compute, exposed communication) of one micro-batch on a rank of ``stage`` (holding ``layers``)."""
     head = stage == layout.stage_of(layout.chunks - 1)
-    flops, attention = hardware_flops(config, layout, layers, head=head)
-    speed = effective_tflops(config, layout, cluster.gpu, table) * TB
+    seconds, attention = model.micro_batch(config, layout, layers, head=head)
     collectives = [c for c in step_collectives(config, stage, layout) if c.phase in ("forward", "backward")]
     context = [c for c in collectives if c.group == Group.CP.value]
     exchange = sum(cluster.seconds(c, layout) for c in context) / layout.accumulation
     first_group = exchange / (sum(c.count for c in context) / layout.accumulation) if context else 0.0
     exposed = sum(cluster.seconds(c, layout) for c in collectives if c not in context) / layout.accumulation
-    return flops / speed, exposed + max(first_group, exchange - attention / speed)
+    return seconds, exposed + max(first_group, exchange - attention)
 
 
 def _after_backward(config: Config, layout: Layout, cluster: Cluster, stage: int,
