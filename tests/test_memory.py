@@ -236,23 +236,29 @@ def test_default_estimates_are_at_most_3_percent_above_the_peaks_measured_on_an_
 
 
 def _saved_storages(layer, model, tokens: tuple[int, int]) -> dict[int, int]:
-    """The bytes of each storage one layer's autograd saves for its backward, on a random input of ``tokens`` (batch,
-    length); the weights, buffers and rotary tables left out."""
+    """The bytes of each storage one layer's autograd holds for its backward once the forward is done, on a random
+    input of ``tokens`` (batch, length); the weights, buffers and rotary tables left out. Every tensor the forward
+    saved must still be held then: one saved by a node that no output reaches is work the backward never reads."""
+    import weakref
+
     import torch
 
     hidden = torch.randn(*tokens, model.config.hidden_size, requires_grad=True)
     rotary = model.rotary.first_positions(tokens[1], hidden.device)
     not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers(),
                                                                             *rotary)}
-    saved = {}
+    packed = []
 
     def pack(tensor):
         if tensor.untyped_storage().data_ptr() not in not_activations:
-            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            packed.append(weakref.ref(tensor))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = layer(hidden, rotary)
+    held = [ref() for ref in packed]
+    assert all(tensor is not None for tensor in held), "the forward saved tensors for nodes no output reaches"
+    saved = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in held}
     out.sum().backward()
     return saved
 

@@ -75,12 +75,13 @@ def routing_bytes(s: MoESettings, compiled: bool) -> int:
     probabilities (derived from the code, not measured). DeepSeek's sigmoid routing (measured on the CPU with
     renormalised weights, tests/test_memory.py): the fp32 logits (the z-loss's) and their log-sum-exp, the sigmoid
     scores, the int64 indices of the chosen experts, the chosen scores, and the assignments' int64 order and inverse
-    order and fp32 weight; eager, also the scores' sum, the int64 indices of each group's two best scores and of the
-    best groups, the groups' boolean mask and the chosen scores' sum (the compiler recomputes those)."""
+    order and fp32 weight; eager, also the scores' sum and the chosen scores' sum (the compiler recomputes those).
+    The choice itself (the groups' best scores, the best groups, their mask) runs on detached scores: it keeps
+    nothing."""
     experts, k = s.num_experts, s.top_k
     if s.scoring == "softmax":
         return 3 * 4 * experts
     kept = 2 * 4 * experts + 4 + (8 + 4 + 8 + 8 + 4) * k
     if not compiled:
-        kept += 4 + 8 * 2 * s.n_group + 8 * s.topk_group + s.n_group + (4 if s.normalize_topk else 0)
+        kept += 4 + (4 if s.normalize_topk else 0)
     return kept

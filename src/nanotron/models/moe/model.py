@@ -102,7 +102,8 @@ def choose_experts(logits: torch.Tensor, top_k: int, normalize: bool, selection:
     else:
         scores = logits.sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)
-        biased = scores + selection.bias
+        # The choice is indices only: made on detached scores, it leaves no autograd nodes behind.
+        biased = scores.detach() + selection.bias
         grouped = biased.unflatten(-1, (selection.n_group, -1))
         best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(selection.topk_group, dim=-1).indices
         allowed = torch.zeros_like(grouped[..., 0]).scatter_(-1, best_groups, 1.0).bool()
