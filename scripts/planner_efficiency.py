@@ -50,6 +50,11 @@ CHECKED = [
     ("2026-12-06-h100-80gb-hbm3-llama1b-house.json", "nanotron"),
     ("2026-12-06-h100-80gb-hbm3-llama1b-seq32k-fa4.json", "nanotron-torch-attention"),
     ("2026-12-06-h100-80gb-hbm3-mixtral-fa4.json", "nanotron"),
+    ("2026-12-06-h100-80gb-hbm3-llama1b-zero3-vs-zero0.json", "nanotron-versus"),
+    ("2026-12-06-h100-80gb-hbm3-mixtral-peers.json", "nanotron"),
+    ("2026-12-06-h100-80gb-hbm3-qwen3-1.7b-peers.json", "nanotron"),
+    ("2026-12-06-h100-80gb-hbm3-qwen3-moe-peers.json", "nanotron"),
+    ("2026-12-06-h100-80gb-hbm3-deepseek-v3-peers.json", "nanotron"),
 ]
 
 
@@ -87,7 +92,8 @@ def checked_rows(table: list[Entry]) -> list[dict]:
         record, result, config, layout, cluster = record_run(name, system)
         others = [e for e in table if e.source != name]
         predicted = predict(config, layout, cluster, Efficiency(cluster.gpu.peak_tflops, tuple(others))).step
-        rows.append({"record": name, "system": system, "measured_s": result["step_time_s"], "predicted_s": predicted,
+        rows.append({"record": name, "system": system, "gpu": record["gpu"], "measured_s": result["step_time_s"],
+                     "predicted_s": predicted,
                      "error": predicted / result["step_time_s"] - 1, "from": nearest(config, layout, others).source,
                      "held_out": len(others) == len(table)})
     return rows

@@ -187,37 +187,45 @@ def table_name(gpu: str) -> str:
     return next((name for name in ("h100", "h200") if name.upper() in gpu.upper()), gpu.lower().replace(" ", "-"))
 
 
-def check(table: k.KernelTable) -> None:
-    """The planner's prediction of each committed single-GPU record of the table's GPU, from the table, and from its
-    power-of-two points alone (each kernel interpolated, as a shape the recorder was not given); then where each
-    predicted step goes: the kernels' seconds by class, and the update's."""
-    print(f"kernels: {table.source} ({table.gpu}, attention {table.attention})")
-    print("| record | measured s | predicted s | error | interpolated s | error |")
-    print("|---|---|---|---|---|---|")
-    grid, parts = table.grid_only(), {}
+def checked_rows(table: k.KernelTable) -> list[dict]:
+    """Per committed single-GPU record of the table's GPU that the table prices: the measured step, the planner's
+    prediction from the table and from its power-of-two points alone (each kernel interpolated, as a shape the
+    recorder was not given), and where the predicted step goes (the kernels' seconds by class, the update's)."""
+    grid, rows = table.grid_only(), []
     for name, system in CHECKED:
         record_data, result, config, layout, cluster = record_run(name, system)
         if record_data["gpu"] != table.gpu or table.refusal(config) is not None:
             continue
-        measured, attention = result["step_time_s"], result.get("attention", "torch")
-        note = f", ran {attention} attention" if attention != table.attention else ""
-        cells = []
-        for model in (table, grid):
-            predicted = predict(config, layout, cluster, model).step
-            cells += [f"{predicted:.4f}", f"{predicted / measured - 1:+.1%}"]
-        print(f"| {name} ({system}{note}) | {measured:.4f} | {' | '.join(cells)} |")
         kernels = k.micro_batch_kernels(config, layout, range(config.model.model_config.num_hidden_layers), True)
         seconds = {kind: 0.0 for kind in ("gemm", "attention", "experts", "elementwise")}
         for kernel in kernels:
             seconds[kernel.kind.split(".")[0]] += table.seconds([kernel]) * layout.accumulation
-        parts[name] = seconds | {"update": update_seconds(config, layout, cluster, 0)}
-    if not parts:
+        rows.append({"record": name, "system": system, "attention": result.get("attention", "torch"),
+                     "measured_s": result["step_time_s"], "predicted_s": predict(config, layout, cluster, table).step,
+                     "interpolated_s": predict(config, layout, cluster, grid).step,
+                     "parts": seconds | {"update": update_seconds(config, layout, cluster, 0)}})
+    return rows
+
+
+def check(table: k.KernelTable) -> None:
+    """Prints ``checked_rows``: the predictions against the records, then where each predicted step goes."""
+    print(f"kernels: {table.source} ({table.gpu}, attention {table.attention})")
+    print("| record | measured s | predicted s | error | interpolated s | error |")
+    print("|---|---|---|---|---|---|")
+    rows = checked_rows(table)
+    for row in rows:
+        note = f", ran {row['attention']} attention" if row["attention"] != table.attention else ""
+        cells = [f"{row[key]:.4f} | {row[key] / row['measured_s'] - 1:+.1%}"
+                 for key in ("predicted_s", "interpolated_s")]
+        print(f"| {row['record']} ({row['system']}{note}) | {row['measured_s']:.4f} | {' | '.join(cells)} |")
+    if not rows:
         print(f"(no committed record of a {table.gpu} that the table prices)")
         return
-    print("\n| record | " + " | ".join(f"{part} s" for part in next(iter(parts.values()))) + " |")
-    print("|---|" + "---|" * len(next(iter(parts.values()))))
-    for name, seconds in parts.items():
-        print(f"| {name} | " + " | ".join(f"{value:.4f}" for value in seconds.values()) + " |")
+    parts = list(rows[0]["parts"])
+    print("\n| record | " + " | ".join(f"{part} s" for part in parts) + " |")
+    print("|---|" + "---|" * len(parts))
+    for row in rows:
+        print(f"| {row['record']} | " + " | ".join(f"{row['parts'][part]:.4f}" for part in parts) + " |")
 
 
 def main() -> None:
