@@ -241,6 +241,8 @@ def main() -> None:
                              "where FlashAttention-4 is installed)")
     args = parser.parse_args()
     if args.check is not None:
+        if not Path(args.check).is_file():
+            parser.error(f"--check {args.check}: no such table (recorded ones: {k.TABLES}/<gpu>.json)")
         check(k.KernelTable.read(Path(args.check)))
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

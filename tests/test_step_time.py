@@ -229,14 +229,19 @@ def _uniform_table(kernels, speeds: dict[str, float]):
 @pytest.mark.slow
 def test_the_kernel_recorder_writes_a_table_the_planner_reads(tmp_path):
     """scripts/planner_kernels.py at the tiny Llama's shape, tp 1 and 2 (on the CPU), writes a table holding a point
-    at every kernel's dims of both splits; the planner's compute is the sum of their times, plus the update."""
+    at every kernel's dims of both splits; the planner's compute is the sum of their times, plus the update. Checking
+    a table that is not there is one error line."""
     from nanotron.config import load_config
     from nanotron.planning.cluster import CLUSTERS
+    from nanotron.planning.kernels import TABLES as KERNEL_TABLES
     from nanotron.planning.kernels import KernelTable, measured_kind, micro_batch_kernels
     from nanotron.planning.step_time import predict, update_seconds
     from support.runs import python_process
 
     path = tmp_path / "cpu.json"
+    missing = python_process("scripts/planner_kernels.py", "--check", path)
+    assert missing.code == 2 and missing.stderr.strip().endswith(f"--check {path}: no such table (recorded ones: "
+                                                                 f"{KERNEL_TABLES}/<gpu>.json)"), missing.stderr
     outcome = python_process("scripts/planner_kernels.py", "--config-file", TINY, "--tp", "1", "2", "--output", path,
                              "--budget-ms", "0.2")
     assert outcome.code == 0, outcome.stderr
