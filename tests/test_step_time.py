@@ -123,7 +123,13 @@ def _layouts(tiny_data, tmp_path) -> dict[str, dict]:
         "cp2": with_("cp2", {"context_parallel_size": 2}),
         "ep2": moe_config(tiny_data, tmp_path / "ep2", ep=2),
         "moe-tp2": moe_config(tiny_data, tmp_path / "moe-tp2", tp=2),
+        "tp2-shared-kv-bias": tp_config(tiny_data, tmp_path, "tp2-shared-kv-bias", 2, "ALL_REDUCE"),
     }
+    # One kv head over two ranks, with Qwen2's biases: the replicated key/value rows' gradients (weights and biases)
+    # are summed over tp.
+    qwen2 = layouts["tp2-shared-kv-bias"]["model"]["model_config"]
+    del qwen2["is_llama_config"]
+    qwen2 |= {"is_qwen2_config": True, "attention_bias": True, "num_key_value_heads": 1}
     for config in layouts.values():
         config["tokens"]["train_steps"] = 1
         config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
@@ -132,9 +138,9 @@ def _layouts(tiny_data, tmp_path) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_modeled_collectives_equal_those_a_gloo_step_issues(tiny_data, tmp_path):
-    """tp2 (both modes, and the overlapped backward), pp2, dp2 with ZeRO 0 to 3, cp2, ep2 and a mixture of experts
-    at tp2: per kind and scope, the calls and bytes one training step issues on each of two gloo ranks are the
-    model's."""
+    """tp2 (both modes, and the overlapped backward; a kv head shared by both ranks, with biases), pp2, dp2 with ZeRO 0
+    to 3, cp2, ep2 and a mixture of experts at tp2: per kind and scope, the calls and bytes one training step issues
+    on each of two gloo ranks are the model's."""
     layouts = _layouts(tiny_data, tmp_path)
     results = run_distributed_each(_count_step_collectives, 2, [{"config": c} for c in layouts.values()])
     for (name, config), ranks in zip(layouts.items(), results):

@@ -322,8 +322,11 @@ def _module_collectives(module: nn.Module, config: Config, layout: Layout, overl
         overlapped = overlapped and isinstance(module, ColumnParallelLinear) and module.matmul is F.linear
         yield from _gathered_input(tokens * width * value, sequence_parallel, overlapped, type(module).__name__)
     if isinstance(module, ColumnParallelLinear) and module.shared_rows:
-        rows = module.shared_buffer_rows * module.weight.shape[1] + (module.shared_buffer_rows if module.bias else 0)
-        yield Collective(ALL_REDUCE, tp, rows * module.weight.element_size(), 1, "backward", "shared kv-head rows")
+        for tensor in (module.weight, module.bias):  # each replicated tensor's gradient rows summed by a call
+            if tensor is not None:
+                elements = module.shared_buffer_rows * math.prod(tensor.shape[1:])
+                yield Collective(ALL_REDUCE, tp, elements * tensor.element_size(), 1, "backward",
+                                 "shared kv-head rows")
     if whole or isinstance(module, (RowParallelLinear, VocabParallelEmbedding)):
         width = (hidden if whole else module.weight.shape[0] if isinstance(module, RowParallelLinear) else
                  module.weight.shape[1])
