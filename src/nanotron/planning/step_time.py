@@ -78,14 +78,14 @@ def predict(config: Config, layout: Layout, cluster: Cluster, compute: ComputeMo
     stages = [[index for chunk in layout.chunks_of(stage) for index in chunk_layers[chunk]]
               for stage in range(layout.pp)]
     micro_batches = layout.accumulation
-    compute, communication = max((_micro_batch(config, layout, cluster, stage, layers, compute)
+    busy, communication = max((_micro_batch(config, layout, cluster, stage, layers, compute)
                                   for stage, layers in enumerate(stages)), key=sum)
-    pace = compute + communication
+    pace = busy + communication
     update, after = max(((update_seconds(config, layout, cluster, stage),
-                          _after_backward(config, layout, cluster, stage, compute)) for stage in range(layout.pp)),
+                          _after_backward(config, layout, cluster, stage, busy)) for stage in range(layout.pp)),
                         key=sum)
     idle = pace * micro_batches * (layout.pipeline.idle_share() if layout.pp > 1 else 0.0)
-    return StepTime(layout, compute * micro_batches + update, communication * micro_batches + after, idle,
+    return StepTime(layout, busy * micro_batches + update, communication * micro_batches + after, idle,
                     layout.global_batch_size * layout.sequence_length)
 
 
