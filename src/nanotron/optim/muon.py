@@ -24,11 +24,17 @@ scheme, whose cost is one all-gather of the update per bucket and step and, at t
 a ZeRO group orthogonalise only the matrices that reach into their shard). Under expert parallelism each rank
 orthogonalises its own experts; under pipeline parallelism each stage its own matrices.
 
+The elementwise parts run as plain torch, compiled on CUDA into one kernel each: the momentum and direction of a
+piece of the shard (``momentum_step_``), the scaled copy of each orthogonalised matrix into the shard's fp32 update
+(``scaled_copy_``) and the decayed step of the masters with the new weights (``apply_update_``, masters held as
+remainders or as fp32 copies). Run eagerly, they were about half of the step's overhead on a GPU.
+
 Checkpoints hold Muon's state like Adam's, as logical tensors: ``momentum/<name>`` (fp32) and ``master/<name>``.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 
@@ -38,9 +44,10 @@ from torch import nn
 
 from nanotron.config import OptimizerArgs
 from nanotron.config.rules import ConfigError
+from nanotron.nn.kernels import available
 from nanotron.optim.newton_schulz import newton_schulz_function
 from nanotron.optim.optimizer import STATE_KINDS, MixedPrecisionAdamW
-from nanotron.optim.param_remainders import split_
+from nanotron.optim.param_remainders import joined, split_
 from nanotron.optim.qk_clip import QKClip
 from nanotron.parallel.data_parallel import GradientBuckets
 from nanotron.parallel.placement import declared_names, get_placement, logical_parameters
@@ -81,6 +88,37 @@ def update_scale(rule: str, rows: int, columns: int) -> float:
     return max(1.0, rows / columns) ** 0.5
 
 
+def momentum_step_(momentum: torch.Tensor, grad: torch.Tensor, direction: torch.Tensor, multiplier: torch.Tensor,
+                   beta: float, nesterov: bool) -> None:
+    """``momentum`` <- beta * momentum + grad * multiplier, in place, and ``direction`` <- the step's update before
+    orthogonalisation (Nesterov's or the momentum itself), in fp32 whatever the gradient's dtype."""
+    grad = grad.float() * multiplier
+    momentum.mul_(beta).add_(grad)
+    direction.copy_(grad + beta * momentum if nesterov else momentum)
+
+
+def scaled_copy_(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``out`` <- ``x`` * ``scale``, computed in fp32."""
+    out.copy_(x.float() * scale)
+
+
+def apply_update_(master_state: torch.Tensor, weights: torch.Tensor, update: torch.Tensor, lr: torch.Tensor,
+                  decay: float, remainders: bool) -> None:
+    """masters <- masters * (1 - lr * decay) - lr * update, and the weights take them; the masters are
+    ``master_state`` (fp32) or, with ``remainders``, ``weights`` joined with the int16 ``master_state``."""
+    masters = joined(weights, master_state) if remainders else master_state
+    masters.mul_(1 - lr * decay).sub_(lr * update)
+    if remainders:
+        split_(masters, weights, master_state)
+    else:
+        weights.copy_(masters)
+
+
+@functools.cache
+def _compiled(function):
+    return torch.compile(function, dynamic=True, fullgraph=True)
+
+
 class MixedPrecisionMuon(MixedPrecisionAdamW):
     """Muon for the buckets of orthogonalised parameters, AdamW for the others; fp32 masters for both."""
 
@@ -89,6 +127,10 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
         super().__init__(buckets, args)
         self.tp_group, self.qk_clip = tp_group, qk_clip
         self.orthogonalise, self.ns_dtype = newton_schulz_function(self.device, compiled=True)
+        fused = available(self.device)
+        self.momentum_step_ = _compiled(momentum_step_) if fused else momentum_step_
+        self.apply_update_ = _compiled(apply_update_) if fused else apply_update_
+        self.scaled_copy_ = _compiled(scaled_copy_) if fused else scaled_copy_
         for index, bucket in enumerate(buckets.buckets):
             if bucket.orthogonalised:  # the momentum in fp32; no second moment
                 self.exp_avgs[index] = torch.zeros_like(self.master_state[index], dtype=torch.float32)
@@ -154,10 +196,9 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
         """The momentum of bucket ``index``'s shard, updated, and the step's update before orthogonalisation."""
         a, momentum = self.args, self.exp_avgs[index]
         direction = torch.zeros_like(momentum)
+        multiplier = torch.ones((), device=momentum.device) if grad_multiplier is None else grad_multiplier.float()
         for grad, piece in self._gradient_pieces(index):
-            grad = grad.float() if grad_multiplier is None else grad.float() * grad_multiplier
-            momentum[piece].mul_(a.muon_momentum).add_(grad)
-            direction[piece] = grad + a.muon_momentum * momentum[piece] if a.muon_nesterov else momentum[piece]
+            self.momentum_step_(momentum[piece], grad, direction[piece], multiplier, a.muon_momentum, a.muon_nesterov)
         return direction
 
     def _orthogonalised(self, index: int, direction: torch.Tensor) -> torch.Tensor:
@@ -174,14 +215,16 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
             matrix = gather_over_tp(local, placement, self.tp_group)
             orthogonal = self.orthogonalise(matrix, a.muon_ns_steps, tuple(a.muon_ns_coefficients), self.ns_dtype)
             scale = update_scale(a.muon_update_scale, *matrix.shape[-2:])
-            update[in_shard] = local_part(orthogonal.float(), placement, self.tp_group).reshape(-1)[in_param] * scale
+            scale = torch.full((), scale, dtype=torch.float32, device=update.device)
+            self.scaled_copy_(update[in_shard], local_part(orthogonal, placement, self.tp_group).reshape(-1)[in_param],
+                              scale)
         return update
 
     def _muon_step(self, index: int, lr: float, grad_multiplier: torch.Tensor | None) -> None:
         bucket, a = self.buckets.buckets[index], self.args
         update = self._orthogonalised(index, self._direction(index, grad_multiplier))
         decay = (a.weight_decay if a.muon_weight_decay is None else a.muon_weight_decay) if bucket.weight_decay else 0
-        masters = self.master(index)
-        masters.mul_(1 - lr * decay).sub_(update, alpha=lr)
-        self._take_masters(index, masters)
+        lr_tensor = torch.full((), lr, dtype=torch.float32, device=update.device)  # a fill: no recompile, no sync
+        self.apply_update_(self.master_state[index], bucket.shard_params, update, lr_tensor, float(decay),
+                           self.remainders[index])
 
