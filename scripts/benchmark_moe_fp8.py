@@ -80,24 +80,27 @@ def main() -> None:
             for parameter, value in weights.items():
                 getattr(experts, parameter).copy_(value)
         leaf = x.clone().requires_grad_()
-        compiled = torch.compile(forward)
+        results[name], out = {}, None
+        for run in (torch.compile(forward), forward):  # eager where the compiler refuses the way: said in the record
 
-        def step():
-            leaf.grad = None
-            experts.zero_grad(set_to_none=True)
-            out = compiled(experts, leaf, tokens_per_expert)
-            out.backward(grad)
-            return out
+            def step(run=run):
+                leaf.grad = None
+                experts.zero_grad(set_to_none=True)
+                out = run(experts, leaf, tokens_per_expert)
+                out.backward(grad)
+                return out
 
-        try:
-            out = step()
-        except Exception as error:  # torchao absent, or its op refused: say so in the record
-            results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
-            print(f"{name}: {results[name]['error']}")
+            try:
+                out = step()
+                break
+            except Exception as error:  # torchao absent, or its op refused
+                results[name].setdefault("errors", []).append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+        if out is None:
+            print(f"{name}: {results[name]}")
             continue
         values = {"output": out.detach(), "grad_input": leaf.grad.clone(),
                   **{f"grad_{p}": getattr(experts, p).grad.clone() for p in weights}}
-        results[name] = {"ms": median_cuda_ms(step, args.repeats)}
+        results[name] |= {"compiled": run is not forward, "ms": median_cuda_ms(step, args.repeats)}
         if reference is None:
             reference = values
         else:
