@@ -55,6 +55,10 @@ CHECKED = [
     ("2026-12-06-h100-80gb-hbm3-qwen3-1.7b-peers.json", "nanotron"),
     ("2026-12-06-h100-80gb-hbm3-qwen3-moe-peers.json", "nanotron"),
     ("2026-12-06-h100-80gb-hbm3-deepseek-v3-peers.json", "nanotron"),
+    ("2026-12-06-h200-llama8b-zero3-vs-zero0.json", "nanotron-versus"),
+    ("2026-12-06-h200-mixtral.json", "nanotron"),
+    ("2026-12-06-h200-llama1b-mbs4-fa4.json", "nanotron-torch-attention"),
+    ("2026-12-06-h200-llama1b-seq32k-fa4.json", "nanotron-torch-attention"),
 ]
 
 
