@@ -214,8 +214,7 @@ class MixedPrecisionMuon(MixedPrecisionAdamW):
             local = whole[slice(*bucket.ranges[name])].view(bucket.shapes[name])
             matrix = gather_over_tp(local, placement, self.tp_group)
             orthogonal = self.orthogonalise(matrix, a.muon_ns_steps, tuple(a.muon_ns_coefficients), self.ns_dtype)
-            scale = update_scale(a.muon_update_scale, *matrix.shape[-2:])
-            scale = torch.full((), scale, dtype=torch.float32, device=update.device)
+            scale = torch.full((), update_scale(a.muon_update_scale, *matrix.shape[-2:]), device=update.device)
             self.scaled_copy_(update[in_shard], local_part(orthogonal, placement, self.tp_group).reshape(-1)[in_param],
                               scale)
         return update
