@@ -59,6 +59,8 @@ CHECKED = [
     ("2026-12-06-h200-mixtral.json", "nanotron"),
     ("2026-12-06-h200-llama1b-mbs4-fa4.json", "nanotron-torch-attention"),
     ("2026-12-06-h200-llama1b-seq32k-fa4.json", "nanotron-torch-attention"),
+    ("2026-12-06-h100-80gb-hbm3-qwen3-moe-bf16-moments-peers.json", "nanotron-bf16-moments"),
+    ("2026-12-06-h100-80gb-hbm3-deepseek-v3-bf16-moments-peers.json", "nanotron-bf16-moments"),
 ]
 
 
