@@ -243,7 +243,8 @@ def _saved_storages(layer, model, tokens: tuple[int, int]) -> dict[int, int]:
 
     import torch
 
-    hidden = torch.randn(*tokens, model.config.hidden_size, requires_grad=True)
+    dtype = next(model.parameters()).dtype
+    hidden = torch.randn(*tokens, model.config.hidden_size, dtype=dtype, requires_grad=True)
     rotary = model.rotary.first_positions(tokens[1], hidden.device)
     not_activations = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers(),
                                                                             *rotary)}
@@ -467,6 +468,43 @@ def test_a_deepseek_v3_layer_keeps_for_its_backward_what_the_planner_counts(comp
             counted = deepseek_v3_layer_activations(config, index, shape)[0] - 2 * length * config.qk_rope_head_dim * 4
             norms = (4 if q_lora_rank else 3) * 4 * batch * length
             assert 0 <= measured - counted - norms < 64, (q_lora_rank, index, measured, counted)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.full_tier)],
+                         ids=["eager", "compiled"])
+def test_a_qwen3_layer_keeps_for_its_backward_what_the_planner_counts(compiled):
+    """A dense and a mixture-of-experts Qwen3 layer on the CPU, in fp32 and bf16, the experts' weights renormalised
+    or not: the storages their backward holds are the planner's count, plus each of the two layer norms' fp32
+    reciprocal root per token, too small to count, and in the experts' layer the balance loss's per-sequence sums.
+    Among them what the q/k norms keep (compiled, the whole q|k|v output their inputs are views of) and the softmax
+    routing's record (``routing_bytes``)."""
+    import torch
+
+    from nanotron.config import Qwen3Config
+    from nanotron.config.qwen3 import Qwen3MoEConfig
+    from nanotron.models.qwen3.costs import qwen3_layer_activations
+    from nanotron.models.qwen3.model import Qwen3ForCausalLM
+    from nanotron.models.spec import ActivationShape
+
+    batch, length = 2, 16
+    for dtype, normalize in ((torch.float32, True), (torch.bfloat16, False)):
+        d = dtype.itemsize
+        shape = ActivationShape(tokens=batch * length, sequence_length=length, tp=1, value_bytes=d,
+                                residual_share=1.0, linear_input_share=1.0, compiled=compiled)
+        for moe in (None, Qwen3MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=20, norm_topk_prob=normalize)):
+            # head_dim 12 with 4 query and 2 kv heads: q, k and v of three widths, none the hidden size
+            config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                 max_position_embeddings=64, moe_config=moe)
+            torch.manual_seed(0)
+            model = Qwen3ForCausalLM(config, config.vocab_size).to(dtype)
+            torch._dynamo.reset()  # past its recompile limit the layer's forward would run eagerly
+            layer = torch.compile(model.layers["0"]) if compiled else model.layers["0"]
+            measured = sum(_saved_storages(layer, model, (batch, length)).values())
+            # fp32 rotary tables are buffers; cast to bf16 they are kept as activations, as the planner counts them
+            counted = qwen3_layer_activations(config, 0, shape)[0] - (2 * length * config.head_dim * 4 if d == 4 else 0)
+            norms, sequence_sums = 2 * 4 * batch * length, (4 * batch * 5 if moe else 0)
+            assert 0 <= measured - counted - norms <= sequence_sums, (dtype, moe is not None, measured, counted)
 
 
 def test_estimate_memory_prints_the_table_of_the_tiny_deepseek_v3(capsys):

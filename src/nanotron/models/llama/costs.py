@@ -91,16 +91,22 @@ class AttentionActivations:
     context_parallel: int = 0  # per micro-batch, under context parallelism (``context_parallel_bytes``)
 
 
+def attention_widths(c: LlamaConfig, tp: int) -> tuple[int, int]:
+    """The query and the key (or value) features of one token on a rank: whole heads on each rank, the kv heads
+    replicated when tp exceeds them."""
+    kv_width = c.num_key_value_heads * c.head_dim
+    kv = Shard(Axis.TP, 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp)
+    return c.num_attention_heads * c.head_dim // tp, kv
+
+
 def grouped_query_attention_activations(c: LlamaConfig, shape: ActivationShape) -> AttentionActivations:
     """Llama's attention: the q|k|v matmul keeps the norm's output (on the share of the tokens a column-parallel
     linear keeps); then the rotated q and k and v, d·(q + 2kv): v is copied out of the fused q|k|v output, whose
     storage a view would keep alive as a whole; the attention output, the o_proj input (d·q), and SDPA's fp32
-    logsumexp (4 bytes per head). Whole heads are on each rank; kv heads are replicated when tp exceeds them."""
-    tp, d = shape.tp, shape.value_bytes
-    kv_width = c.num_key_value_heads * c.head_dim
-    q = c.num_attention_heads * c.head_dim // tp
-    kv = Shard(Axis.TP, 0, (kv_width,), (c.head_dim,)).local_size(kv_width, tp)
-    outputs = d * q + 4 * (c.num_attention_heads // tp)
+    logsumexp (4 bytes per head), with ``attention_widths``' features on each rank."""
+    d = shape.value_bytes
+    q, kv = attention_widths(c, shape.tp)
+    outputs = d * q + 4 * (c.num_attention_heads // shape.tp)
     return AttentionActivations(
         norm_output=d * c.hidden_size * shape.linear_input_share, kept=d * (q + 2 * kv) + outputs, outputs=outputs,
         products=d * (q + 2 * kv), rotary_width=c.head_dim,
@@ -131,11 +137,13 @@ def swiglu_activations(ffn: int, value_bytes: int) -> FeedForwardActivations:
                                   products=2 * d * ffn)
 
 
-def llama_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> tuple[int, int]:
+def llama_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape,
+                            attention: AttentionActivations | None = None) -> tuple[int, int]:
     """``ModelSpec.layer_activations`` of the dense Llama (``decoder_layer_activations`` with its SwiGLU MLP, whose
-    output is the down projection's)."""
+    output is the down projection's; ``attention`` as that function takes it)."""
     mlp = swiglu_activations(c.intermediate_size // shape.tp, shape.value_bytes)
-    return decoder_layer_activations(c, shape, replace(mlp, output_product=shape.value_bytes * c.hidden_size))
+    return decoder_layer_activations(c, shape, replace(mlp, output_product=shape.value_bytes * c.hidden_size),
+                                     attention)
 
 
 def decoder_layer_activations(c: LlamaConfig, shape: ActivationShape, feed_forward: FeedForwardActivations,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from nanotron.config import LlamaConfig
 from nanotron.config.moe import MoESettings
 from nanotron.models.llama.costs import (
+    AttentionActivations,
     FeedForwardActivations,
     decoder_costs,
     decoder_layer_activations,
@@ -36,13 +37,14 @@ def moe_costs(c: LlamaConfig, padded_vocab_size: int, sequence_length: int) -> M
     return decoder_costs(c, padded_vocab_size, sequence_length, feed_forward_costs(c))
 
 
-def moe_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> tuple[int, int]:
+def moe_layer_activations(c: LlamaConfig, layer: int, shape: ActivationShape,
+                          attention: AttentionActivations | None = None) -> tuple[int, int]:
     """``ModelSpec.layer_activations``: a dense layer as Llama's; in a mixture-of-experts layer the feed-forward terms
-    are ``expert_activations``'."""
+    are ``expert_activations``' (``attention`` as ``decoder_layer_activations`` takes it)."""
     experts = expert_activations(c, layer, shape)
     if experts is None:
-        return llama_layer_activations(c, layer, shape)
-    return decoder_layer_activations(c, shape, experts)
+        return llama_layer_activations(c, layer, shape, attention)
+    return decoder_layer_activations(c, shape, experts, attention)
 
 
 def expert_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> FeedForwardActivations | None:
@@ -57,7 +59,7 @@ def expert_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> Fe
     if s is None or layer not in s.layers:
         return None
     k, d, ffn = s.top_k, shape.value_bytes, s.ffn // shape.tp
-    kept = k * d * (2 * c.hidden_size + 3 * ffn) + routing_bytes(s, shape.compiled)
+    kept = k * d * (2 * c.hidden_size + 3 * ffn) + routing_bytes(s, shape.compiled, d)
     gradients, recomputed_kept = k * 3 * d * ffn, k * d * ffn
     products = d * s.num_experts + k * d * (2 * ffn + c.hidden_size)
     if s.shared_ffn is not None:
@@ -70,17 +72,23 @@ def expert_activations(c: LlamaConfig, layer: int, shape: ActivationShape) -> Fe
     return FeedForwardActivations(kept=kept, gradients=gradients, recomputed_kept=recomputed_kept, products=products)
 
 
-def routing_bytes(s: MoESettings, compiled: bool) -> int:
-    """What choosing a token's experts keeps for the backward per token. Softmax routing: the fp32 logits and
-    probabilities (derived from the code, not measured). DeepSeek's sigmoid routing (measured on the CPU with
-    renormalised weights, tests/test_memory.py): the fp32 logits (the z-loss's) and their log-sum-exp, the sigmoid
-    scores, the int64 indices of the chosen experts, the chosen scores, and the assignments' int64 order and inverse
-    order and fp32 weight; eager, also the scores' sum and the chosen scores' sum (the compiler recomputes those).
-    The choice itself (the groups' best scores, the best groups, their mask) runs on detached scores: it keeps
-    nothing."""
+def routing_bytes(s: MoESettings, compiled: bool, value_bytes: int) -> int:
+    """What choosing a token's experts keeps for the backward per token, dropless (measured on the CPU, fp32 and
+    bf16, eager and compiled, with and without renormalised weights: tests/test_memory.py). Softmax routing: the
+    router's output (compiled, in the model dtype; eager, its fp32 copy, which the z-loss's log-sum-exp reads), the
+    fp32 probabilities and the logits' log-sum-exp, the int64 indices of the chosen experts, the assignments' int64
+    order and inverse order and their weight in the model dtype; renormalised, also the chosen probabilities and,
+    eager, their sum. DeepSeek's sigmoid routing (measured in fp32 with renormalised weights): the fp32 logits (the
+    z-loss's) and their log-sum-exp, the sigmoid scores, the int64 indices of the chosen experts, the chosen scores,
+    and the assignments' int64 order and inverse order and fp32 weight; eager, also the scores' sum and the chosen
+    scores' sum (the compiler recomputes those). The choice itself (the groups' best scores, the best groups, their
+    mask) runs on detached scores: it keeps nothing. Per-sequence sums of the balance loss are left out."""
     experts, k = s.num_experts, s.top_k
     if s.scoring == "softmax":
-        return 3 * 4 * experts
+        kept = (value_bytes if compiled else 4) * experts + 4 * experts + 4 + (8 + 16 + value_bytes) * k
+        if s.normalize_topk:
+            kept += 4 * k + (0 if compiled else 4)
+        return kept
     kept = 2 * 4 * experts + 4 + (8 + 4 + 8 + 8 + 4) * k
     if not compiled:
         kept += 4 + (4 if s.normalize_topk else 0)

@@ -10,8 +10,7 @@ ties them together for the registry.
 from nanotron.config import Qwen3Config
 from nanotron.models.llama.model import KVCache
 from nanotron.models.moe import apply_expert_parallel, router_terms
-from nanotron.models.moe.costs import moe_layer_activations
-from nanotron.models.qwen3.costs import qwen3_costs
+from nanotron.models.qwen3.costs import qwen3_costs, qwen3_layer_activations
 from nanotron.models.qwen3.hf_adapter import Qwen3HFAdapter
 from nanotron.models.qwen3.model import Qwen3ForCausalLM, qwen3_init_rule
 from nanotron.models.qwen3.parallelize import qwen3_plan
@@ -23,8 +22,7 @@ QWEN3 = ModelSpec(
     model_class=Qwen3ForCausalLM,
     tensor_parallel_plan=qwen3_plan,
     costs=qwen3_costs,
-    # Qwen2's layer; what the q/k norms keep for their backward is not counted yet
-    layer_activations=moe_layer_activations,
+    layer_activations=qwen3_layer_activations,
     init_rule=qwen3_init_rule,
     hf_adapter=Qwen3HFAdapter(),
     inference_cache=KVCache,
