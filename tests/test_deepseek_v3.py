@@ -709,36 +709,21 @@ def test_recomputation_and_compilation_leave_training_unchanged_under_document_m
 
 # --- features: FP8 -----------------------------------------------------------------------------------------------
 
-def _train_fp8_converted(config: dict) -> dict:
-    """The Trainer in this process: which modules the FP8 converter gave FP8 products (linears, expert groups) and
-    the run's records."""
-    from nanotron.config import config_from_dict
-    from nanotron.nn.fp8 import FP8ExpertMatmul, FP8Matmul
-    from nanotron.trainer import Trainer
-    from support.runs import trainer_metrics
-
-    trainer = Trainer(config_from_dict(config))
-    modules = dict(trainer.model.named_modules())
-    linears = {name for name, module in modules.items() if isinstance(getattr(module, "matmul", None), FP8Matmul)}
-    experts = {name for name, module in modules.items()
-               if isinstance(getattr(module, "expert_matmul", None), FP8ExpertMatmul)}
-    trainer.train()
-    return {"linears": linears, "experts": experts, "records": trainer_metrics(trainer)}
-
-
 @pytest.mark.slow  # the quick tier has the cache's own check; test_fp8.py checks the products themselves
 def test_fp8_converts_every_projection_and_expert_but_the_router_and_trains_as_its_twin(tiny_data, tmp_path):
     """Under fp8.enabled (emulated on the CPU) every linear of the decoder layers takes FP8 products, MLA's
     compressions included (as DeepSeek-V3 trained: its report keeps only the embedding, the output head, the MoE
     gating, the norms and the attention core in BF16), and so do the routed and the shared experts; the router keeps
     the model dtype. The run trains within 2% of its twin without FP8."""
+    from support.runs import train_fp8_converted
+
     def config(name: str, fp8: bool) -> dict:
         config = _training_config(tiny_data, tmp_path / name)
         config["tokens"] |= {"train_steps": 4, "batch_accumulation_per_replica": 1}
         config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
         return config | {"fp8": {"enabled": fp8}}
 
-    plain, fp8 = (_train_fp8_converted(config(name, name == "fp8")) for name in ("plain", "fp8"))
+    plain, fp8 = (train_fp8_converted(config(name, name == "fp8")) for name in ("plain", "fp8"))
     attention = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
     expected = {f"layers.{i}.attn.{name}" for i in range(3) for name in attention}
     assert fp8["linears"] == expected | {"layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"}
@@ -766,56 +751,25 @@ def test_fp8_exclude_modules_keeps_the_compressions_in_the_model_dtype_as_docs_c
 
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory) -> dict:
-    """Two steps of the tiny DeepSeek-V3 through ``nanotron train``, a multiple-choice task and the held-out data
-    scored after the last one, its checkpoint saved."""
-    from support.runs import train_through_cli
-    from support.tasks import evals_section, task_examples, write_task
+    from support.trained_checkpoint import train_with_evals
 
     root = tmp_path_factory.mktemp("trained")
-    task = write_task(root / "animals.jsonl", task_examples())
-    config = _training_config(tiny_data, root / "run")
-    config["tokens"] |= {"train_steps": 2, "batch_accumulation_per_replica": 1}
-    config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 1}
-    config["checkpoints"] |= {"save_final_state": True}
-    config["evals"] = evals_section(task, tiny_data["tokenized"], num_fewshot=1)
-    train_through_cli(config, root / "config.yaml")
-    return {"run": root / "run", "task": task}
+    return train_with_evals(_training_config(tiny_data, root / "run"), tiny_data, root)
 
 
 @pytest.mark.slow  # the quick tier has the cache's own check
 def test_nanotron_generate_on_a_checkpoint_gives_the_same_text_with_and_without_the_cache(trained, tmp_path):
-    """Two prompts of different lengths (left padding) through the latent cache and through whole recomputation."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("the cat\nthe quick brown dog runs over the\n")
+    """Through the latent cache and through whole recomputation."""
+    from support.trained_checkpoint import assert_generation_is_the_same_without_the_cache
 
-    def completions(*options: str) -> str:
-        outcome = cli("generate", "--ckpt-path", trained["run"], "--prompts-file", prompts, "--max-new-tokens", 8,
-                      *options)
-        assert outcome.code == 0, outcome.stderr[-3000:]
-        return outcome.stdout
-
-    cached = completions()
-    assert cached.startswith("=== the cat\n") and "=== the quick brown dog runs over the\n" in cached
-    assert cached == completions("--no-cache")
+    assert_generation_is_the_same_without_the_cache(trained["run"], tmp_path)
 
 
 @pytest.mark.slow  # the quick tier has the cache's own check
 def test_nanotron_eval_on_a_checkpoint_gives_the_in_loop_scores(trained, tiny_data, tmp_path):
-    """``nanotron eval`` scores the task and the held-out data as the run scored them after its last step."""
-    output = tmp_path / "eval.json"
-    outcome = cli("eval", "--ckpt-path", trained["run"], "--tasks", trained["task"], "--num-fewshot", 1,
-                  "--data", tiny_data["tokenized"], "--max-windows", 4, "--sequence-length", 32, "--batch-size", 4,
-                  "--output", output)
-    assert outcome.code == 0, outcome.stderr[-3000:]
-    standalone = json.loads(output.read_text())
-    in_loop = json.loads((trained["run"] / "evals" / "2.json").read_text())
-    assert standalone.keys() == in_loop.keys() == {"animals", "tokenized"}
-    assert (standalone["animals"]["acc"], standalone["animals"]["acc_norm"]) == (in_loop["animals"]["acc"],
-                                                                                 in_loop["animals"]["acc_norm"])
-    torch.testing.assert_close(torch.tensor(standalone["animals"]["loglikelihoods"]),
-                               torch.tensor(in_loop["animals"]["loglikelihoods"]), rtol=0, atol=1e-5)
-    assert 3.0 < standalone["tokenized"]["loss"] < 7.0  # about ln(384) = 5.95 after 2 steps: a real loss
-    assert standalone["tokenized"]["loss"] == pytest.approx(in_loop["tokenized"]["loss"], abs=1e-5)
+    from support.trained_checkpoint import assert_eval_gives_the_in_loop_scores
+
+    assert_eval_gives_the_in_loop_scores(trained, tiny_data, tmp_path)
 
 
 # --- the example config -----------------------------------------------------------------------------------------

@@ -335,22 +335,94 @@ def test_zero_stages_and_pipeline_schedules_match_one_process(request, tiny_data
     _assert_layouts_match(reference, tiny_data, tmp_path, 2, {"layout": layout})
 
 
-def test_recomputation_leaves_training_unchanged_under_document_masking(tiny_data, tmp_path):
-    """Qwen3-MoE with document masking and a window: every recomputation (the q/k norms and the routing rebuilt in
-    the backward) trains exactly as none."""
+def _feature_curve(tiny_data, run: Path, recompute: str = "none", compiled: bool = False) -> list[tuple]:
+    """Qwen3-MoE with document masking and a window, 3 steps, recomputed and compiled as asked: each step's loss,
+    grad-norm and balance loss."""
     from support.runs import train_in_process
 
-    curves = {}
-    for recompute in ("none", "full", "selective", "pointwise"):
-        config = _training_config(tiny_data, tmp_path / recompute, experts=True)
-        config["model"]["model_config"]["_use_doc_masking"] = True
-        config["parallelism"]["recompute"] = recompute
-        config["tokens"]["train_steps"] = 3
-        config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
-        curves[recompute] = [(r["lm_loss"], r["grad_norm"], r["moe_load_balancing_loss"])
-                             for r in train_in_process(config)]
-    assert len(curves["none"]) == 3
-    assert curves["full"] == curves["selective"] == curves["pointwise"] == curves["none"]
+    config = _training_config(tiny_data, run, experts=True)
+    config["model"]["model_config"]["_use_doc_masking"] = True
+    config["model"]["compile"] = compiled
+    config["parallelism"]["recompute"] = recompute
+    config["tokens"]["train_steps"] = 3
+    config["optimizer"]["learning_rate_scheduler"]["lr_warmup_steps"] = 1
+    return [(r["lm_loss"], r["grad_norm"], r["moe_load_balancing_loss"]) for r in train_in_process(config)]
+
+
+@pytest.fixture(scope="module")
+def eager_curve(tiny_data, tmp_path_factory) -> list[tuple]:
+    return _feature_curve(tiny_data, tmp_path_factory.mktemp("eager"))
+
+
+def test_recomputation_leaves_training_unchanged_under_document_masking(eager_curve, tiny_data, tmp_path):
+    """Every recomputation (the q/k norms and the routing rebuilt in the backward) trains exactly as none."""
+    curves = {recompute: _feature_curve(tiny_data, tmp_path / recompute, recompute)
+              for recompute in ("full", "selective", "pointwise")}
+    assert len(eager_curve) == 3
+    assert curves["full"] == curves["selective"] == curves["pointwise"] == eager_curve
+
+
+@pytest.mark.parametrize("recompute", ["none", pytest.param("pointwise", marks=pytest.mark.full_tier)])
+@pytest.mark.slow
+def test_compilation_leaves_training_unchanged_under_document_masking(eager_curve, tiny_data, tmp_path, recompute):
+    """``model.compile`` (each layer one graph, the q/k norms fused with RoPE), alone and with pointwise
+    recomputation: the eager run's losses, grad-norms and balance losses to 1e-5 (fp32 sums in another order)."""
+    curve = _feature_curve(tiny_data, tmp_path / "run", recompute, compiled=True)
+    assert len(curve) == len(eager_curve)
+    for expected, got in zip(eager_curve, curve, strict=True):
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
+# --- features: FP8 ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # test_fp8.py checks the products themselves
+def test_fp8_converts_every_projection_and_expert_but_the_gates_and_trains_as_its_twin(tiny_data, tmp_path):
+    """Under fp8.enabled (emulated on the CPU) every linear of the decoder layers takes FP8 products, and so do the
+    routed and the shared experts; the router and the shared expert's gate keep the model dtype, as the q/k norms
+    do. The run trains within 2% of its twin without FP8."""
+    from support.runs import train_fp8_converted
+
+    def config(name: str, fp8: bool) -> dict:
+        config = _training_config(tiny_data, tmp_path / name, experts=True)
+        config["model"]["model_config"]["moe_config"] |= {"enable_shared_expert": True,
+                                                          "shared_expert_intermediate_size": 48}
+        config["tokens"] |= {"train_steps": 4, "batch_accumulation_per_replica": 1}
+        config["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
+        return config | {"fp8": {"enabled": fp8}}
+
+    plain, fp8 = (train_fp8_converted(config(name, name == "fp8")) for name in ("plain", "fp8"))
+    expected = {f"layers.{i}.attn.{name}" for i in range(3) for name in ("qkv_proj", "o_proj")}
+    assert fp8["linears"] == expected | {"layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"}
+    assert fp8["experts"] == {f"layers.{i}.mlp.{group}" for i in (1, 2) for group in ("experts", "shared_expert")}
+    assert plain["linears"] == plain["experts"] == set()
+    for a, b in zip(plain["records"], fp8["records"], strict=True):
+        assert b["lm_loss"] != a["lm_loss"] and abs(b["lm_loss"] - a["lm_loss"]) <= 0.02 * a["lm_loss"], a["step"]
+    assert plain["records"][-1]["lm_loss"] < plain["records"][0]["lm_loss"]
+
+
+# --- a trained checkpoint: generate and eval --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory) -> dict:
+    from support.trained_checkpoint import train_with_evals
+
+    root = tmp_path_factory.mktemp("trained")
+    return train_with_evals(_training_config(tiny_data, root / "run", experts=True), tiny_data, root)
+
+
+@pytest.mark.slow  # test_generation.py has the cache's own check
+def test_nanotron_generate_on_a_checkpoint_gives_the_same_text_with_and_without_the_cache(trained, tmp_path):
+    """Through the cache (the windowed layer's keys included) and through whole recomputation."""
+    from support.trained_checkpoint import assert_generation_is_the_same_without_the_cache
+
+    assert_generation_is_the_same_without_the_cache(trained["run"], tmp_path)
+
+
+@pytest.mark.slow
+def test_nanotron_eval_on_a_checkpoint_gives_the_in_loop_scores(trained, tiny_data, tmp_path):
+    from support.trained_checkpoint import assert_eval_gives_the_in_loop_scores
+
+    assert_eval_gives_the_in_loop_scores(trained, tiny_data, tmp_path)
 
 
 # --- the example configs ----------------------------------------------------------------------------------------

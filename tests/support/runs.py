@@ -179,6 +179,22 @@ def train_fp8_model(config: dict) -> dict:
             "histories": histories}
 
 
+def train_fp8_converted(config: dict) -> dict:
+    """The run in this process: the names of the modules the FP8 converter gave FP8 products (linears, expert
+    groups) and the metrics records."""
+    from nanotron.config import config_from_dict
+    from nanotron.nn.fp8 import FP8ExpertMatmul, FP8Matmul
+    from nanotron.trainer import Trainer
+
+    trainer = Trainer(config_from_dict(config))
+    modules = dict(trainer.model.named_modules())
+    linears = {name for name, module in modules.items() if isinstance(getattr(module, "matmul", None), FP8Matmul)}
+    experts = {name for name, module in modules.items()
+               if isinstance(getattr(module, "expert_matmul", None), FP8ExpertMatmul)}
+    trainer.train()
+    return {"linears": linears, "experts": experts, "records": trainer_metrics(trainer)}
+
+
 def train_example(example: Path, tiny_data: dict, folder: Path, steps: int = 2) -> list[dict]:
     """An example config as written (checked by the strict loader, saved and read back equal), with the quickstart's
     paths swapped for the test corpus's and ``steps`` steps, trained at its own parallelism; rank 0's records."""
