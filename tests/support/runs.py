@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +194,24 @@ def train_fp8_converted(config: dict) -> dict:
                if isinstance(getattr(module, "expert_matmul", None), FP8ExpertMatmul)}
     trainer.train()
     return {"linears": linears, "experts": experts, "records": trainer_metrics(trainer)}
+
+
+def train_fp8_twins(config: Callable[[Path], dict], folder: Path) -> tuple[dict, dict]:
+    """``config(run folder)`` (a ``tiny_config_dict``) for 4 steps of one micro-batch without and with fp8.enabled
+    (``train_fp8_converted`` each): the FP8 run trains within 2% of its twin at every step, the twin learns. Both
+    runs' modules and records."""
+    def run(name: str) -> dict:
+        changed = config(folder / name)
+        changed["tokens"] |= {"train_steps": 4, "batch_accumulation_per_replica": 1}
+        changed["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
+        return train_fp8_converted(changed | {"fp8": {"enabled": name == "fp8"}})
+
+    plain, fp8 = run("plain"), run("fp8")
+    assert plain["linears"] == plain["experts"] == set()
+    for a, b in zip(plain["records"], fp8["records"], strict=True):
+        assert b["lm_loss"] != a["lm_loss"] and abs(b["lm_loss"] - a["lm_loss"]) <= 0.02 * a["lm_loss"], a["step"]
+    assert plain["records"][-1]["lm_loss"] < plain["records"][0]["lm_loss"]
+    return plain, fp8
 
 
 def train_example(example: Path, tiny_data: dict, folder: Path, steps: int = 2) -> list[dict]:
