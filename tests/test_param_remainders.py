@@ -97,7 +97,9 @@ def check_update_kernel(device: str = "cpu") -> None:
         resplit = split(held)
         assert torch.equal(resplit[0], weights) and torch.equal(resplit[1], remainders)
         if moments_dtype == torch.float32:
-            torch.testing.assert_close(held, masters, rtol=1e-6, atol=1e-7)
+            # the plain-torch reference's last bits varied between processes on a 2-core CPU (once in a few runs:
+            # up to 3e-7 on 43 of the 3,077 masters); a step moves a master by about 1e-3, which a wrong kernel misses
+            torch.testing.assert_close(held, masters, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(moments[0], moments[2], rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(moments[1], moments[3], rtol=1e-6, atol=1e-9)
         else:  # a moment may round to the neighbouring bf16 value, which the next steps read
