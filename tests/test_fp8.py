@@ -279,7 +279,8 @@ def test_a_tiny_model_trains_in_fp8_within_two_percent_of_its_twin(tiny_data, tm
                for name, fp8 in (("plain", {"enabled": False}), ("fp8", {"enabled": True, "log_out_of_range": True}),
                                  ("delayed", {"enabled": True, "recipe": "delayed", "log_out_of_range": True}))]
     plain, fp8, delayed = (run_distributed(train_fp8_model, 1, config=config)[0] for config in configs)
-    assert plain["converted"] == 0 and fp8["converted"] == delayed["converted"] == 2 * 4  # qkv, o, gate_up, down
+    # qkv, o, gate_up and down of 2 layers
+    assert [len(run["linears"]) for run in (plain, fp8, delayed)] == [0, 2 * 4, 2 * 4]
     first, last = plain["records"][0], plain["records"][-1]
     assert last["lm_loss"] < first["lm_loss"] - 2.0  # the twin learns
     for run in (fp8, delayed):
@@ -369,7 +370,7 @@ def test_delayed_scaling_agrees_over_tp_and_resumes_with_its_history(tiny_data, 
     assert losses(resumed) == losses(straight)[3:]
     (plain,) = run_distributed(train_fp8_model, 1, config=config("off", steps=4, resume=str(tmp_path / "tp1" / "3"),
                                                          fp8=False))
-    assert [step for step, _ in losses(plain)] == [4] and plain["converted"] == 0
+    assert [step for step, _ in losses(plain)] == [4] and plain["linears"] == set()
 
 
 def test_resuming_with_another_amax_history_length_names_the_key_both_values_and_the_fix(tiny_data, tmp_path):
@@ -535,8 +536,8 @@ def test_fp8_experts_train_like_their_twin_and_follow_over_expert_parallelism(ti
     plain, fp8 = (run_distributed(train_fp8_model, 1, config=config(name, fp8=on))[0] for name, on in (("plain", False),
                                                                                              ("fp8", True)))
     ep2 = run_distributed(train_fp8_model, 2, config=config("ep2", ep=2))[0]
-    assert (plain["experts"], fp8["experts"], ep2["experts"]) == (0, 2, 2)  # layers 1 and 2 are mixtures
-    assert fp8["counters"] == fp8["converted"] + fp8["experts"] and "fp8_flushed" in ep2["records"][-1]
+    assert [len(run["experts"]) for run in (plain, fp8, ep2)] == [0, 2, 2]  # layers 1 and 2 are mixtures
+    assert fp8["counters"] == len(fp8["linears"]) + len(fp8["experts"]) and "fp8_flushed" in ep2["records"][-1]
     last = plain["records"][-1]["lm_loss"]
     assert fp8["records"][-1]["lm_loss"] != last
     assert last < plain["records"][0]["lm_loss"] - 0.5  # the twin learns

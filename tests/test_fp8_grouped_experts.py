@@ -246,7 +246,7 @@ def test_a_tiny_mixture_trains_with_grouped_fp8_experts_next_to_its_twin(tiny_da
                   for name, enabled in (("plain", False), ("fp8", True)))
     tp2 = run_distributed(_train_counting_grouped_products, 2, config=config("tp2", True, tp=2))
     micro_batches = len(low["records"]) * config("fp8", True)["tokens"]["batch_accumulation_per_replica"]
-    assert plain["grouped_products"] == 0 and low["experts"] == 2
+    assert plain["grouped_products"] == 0 and len(low["experts"]) == 2
     assert low["grouped_products"] == 2 * 6 * micro_batches
     first, last = plain["records"][0]["lm_loss"], plain["records"][-1]["lm_loss"]
     assert last < first - 0.5 and low["records"][-1]["lm_loss"] < low["records"][0]["lm_loss"] - 0.5

@@ -365,8 +365,8 @@ def test_recomputation_leaves_training_unchanged_under_document_masking(eager_cu
 @pytest.mark.parametrize("recompute", ["none", pytest.param("pointwise", marks=pytest.mark.full_tier)])
 @pytest.mark.slow
 def test_compilation_leaves_training_unchanged_under_document_masking(eager_curve, tiny_data, tmp_path, recompute):
-    """``model.compile`` (each layer one graph, the q/k norms fused with RoPE), alone and with pointwise
-    recomputation: the eager run's losses, grad-norms and balance losses to 1e-5 (fp32 sums in another order)."""
+    """``model.compile``, alone and with pointwise recomputation: the eager run's losses, grad-norms and balance
+    losses to 1e-5 (fp32 sums in another order)."""
     curve = _feature_curve(tiny_data, tmp_path / "run", recompute, compiled=True)
     assert len(curve) == len(eager_curve)
     for expected, got in zip(eager_curve, curve, strict=True):
@@ -404,7 +404,7 @@ def trained(tiny_data, tmp_path_factory) -> dict:
     return train_with_evals(_training_config(tiny_data, root / "run", experts=True), tiny_data, root)
 
 
-@pytest.mark.slow  # test_generation.py has the cache's own check
+@pytest.mark.slow  # the quick tier has the cache's own check
 def test_nanotron_generate_on_a_checkpoint_gives_the_same_text_with_and_without_the_cache(trained, tmp_path):
     """Through the cache (the windowed layer's keys included) and through whole recomputation."""
     from support.trained_checkpoint import assert_generation_is_the_same_without_the_cache

@@ -164,47 +164,33 @@ def train_with_flops(config: dict) -> dict:
 
 
 def train_fp8_model(config: dict) -> dict:
-    """The FP8 linears and expert groups converted, their range counters, the metrics records (rank 0) and this
-    rank's amax histories."""
+    """The run in this process: the names of the linears and expert groups the FP8 converter gave FP8 products, the
+    number of range counters, the metrics records (rank 0) and this rank's amax histories."""
     from nanotron.config import config_from_dict
     from nanotron.nn.fp8 import FP8Matmul, FP8RangeCounts
-    from nanotron.trainer import Trainer
-
-    trainer = Trainer(config_from_dict(config))
-    converted = sum(isinstance(getattr(m, "matmul", None), FP8Matmul) for m in trainer.model.modules())
-    experts = sum(isinstance(getattr(m, "expert_matmul", None), FP8Matmul) for m in trainer.model.modules())
-    counters = sum(isinstance(m, FP8RangeCounts) for m in trainer.model.modules())
-    trainer.train()
-    histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
-    return {"converted": converted, "experts": experts, "counters": counters, "records": trainer_metrics(trainer),
-            "histories": histories}
-
-
-def train_fp8_converted(config: dict) -> dict:
-    """The run in this process: the names of the modules the FP8 converter gave FP8 products (linears, expert
-    groups) and the metrics records."""
-    from nanotron.config import config_from_dict
-    from nanotron.nn.fp8 import FP8ExpertMatmul, FP8Matmul
     from nanotron.trainer import Trainer
 
     trainer = Trainer(config_from_dict(config))
     modules = dict(trainer.model.named_modules())
     linears = {name for name, module in modules.items() if isinstance(getattr(module, "matmul", None), FP8Matmul)}
     experts = {name for name, module in modules.items()
-               if isinstance(getattr(module, "expert_matmul", None), FP8ExpertMatmul)}
+               if isinstance(getattr(module, "expert_matmul", None), FP8Matmul)}
+    counters = sum(isinstance(module, FP8RangeCounts) for module in modules.values())
     trainer.train()
-    return {"linears": linears, "experts": experts, "records": trainer_metrics(trainer)}
+    histories = {name: b.clone() for name, b in trainer.model.named_buffers() if name.endswith("fp8_amaxes.history")}
+    return {"linears": linears, "experts": experts, "counters": counters, "records": trainer_metrics(trainer),
+            "histories": histories}
 
 
 def train_fp8_twins(config: Callable[[Path], dict], folder: Path) -> tuple[dict, dict]:
     """``config(run folder)`` (a ``tiny_config_dict``) for 4 steps of one micro-batch without and with fp8.enabled
-    (``train_fp8_converted`` each): the FP8 run trains within 2% of its twin at every step, the twin learns. Both
+    (``train_fp8_model`` each): the FP8 run trains within 2% of its twin at every step, the twin learns. Both
     runs' modules and records."""
     def run(name: str) -> dict:
         changed = config(folder / name)
         changed["tokens"] |= {"train_steps": 4, "batch_accumulation_per_replica": 1}
         changed["optimizer"]["learning_rate_scheduler"] |= {"lr_warmup_steps": 1, "lr_decay_steps": 3}
-        return train_fp8_converted(changed | {"fp8": {"enabled": name == "fp8"}})
+        return train_fp8_model(changed | {"fp8": {"enabled": name == "fp8"}})
 
     plain, fp8 = run("plain"), run("fp8")
     assert plain["linears"] == plain["experts"] == set()
